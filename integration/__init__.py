@@ -1,0 +1,1 @@
+"""Adapters to the engines knitkit sits among; import them as ``knitkit.integration.<engine>``."""

@@ -1,0 +1,7 @@
+"""``python -m knitkit`` runs the command line."""
+
+import sys
+
+from knitkit.cli import main
+
+sys.exit(main())

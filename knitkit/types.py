@@ -1,0 +1,164 @@
+"""Types shared by every part of knitkit: trajectory metadata, atomic-unit keys, micro-batch layout.
+
+This is the only module the four parts (admission, storage, microbatch_iter, encoder_dedup)
+import from one another. Keep it small: add a type here only when two parts exchange it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SeqRange = tuple[int, int]
+"""Half-open ``[start, stop)`` range along a field's sequence (first) axis."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class UnitKey:
+    """Address of one atomic unit: one trajectory's field, or one content-addressed multimodal input."""
+
+    owner: str
+    """Trajectory id for per-trajectory fields; content hash for multimodal inputs."""
+    field: str
+    """Field name ("tokens", "logprobs", "routing", ...) or the multimodal kind ("image", "video")."""
+
+    def __str__(self) -> str:
+        return f"{self.owner}/{self.field}"
+
+    @classmethod
+    def parse(cls, text: str) -> UnitKey:
+        """Inverse of ``str(key)``; the owner may not contain '/', the field may."""
+        owner, sep, name = text.partition("/")
+        if not sep or not owner or not name:
+            raise ValueError(f"not a unit key: {text!r}; expected 'owner/field'")
+        return cls(owner, name)
+
+
+@dataclass(frozen=True, slots=True)
+class MultimodalRef:
+    """One multimodal input of a trajectory: its unit key and where its features enter the sequence."""
+
+    key: UnitKey
+    """Content-addressed key; the n trajectories of a GRPO sample share it."""
+    token_start: int
+    """Position of the input's first placeholder token in the trajectory."""
+    num_tokens: int
+    """Number of placeholder tokens (= encoder output rows) the input occupies."""
+    cost: float = 0.0
+    """Encoder cost estimate used to balance encoder work (e.g. number of patches)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrajectoryMeta:
+    """What admission and planning know about one completed trajectory, without its payload."""
+
+    trajectory_id: str
+    sample_id: str
+    """The prompt (GRPO group) this trajectory was rolled out from."""
+    source: str
+    """Data source (dataset / task family) that quotas count."""
+    rollout_step: int
+    """Rollout step in which the sample was issued."""
+    num_tokens: int
+    min_version: int
+    """Oldest policy version that generated any of its tokens."""
+    max_version: int
+    """Newest policy version that generated any of its tokens."""
+    accepted: bool = True
+    """False for trajectories filtered out (e.g. zero-advantage groups): counted, never trained on."""
+    multimodal: tuple[MultimodalRef, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            raise ValueError(f"trajectory {self.trajectory_id!r}: num_tokens={self.num_tokens} < 0")
+        if self.min_version > self.max_version:
+            raise ValueError(
+                f"trajectory {self.trajectory_id!r}: min_version={self.min_version} "
+                f"> max_version={self.max_version}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class UnitRead:
+    """A read of one unit, optionally restricted to sequence ranges (``None`` reads it whole)."""
+
+    key: UnitKey
+    ranges: tuple[SeqRange, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FieldView:
+    """Where one field of a packed micro-batch lies inside its flat byte buffer."""
+
+    name: str
+    dtype: str
+    """numpy dtype name, e.g. "int32", "float32", "bfloat16" is stored as "uint16"."""
+    shape: tuple[int, ...]
+    offset: int
+    """Byte offset from the start of the buffer; a multiple of ``LAYOUT_ALIGNMENT``."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.dtype(self.dtype).itemsize * int(np.prod(self.shape, dtype=np.int64)))
+
+
+LAYOUT_ALIGNMENT = 64
+"""Byte alignment of every field in a packed micro-batch buffer."""
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatchLayout:
+    """Layout of one packed (THD) micro-batch: named fields as views of one flat byte buffer.
+
+    One flat buffer plus this layout lets every hop (shared memory, pinned memory, device)
+    move a micro-batch with a single copy and rebuild the field views afterwards.
+    """
+
+    fields: tuple[FieldView, ...]
+    nbytes: int
+    cu_seqlens: tuple[int, ...] = ()
+    """Cumulative (padded) sequence lengths of the packed sequences, starting at 0."""
+    trajectory_ids: tuple[str, ...] = ()
+    extra: Mapping[str, int | float | str] = field(default_factory=dict)
+    """Small scalars that travel with the micro-batch (mini-batch index, micro-batch index, ...)."""
+
+    @classmethod
+    def build(
+        cls,
+        specs: Mapping[str, tuple[str, tuple[int, ...]]],
+        *,
+        cu_seqlens: tuple[int, ...] = (),
+        trajectory_ids: tuple[str, ...] = (),
+        extra: Mapping[str, int | float | str] | None = None,
+    ) -> MicroBatchLayout:
+        """Lay out ``{name: (dtype, shape)}`` back to back with ``LAYOUT_ALIGNMENT``-aligned offsets."""
+        views: list[FieldView] = []
+        offset = 0
+        for name, (dtype, shape) in specs.items():
+            view = FieldView(name, np.dtype(dtype).name, tuple(int(s) for s in shape), offset)
+            views.append(view)
+            offset += _align(view.nbytes)
+        return cls(tuple(views), offset, cu_seqlens, trajectory_ids, dict(extra or {}))
+
+    def field(self, name: str) -> FieldView:
+        for view in self.fields:
+            if view.name == name:
+                return view
+        raise KeyError(f"micro-batch has no field {name!r}; fields: {[v.name for v in self.fields]}")
+
+    def numpy_views(self, buffer: memoryview | bytearray | np.ndarray) -> dict[str, np.ndarray]:
+        """Zero-copy numpy views of every field over ``buffer`` (at least ``nbytes`` long)."""
+        flat = np.frombuffer(buffer, dtype=np.uint8) if not isinstance(buffer, np.ndarray) else buffer
+        flat = flat.reshape(-1).view(np.uint8)
+        if flat.nbytes < self.nbytes:
+            raise ValueError(f"buffer has {flat.nbytes} bytes; layout needs {self.nbytes}")
+        return {
+            v.name: flat[v.offset : v.offset + v.nbytes].view(v.dtype).reshape(v.shape)
+            for v in self.fields
+        }
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + LAYOUT_ALIGNMENT - 1) // LAYOUT_ALIGNMENT * LAYOUT_ALIGNMENT

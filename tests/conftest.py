@@ -1,0 +1,1 @@
+"""Test-suite setup shared by every part."""
