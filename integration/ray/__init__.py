@@ -1,0 +1,1 @@
+"""knitkit.integration.ray."""
