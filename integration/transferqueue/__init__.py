@@ -1,1 +1,7 @@
 """knitkit.integration.transferqueue."""
+
+from .sampler import (
+    AdmissionSampler,
+    sampler_conf,
+    trajectory_tags,
+)

@@ -1,1 +1,41 @@
-"""knitkit.encoder_dedup."""
+"""Multimodal encoder dedup (paper 5.3): encode each unique unit once per mini-batch, keep its graph,
+route detached rows to every consumer, return owned gradient rows, run one deferred encoder backward.
+"""
+
+from knitkit.encoder_dedup.dedup import DedupEncoder, EncodeFn, Phase
+from knitkit.encoder_dedup.grad_sync import sync_encoder_grads
+from knitkit.encoder_dedup.minibatch import BackboneStep, train_minibatch
+from knitkit.encoder_dedup.ordering import DeferredBackward, FinalizeWithDeferredBackward
+from knitkit.encoder_dedup.plan import (
+    BackboneAssignment,
+    EncoderAssignment,
+    Exchange,
+    RankRoute,
+    RoutingPlan,
+    RowSlice,
+    build_routing_plan,
+    row_slices,
+)
+from knitkit.encoder_dedup.transport import LocalTransport, ProcessGroupTransport, RowTransport
+
+__all__ = [
+    "BackboneAssignment",
+    "BackboneStep",
+    "DedupEncoder",
+    "DeferredBackward",
+    "EncodeFn",
+    "EncoderAssignment",
+    "Exchange",
+    "FinalizeWithDeferredBackward",
+    "LocalTransport",
+    "Phase",
+    "ProcessGroupTransport",
+    "RankRoute",
+    "RoutingPlan",
+    "RowSlice",
+    "RowTransport",
+    "build_routing_plan",
+    "row_slices",
+    "sync_encoder_grads",
+    "train_minibatch",
+]

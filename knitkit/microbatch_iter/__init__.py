@@ -1,1 +1,25 @@
-"""knitkit.microbatch_iter."""
+"""knitkit.microbatch_iter: prefetch packed micro-batches into pinned host memory and the device (paper 5.2, 6)."""
+
+from knitkit.microbatch_iter.batch import IterStats, MicroBatch, MicroBatchStats, field_tensors
+from knitkit.microbatch_iter.iterator import MicroBatchIterator
+from knitkit.microbatch_iter.pool import SlotRing, StagingSlot
+from knitkit.microbatch_iter.source import PackedItem, PackedMicroBatch, SourceItem, plan_staging
+from knitkit.microbatch_iter.transport import CpuTransport, CudaTransport, Transport, make_transport
+
+__all__ = [
+    "CpuTransport",
+    "CudaTransport",
+    "IterStats",
+    "MicroBatch",
+    "MicroBatchIterator",
+    "MicroBatchStats",
+    "PackedItem",
+    "PackedMicroBatch",
+    "SlotRing",
+    "SourceItem",
+    "StagingSlot",
+    "Transport",
+    "field_tensors",
+    "make_transport",
+    "plan_staging",
+]

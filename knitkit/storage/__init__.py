@@ -1,1 +1,64 @@
-"""knitkit.storage."""
+"""knitkit.storage: atomic-unit trajectory storage, topology-aware planning and THD packing (paper 5.2)."""
+
+from knitkit.storage.backend import UnitBackend, UnitSpec
+from knitkit.storage.balance import CostModel, karmarkar_karp, pack_by_budget, pack_ranks_by_budget
+from knitkit.storage.cp import cp_chunks, padded_lengths
+from knitkit.storage.disk import SafetensorsBackend
+from knitkit.storage.index import HierarchicalIndex, IndexEntry
+from knitkit.storage.memory import MemoryBackend
+from knitkit.storage.packing import ReadInto, RowSpec, pack, pack_into, pack_layout
+from knitkit.storage.payload import MultimodalInput, Trajectory, content_key, video_groups
+from knitkit.storage.plan import (
+    ConsumerPlan,
+    EncoderPlan,
+    EncoderRankPlan,
+    EncoderTopology,
+    MicroBatchPlan,
+    MiniBatchPlan,
+    SequenceSlice,
+    Topology,
+)
+from knitkit.storage.planner import PlannerConfig, plan_encoder, plan_minibatch, planner_ms
+from knitkit.storage.shm import SharedMemoryBackend
+from knitkit.storage.store import TrajectoryStore
+from knitkit.storage.synthetic import synthetic_metas, synthetic_trajectories
+
+__all__ = [
+    "ConsumerPlan",
+    "CostModel",
+    "EncoderPlan",
+    "EncoderRankPlan",
+    "EncoderTopology",
+    "HierarchicalIndex",
+    "IndexEntry",
+    "MemoryBackend",
+    "MicroBatchPlan",
+    "MiniBatchPlan",
+    "MultimodalInput",
+    "PlannerConfig",
+    "ReadInto",
+    "RowSpec",
+    "SafetensorsBackend",
+    "SequenceSlice",
+    "SharedMemoryBackend",
+    "Topology",
+    "Trajectory",
+    "TrajectoryStore",
+    "UnitBackend",
+    "UnitSpec",
+    "content_key",
+    "cp_chunks",
+    "karmarkar_karp",
+    "pack",
+    "pack_by_budget",
+    "pack_into",
+    "pack_layout",
+    "pack_ranks_by_budget",
+    "padded_lengths",
+    "plan_encoder",
+    "plan_minibatch",
+    "planner_ms",
+    "synthetic_metas",
+    "synthetic_trajectories",
+    "video_groups",
+]

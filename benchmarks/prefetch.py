@@ -1,0 +1,281 @@
+"""Micro-batch prefetch: exposed data wait of eager fetching vs the MicroBatchIterator (paper 7.4, Fig. 11b).
+
+Each micro-batch is prepared by a stand-in reorganizer that packs slices of trajectories out
+of a /dev/shm trajectory store into a /dev/shm slot (real copies, topped up with a sleep to
+Y ms, the rest of a reorganizer's read latency). The training step is X ms of real matmuls.
+
+- eager: the mini-batch is materialized (every micro-batch prepared and copied out of its
+  slot) before computing; the whole preparation is exposed.
+- iter: MicroBatchIterator prefetches micro-batch i+1.. while micro-batch i computes.
+
+CPU keys: ``cpu.exposed_ratio`` (iterator wait / eager wait over the same micro-batches, the
+first micro-batch's unavoidable wait included), ``cpu.overhead_us_per_micro`` (time inside
+next() when the micro-batch is already staged: the iterator's own hand-over cost).
+``--gpu`` adds ``gpu.h2d_fraction_of_raw`` (host-to-device bandwidth of the pool's copies vs a
+raw pinned copy) and ``gpu.exposed_ratio`` (wall time beyond pure compute, iter / eager).
+
+    python benchmarks/prefetch.py [--quick] [--gpu] [--threads N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from multiprocessing import shared_memory
+from threading import Semaphore
+
+import numpy as np
+import torch
+
+from knitkit.microbatch_iter import MicroBatchIterator, PackedMicroBatch, field_tensors
+from knitkit.types import MicroBatchLayout
+
+MiB = 1 << 20
+
+
+class ShmReorganizer:
+    """Packs micro-batches of ``tokens`` tokens from 4 trajectories of a /dev/shm store into slots."""
+
+    def __init__(self, n_micro: int, tokens: int, prep_ms: float, *, layers: int = 24) -> None:
+        self.n_micro, self.tokens, self.prep_s = n_micro, tokens, prep_ms / 1e3
+        self.store_len = 4 * tokens
+        store_specs = {
+            "tokens": ("int32", (64, self.store_len)),
+            "logprobs": ("float32", (64, self.store_len)),
+            "routing": ("uint8", (64, self.store_len, layers, 8)),
+        }
+        self.store_layout = MicroBatchLayout.build(store_specs)
+        self.layout = MicroBatchLayout.build(
+            {name: (dtype, (tokens, *shape[2:])) for name, (dtype, shape) in store_specs.items()}
+        )
+        self.slots = 4
+        self.store = _shm(self.store_layout.nbytes)
+        self.ring = _shm(self.slots * self.layout.nbytes)
+        rng = np.random.default_rng(0)
+        for name, view in self.store_layout.numpy_views(self.store.buf).items():
+            view[...] = rng.integers(0, 100, view.shape, dtype=np.int64).astype(view.dtype)
+        self.free = Semaphore(self.slots)
+
+    def __iter__(self) -> Iterator[PackedMicroBatch]:
+        store = self.store_layout.numpy_views(self.store.buf)
+        quarter = self.tokens // 4
+        for i in range(self.n_micro):
+            start = time.perf_counter()
+            self.free.acquire()
+            offset = (i % self.slots) * self.layout.nbytes
+            slot = self.ring.buf[offset : offset + self.layout.nbytes]
+            packed = self.layout.numpy_views(slot)
+            for part in range(4):  # 4 trajectory slices, as the planner would assign them
+                traj, begin = (7 * i + part) % 64, (i * 131) % (self.store_len - quarter)
+                for name, dst in packed.items():
+                    src = store[name][traj, begin : begin + quarter]
+                    np.copyto(dst[part * quarter : (part + 1) * quarter], src)
+            del packed
+            remaining = self.prep_s - (time.perf_counter() - start)
+            if remaining > 0:
+                time.sleep(remaining)
+            yield PackedMicroBatch(self.layout, slot, on_release=self.free.release)
+        del store
+
+    def close(self) -> None:
+        gc.collect()  # drop finished generators' views so the mappings can close
+        for segment in (self.store, self.ring):
+            segment.unlink()
+            with contextlib.suppress(BufferError):
+                segment.close()
+
+
+def _shm(nbytes: int) -> shared_memory.SharedMemory:
+    return shared_memory.SharedMemory(f"knitkit-bench-{uuid.uuid4().hex[:12]}", True, nbytes)
+
+
+def calibrated_compute(ms: float, device: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A step of about ``ms`` of real matmuls that also reads the micro-batch's tokens."""
+    size = 256 if device == "cpu" else 4096
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    a = torch.randn(size, size, device=device, dtype=dtype)
+
+    def step(tokens: torch.Tensor, reps: int) -> torch.Tensor:
+        x = a
+        for _ in range(reps):
+            x = torch.tanh(a @ x)
+        return x[0, 0] + tokens[:8].sum()
+
+    probe = torch.zeros(8, dtype=torch.int32, device=device)
+    step(probe, 3)
+    _sync(device)
+    start = time.perf_counter()
+    step(probe, 20)
+    _sync(device)
+    reps = max(1, round(ms / ((time.perf_counter() - start) * 1e3 / 20)))
+    return lambda tokens: step(tokens, reps)
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def eager_run(source: ShmReorganizer, compute, device: str) -> tuple[float, float]:
+    """Materialize the whole mini-batch, then compute: returns (wait_s, wall_s)."""
+    start = time.perf_counter()
+    staged = []
+    for item in source:
+        flat = torch.empty(item.layout.nbytes, dtype=torch.uint8)
+        np.copyto(flat.numpy(), np.frombuffer(item.buffer, np.uint8))
+        item.release()
+        staged.append(flat.to(device))
+    _sync(device)
+    wait = time.perf_counter() - start
+    for flat in staged:
+        compute(field_tensors(flat, source.layout)["tokens"]).item()
+    return wait, time.perf_counter() - start
+
+
+def iter_run(source, compute, device: str, config: MicroBatchIterator.Config):
+    """Compute while the iterator prefetches: returns (stats, wall_s)."""
+    start = time.perf_counter()
+    with MicroBatchIterator(source, config, device=device) as it:
+        for mb in it:
+            compute(mb["tokens"]).item()  # a loss.item() per step
+    return it.stats, time.perf_counter() - start
+
+
+def compute_only(n: int, compute, device: str) -> float:
+    tokens = torch.zeros(8, dtype=torch.int32, device=device)
+    start = time.perf_counter()
+    for _ in range(n):
+        compute(tokens).item()
+    return time.perf_counter() - start
+
+
+def measure(device: str, n: int, tokens: int, compute_ms: float, prep_ms: float, repeats: int):
+    """Median over repeats of eager vs iterator waits for one (compute, preparation) setting."""
+    compute = calibrated_compute(compute_ms, device)
+    rows = []
+    for _ in range(repeats):
+        source = ShmReorganizer(n, tokens, prep_ms)
+        try:
+            pure = compute_only(n, compute, device)
+            eager_wait, eager_wall = eager_run(source, compute, device)
+            stats, iter_wall = iter_run(source, compute, device, MicroBatchIterator.Config(depth=2))
+        finally:
+            source.close()
+        rows.append(
+            {
+                "exposed_ratio": stats.wait_s / eager_wait,
+                "steady_exposed_ratio": stats.steady_wait_s / (eager_wait * (n - 1) / n),
+                "eager_wait_ms_per_micro": eager_wait / n * 1e3,
+                "iter_wait_ms_per_micro": stats.wait_s / n * 1e3,
+                "compute_ms_per_micro": pure / n * 1e3,
+                "wall_exposed_ratio": (iter_wall - pure) / (eager_wall - pure),
+                "stage_us_per_micro": stats.stage_s / n * 1e6,
+            }
+        )
+    return {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+
+
+def handover_overhead_us(device: str, n: int, tokens: int, compute_ms: float) -> float:
+    """Mean time in next() when every micro-batch is staged before it is asked for."""
+    compute = calibrated_compute(compute_ms, device)
+    source = ShmReorganizer(n, tokens, prep_ms=0.0)
+    try:
+        stats, _ = iter_run(source, compute, device, MicroBatchIterator.Config(depth=2))
+    finally:
+        source.close()
+    return stats.steady_wait_s / (stats.count - 1) * 1e6
+
+
+def gpu_bandwidth(quick: bool) -> dict[str, float]:
+    """Host-to-device GB/s of a raw pinned copy vs the pool's copies (and end-to-end delivery)."""
+    nbytes, n = (32 if quick else 128) * MiB, 16 if quick else 32
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    device.copy_(pinned, non_blocking=True)
+    start.record()
+    for _ in range(n):
+        device.copy_(pinned, non_blocking=True)
+    end.record()
+    end.synchronize()
+    raw = n * nbytes / (start.elapsed_time(end) / 1e3) / 1e9
+    layout = MicroBatchLayout.build({"payload": ("uint8", (nbytes,))})
+    host = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    config = MicroBatchIterator.Config(depth=2, slot_nbytes=nbytes, time_h2d=True)
+    wall = time.perf_counter()
+    with MicroBatchIterator(((layout, host) for _ in range(n)), config, device="cuda") as it:
+        for mb in it:
+            mb["payload"][:1].sum()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - wall
+    pool = n * nbytes / it.stats.h2d_s / 1e9
+    return {
+        "gpu.raw_h2d_gbps": raw,
+        "gpu.pool_h2d_gbps": pool,
+        "gpu.h2d_fraction_of_raw": pool / raw,
+        "gpu.delivery_gbps": n * nbytes / wall / 1e9,
+        "gpu.delivery_fraction_of_raw": n * nbytes / wall / 1e9 / raw,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer micro-batches (< 1 min)")
+    parser.add_argument("--gpu", action="store_true", help="also measure on CUDA (fails without)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (compute)")
+    parser.add_argument("--json", metavar="PATH", help="write the flat JSON figures here")
+    args = parser.parse_args()
+    if args.gpu and not torch.cuda.is_available():
+        raise SystemExit("--gpu needs CUDA, but torch.cuda.is_available() is False on this machine")
+    # NOTE: one intra-op thread for compute leaves the second core to the prefetch thread.
+    torch.set_num_threads(args.threads)
+    n, repeats = (32, 3) if args.quick else (64, 5)
+    settings = [
+        (6.0, 4.0),
+        (6.0, 6.0),
+        (4.0, 6.0),
+    ]  # (compute ms, preparation ms); first = headline
+    figures: dict[str, float] = {"cpu.threads": float(args.threads), "cpu.n_micro": float(n)}
+    print(f"CPU: {n} micro-batches of 4096 tokens (1.6 MiB), median of {repeats} runs")
+    print(
+        f"{'X ms':>6} {'Y ms':>6} {'eager wait':>11} {'iter wait':>10} {'ratio':>7} {'steady':>7} {'wall':>7}"
+    )
+    for i, (x_ms, y_ms) in enumerate(settings):
+        row = measure("cpu", n, 4096, x_ms, y_ms, repeats)
+        tag = f"cpu.x{x_ms:g}_y{y_ms:g}"
+        figures.update({f"{tag}.{key}": value for key, value in row.items()})
+        if i == 0:
+            figures.update({f"cpu.{key}": value for key, value in row.items()})
+        print(
+            f"{row['compute_ms_per_micro']:6.2f} {y_ms:6.1f} {row['eager_wait_ms_per_micro']:9.2f}ms"
+            f" {row['iter_wait_ms_per_micro']:8.3f}ms {row['exposed_ratio']:7.3f}"
+            f" {row['steady_exposed_ratio']:7.3f} {row['wall_exposed_ratio']:7.3f}"
+        )
+    figures["cpu.overhead_us_per_micro"] = handover_overhead_us("cpu", n, 4096, 6.0)
+    print(f"hand-over overhead: {figures['cpu.overhead_us_per_micro']:.1f} us per micro-batch")
+    if args.gpu:
+        figures.update(gpu_bandwidth(args.quick))
+        gpu = measure("cuda", n, 16384, 8.0, 4.0, repeats)
+        figures.update({f"gpu.{key}": value for key, value in gpu.items()})
+        figures["gpu.exposed_ratio"] = gpu["wall_exposed_ratio"]
+        figures["gpu.overhead_us_per_micro"] = handover_overhead_us("cuda", n, 16384, 8.0)
+        print(
+            f"GPU H2D: raw {figures['gpu.raw_h2d_gbps']:.1f} GB/s, pool"
+            f" {figures['gpu.pool_h2d_gbps']:.1f} GB/s ({figures['gpu.h2d_fraction_of_raw']:.2f}),"
+            f" delivery {figures['gpu.delivery_gbps']:.1f} GB/s;"
+            f" exposed ratio {figures['gpu.exposed_ratio']:.3f}"
+        )
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(figures, out, indent=1, sort_keys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,192 @@
+"""Ray object-store backend: atomic units are immutable plasma objects, read as zero-copy numpy views."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import ray
+
+from knitkit.storage import UnitSpec
+from knitkit.storage.ranges import check_ranges, check_replacement, destination, spec_of
+from knitkit.types import SeqRange, UnitKey
+
+_Boxed = list[ray.ObjectRef]
+"""One object ref in a list: Ray resolves top-level ref arguments of actor calls, never nested ones."""
+
+# NOTE [ Ray unit directory ]
+#
+# A unit is one immutable object in Ray's object store, put by whichever process writes it.
+# A named `UnitDirectory` actor maps unit keys to (object ref, spec) and borrows the refs, so a
+# unit lives until it is deleted (or the directory dies), as long as its OWNER, the process that
+# put it, lives: Ray >= 2.56 has no `ray.put(_owner=...)`, so write from a long-lived process
+# (the driver or an actor), not from a short task. Every `RayBackend` naming the same directory,
+# in any process of the cluster, sees the same units; pickling a backend ships only its name.
+#
+# `replace` puts a new object and swaps the ref in the directory (objects are immutable); the
+# old object is freed once no reader holds it. Readers look a key up in the directory on every
+# read, unless they `resolve()`d it: then they keep its zero-copy view until `release()`. A
+# reorganizer resolves all keys of its plan in one call when the mini-batch is admitted, when
+# its units are final; a `replace` after that is not seen by that reader until it resolves again.
+#
+# On the node that holds an object, `ray.get` maps it: no copy. A reader on another node makes
+# Ray pull the WHOLE object to its node first (Ray transfers objects, not byte ranges); sliced
+# reads then copy only the asked rows. Place reorganizers on the node of their units' writers
+# (`dispatch.py`) to keep reads node-local.
+
+
+@ray.remote(num_cpus=0)
+class UnitDirectory:
+    """Named actor: unit key -> (boxed object ref, spec); it owns the unit objects."""
+
+    def __init__(self) -> None:
+        self._units: dict[str, tuple[_Boxed, UnitSpec]] = {}
+
+    def add(self, key: str, boxed: _Boxed, spec: UnitSpec) -> bool:
+        if key in self._units:
+            return False
+        self._units[key] = (boxed, spec)
+        return True
+
+    def swap(self, key: str, boxed: _Boxed, spec: UnitSpec) -> UnitSpec | None:
+        """Replace the unit's object if it has ``spec``; return the stored spec (None if unknown)."""
+        stored = self._units.get(key)
+        if stored is not None and stored[1] == spec:
+            self._units[key] = (boxed, spec)
+        return None if stored is None else stored[1]
+
+    def lookup(self, keys: list[str]) -> list[tuple[_Boxed, UnitSpec] | None]:
+        return [self._units.get(k) for k in keys]
+
+    def remove(self, key: str) -> bool:
+        return self._units.pop(key, None) is not None
+
+    def keys(self) -> list[str]:
+        return list(self._units)
+
+
+class RayBackend:
+    """``UnitBackend`` over Ray's object store; every instance naming one directory shares its units.
+
+    ``RayBackend()`` creates a fresh directory (this instance owns it: ``close()`` frees every
+    unit); ``RayBackend(name, create=False)`` or unpickling attaches to an existing one. Needs
+    ``ray.init()`` first. See NOTE [ Ray unit directory ].
+    """
+
+    def __init__(self, name: str | None = None, *, create: bool = True) -> None:
+        self.name = name or f"knitkit-units-{uuid.uuid4().hex[:12]}"
+        actor_name = f"knitkit-directory/{self.name}"
+        if create:
+            self._directory = UnitDirectory.options(name=actor_name).remote()  # type: ignore[attr-defined]
+        else:
+            try:
+                self._directory = ray.get_actor(actor_name)
+            except ValueError:
+                raise KeyError(
+                    f"no Ray unit directory {self.name!r}; create it with RayBackend({self.name!r})"
+                ) from None
+        self._owner = create
+        self._resolved: dict[UnitKey, np.ndarray] = {}
+        self._bytes_read = 0
+
+    def put(self, key: UnitKey, array: np.ndarray) -> None:
+        array = np.asarray(array, order="C")
+        ref = ray.put(array)
+        if not ray.get(self._directory.add.remote(str(key), [ref], spec_of(array))):
+            raise KeyError(f"unit {key} already exists; use replace() to update it")
+
+    def replace(self, key: UnitKey, array: np.ndarray) -> None:
+        check_replacement(key, self.spec(key), array)
+        array = np.asarray(array, order="C")
+        ref = ray.put(array)
+        stored = ray.get(self._directory.swap.remote(str(key), [ref], spec_of(array)))
+        if stored is None:
+            raise _unknown(key)
+        check_replacement(key, stored, array)  # a concurrent delete + put changed the spec
+        self._resolved.pop(key, None)
+
+    def spec(self, key: UnitKey) -> UnitSpec:
+        if key in self._resolved:
+            return spec_of(self._resolved[key])
+        return self._lookup([key])[0][1]
+
+    def read(
+        self,
+        key: UnitKey,
+        ranges: Sequence[SeqRange] | None = None,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        unit = self.view(key)
+        spec = spec_of(unit)
+        checked = check_ranges(key, spec, ranges)
+        dst = destination(key, spec, checked, out)
+        if checked is None:
+            np.copyto(dst, unit)
+        elif checked:
+            np.concatenate([unit[start:stop] for start, stop in checked], axis=0, out=dst)
+        self._bytes_read += dst.nbytes
+        return dst
+
+    def view(self, key: UnitKey) -> np.ndarray:
+        """Read-only zero-copy view of a whole unit (mapped from this node's object store)."""
+        resolved = self._resolved.get(key)
+        if resolved is not None:
+            return resolved
+        boxed, _ = self._lookup([key])[0]
+        return ray.get(boxed[0])
+
+    def resolve(self, keys: Iterable[UnitKey]) -> None:
+        """Look ``keys`` up in one directory call and keep their views until ``release``."""
+        wanted = [k for k in dict.fromkeys(keys) if k not in self._resolved]
+        if not wanted:
+            return
+        entries = self._lookup(wanted)
+        views = ray.get([boxed[0] for boxed, _ in entries])
+        self._resolved.update(zip(wanted, views, strict=True))
+
+    def release(self, keys: Iterable[UnitKey] | None = None) -> None:
+        """Drop resolved views (all of them by default) so their objects can be freed."""
+        if keys is None:
+            self._resolved.clear()
+        for key in keys or ():
+            self._resolved.pop(key, None)
+
+    def delete(self, key: UnitKey) -> None:
+        self._resolved.pop(key, None)
+        if not ray.get(self._directory.remove.remote(str(key))):
+            raise _unknown(key)
+
+    def keys(self) -> Iterator[UnitKey]:
+        return iter([UnitKey.parse(k) for k in ray.get(self._directory.keys.remote())])
+
+    @property
+    def bytes_read(self) -> int:
+        return self._bytes_read
+
+    def close(self) -> None:
+        """Drop this instance's views; the owning instance also kills the directory (and units)."""
+        self._resolved.clear()
+        if self._owner:
+            ray.kill(self._directory)
+            self._owner = False
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_attach, (self.name,))
+
+    def _lookup(self, keys: list[UnitKey]) -> list[tuple[_Boxed, UnitSpec]]:
+        entries = ray.get(self._directory.lookup.remote([str(k) for k in keys]))
+        for key, entry in zip(keys, entries, strict=True):
+            if entry is None:
+                raise _unknown(key)
+        return entries
+
+
+def _attach(name: str) -> RayBackend:
+    """Unpickle a ``RayBackend``: attach to its directory, never own it."""
+    return RayBackend(name, create=False)
+
+
+def _unknown(key: UnitKey) -> KeyError:
+    return KeyError(f"unknown unit {key}; it was never put or was already released")

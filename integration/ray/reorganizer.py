@@ -1,0 +1,97 @@
+"""A reorganizer as a Ray actor: it owns its slot ring on its node and delivers assignments in order."""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+
+import ray
+
+from knitkit.storage import ConsumerPlan, EncoderRankPlan, UnitBackend
+from knitkit.storage.publication import Publisher
+from knitkit.storage.reorganizer import Reorganizer
+from knitkit.storage.slot_ring import RingClosedError, RingSpec, SlotRing
+
+# NOTE [ Reorganizer actor lifetime ]
+#
+# The actor is both the OWNER and the PRODUCER of its ring (see NOTE [ Micro-batch publication
+# protocol ] in knitkit/storage/publication.py): it creates the /dev/shm segment on its node in
+# __init__ and unlinks it in close(). Consumers are the group's TP ranks on the same node; they
+# attach with `MicroBatchConsumer(spec, tp_rank)`.
+# `deliver` calls run one after another in submission order (the default concurrency group has
+# one thread), so mini-batches queue up behind each other. `stop` and `close` run in a separate
+# "control" group, so they get through while `deliver` waits on a full ring: `stop` sets the
+# ring's STOP word and the blocked producer gives up; `close` also waits for a running `deliver`
+# to return before it unmaps anything. A failing `deliver` writes FAILED and the
+# traceback to the ring before re-raising, so consumers raise instead of waiting. If the actor
+# process dies (node loss, `ray.kill`), consumers see its pid gone within their liveness timeout
+# and raise; the segment is unlinked by the actor process's multiprocessing resource tracker.
+
+
+@ray.remote(num_cpus=0, concurrency_groups={"control": 1})
+class ReorganizerActor:
+    """One reorganizer (a backbone (DP, CP) group or an encoder rank) living in a Ray actor."""
+
+    def __init__(self, backend: UnitBackend, spec: RingSpec) -> None:
+        self.backend = backend
+        self.spec = spec
+        self.ring = SlotRing.create(spec)
+        self.publisher = Publisher(self.ring)
+        self.publisher.start()
+        self.reorganizer = Reorganizer(backend, self.publisher)
+        self.closed = False
+        self._delivering = threading.Lock()
+
+    def where(self) -> tuple[str, int]:
+        """(Ray node id, pid) of this actor: consumers must run on that node."""
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+    def deliver(self, minibatch_id: str, plan: ConsumerPlan | EncoderRankPlan) -> int:
+        """Read, pack and publish every micro-batch of ``plan``; returns how many."""
+        with self._delivering:
+            if self.closed:
+                raise RuntimeError(f"reorganizer of ring {self.spec.name!r} is closed")
+            return self._deliver(minibatch_id, plan)
+
+    def _deliver(self, minibatch_id: str, plan: ConsumerPlan | EncoderRankPlan) -> int:
+        resolve = getattr(self.backend, "resolve", None)
+        keys = [read.key for read in plan.reads()]
+        try:
+            if resolve is not None:
+                resolve(keys)  # one directory round trip for the whole assignment
+            return self.reorganizer.deliver(minibatch_id, plan)
+        except RingClosedError as error:
+            self.publisher.fail(str(error))
+            raise
+        except BaseException:
+            self.publisher.fail(f"reorganizer actor pid {os.getpid()}:\n{traceback.format_exc()}")
+            raise
+        finally:
+            release = getattr(self.backend, "release", None)
+            if release is not None:
+                release(keys)
+
+    def finish(self) -> None:
+        """No more assignments: consumers stop after the last published micro-batch."""
+        self.publisher.finish()
+
+    def bytes_read(self) -> int:
+        return self.ring.bytes_read
+
+    @ray.method(concurrency_group="control")
+    def stop(self) -> None:
+        """Make a ``deliver`` blocked on a full ring give up (consumers then raise)."""
+        self.ring.request_stop()
+
+    @ray.method(concurrency_group="control")
+    def close(self) -> None:
+        """Stop producing, unlink the ring and close the backend; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.ring.request_stop()
+        with self._delivering:  # a running deliver ends soon: STOP is set
+            self.publisher.close()
+            self.ring.unlink()
+            self.backend.close()

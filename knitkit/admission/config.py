@@ -1,0 +1,137 @@
+"""Admission configuration and its construction-time checks (bad configs fail here, clearly)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from knitkit.admission.predicates import ReadinessPredicate, SourceQuota
+from knitkit.admission.schedules import LinearSchedule, RelaxedSchedule, Schedule, coefficients
+from knitkit.admission.selection import OldestFirst, SelectionPolicy
+
+
+@dataclass(kw_only=True, slots=True)
+class AdmissionConfig:
+    """Everything an ``AdmissionController`` needs; ``resolve()`` validates it."""
+
+    train_batch_size: int
+    """tau_0: trajectories per train batch (the batch whose training triggers a parameter sync)."""
+    num_minibatches: int
+    """n: optimizer steps (mini-batches) per train batch."""
+    sources: tuple[str, ...]
+    """Every data source a trajectory may come from; reports from other sources are rejected."""
+    quotas: tuple[SourceQuota, ...] = ()
+    source_schedule: Schedule = field(default_factory=RelaxedSchedule)
+    """Progressive-target schedule of source quotas without their own ``schedule``."""
+    size_schedule: Schedule = field(default_factory=LinearSchedule)
+    """Schedule of the train-batch size target tau_0."""
+    enforce_quotas: bool = True
+    """False: quotas are only measured (streaming admission); no readiness targets, no guards."""
+    guards: bool = True
+    """Check the feasibility guard of every quota group (paper eq. 4) on each candidate."""
+    selection: SelectionPolicy = field(default_factory=OldestFirst)
+    predicates: tuple[ReadinessPredicate, ...] = ()
+    """Readiness-only predicates (partial-rollout completion quotas, user conditions)."""
+    max_staleness: int | None = None
+    """Drop (and count) trajectories older than this many versions at the training version."""
+    group_size: int = 1
+    """> 1 admits whole GRPO groups (all trajectories of a ``sample_id``) atomically."""
+    rollout_budget: Mapping[str, int] | None = None
+    """Most trajectories of a source outstanding at once (in flight + ready); checks reachability."""
+    initial_version: int = 0
+    """Training version of train batch 0; train batch k trains at ``initial_version + k``."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedQuota:
+    """A source quota with its bounds in trajectories and its validated coefficients."""
+
+    source: str
+    lower: int
+    upper: int | None
+    group: str
+    alphas: tuple[float, ...]
+
+
+def minibatch_sizes(config: AdmissionConfig) -> tuple[int, ...]:
+    """Split the train batch into ``n`` mini-batches (whole GRPO groups), larger ones first."""
+    units = config.train_batch_size // config.group_size
+    base, extra = divmod(units, config.num_minibatches)
+    return tuple((base + (1 if t < extra else 0)) * config.group_size for t in range(config.num_minibatches))
+
+
+def resolve(config: AdmissionConfig) -> tuple[tuple[ResolvedQuota, ...], tuple[int, ...]]:
+    """Validate ``config``; return its resolved quotas and mini-batch sizes, or raise ValueError."""
+    b, n, g = config.train_batch_size, config.num_minibatches, config.group_size
+    if n < 1 or b < 1 or g < 1:
+        raise ValueError(f"train_batch_size={b}, num_minibatches={n}, group_size={g}: all must be >= 1")
+    if b % g or b // g < n:
+        raise ValueError(
+            f"train_batch_size={b} must be a multiple of group_size={g} with at least one "
+            f"group per mini-batch (num_minibatches={n})"
+        )
+    if len(set(config.sources)) != len(config.sources) or not config.sources:
+        raise ValueError(f"sources={config.sources!r}: give each source once, at least one")
+    if config.max_staleness is not None and config.max_staleness < 0:
+        raise ValueError(f"max_staleness={config.max_staleness} < 0")
+    size_alphas = coefficients(config.size_schedule, n, name="size_schedule")
+    for predicate in config.predicates:
+        coefficients(predicate.schedule, n, name=f"predicate {predicate.name!r}")
+    quotas: list[ResolvedQuota] = []
+    for quota in config.quotas:
+        if quota.source not in config.sources:
+            raise ValueError(f"quota names unknown source {quota.source!r}; sources: {config.sources}")
+        if any(q.source == quota.source for q in quotas):
+            raise ValueError(f"two quotas for source {quota.source!r}; merge them into one")
+        lower, upper = quota.bounds(b)
+        schedule = quota.schedule or config.source_schedule
+        alphas = coefficients(schedule, n, name=f"schedule of quota {quota.source!r}")
+        quotas.append(ResolvedQuota(quota.source, lower, upper, quota.group, alphas))
+    _check_satisfiable(config, quotas)
+    _check_budget(config, quotas, size_alphas)
+    return tuple(quotas), minibatch_sizes(config)
+
+
+def _check_satisfiable(config: AdmissionConfig, quotas: list[ResolvedQuota]) -> None:
+    b, g = config.train_batch_size, config.group_size
+    need = {q.source: math.ceil(q.lower / g) * g for q in quotas}
+    if sum(need.values()) > b:
+        detail = ", ".join(f"{s}>={v}" for s, v in need.items())
+        raise ValueError(
+            f"quotas are jointly unsatisfiable: lower bounds {detail} sum to {sum(need.values())} "
+            f"> train_batch_size={b}; lower a bound or grow the train batch"
+        )
+    uppers = {q.source: q.upper for q in quotas if q.upper is not None}
+    if len(uppers) == len(config.sources) and sum(uppers.values()) < b:  # type: ignore[arg-type]
+        raise ValueError(
+            f"quotas are jointly unsatisfiable: every source is upper-bounded and the bounds "
+            f"{uppers} sum to less than train_batch_size={b}"
+        )
+
+
+def _check_budget(
+    config: AdmissionConfig, quotas: list[ResolvedQuota], size_alphas: tuple[float, ...]
+) -> None:
+    budget = config.rollout_budget
+    if budget is None or not config.enforce_quotas:
+        return
+    for source, value in budget.items():
+        if source not in config.sources or value < 0:
+            raise ValueError(f"rollout_budget[{source!r}]={value}: unknown source or negative")
+    for quota in quotas:
+        first = math.ceil(quota.alphas[0] * quota.lower - 1e-9)
+        have = budget.get(quota.source)
+        if have is not None and (have < first or (quota.lower > 0 and have == 0)):
+            raise ValueError(
+                f"quota {quota.source!r} can never be met: its first readiness target needs {first} "
+                f"trajectories but rollout_budget allows {have} outstanding; raise the budget "
+                f"or relax the schedule"
+            )
+    if len(budget) == len(config.sources):
+        first_size = max(math.ceil(size_alphas[0] * config.train_batch_size - 1e-9), 1)
+        if sum(budget.values()) < first_size:
+            raise ValueError(
+                f"the first size target needs {first_size} ready trajectories but the rollout "
+                f"budget allows {sum(budget.values())} outstanding in total"
+            )

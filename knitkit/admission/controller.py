@@ -1,0 +1,237 @@
+"""The admission controller: report completed trajectories, take admitted mini-batches (paper 5.1)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from knitkit.admission.config import AdmissionConfig, resolve
+from knitkit.admission.pool import ReadyPool, Unit
+from knitkit.admission.predicates import AdmissionView
+from knitkit.admission.selection import CandidateRequest
+from knitkit.types import TrajectoryMeta
+
+
+@dataclass(frozen=True, slots=True)
+class MiniBatch:
+    """One admitted mini-batch: irrevocably part of train batch ``train_batch``."""
+
+    train_batch: int
+    index: int
+    """0-based position within the train batch; ``index == num_minibatches - 1`` closes it."""
+    trajectories: tuple[TrajectoryMeta, ...]
+
+
+@dataclass(slots=True)
+class AdmissionStats:
+    """Counters: every reported trajectory ends up in exactly one of them (or is still pending)."""
+
+    reported: int = 0
+    admitted: int = 0
+    rejected: int = 0
+    """Reported with ``accepted=False`` (or in a GRPO group with one): counted, never trained on."""
+    stale_dropped: int = 0
+    """Filtered by ``max_staleness``."""
+
+
+class AdmissionController:
+    """Admits mini-batches from reported trajectories so each train batch meets its quotas.
+
+    ``next_minibatch`` admits the t-th mini-batch iff every readiness target tau_{i,t} holds
+    (eq. 3), the selection policy proposes a candidate, and every group's feasibility guard
+    holds on it (eq. 4); admission is irrevocable (eq. 5). Reports and readiness checks cost
+    O(#sources): the ready pool keeps per-source queues and counters.
+    """
+
+    def __init__(self, config: AdmissionConfig) -> None:
+        self.config = config
+        self._quotas, self.minibatch_sizes = resolve(config)
+        self._groups = tuple(
+            tuple(q.source for q in self._quotas if q.group == name)
+            for name in dict.fromkeys(q.group for q in self._quotas)
+        )
+        self._size_alphas = tuple(config.size_schedule.alphas(config.num_minibatches))
+        self._pool = ReadyPool(config.sources)
+        self._seen: set[str] = set()
+        self._open_groups: dict[str, list[TrajectoryMeta]] = {}
+        self._completed_by_step: Counter[int] = Counter()
+        self._issued_by_step: Counter[int] = Counter()
+        self._seq = 0
+        self.stats = AdmissionStats()
+        self.train_batch = 0
+        self._t = 0
+        self._admitted: dict[str, int] = dict.fromkeys(config.sources, 0)
+        self._quota_start: dict[str, float] = {}
+        self._predicate_start: list[float] = []
+        self._open_train_batch()
+
+    @property
+    def training_version(self) -> int:
+        """Version the open train batch trains at (staleness reference)."""
+        return self.config.initial_version + self.train_batch
+
+    @property
+    def pending(self) -> int:
+        """Accepted trajectories reported but not yet admitted (ready, or in an incomplete group)."""
+        return len(self._pool) + sum(len(g) for g in self._open_groups.values())
+
+    def ready_counts(self) -> dict[str, int]:
+        return dict(self._pool.ready)
+
+    def issued(self, rollout_step: int, count: int) -> None:
+        """Tell the controller ``count`` more trajectories were issued in ``rollout_step``."""
+        if rollout_step < 0 or count < 0:
+            raise ValueError(f"issued(rollout_step={rollout_step}, count={count}): both must be >= 0")
+        self._issued_by_step[rollout_step] += count
+
+    def report(self, meta: TrajectoryMeta) -> None:
+        """Record one completed trajectory; validates before changing any state."""
+        if meta.source not in self._pool.ready:
+            raise ValueError(
+                f"trajectory {meta.trajectory_id!r}: unknown source {meta.source!r}; "
+                f"configured sources: {self.config.sources}"
+            )
+        if meta.trajectory_id in self._seen:
+            raise ValueError(f"trajectory {meta.trajectory_id!r} was already reported")
+        if meta.num_tokens < 0 or meta.rollout_step < 0:
+            raise ValueError(
+                f"trajectory {meta.trajectory_id!r}: num_tokens={meta.num_tokens}, "
+                f"rollout_step={meta.rollout_step}; both must be >= 0"
+            )
+        self._seen.add(meta.trajectory_id)
+        self._completed_by_step[meta.rollout_step] += 1
+        self.stats.reported += 1
+        if self.config.group_size == 1:
+            self._add((meta,))
+            return
+        group = self._open_groups.setdefault(meta.sample_id, [])
+        group.append(meta)
+        if len(group) == self.config.group_size:
+            del self._open_groups[meta.sample_id]
+            self._add(tuple(group))
+
+    def _add(self, trajectories: tuple[TrajectoryMeta, ...]) -> None:
+        if not all(t.accepted for t in trajectories):
+            self.stats.rejected += len(trajectories)
+            return
+        unit = Unit(self._seq, trajectories[0].source, trajectories)
+        self._seq += 1
+        if self._is_stale(unit):
+            self.stats.stale_dropped += unit.size
+            return
+        self._pool.push(unit)
+
+    def _is_stale(self, unit: Unit) -> bool:
+        bound = self.config.max_staleness
+        return bound is not None and self.training_version - unit.min_version > bound
+
+    def next_minibatch(self) -> MiniBatch | None:
+        """Admit and return the next mini-batch if eq. (5) holds now, else None (nothing changes)."""
+        t = self._t
+        size = self.minibatch_sizes[t]
+        if len(self._pool) < size or not self._ready(t):
+            return None
+        request = self._request(t, size)
+        if request.guarded and not self._guard_coverable(request):
+            return None
+        counts = self.config.selection.propose(request, self._pool)
+        if counts is None or not self._admissible(counts, request):
+            return None
+        units = self._pool.take(counts)
+        trajectories = tuple(tr for u in units for tr in u.trajectories)
+        for unit in units:
+            self._admitted[unit.source] += unit.size
+        self.stats.admitted += len(trajectories)
+        batch = MiniBatch(self.train_batch, t, trajectories)
+        self._t += 1
+        if self._t == self.config.num_minibatches:
+            self.train_batch += 1
+            self._t = 0
+            self._admitted = dict.fromkeys(self.config.sources, 0)
+            if self.config.max_staleness is not None:
+                self.stats.stale_dropped += sum(u.size for u in self._pool.drop_where(self._is_stale))
+            self._open_train_batch()
+        return batch
+
+    def _open_train_batch(self) -> None:
+        """Snapshot s_{i,0} for every quota and predicate when a train batch opens."""
+        self._quota_start = {q.source: float(self._pool.ready[q.source]) for q in self._quotas}
+        if self.config.predicates:
+            view = self._view(0)
+            self._predicate_start = [p.progress(view) for p in self.config.predicates]
+
+    def _view(self, t: int) -> AdmissionView:
+        return AdmissionView(
+            self.train_batch,
+            t + 1,
+            dict(self._pool.ready),
+            dict(self._admitted),
+            dict(self._completed_by_step),
+            dict(self._issued_by_step),
+        )
+
+    def _ready(self, t: int) -> bool:
+        """The readiness predicates P_{i,t} (eq. 3) for the size target, quotas and user predicates."""
+        admitted_total = sum(self._admitted.values())
+        size_target = math.ceil(self._size_alphas[t] * self.config.train_batch_size - 1e-9)
+        if admitted_total + len(self._pool) < size_target:
+            return False
+        if self.config.enforce_quotas:
+            for quota in self._quotas:
+                start = self._quota_start[quota.source]
+                target = start + quota.alphas[t] * (quota.lower - start)
+                have = self._admitted[quota.source] + self._pool.ready[quota.source]
+                if have < math.ceil(target - 1e-9):
+                    return False
+        if self.config.predicates:
+            view = self._view(t)
+            for predicate, start in zip(self.config.predicates, self._predicate_start, strict=True):
+                target = start + predicate.schedule.alphas(self.config.num_minibatches)[t] * (
+                    predicate.target(view) - start
+                )
+                if predicate.progress(view) < target - 1e-9:
+                    return False
+        return True
+
+    def _request(self, t: int, size: int) -> CandidateRequest:
+        enforce = self.config.enforce_quotas
+        admitted_total = sum(self._admitted.values())
+        return CandidateRequest(
+            size=size,
+            slots_after=self.config.train_batch_size - admitted_total - size,
+            deficits={q.source: max(0, q.lower - self._admitted[q.source]) for q in self._quotas},
+            room={
+                q.source: q.upper - self._admitted[q.source]
+                for q in self._quotas
+                if enforce and q.upper is not None
+            },
+            groups=self._groups,
+            guarded=enforce and self.config.guards,
+        )
+
+    def _guard_coverable(self, request: CandidateRequest) -> bool:
+        """O(#sources) precheck: ready units can cover what each guard needs from this mini-batch."""
+        for group in request.groups:
+            need = sum(request.deficits[s] for s in group) - request.slots_after
+            if need > 0 and need > sum(min(request.deficits[s], self._pool.ready[s]) for s in group):
+                return False
+        return True
+
+    def _admissible(self, counts: dict[str, int], request: CandidateRequest) -> bool:
+        """Check the proposal: exact size, bounds, and (if guarded) every group's guard Q_k (eq. 4)."""
+        taken: dict[str, int] = {}
+        for source, count in counts.items():
+            if count < 0 or count > self._pool.units(source):
+                return False
+            taken[source] = sum(self._pool.peek(source, k).size for k in range(count))
+        if sum(taken.values()) != request.size:
+            return False
+        if any(taken.get(s, 0) > room for s, room in request.room.items()):
+            return False
+        if request.guarded:
+            for group in request.groups:
+                deficit = sum(max(0, request.deficits[s] - taken.get(s, 0)) for s in group)
+                if deficit > request.slots_after:
+                    return False
+        return True

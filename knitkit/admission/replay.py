@@ -1,0 +1,111 @@
+"""Replay a trace under several admission policies and summarise architectural staleness per policy."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import numpy as np
+
+from knitkit.admission.metrics import RunRecord, first_minibatch_fraction, mix_skew, violations
+from knitkit.admission.policies import POLICY_NAMES
+from knitkit.admission.simulate import run_colocated, run_disaggregated
+from knitkit.admission.settings import ReplaySettings
+from knitkit.admission.trace import Trace
+
+Summary = dict[str, Any]
+
+
+class ProgressBar:
+    """A one-line text progress bar on stderr (only drawn when the stream is a terminal or forced)."""
+
+    def __init__(self, total: int, label: str, stream: TextIO | None = None, force: bool = False):
+        self.total, self.label, self.done = total, label, 0
+        self.stream = stream or sys.stderr
+        self.enabled = force or self.stream.isatty()
+
+    def advance(self, steps: int = 1) -> None:
+        self.done = min(self.total, self.done + steps)
+        if self.enabled:
+            filled = round(30 * self.done / max(1, self.total))
+            self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total}")
+            if self.done == self.total:
+                self.stream.write("\n")
+            self.stream.flush()
+
+
+def rollout_step_length(colocated: RunRecord, settings: ReplaySettings) -> float:
+    """Mean colocated rollout-step length after warm-up: the yardstick for rho."""
+    steps = range(settings.warmup, settings.train_batches)
+    return float(np.mean([colocated.train_end[k] - colocated.step_start[k] for k in steps]))
+
+
+def run_replay(
+    trace: Trace,
+    settings: ReplaySettings,
+    policies: Sequence[str] = POLICY_NAMES,
+    progress: ProgressBar | None = None,
+) -> Summary:
+    """Replay ``trace`` colocated once and disaggregated under each policy; return the summary dict.
+
+    ``summary["policies"][name]`` holds ``architectural_staleness`` (token-weighted, disaggregated
+    minus colocated, mean over the steps after warm-up), ``architectural_staleness_start``
+    (oldest-token), ``violations`` (train batches missing a quota), ``steps``, per-step series,
+    ``mix_skew``, ``first_minibatch_fraction`` and ``trainer_idle_fraction``.
+    """
+    unknown = [p for p in policies if p not in POLICY_NAMES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICY_NAMES)}")
+    tick = progress.advance if progress else None
+    colocated = run_colocated(trace, settings, tick)
+    step_length = rollout_step_length(colocated, settings)
+    train_time = settings.rho * step_length
+    steps = range(settings.warmup, settings.train_batches)
+    base_tok, base_start = colocated.per_step(True), colocated.per_step(False)
+    bounds = {q.source: q.bounds(settings.train_batch_size) for q in settings.quotas()}
+    lower_total = sum(lo for lo, _ in bounds.values()) or 1
+    target_mix = {s: lo / lower_total for s, (lo, _) in bounds.items()}
+    n = settings.num_minibatches
+    out: dict[str, Summary] = {}
+    for policy in policies:
+        run = run_disaggregated(trace, settings, policy, train_time, tick)
+        tok, start = run.per_step(True), run.per_step(False)
+        span = run.train_end[steps[-1]] - run.train_end[steps[0] - 1]
+        busy = sum(run.busy_s[k] for k in steps[1:])
+        out[policy] = {
+            "architectural_staleness": float(np.mean([tok[k] - base_tok[k] for k in steps])),
+            "architectural_staleness_start": float(np.mean([start[k] - base_start[k] for k in steps])),
+            "violations": violations(run, steps, n, bounds),
+            "steps": len(steps),
+            "staleness_per_step": [tok[k] - base_tok[k] for k in steps],
+            "mix_skew": mix_skew(run, steps, n, target_mix),
+            "first_minibatch_fraction": first_minibatch_fraction(run, steps, n),
+            "trainer_idle_fraction": max(0.0, 1.0 - busy / span) if span > 0 else 0.0,
+            "seconds_per_step": span / (len(steps) - 1),
+            "composition_per_step": [
+                {s: c / settings.train_batch_size for s, c in sorted(run.batch_counts(k, n).items())}
+                for k in steps
+            ],
+            "admission_times": [
+                [run.admit_time[(k, t)] - run.step_start[k] for t in range(n)] for k in steps
+            ],
+        }
+    return {
+        "policies": out,
+        "rho": settings.rho,
+        "train_time_s": train_time,
+        "rollout_step_s": step_length,
+        "colocated_staleness": float(np.mean([base_tok[k] for k in steps])),
+        "colocated_dropped": colocated.dropped,
+        "settings": {
+            "train_batch_size": settings.train_batch_size,
+            "num_minibatches": n,
+            "train_batches": settings.train_batches,
+            "warmup": settings.warmup,
+            "partial_rollout": settings.partial_rollout,
+            "seed": settings.seed,
+            "sources": list(trace.sources),
+            "quota_ratios": dict(settings.quota_ratios),
+        },
+    }

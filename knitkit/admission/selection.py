@@ -1,0 +1,122 @@
+"""Selection policies: propose the candidate mini-batch (units per source) from the ready pool."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from knitkit.admission.pool import ReadyPool
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateRequest:
+    """What the controller asks of a selection policy for the next mini-batch."""
+
+    size: int
+    """Trajectories the mini-batch must hold."""
+    slots_after: int
+    """Train-batch slots left once the candidate is admitted: ``tau_0 - b_{0,t}``."""
+    deficits: Mapping[str, int]
+    """Per quota'd source: lower bound minus trajectories already admitted, floored at 0."""
+    room: Mapping[str, int]
+    """Per upper-bounded source: how many more trajectories it may contribute."""
+    groups: tuple[tuple[str, ...], ...]
+    """Sources of each feasibility-guard group."""
+    guarded: bool
+    """True when the proposal must keep every group's guard (eq. 4) satisfiable."""
+
+
+@runtime_checkable
+class SelectionPolicy(Protocol):
+    """Proposes ``{source: units}`` (oldest units of each source) totalling ``request.size``, or None."""
+
+    def propose(self, request: CandidateRequest, pool: ReadyPool) -> dict[str, int] | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class OldestFirst:
+    """Default policy: oldest ready units first, skipping what the guards or upper bounds forbid."""
+
+    def propose(self, request: CandidateRequest, pool: ReadyPool) -> dict[str, int] | None:
+        return fill_oldest_first(request, pool, {})
+
+
+@dataclass(frozen=True, slots=True)
+class PacedSelection:
+    """Give each deficit source its pace share of the mini-batch when ready, then fill oldest-first.
+
+    A source's pace share is its remaining deficit times ``size / (size + slots_after)``: the
+    share of the remaining train batch this mini-batch represents. Taking slow sources as soon
+    as they complete keeps later mini-batches from waiting on them (and keeps mixes balanced).
+    """
+
+    def propose(self, request: CandidateRequest, pool: ReadyPool) -> dict[str, int] | None:
+        share = request.size / (request.size + request.slots_after)
+        start: dict[str, int] = {}
+        for source, deficit in request.deficits.items():
+            want = min(math.ceil(deficit * share), request.room.get(source, deficit))
+            taken = units = 0
+            while units < pool.units(source) and taken + pool.peek(source, units).size <= want:
+                taken += pool.peek(source, units).size
+                units += 1
+            if units:
+                start[source] = units
+        if sum(_sizes(pool, start).values()) > request.size:
+            start = {}
+        return fill_oldest_first(request, pool, start)
+
+
+def _sizes(pool: ReadyPool, counts: Mapping[str, int]) -> dict[str, int]:
+    return {s: sum(pool.peek(s, k).size for k in range(c)) for s, c in counts.items()}
+
+
+def fill_oldest_first(
+    request: CandidateRequest, pool: ReadyPool, start: Mapping[str, int]
+) -> dict[str, int] | None:
+    """Extend ``start`` (units per source) oldest-first to ``request.size`` trajectories.
+
+    With ``request.guarded``, a unit is skipped when taking it would leave fewer free slots than
+    the groups' outstanding deficits still need (so the guard of eq. 4 stays satisfiable).
+    Cost: O(size x #sources).
+    """
+    counts = dict(start)
+    taken = _sizes(pool, counts)
+    deficit = {s: max(0, d - taken.get(s, 0)) for s, d in request.deficits.items()}
+    total = sum(taken.values())
+    group_of = {s: g for g in request.groups for s in g}
+    while total < request.size:
+        free = request.size - total
+        must = {
+            group: max(0, sum(deficit[s] for s in group) - request.slots_after)
+            for group in request.groups
+        }
+        must_total = sum(must.values()) if request.guarded else 0
+        if must_total > free:
+            return None
+        best: tuple[int, str] | None = None
+        for source in pool.ready:
+            index = counts.get(source, 0)
+            if index >= pool.units(source):
+                continue
+            unit = pool.peek(source, index)
+            room = request.room.get(source)
+            if unit.size > free or (room is not None and taken.get(source, 0) + unit.size > room):
+                continue
+            group = group_of.get(source)
+            covers = 0 if group is None else min(unit.size, deficit[source], must[group])
+            if must_total - covers > free - unit.size:
+                continue  # taking it would leave a guard unsatisfiable
+            if best is None or unit.seq < best[0]:
+                best = (unit.seq, source)
+        if best is None:
+            return None
+        source = best[1]
+        size = pool.peek(source, counts.get(source, 0)).size
+        counts[source] = counts.get(source, 0) + 1
+        taken[source] = taken.get(source, 0) + size
+        if source in deficit:
+            deficit[source] = max(0, deficit[source] - size)
+        total += size
+    return counts

@@ -1,0 +1,163 @@
+"""Discrete-event replay of one trace through a disaggregated or a colocated rollout-to-training path."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+
+from knitkit.admission.controller import AdmissionController, MiniBatch
+from knitkit.admission.metrics import RunRecord
+from knitkit.admission.policies import build_controller
+from knitkit.admission.rollout import EventQueue, Job, RolloutPool
+from knitkit.admission.settings import ReplaySettings
+from knitkit.admission.trace import Trace
+
+Progress = Callable[[int], None]
+"""Called with the number of train batches finished so far."""
+
+
+def _controller(policy: str, trace: Trace, settings: ReplaySettings) -> AdmissionController:
+    return build_controller(
+        policy,
+        train_batch_size=settings.train_batch_size,
+        num_minibatches=settings.num_minibatches,
+        sources=trace.sources,
+        quotas=settings.quotas(),
+        group_size=trace.group_size if settings.group_atomic else 1,
+    )
+
+
+def _prompts(trace: Trace, settings: ReplaySettings, pool: RolloutPool, ctl: AdmissionController) -> dict[str, int]:
+    """GRPO groups to issue per source this rollout step, within each source's outstanding cap."""
+    shares = settings.issue_shares or dict.fromkeys(trace.sources, 1.0 / len(trace.sources))
+    ready = ctl.ready_counts()
+    g = trace.group_size
+    prompts = {}
+    for source in trace.sources:
+        want = round((1 + settings.oversample) * settings.train_batch_size * shares.get(source, 0.0) / g)
+        cap = math.ceil(settings.source_cap * want) * g
+        room = (cap - pool.outstanding(source) - ready.get(source, 0)) // g
+        prompts[source] = max(0, min(want, room))
+    return prompts
+
+
+def run_disaggregated(
+    trace: Trace, settings: ReplaySettings, policy: str, train_time_s: float, progress: Progress | None = None
+) -> RunRecord:
+    """Rollout and training run concurrently; parameters sync to rollout after each train batch."""
+    events, record = EventQueue(), RunRecord()
+    ctl = _controller(policy, trace, settings)
+    jobs: dict[str, Job] = {}
+    trainer: deque[MiniBatch] = deque()
+    state = {"busy": False, "steps": 0, "closed": 0, "trained": 0}
+    n = settings.num_minibatches
+    minibatch_s = train_time_s / n
+
+    def on_finish(job: Job) -> None:
+        jobs[job.trajectory_id] = job
+        ctl.report(job.meta())
+        pool.fill(settings.resume_penalty_s)
+        admit()
+
+    pool = RolloutPool(trace, settings.rollout_slots, events, on_finish)
+
+    def start_steps() -> None:
+        while (
+            state["steps"] <= state["closed"]
+            and state["steps"] < settings.train_batches + 1
+            and pool.version >= state["steps"] - settings.max_ahead
+        ):
+            step = state["steps"]
+            record.step_start[step] = events.now
+            ctl.issued(step, pool.issue(step, _prompts(trace, settings, pool, ctl)))
+            state["steps"] += 1
+            pool.fill(settings.resume_penalty_s)
+
+    def admit() -> None:
+        while (mb := ctl.next_minibatch()) is not None:
+            record.admit(mb.train_batch, mb.index, events.now, [t.source for t in mb.trajectories])
+            trainer.append(mb)
+            if mb.index == n - 1:
+                state["closed"] += 1
+                start_steps()
+        train_next()
+
+    def train_next() -> None:
+        if state["busy"] or not trainer:
+            return
+        mb = trainer.popleft()
+        state["busy"] = True
+        record.busy_s[mb.train_batch] = record.busy_s.get(mb.train_batch, 0.0) + minibatch_s
+        events.at(events.now + minibatch_s, lambda: trained(mb))
+
+    def trained(mb: MiniBatch) -> None:
+        record.train(mb.train_batch, [jobs.pop(t.trajectory_id) for t in mb.trajectories])
+        state["busy"] = False
+        if mb.index == n - 1:
+            record.train_end[mb.train_batch] = events.now
+            state["trained"] += 1
+            if progress:
+                progress(state["trained"])
+            events.at(events.now + settings.sync_time_s, lambda: synced(mb.train_batch))
+        train_next()
+
+    def synced(train_batch: int) -> None:
+        pool.version = train_batch + 1
+        if settings.partial_rollout == "abort_resume":
+            pool.resume_at_new_version(settings.resume_penalty_s)
+        start_steps()
+
+    start_steps()
+    events.run_until(lambda: state["trained"] >= settings.train_batches)
+    if state["trained"] < settings.train_batches:
+        raise RuntimeError(
+            f"policy {policy!r} stalled after {state['trained']} train batches: the trace or the "
+            f"source caps cannot feed the quotas; raise source_cap or oversample"
+        )
+    return record
+
+
+def run_colocated(trace: Trace, settings: ReplaySettings, progress: Progress | None = None) -> RunRecord:
+    """Rollout and training time-share one pool: rollout step k runs at version k, then trains.
+
+    The train batch is admitted whole (barrier). Without partial rollout, unfinished and
+    unadmitted trajectories are discarded at the end of each rollout step, so staleness is 0.
+    Training time does not change what rollout produces here, so timings are rollout-only.
+    """
+    events, record = EventQueue(), RunRecord()
+    ctl = _controller("barrier", trace, settings)
+    jobs: dict[str, Job] = {}
+    closed: list[MiniBatch] = []
+
+    def on_finish(job: Job) -> None:
+        jobs[job.trajectory_id] = job
+        ctl.report(job.meta())
+        pool.fill(settings.resume_penalty_s)
+        while (mb := ctl.next_minibatch()) is not None:
+            record.admit(mb.train_batch, mb.index, events.now, [t.source for t in mb.trajectories])
+            closed.append(mb)
+
+    pool = RolloutPool(trace, settings.rollout_slots, events, on_finish)
+    for k in range(settings.train_batches):
+        pool.version = k
+        record.step_start[k] = events.now
+        ctl.issued(k, pool.issue(k, _prompts(trace, settings, pool, ctl)))
+        pool.fill(settings.resume_penalty_s)
+        events.run_until(lambda: len(closed) == settings.num_minibatches)
+        if len(closed) < settings.num_minibatches:
+            raise RuntimeError(f"colocated replay stalled at train batch {k}; raise source_cap or oversample")
+        record.train_end[k] = events.now
+        for mb in closed:
+            record.train(k, [jobs.pop(t.trajectory_id) for t in mb.trajectories])
+        closed.clear()
+        if settings.partial_rollout == "off":
+            record.dropped += pool.drop_running() + ctl.pending
+            jobs.clear()
+            ctl = _controller("barrier", trace, settings)
+            ctl.train_batch = k + 1
+        else:
+            pool.pause_all()
+        if progress:
+            progress(k + 1)
+    return record

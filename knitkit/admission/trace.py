@@ -1,0 +1,134 @@
+"""Rollout traces: per-source trajectory durations, a synthetic generator, and the JSONL file format."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    """One trajectory of a trace: how long its rollout takes and whether it passes acceptance."""
+
+    source: str
+    sample_id: str
+    """Prompt (GRPO group) id; consecutive records of a source with one sample_id form a group."""
+    duration_s: float
+    tokens: int | None = None
+    accepted: bool = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SourceProfile:
+    """Log-normal rollout durations of one source: ``log D = log(median) + u_prompt + e``."""
+
+    name: str
+    median_s: float
+    sigma: float
+    """Total log-space standard deviation."""
+    prompt_share: float = 0.5
+    """Share of the log-variance that comes from the prompt (siblings of a group are alike)."""
+    cap_factor: float = 8.0
+    """Durations are capped at ``cap_factor * median_s`` (max_new_tokens / timeout)."""
+    tokens_per_s: float = 20.0
+    accept_prob: float = 1.0
+
+    @property
+    def mean_s(self) -> float:
+        return self.median_s * math.exp(self.sigma**2 / 2)
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """Per-source trajectory records in issue order: the k-th issue of a source always gets record k."""
+
+    records: dict[str, tuple[TraceRecord, ...]]
+    group_size: int = 1
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(self.records)
+
+
+def generate_trace(
+    profiles: Sequence[SourceProfile], *, samples_per_source: int, group_size: int, seed: int
+) -> Trace:
+    """Draw ``samples_per_source`` GRPO groups of ``group_size`` per source, independently per source."""
+    records: dict[str, tuple[TraceRecord, ...]] = {}
+    for index, profile in enumerate(profiles):
+        rng = np.random.default_rng([seed, index])
+        prompt = rng.normal(0.0, profile.sigma * math.sqrt(profile.prompt_share), samples_per_source)
+        noise = rng.normal(
+            0.0, profile.sigma * math.sqrt(1.0 - profile.prompt_share), (samples_per_source, group_size)
+        )
+        durations = np.minimum(
+            profile.median_s * np.exp(prompt[:, None] + noise), profile.cap_factor * profile.median_s
+        )
+        accepted = rng.random((samples_per_source, group_size)) < profile.accept_prob
+        records[profile.name] = tuple(
+            TraceRecord(
+                profile.name,
+                f"{profile.name}-{p}",
+                float(durations[p, r]),
+                max(1, round(float(durations[p, r]) * profile.tokens_per_s)),
+                bool(accepted[p, r]),
+            )
+            for p in range(samples_per_source)
+            for r in range(group_size)
+        )
+    return Trace(records, group_size)
+
+
+def write_jsonl(trace: Trace, path: str | Path) -> None:
+    """Write one JSON object per trajectory: source, sample_id, duration_s, tokens, accepted."""
+    with open(path, "w", encoding="utf-8") as f:
+        for recs in trace.records.values():
+            for rec in recs:
+                f.write(json.dumps(asdict(rec)) + "\n")
+
+
+def read_jsonl(path: str | Path) -> Trace:
+    """Read a JSONL trace; records keep file order per source; the group size is inferred."""
+    by_source: dict[str, list[TraceRecord]] = {}
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                rec = TraceRecord(
+                    str(obj["source"]),
+                    str(obj["sample_id"]),
+                    float(obj["duration_s"]),
+                    None if obj.get("tokens") is None else int(obj["tokens"]),
+                    bool(obj.get("accepted", True)),
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"{path}:{line_no}: not a trace record ({exc}); need source, sample_id, duration_s"
+                ) from exc
+            if rec.duration_s < 0 or (rec.tokens is not None and rec.tokens < 0):
+                raise ValueError(f"{path}:{line_no}: negative duration_s or tokens in {line.strip()}")
+            by_source.setdefault(rec.source, []).append(rec)
+    if not by_source:
+        raise ValueError(f"{path}: empty trace")
+    return Trace({s: tuple(r) for s, r in by_source.items()}, _group_size(by_source.values()))
+
+
+def _group_size(per_source: Iterable[list[TraceRecord]]) -> int:
+    sizes = set()
+    for recs in per_source:
+        run = 1
+        for prev, rec in zip(recs, recs[1:], strict=False):
+            if rec.sample_id == prev.sample_id:
+                run += 1
+            else:
+                sizes.add(run)
+                run = 1
+        sizes.add(run)
+    return sizes.pop() if len(sizes) == 1 else 1

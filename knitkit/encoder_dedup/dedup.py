@@ -1,0 +1,135 @@
+"""DedupEncoder: encode each unique unit once per mini-batch, serve cached leaves, run one deferred backward."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+
+from knitkit.encoder_dedup.plan import Exchange, RankRoute
+from knitkit.encoder_dedup.transport import RowTransport
+from knitkit.types import UnitKey
+
+EncodeFn = Callable[[Sequence[UnitKey]], torch.Tensor]
+"""Encodes one encoder micro-batch of units into their rows ``[sum of num_rows, hidden]``, in order."""
+
+
+class Phase(enum.Enum):
+    READY = "ready"
+    ENCODED = "encoded"
+    DONE = "done"
+
+
+class DedupEncoder:
+    """One mini-batch of deduplicated encoding on one rank (see README: encode -> features -> backward).
+
+    NOTE [graph lifetime]: the encoder outputs of ``encode`` keep their autograd graphs until
+    ``backward``; backbone micro-batches see only ``detach().requires_grad_()`` gathers of the local
+    cache, so their backward stops at that leaf. A post-accumulate hook adds each leaf's gradient
+    into ``cache_grad`` by cache row (``index_add_``) and drops the leaf's ``.grad``, so a finished
+    micro-batch holds nothing once the caller drops its features. ``backward`` returns each rank's
+    owned gradient rows to the encoding ranks, sums them there and runs ONE backward through the
+    retained graphs. Every rank of the transport must call ``encode`` and ``backward`` (collectives).
+    """
+
+    def __init__(
+        self,
+        route: RankRoute,
+        transport: RowTransport,
+        *,
+        hidden: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        grad_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if transport.rank != route.rank:
+            raise ValueError(
+                f"route is for rank {route.rank} but the transport is rank {transport.rank}"
+            )
+        self.route = route
+        self.transport = transport
+        self.hidden, self.dtype, self.device = hidden, dtype, torch.device(device)
+        self.grad_dtype = grad_dtype
+        self.phase = Phase.READY
+        self.encoded_units = 0
+        self._outputs: list[torch.Tensor] = []
+        self._cache = torch.empty(0, hidden, dtype=dtype, device=self.device)
+        self._cache_grad = torch.empty(0, hidden, dtype=grad_dtype, device=self.device)
+        self._index = [ix.to(self.device) for ix in route.micro_batch_index]
+
+    def encode(self, encode_fn: EncodeFn) -> None:
+        """Run this rank's encoder micro-batches (graphs kept) and route detached rows to consumers."""
+        self._expect(Phase.READY, "encode")
+        for keys, rows in zip(
+            self.route.encoder_micro_batches, self.route.encoder_rows, strict=True
+        ):
+            out = encode_fn(keys)
+            if tuple(out.shape) != (rows, self.hidden):
+                raise ValueError(
+                    f"encode_fn({[str(k) for k in keys]}) returned shape {tuple(out.shape)}; "
+                    f"expected ({rows}, {self.hidden}): one row per placeholder token, in key order"
+                )
+            self._outputs.append(out)
+            self.encoded_units += len(keys)
+        table = self._table([out.detach().to(self.dtype) for out in self._outputs], self.dtype)
+        received = self._exchange(table, self.route.forward)
+        self._cache = table.new_empty(self.route.cache_rows, self.hidden)
+        self._cache.index_copy_(0, self.route.forward.recv_index.to(self.device), received)
+        self._cache_grad = torch.zeros(
+            self.route.cache_rows, self.hidden, dtype=self.grad_dtype, device=self.device
+        )
+        self.phase = Phase.ENCODED
+
+    def features(self, micro_batch: int) -> torch.Tensor:
+        """Features of backbone micro-batch ``micro_batch``: a fresh leaf gathered from the cache."""
+        self._expect(Phase.ENCODED, "features")
+        index = self._index[micro_batch]
+        leaf = self._cache.index_select(0, index).detach().requires_grad_()
+        leaf.register_post_accumulate_grad_hook(partial(self._accumulate, index))
+        return leaf
+
+    def backward(self) -> None:
+        """Return owned gradient rows to the encoding ranks and run the one deferred encoder backward."""
+        self._expect(Phase.ENCODED, "backward")
+        received = self._exchange(self._cache_grad, self.route.backward)
+        grad = torch.zeros(
+            self.route.table_rows, self.hidden, dtype=self.grad_dtype, device=self.device
+        )
+        grad.index_add_(0, self.route.backward.recv_index.to(self.device), received)
+        self._cache = self._cache[:0]
+        self._cache_grad = self._cache_grad[:0]
+        outputs, self._outputs = self._outputs, []
+        if outputs:
+            grads = grad.split(list(self.route.encoder_rows))
+            torch.autograd.backward(
+                outputs, [g.to(out.dtype) for out, g in zip(outputs, grads, strict=True)]
+            )
+        self.phase = Phase.DONE
+
+    @property
+    def cache_grad(self) -> torch.Tensor:
+        """Gradient accumulated so far per cache row (summed over micro-batches and repeats)."""
+        return self._cache_grad
+
+    def _accumulate(self, index: torch.Tensor, leaf: torch.Tensor) -> None:
+        assert leaf.grad is not None
+        self._cache_grad.index_add_(0, index, leaf.grad.to(self.grad_dtype))
+        leaf.grad = None
+
+    def _exchange(self, rows: torch.Tensor, step: Exchange) -> torch.Tensor:
+        send = rows.index_select(0, step.send_index.to(self.device))
+        return self.transport.exchange(send, step.send_counts, step.recv_counts)
+
+    def _table(self, outputs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        if not outputs:
+            return torch.empty(0, self.hidden, dtype=dtype, device=self.device)
+        return torch.cat(outputs)
+
+    def _expect(self, phase: Phase, call: str) -> None:
+        if self.phase is not phase:
+            raise RuntimeError(
+                f"DedupEncoder.{call}() in phase {self.phase.value!r}; the order per mini-batch is "
+                "encode() -> features()/backbone backward per micro-batch -> backward()"
+            )

@@ -1,0 +1,276 @@
+"""Routing plan: which encoding rows move from each encoding rank to each consumer, and which gradients return."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from knitkit.types import MultimodalRef, SeqRange, UnitKey
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class RowSlice:
+    """Rows ``[start, stop)`` of one multimodal unit's encoding (row i = the unit's i-th placeholder token)."""
+
+    key: UnitKey
+    start: int
+    stop: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderAssignment:
+    """The encoder's own partition: encoder micro-batches of unique units, per encoding rank."""
+
+    micro_batches: Mapping[int, Sequence[Sequence[UnitKey]]]
+    """Rank -> its encoder micro-batches, each a sequence of unit keys encoded together, in order."""
+    num_rows: Mapping[UnitKey, int]
+    """Encoding rows of every unit (= ``MultimodalRef.num_tokens``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackboneAssignment:
+    """What each backbone rank consumes: per backbone micro-batch, the encoding rows in feature order."""
+
+    micro_batches: Mapping[int, Sequence[Sequence[RowSlice]]]
+    """Rank -> its backbone micro-batches, each the row slices its features are gathered from, in order."""
+    tp_groups: Sequence[Sequence[int]] = ()
+    """Tensor-parallel replica groups; members consume identical micro-batches. Unlisted ranks: TP=1."""
+
+
+def row_slices(
+    refs: Sequence[MultimodalRef], seq_ranges: Sequence[SeqRange]
+) -> tuple[RowSlice, ...]:
+    """Encoding rows a consumer needs for a trajectory of which it holds ``seq_ranges`` (in order).
+
+    A CP rank holding zigzag chunks, or a micro-batch holding one piece of a trajectory, passes its
+    ranges; each multimodal input contributes the rows whose placeholder positions fall inside them.
+    """
+    ordered = sorted(refs, key=lambda ref: ref.token_start)
+    slices: list[RowSlice] = []
+    for lo, hi in seq_ranges:
+        for ref in ordered:
+            start = max(lo, ref.token_start)
+            stop = min(hi, ref.token_start + ref.num_tokens)
+            if start < stop:
+                slices.append(RowSlice(ref.key, start - ref.token_start, stop - ref.token_start))
+    return tuple(slices)
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """One all-to-all step of a rank: rows it sends (gathered by index) and rows it receives (placed by index)."""
+
+    send_counts: tuple[int, ...]
+    """Rows sent to each peer, in peer order."""
+    send_index: torch.Tensor
+    """Source row of every sent row, grouped by peer."""
+    recv_counts: tuple[int, ...]
+    recv_index: torch.Tensor
+    """Destination row of every received row, grouped by peer."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankRoute:
+    """Everything one rank needs for a mini-batch: its encoder work, its cache layout and its two exchanges."""
+
+    rank: int
+    encoder_micro_batches: tuple[tuple[UnitKey, ...], ...]
+    encoder_rows: tuple[int, ...]
+    """Output rows of each encoder micro-batch (its units' rows, concatenated in order)."""
+    cache_rows: int
+    """Rows of the local cache: the union of everything this rank's backbone micro-batches consume."""
+    micro_batch_index: tuple[torch.Tensor, ...]
+    """Cache rows gathered, in feature order, for each backbone micro-batch."""
+    forward: Exchange
+    """Encoding table rows -> cache rows (detached values)."""
+    backward: Exchange
+    """Owned cache-gradient rows -> encoding table rows (summed with ``index_add_``)."""
+
+    @property
+    def table_rows(self) -> int:
+        return sum(self.encoder_rows)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingPlan:
+    """The routes of every rank of one mini-batch; identical on all ranks, built from metadata only."""
+
+    routes: tuple[RankRoute, ...]
+
+    def for_rank(self, rank: int) -> RankRoute:
+        return self.routes[rank]
+
+
+Segment = tuple[UnitKey, int, int, int]
+"""(key, first row, end row, first cache row) of one contiguous run of a consumer's cache."""
+
+
+def build_routing_plan(
+    encoder: EncoderAssignment, backbone: BackboneAssignment, world_size: int
+) -> RoutingPlan:
+    """Route every consumed row from its encoding rank and every owned gradient row back (pure)."""
+    owner, table_offset, encoder_rows = _encoder_layout(encoder, world_size)
+    encoded_rows = {key: encoder.num_rows[key] for key in owner}
+    segments = {
+        r: _cache_segments(r, mbs, encoded_rows) for r, mbs in backbone.micro_batches.items()
+    }
+    owned = _tp_owned(backbone, segments)
+    fwd: dict[tuple[int, int], tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+    bwd: dict[tuple[int, int], tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+    for consumer, segs in segments.items():
+        for key, start, stop, cache_at in segs:
+            src, dst = fwd[(owner[key], consumer)]
+            src.extend(range(table_offset[key] + start, table_offset[key] + stop))
+            dst.extend(range(cache_at, cache_at + stop - start))
+        for key, start, stop, cache_at in owned[consumer]:
+            src, dst = bwd[(consumer, owner[key])]
+            src.extend(range(cache_at, cache_at + stop - start))
+            dst.extend(range(table_offset[key] + start, table_offset[key] + stop))
+    routes = []
+    for rank in range(world_size):
+        segs = segments.get(rank, [])
+        routes.append(
+            RankRoute(
+                rank=rank,
+                encoder_micro_batches=tuple(
+                    tuple(mb) for mb in encoder.micro_batches.get(rank, ())
+                ),
+                encoder_rows=encoder_rows[rank],
+                cache_rows=sum(stop - start for _, start, stop, _ in segs),
+                micro_batch_index=tuple(
+                    _gather_index(mb, segs) for mb in backbone.micro_batches.get(rank, ())
+                ),
+                forward=_exchange(rank, world_size, fwd),
+                backward=_exchange(rank, world_size, bwd),
+            )
+        )
+    return RoutingPlan(tuple(routes))
+
+
+def _encoder_layout(
+    encoder: EncoderAssignment, world_size: int
+) -> tuple[dict[UnitKey, int], dict[UnitKey, int], dict[int, tuple[int, ...]]]:
+    owner: dict[UnitKey, int] = {}
+    offset: dict[UnitKey, int] = {}
+    rows: dict[int, tuple[int, ...]] = {r: () for r in range(world_size)}
+    for rank, micro_batches in encoder.micro_batches.items():
+        if not 0 <= rank < world_size:
+            raise ValueError(f"encoder rank {rank} outside the world of {world_size} ranks")
+        at, per_mb = 0, []
+        for micro_batch in micro_batches:
+            start = at
+            for key in micro_batch:
+                if key in owner:
+                    raise ValueError(
+                        f"unit {key} is encoded by ranks {owner[key]} and {rank}; "
+                        "assign each unique unit to exactly one encoding rank"
+                    )
+                if key not in encoder.num_rows:
+                    raise ValueError(f"unit {key} has no entry in EncoderAssignment.num_rows")
+                owner[key], offset[key] = rank, at
+                at += encoder.num_rows[key]
+            per_mb.append(at - start)
+        rows[rank] = tuple(per_mb)
+    return owner, offset, rows
+
+
+def _cache_segments(
+    rank: int, micro_batches: Sequence[Sequence[RowSlice]], num_rows: Mapping[UnitKey, int]
+) -> list[Segment]:
+    """Merge every slice a rank consumes into disjoint runs, laid out in (key, row) order."""
+    wanted: dict[UnitKey, list[tuple[int, int]]] = defaultdict(list)
+    for micro_batch in micro_batches:
+        for piece in micro_batch:
+            if piece.key not in num_rows:
+                raise ValueError(
+                    f"rank {rank} consumes unit {piece.key}, which no encoder rank encodes; "
+                    "add it to the EncoderAssignment"
+                )
+            if not 0 <= piece.start < piece.stop <= num_rows[piece.key]:
+                raise ValueError(
+                    f"rank {rank} consumes rows [{piece.start}, {piece.stop}) of unit {piece.key}, "
+                    f"which has {num_rows[piece.key]} rows"
+                )
+            wanted[piece.key].append((piece.start, piece.stop))
+    segments: list[Segment] = []
+    at = 0
+    for key in sorted(wanted):
+        runs: list[list[int]] = []
+        for start, stop in sorted(wanted[key]):
+            if runs and start <= runs[-1][1]:
+                runs[-1][1] = max(runs[-1][1], stop)
+            else:
+                runs.append([start, stop])
+        for start, stop in runs:
+            segments.append((key, start, stop, at))
+            at += stop - start
+    return segments
+
+
+def _tp_owned(
+    backbone: BackboneAssignment, segments: Mapping[int, list[Segment]]
+) -> dict[int, list[Segment]]:
+    """Split each TP group's (identical) cache into contiguous, near-equal owned parts, one per member.
+
+    Every TP rank of a group holds the full, identical gradient of a replicated input, so each
+    returns only its owned part: together they return every row exactly once.
+    """
+    owned = {rank: list(segs) for rank, segs in segments.items()}
+    for group in backbone.tp_groups:
+        members = list(group)
+        first = members[0]
+        for member in members[1:]:
+            if backbone.micro_batches.get(member) != backbone.micro_batches.get(first):
+                raise ValueError(
+                    f"TP ranks {first} and {member} consume different micro-batches; "
+                    "TP replicas must see identical inputs (fix the backbone assignment or tp_groups)"
+                )
+        total = sum(stop - start for _, start, stop, _ in segments.get(first, []))
+        for i, member in enumerate(members):
+            lo, hi = total * i // len(members), total * (i + 1) // len(members)
+            owned[member] = _cut(segments.get(first, []), lo, hi)
+    return owned
+
+
+def _cut(segments: list[Segment], lo: int, hi: int) -> list[Segment]:
+    """The parts of ``segments`` that cover cache rows ``[lo, hi)``."""
+    out: list[Segment] = []
+    for key, start, stop, at in segments:
+        a, b = max(lo, at), min(hi, at + stop - start)
+        if a < b:
+            out.append((key, start + a - at, start + b - at, a))
+    return out
+
+
+def _gather_index(micro_batch: Sequence[RowSlice], segments: list[Segment]) -> torch.Tensor:
+    runs: dict[UnitKey, list[Segment]] = defaultdict(list)
+    for segment in segments:
+        runs[segment[0]].append(segment)
+    rows: list[int] = []
+    for piece in micro_batch:
+        # A consumed slice lies inside exactly one merged run of its unit.
+        _, start, _, at = next(
+            s for s in runs[piece.key] if s[1] <= piece.start and piece.stop <= s[2]
+        )
+        rows.extend(range(at + piece.start - start, at + piece.stop - start))
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def _exchange(
+    rank: int, world_size: int, pairs: Mapping[tuple[int, int], tuple[list[int], list[int]]]
+) -> Exchange:
+    send = [pairs.get((rank, peer), ([], []))[0] for peer in range(world_size)]
+    recv = [pairs.get((peer, rank), ([], []))[1] for peer in range(world_size)]
+    return Exchange(
+        send_counts=tuple(len(rows) for rows in send),
+        send_index=torch.tensor([r for rows in send for r in rows], dtype=torch.int64),
+        recv_counts=tuple(len(rows) for rows in recv),
+        recv_index=torch.tensor([r for rows in recv for r in rows], dtype=torch.int64),
+    )

@@ -1,0 +1,100 @@
+"""What the iterator yields: a micro-batch as named tensors over one staged buffer, with its stats."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from knitkit.types import MicroBatchLayout
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatchStats:
+    """Timings and size of one delivered micro-batch."""
+
+    index: int
+    wait_s: float
+    """Time the training loop spent inside ``next()`` for it: exposed data wait plus hand-over."""
+    fetch_s: float
+    """Time the prefetch thread spent in ``next(source)`` (e.g. waiting for the reorganizer)."""
+    stage_s: float
+    """Host copy into the staging slot plus issuing the device copy."""
+    nbytes: int
+
+
+@dataclass(slots=True)
+class IterStats:
+    """Totals over the micro-batches an iterator has delivered."""
+
+    count: int = 0
+    wait_s: float = 0.0
+    first_wait_s: float = 0.0
+    """Wait for the first micro-batch: its preparation cannot overlap any compute."""
+    fetch_s: float = 0.0
+    stage_s: float = 0.0
+    nbytes: int = 0
+    h2d_s: float = 0.0
+    """Device time of the host-to-device copies (CUDA with ``time_h2d=True`` only, after close)."""
+
+    def add(self, mb: MicroBatchStats) -> None:
+        if self.count == 0:
+            self.first_wait_s = mb.wait_s
+        self.count += 1
+        self.wait_s += mb.wait_s
+        self.fetch_s += mb.fetch_s
+        self.stage_s += mb.stage_s
+        self.nbytes += mb.nbytes
+
+    @property
+    def steady_wait_s(self) -> float:
+        """Exposed wait after the first micro-batch: what overlap is meant to hide."""
+        return self.wait_s - self.first_wait_s
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """One delivered micro-batch: field tensors viewing one flat staged buffer.
+
+    The tensors live in a staging slot that is refilled once the ring comes round again:
+    they stay valid until the next ``next()`` call; ``clone()`` what must live longer.
+    """
+
+    index: int
+    layout: MicroBatchLayout
+    flat: torch.Tensor
+    """The packed bytes (uint8) on the target device; ``tensors`` are views of it."""
+    tensors: Mapping[str, torch.Tensor]
+    stats: MicroBatchStats
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise KeyError(
+                f"micro-batch has no field {name!r}; fields: {list(self.tensors)}"
+            ) from None
+
+
+def field_tensors(
+    flat: torch.Tensor,
+    layout: MicroBatchLayout,
+    overrides: Mapping[str, torch.dtype] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Zero-copy tensor views of every field of ``layout`` over the flat uint8 tensor ``flat``."""
+    overrides = overrides or {}
+    views = {}
+    for view in layout.fields:
+        raw = flat[view.offset : view.offset + view.nbytes].view(torch_dtype(view.dtype))
+        dtype = overrides.get(view.name)
+        views[view.name] = (raw.view(dtype) if dtype is not None else raw).view(view.shape)
+    return views
+
+
+@lru_cache(maxsize=64)
+def torch_dtype(numpy_name: str) -> torch.dtype:
+    """The torch dtype with the layout of numpy dtype ``numpy_name``."""
+    return torch.from_numpy(np.empty(0, dtype=numpy_name)).dtype

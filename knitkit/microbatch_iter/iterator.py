@@ -1,0 +1,155 @@
+"""The micro-batch iterator: delivers staged micro-batches in order while later ones are prepared."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+
+import torch
+
+from knitkit.microbatch_iter.batch import IterStats, MicroBatch, MicroBatchStats, field_tensors
+from knitkit.microbatch_iter.pool import SlotRing
+from knitkit.microbatch_iter.source import SourceItem
+from knitkit.microbatch_iter.transport import make_transport
+from knitkit.microbatch_iter.worker import End, Failure, Prefetcher
+
+
+class MicroBatchIterator(Iterator[MicroBatch]):
+    """Wraps a source of packed micro-batches and yields them staged on the device, in order.
+
+    A background thread pulls from the source and stages up to ``depth`` micro-batches ahead
+    into a ring of ``depth + 1`` reusable slots (pinned host + device buffers on CUDA, plain
+    host buffers on CPU); see NOTE [ Stream/event hand-off ] and NOTE [ Prefetch thread
+    shutdown ]. Use it as a context manager, or call ``close()``.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """Prefetch settings; the source and the device are runtime arguments of ``build``."""
+
+        depth: int = 2
+        """Micro-batches staged ahead of the one the training loop holds; memory held is
+        ``depth + 1`` slots."""
+        slot_nbytes: int = 0
+        """Bytes each slot gets at start-up (size it to the token budget, so pinning happens
+        once); slots grow to the next power of two when a larger micro-batch arrives."""
+        stage_after_launch: bool = False
+        """If True, staging the micro-batch ``depth`` ahead waits for ``launched()`` (paper
+        section 6: after the current micro-batch's first kernel is launched); otherwise it
+        starts as soon as ``next()`` hands the current one over."""
+        join_timeout_s: float = 5.0
+        """How long ``close()`` waits for the thread; a source blocked longer is abandoned."""
+        time_h2d: bool = False
+        """CUDA: time every host-to-device copy with events (``stats.h2d_s``, after close)."""
+
+        def build(
+            self, source: Iterable[SourceItem], *, device: torch.device | str | None = None
+        ) -> MicroBatchIterator:
+            return MicroBatchIterator(source, self, device=device)
+
+    def __init__(
+        self,
+        source: Iterable[SourceItem],
+        config: Config | None = None,
+        *,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.config = config = config or MicroBatchIterator.Config()
+        if config.depth < 1:
+            raise ValueError(f"depth={config.depth}; prefetch needs depth >= 1")
+        self.device = _resolve(device)
+        slots = config.depth + 1
+        transport = make_transport(self.device, slots, time_h2d=config.time_h2d)
+        ring = SlotRing(slots, transport, config.slot_nbytes)
+        self._prefetcher = Prefetcher(
+            iter(source),
+            ring,
+            transport,
+            depth=config.depth,
+            join_timeout_s=config.join_timeout_s,
+        )
+        self._stats = IterStats()
+        self._launch_pending = False
+        self._finished = False
+        self._finalizer = weakref.finalize(self, self._prefetcher.shutdown)
+        self._finalizer.atexit = False
+        self._prefetcher.thread.start()
+
+    def __next__(self) -> MicroBatch:
+        start = time.perf_counter()
+        if self._finished:
+            raise StopIteration
+        prefetcher = self._prefetcher
+        if prefetcher.held is not None:
+            prefetcher.transport.release(prefetcher.held)
+            prefetcher.held = None
+        self.launched()
+        record = prefetcher.take()
+        if isinstance(record, End):
+            self.close()
+            raise StopIteration
+        if isinstance(record, Failure):
+            self.close()
+            raise record.error
+        slot = prefetcher.ring.slots[record.slot]
+        assert slot.device is not None
+        prefetcher.transport.hand_over(record.slot)
+        prefetcher.held = record.slot
+        layout = record.layout
+        flat = slot.device[: layout.nbytes]
+        tensors = field_tensors(flat, layout, record.torch_dtypes)
+        self._launch_pending = True
+        if not self.config.stage_after_launch:
+            self.launched()
+        wait_s = time.perf_counter() - start
+        stats = MicroBatchStats(record.index, wait_s, record.fetch_s, record.stage_s, layout.nbytes)
+        self._stats.add(stats)
+        return MicroBatch(record.index, layout, flat, tensors, stats)
+
+    def launched(self) -> None:
+        """Tell the iterator the held micro-batch's first kernel is launched; staging may go on.
+
+        Only needed with ``stage_after_launch=True``; ``next()`` implies it otherwise.
+        """
+        if self._launch_pending:
+            self._launch_pending = False
+            self._prefetcher.credits.release()
+
+    @property
+    def pool(self) -> SlotRing:
+        """The staging ring, for inspection (``allocations``, ``held_bytes``)."""
+        return self._prefetcher.ring
+
+    @property
+    def stats(self) -> IterStats:
+        """Totals so far (``h2d_s`` is filled in by ``close()``)."""
+        self._stats.h2d_s = self._prefetcher.transport.h2d_seconds
+        return self._stats
+
+    def close(self) -> None:
+        """Stop the prefetch thread, free the staging ring and close the source; idempotent."""
+        self._finished = True
+        self._finalizer()
+
+    def __enter__(self) -> MicroBatchIterator:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _resolve(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device

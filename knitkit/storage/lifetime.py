@@ -1,0 +1,82 @@
+"""Unit lifetimes: which consumers of which mini-batch still have to read each unit."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from knitkit.storage.plan import MiniBatchPlan
+from knitkit.types import UnitKey
+
+
+class ConsumerLedger:
+    """Reference counts of units over the outstanding consumers of registered mini-batch plans.
+
+    A unit's count is the number of consumers (backbone (DP, CP) groups and encoder ranks) that
+    still have to read it. The store frees a unit when its count reaches zero, and a mini-batch's
+    trajectories once its last consumer is done.
+    """
+
+    def __init__(self) -> None:
+        self._outstanding: dict[str, dict[str, frozenset[UnitKey]]] = {}
+        self._trajectories: dict[str, frozenset[str]] = {}
+        self._counts: Counter[UnitKey] = Counter()
+
+    def register(self, plan: MiniBatchPlan) -> None:
+        if plan.minibatch_id in self._outstanding:
+            raise KeyError(f"mini-batch {plan.minibatch_id!r} is already registered")
+        by_consumer = {
+            name: frozenset(r.key for r in reads)
+            for name, reads in plan.reads_by_consumer().items()
+        }
+        self._outstanding[plan.minibatch_id] = by_consumer
+        self._trajectories[plan.minibatch_id] = frozenset(
+            s.trajectory_id for c in plan.consumers for mb in c.micro_batches for s in mb.sequences
+        )
+        for keys in by_consumer.values():
+            self._counts.update(keys)
+
+    def consumed(self, minibatch_id: str, consumer: str) -> tuple[UnitKey, ...]:
+        """Mark one consumer done; returns the units nobody needs any more."""
+        pending = self._pending(minibatch_id)
+        if consumer not in pending:
+            raise KeyError(
+                f"consumer {consumer!r} of mini-batch {minibatch_id!r} is not outstanding; "
+                f"outstanding: {sorted(pending)}"
+            )
+        dead = []
+        for key in pending.pop(consumer):
+            self._counts[key] -= 1
+            if self._counts[key] == 0:
+                del self._counts[key]
+                dead.append(key)
+        return tuple(dead)
+
+    def finished(self, minibatch_id: str) -> bool:
+        return not self._pending(minibatch_id)
+
+    def close(self, minibatch_id: str) -> frozenset[str]:
+        """Forget a mini-batch (done or aborted); returns its trajectory ids."""
+        for keys in self._pending(minibatch_id).values():
+            self._counts.subtract(keys)
+        self._counts = +self._counts
+        del self._outstanding[minibatch_id]
+        return self._trajectories.pop(minibatch_id)
+
+    def needed(self, key: UnitKey) -> bool:
+        return self._counts[key] > 0
+
+    def planned(self, trajectory_id: str) -> str | None:
+        """The registered mini-batch a trajectory belongs to, if any."""
+        for minibatch_id, tids in self._trajectories.items():
+            if trajectory_id in tids:
+                return minibatch_id
+        return None
+
+    def outstanding(self, minibatch_id: str) -> tuple[str, ...]:
+        return tuple(sorted(self._pending(minibatch_id)))
+
+    def _pending(self, minibatch_id: str) -> dict[str, frozenset[UnitKey]]:
+        try:
+            return self._outstanding[minibatch_id]
+        except KeyError:
+            raise KeyError(f"mini-batch {minibatch_id!r} is not registered") from None

@@ -1,0 +1,79 @@
+"""In-process memory backend: units are private numpy arrays, range reads copy only the rows asked for."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from knitkit.storage.backend import UnitSpec
+from knitkit.storage.ranges import check_ranges, check_replacement, destination, spec_of
+from knitkit.types import SeqRange, UnitKey
+
+
+class MemoryBackend:
+    """``UnitBackend`` over a dict of arrays; pickling copies the units (use it within one process)."""
+
+    def __init__(self) -> None:
+        self._units: dict[UnitKey, np.ndarray] = {}
+        self._bytes_read = 0
+
+    def put(self, key: UnitKey, array: np.ndarray) -> None:
+        if key in self._units:
+            raise KeyError(f"unit {key} already exists; use replace() to update it")
+        self._units[key] = np.array(array, order="C", copy=True)
+
+    def replace(self, key: UnitKey, array: np.ndarray) -> None:
+        check_replacement(key, self.spec(key), array)
+        np.copyto(self._units[key], array)
+
+    def spec(self, key: UnitKey) -> UnitSpec:
+        return spec_of(self._unit(key))
+
+    def read(
+        self,
+        key: UnitKey,
+        ranges: Sequence[SeqRange] | None = None,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        unit = self._unit(key)
+        spec = spec_of(unit)
+        checked = check_ranges(key, spec, ranges)
+        dst = destination(key, spec, checked, out)
+        if checked is None:
+            np.copyto(dst, unit)
+        else:
+            row = 0
+            for start, stop in checked:
+                dst[row : row + stop - start] = unit[start:stop]
+                row += stop - start
+        self._bytes_read += dst.nbytes
+        return dst
+
+    def view(self, key: UnitKey) -> np.ndarray:
+        """Read-only zero-copy view of a whole unit."""
+        unit = self._unit(key).view()
+        unit.flags.writeable = False
+        return unit
+
+    def delete(self, key: UnitKey) -> None:
+        self._unit(key)
+        del self._units[key]
+
+    def keys(self) -> Iterator[UnitKey]:
+        return iter(list(self._units))
+
+    @property
+    def bytes_read(self) -> int:
+        return self._bytes_read
+
+    def close(self) -> None:
+        self._units.clear()
+
+    def _unit(self, key: UnitKey) -> np.ndarray:
+        try:
+            return self._units[key]
+        except KeyError:
+            raise KeyError(
+                f"unknown unit {key}; it was never put or was already released"
+            ) from None

@@ -1,0 +1,234 @@
+"""Plan values: which unit ranges every consumer reads, micro-batch by micro-batch, and how to pack them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from knitkit.types import MultimodalRef, SeqRange, UnitKey, UnitRead
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Backbone consumer layout: DP x CP x TP ranks, CP using Megatron's load-balanced 2*cp chunks."""
+
+    dp: int
+    cp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+    """With sequence parallelism every CP chunk must also split evenly over TP ranks."""
+
+    def __post_init__(self) -> None:
+        if min(self.dp, self.cp, self.tp) < 1:
+            raise ValueError(
+                f"topology sizes must be >= 1, got dp={self.dp} cp={self.cp} tp={self.tp}"
+            )
+
+    @property
+    def pad_multiple(self) -> int:
+        """Every sequence is padded to a multiple of this (Megatron's tp*cp*2 / cp*2 / tp rule)."""
+        multiple = 2 * self.cp if self.cp > 1 else 1
+        return multiple * self.tp if self.sequence_parallel else multiple
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderTopology:
+    """One multimodal encoder's own layout, independent of the backbone's."""
+
+    name: str
+    """Encoder name, e.g. "vision"; consumers of its plan are named ``"<name>/dp<r>"``."""
+    dp: int
+    tp: int = 1
+    kinds: tuple[str, ...] = ("image", "video")
+    """Multimodal unit kinds (``UnitKey.field``) this encoder consumes."""
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceSlice:
+    """One trajectory's share of a packed micro-batch on one CP rank."""
+
+    trajectory_id: str
+    num_tokens: int
+    """Real (unpadded) tokens of the whole trajectory."""
+    padded_length: int
+    """Whole-sequence length after padding to ``Topology.pad_multiple``."""
+    chunks: tuple[SeqRange, ...]
+    """This CP rank's ranges in padded coordinates, in packing order (two chunks when cp > 1).
+    They are also the position ids; positions >= ``num_tokens`` are padding."""
+    multimodal: tuple[MultimodalRef, ...] = ()
+    """The trajectory's multimodal inputs (all of them; intersect with ``chunks`` for this rank)."""
+
+    @property
+    def local_length(self) -> int:
+        """Packed length of this slice on this CP rank (padding included)."""
+        return sum(stop - start for start, stop in self.chunks)
+
+    @property
+    def read_ranges(self) -> tuple[SeqRange, ...]:
+        """``chunks`` clipped to the real tokens: the ranges read from every per-token unit."""
+        clipped = ((start, min(stop, self.num_tokens)) for start, stop in self.chunks)
+        return tuple((start, stop) for start, stop in clipped if stop > start)
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatchPlan:
+    """One micro-batch of one (DP, CP) consumer: its sequences in packing order and fields to read."""
+
+    index: int
+    """Position in the consumer's consumption order (same count on every DP rank)."""
+    sequences: tuple[SequenceSlice, ...]
+    token_fields: tuple[str, ...]
+    """Per-token fields read with the sequences' ranges (e.g. "tokens", "logprobs", "routing")."""
+    scalar_fields: tuple[str, ...] = ()
+    """Per-trajectory fields read whole (e.g. "reward")."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Packed tokens (padding included) on this consumer."""
+        return sum(s.local_length for s in self.sequences)
+
+    def reads(self) -> tuple[UnitRead, ...]:
+        """Every unit read of this micro-batch, sequence by sequence, fields in declared order."""
+        out: list[UnitRead] = []
+        for seq in self.sequences:
+            ranges = seq.read_ranges
+            out.extend(UnitRead(UnitKey(seq.trajectory_id, f), ranges) for f in self.token_fields)
+            out.extend(UnitRead(UnitKey(seq.trajectory_id, f)) for f in self.scalar_fields)
+        return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerPlan:
+    """Everything one backbone (DP, CP) consumer group (shared by its TP ranks) reads, in order."""
+
+    dp_rank: int
+    cp_rank: int
+    micro_batches: tuple[MicroBatchPlan, ...]
+
+    @property
+    def name(self) -> str:
+        return f"backbone/dp{self.dp_rank}/cp{self.cp_rank}"
+
+    def reads(self) -> tuple[UnitRead, ...]:
+        return tuple(r for mb in self.micro_batches for r in mb.reads())
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderRankPlan:
+    """The unique multimodal units one encoder DP rank encodes, split into its own micro-batches."""
+
+    encoder: str
+    dp_rank: int
+    micro_batches: tuple[tuple[UnitKey, ...], ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.encoder}/dp{self.dp_rank}"
+
+    @property
+    def units(self) -> tuple[UnitKey, ...]:
+        return tuple(k for mb in self.micro_batches for k in mb)
+
+    def reads(self) -> tuple[UnitRead, ...]:
+        return tuple(UnitRead(k) for k in self.units)
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderPlan:
+    """One encoder's assignment: per encoder DP rank, the mini-batch's unique inputs it encodes."""
+
+    topology: EncoderTopology
+    ranks: tuple[EncoderRankPlan, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MiniBatchPlan:
+    """The whole assignment of one admitted mini-batch: backbone consumers plus every encoder."""
+
+    minibatch_id: str
+    topology: Topology
+    consumers: tuple[ConsumerPlan, ...]
+    """Ordered DP-major: ``consumers[dp * topology.cp + cp]``."""
+    encoders: tuple[EncoderPlan, ...] = ()
+
+    def consumer(self, dp_rank: int, cp_rank: int) -> ConsumerPlan:
+        if not (0 <= dp_rank < self.topology.dp and 0 <= cp_rank < self.topology.cp):
+            raise IndexError(f"no consumer (dp={dp_rank}, cp={cp_rank}) in {self.topology}")
+        return self.consumers[dp_rank * self.topology.cp + cp_rank]
+
+    def encoder(self, name: str) -> EncoderPlan:
+        for plan in self.encoders:
+            if plan.topology.name == name:
+                return plan
+        raise KeyError(f"mini-batch plan has no encoder {name!r}")
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.consumers[0].micro_batches) if self.consumers else 0
+
+    def reads_by_consumer(self) -> dict[str, tuple[UnitRead, ...]]:
+        """Reads of every consumer (backbone and encoder ranks) by consumer name."""
+        out = {c.name: c.reads() for c in self.consumers}
+        out.update({r.name: r.reads() for e in self.encoders for r in e.ranks})
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(_encode(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> MiniBatchPlan:
+        return _decode_plan(json.loads(text))
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, UnitKey):
+        return str(value)
+    if hasattr(value, "__dataclass_fields__"):
+        return {name: _encode(getattr(value, name)) for name in value.__dataclass_fields__}
+    if isinstance(value, tuple | list):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _ranges(raw: list[list[int]]) -> tuple[SeqRange, ...]:
+    return tuple((int(a), int(b)) for a, b in raw)
+
+
+def _decode_plan(raw: dict[str, Any]) -> MiniBatchPlan:
+    def sequence(s: dict[str, Any]) -> SequenceSlice:
+        refs = tuple(
+            MultimodalRef(UnitKey.parse(m["key"]), m["token_start"], m["num_tokens"], m["cost"])
+            for m in s["multimodal"]
+        )
+        return SequenceSlice(
+            s["trajectory_id"], s["num_tokens"], s["padded_length"], _ranges(s["chunks"]), refs
+        )
+
+    def micro(m: dict[str, Any]) -> MicroBatchPlan:
+        seqs = tuple(sequence(s) for s in m["sequences"])
+        return MicroBatchPlan(m["index"], seqs, tuple(m["token_fields"]), tuple(m["scalar_fields"]))
+
+    def encoder(e: dict[str, Any]) -> EncoderPlan:
+        t = e["topology"]
+        topo = EncoderTopology(t["name"], t["dp"], t["tp"], tuple(t["kinds"]))
+        ranks = tuple(
+            EncoderRankPlan(
+                r["encoder"],
+                r["dp_rank"],
+                tuple(tuple(UnitKey.parse(k) for k in mb) for mb in r["micro_batches"]),
+            )
+            for r in e["ranks"]
+        )
+        return EncoderPlan(topo, ranks)
+
+    consumers = tuple(
+        ConsumerPlan(c["dp_rank"], c["cp_rank"], tuple(micro(m) for m in c["micro_batches"]))
+        for c in raw["consumers"]
+    )
+    return MiniBatchPlan(
+        raw["minibatch_id"],
+        Topology(**raw["topology"]),
+        consumers,
+        tuple(encoder(e) for e in raw["encoders"]),
+    )

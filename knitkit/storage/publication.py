@@ -1,0 +1,126 @@
+"""Producer side of micro-batch publication: fill ring slots in order, with bounded look-ahead."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from knitkit.storage.slot_ring import (
+    DONE,
+    FAILED,
+    HEARTBEAT_S,
+    RUNNING,
+    Backoff,
+    RingClosedError,
+    SlotRing,
+    pid_alive,
+)
+from knitkit.types import MicroBatchLayout
+
+# NOTE [ Micro-batch publication protocol ]
+#
+# One ring per reorganizer: ONE /dev/shm segment holding a control block, per-slot metadata and
+# `num_slots` data slots of `slot_bytes`. It is allocated (and its pages faulted in) once, by the
+# ring's owner, and reused for every micro-batch of every mini-batch: fresh pages cost 5-10x the
+# copy on this kind of machine (notes/data_path.md section 2).
+#
+# Roles. The OWNER creates and unlinks the segment (the process wrapper in the launcher, or the Ray
+# actor itself). The PRODUCER (one reorganizer loop) writes micro-batches. CONSUMERS (the group's TP
+# ranks, indexes 0..num_consumers-1) read them. Producer and consumers only map the segment by
+# file, never through `multiprocessing.shared_memory`, so Python 3.11's resource tracker cannot
+# unlink it when they exit; the owner's own tracker registration is the backstop if the owner is
+# SIGKILLed.
+#
+# Single writer per word. Producer: STATE, PRODUCER_PID, HEARTBEAT, PUBLISHED, BYTES_READ,
+# ERROR_*, slot data and slot metadata. Owner: OWNER_PID, STOP. Consumer c: RELEASED[c].
+#
+# Publication of micro-batch `seq` (0, 1, 2, ... across mini-batches) into slot `seq % num_slots`:
+#   1. producer waits until min_c RELEASED[c] > seq - num_slots (every consumer released the
+#      slot's previous occupant), or STOP is set / the owner died (then it gives up);
+#   2. writes the payload into the slot, then the slot metadata (seq, pickled layout);
+#   3. stores PUBLISHED = seq + 1 last.
+# Consumer c wanting `seq` waits until PUBLISHED > seq, checks the slot's seq, and hands out
+# zero-copy views; it stores RELEASED[c] = seq + 1 once it no longer uses them.
+# Ordering relies on aligned 8-byte stores becoming visible in program order (x86-64 TSO), which
+# plain numpy stores give us; the slot seq check catches a stale slot.
+#
+# Termination. The producer sets STATE=DONE after its last micro-batch, or STATE=FAILED with the
+# error text. A consumer that finds no new micro-batch raises if STATE is FAILED, stops if DONE,
+# and declares the producer dead if its pid is gone (or a zombie) or HEARTBEAT (written every
+# HEARTBEAT_S by a producer thread, CLOCK_MONOTONIC is node-wide) is older than the liveness
+# timeout. The owner sets STOP to make a producer blocked on a full ring give up.
+
+
+class Publisher:
+    """Publishes packed micro-batches into a slot ring, one sequence number after another."""
+
+    def __init__(self, ring: SlotRing):
+        self.ring = ring
+        self._next = ring.published
+        self._acquired: int | None = None
+        self._stop_beat = threading.Event()
+        self._beat_thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Mark the producer running and start its heartbeat (see the NOTE)."""
+        self.ring.set_producer_pid(os.getpid())
+        self.ring.beat()
+        self.ring.set_state(RUNNING)
+        self._beat_thread = threading.Thread(
+            target=self._beat, name="knitkit-publisher-heartbeat", daemon=True
+        )
+        self._beat_thread.start()
+
+    def acquire(self, nbytes: int) -> memoryview:
+        """Wait until the next slot is released by every consumer; return its first ``nbytes``."""
+        spec = self.ring.spec
+        if nbytes > spec.slot_bytes:
+            raise ValueError(
+                f"micro-batch {self._next} needs {nbytes} bytes but ring {spec.name!r} has "
+                f"slot_bytes={spec.slot_bytes}; size the slots for the largest micro-batch"
+            )
+        backoff = Backoff()
+        while self.ring.min_released() <= self._next - spec.num_slots:
+            if self.ring.stop_requested:
+                raise RingClosedError(f"ring {spec.name!r}: its owner asked the producer to stop")
+            if not pid_alive(self.ring.owner_pid):
+                raise RingClosedError(f"ring {spec.name!r}: owner pid {self.ring.owner_pid} died")
+            backoff.wait()
+        self._acquired = self._next
+        return self.ring.slot(self._next, nbytes)
+
+    def publish(self, layout: MicroBatchLayout) -> int:
+        """Publish the acquired slot with ``layout``; returns its sequence number."""
+        seq = self._acquired
+        if seq is None:
+            raise RuntimeError("publish() without acquire(): acquire a slot and fill it first")
+        self.ring.write_meta(seq, layout)
+        self.ring.set_published(seq + 1)
+        self._acquired = None
+        self._next = seq + 1
+        return seq
+
+    def finish(self) -> None:
+        """Tell consumers there is nothing more to come."""
+        self.ring.set_state(DONE)
+        self._stop_heartbeat()
+
+    def fail(self, message: str) -> None:
+        """Tell consumers the producer failed; they raise with ``message``."""
+        self.ring.set_error(message)
+        self.ring.set_state(FAILED)
+        self._stop_heartbeat()
+
+    def close(self) -> None:
+        self._stop_heartbeat()
+        self.ring.close()
+
+    def _beat(self) -> None:
+        while not self._stop_beat.wait(HEARTBEAT_S):
+            self.ring.beat()
+
+    def _stop_heartbeat(self) -> None:
+        self._stop_beat.set()
+        if self._beat_thread is not None:
+            self._beat_thread.join()
+            self._beat_thread = None

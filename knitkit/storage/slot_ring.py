@@ -1,0 +1,281 @@
+"""The shared-memory segment behind micro-batch publication: control words, slot metadata, slots."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import pickle
+import secrets
+import time
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from knitkit.types import MicroBatchLayout
+
+# Segment layout and word ownership: see NOTE [ Micro-batch publication protocol ] in publication.py.
+
+STARTING, RUNNING, DONE, FAILED = 0, 1, 2, 3
+_MAGIC = 0x4B4E4954_52494E47
+_MAGIC_W, _STATE_W, _PRODUCER_PID_W, _OWNER_PID_W = 0, 1, 2, 3
+_PUBLISHED_W, _BYTES_READ_W, _STOP_W, _ERROR_LEN_W, _HEARTBEAT_W = 4, 5, 6, 7, 8
+_RELEASED_W = 16
+_ERROR_BYTES = 4096
+_PAGE = 4096
+HEARTBEAT_S = 0.05
+"""How often a running producer refreshes its heartbeat."""
+
+
+class RingClosedError(RuntimeError):
+    """The ring's owner asked the producer to stop, or the owner is gone."""
+
+
+@dataclass(frozen=True, slots=True)
+class RingSpec:
+    """Where and how big a slot ring is; a plain value handed to every process that maps it."""
+
+    name: str
+    """Segment name under /dev/shm."""
+    num_slots: int
+    """Look-ahead bound: micro-batches published but not yet released by every consumer."""
+    slot_bytes: int
+    """Capacity of one slot; the largest packed micro-batch must fit."""
+    num_consumers: int
+    """TP ranks that read every micro-batch."""
+    meta_bytes: int = 64 * 1024
+    """Capacity of one slot's pickled layout (trajectory ids, cu_seqlens, field views)."""
+
+    @classmethod
+    def new(
+        cls, *, num_slots: int, slot_bytes: int, num_consumers: int, prefix: str = "knitkit"
+    ) -> RingSpec:
+        if num_slots < 1 or num_consumers < 1 or slot_bytes < 1:
+            raise ValueError(
+                f"ring needs num_slots, num_consumers, slot_bytes >= 1; got "
+                f"{num_slots}, {num_consumers}, {slot_bytes}"
+            )
+        name = f"{prefix}_{os.getpid()}_{secrets.token_hex(4)}"
+        return cls(name, num_slots, _round_up(slot_bytes, _PAGE), num_consumers)
+
+    @property
+    def _error_offset(self) -> int:
+        return _round_up(8 * (_RELEASED_W + self.num_consumers), 64)
+
+    @property
+    def _meta_offset(self) -> int:
+        return self._error_offset + _ERROR_BYTES
+
+    @property
+    def _data_offset(self) -> int:
+        return _round_up(self._meta_offset + self.num_slots * self.meta_bytes, _PAGE)
+
+    @property
+    def segment_bytes(self) -> int:
+        return self._data_offset + self.num_slots * self.slot_bytes
+
+
+class SlotRing:
+    """A mapped slot ring: typed views of its control block, slot metadata and slot payloads."""
+
+    def __init__(self, spec: RingSpec, buf: memoryview, owner: shared_memory.SharedMemory | None):
+        self.spec = spec
+        self._buf = buf
+        self._owner = owner
+        self._mmap: mmap.mmap | None = None
+        self.words = np.frombuffer(buf, np.int64, _RELEASED_W + spec.num_consumers)
+        self._heartbeat = np.frombuffer(buf, np.float64, 1, 8 * _HEARTBEAT_W)
+
+    @classmethod
+    def create(cls, spec: RingSpec) -> SlotRing:
+        """Create the segment and fault its pages in; the caller owns it and must ``unlink``."""
+        shm = shared_memory.SharedMemory(spec.name, create=True, size=spec.segment_bytes)
+        fd = os.open(f"/dev/shm/{spec.name}", os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, spec.segment_bytes)  # allocate every page now, once
+        except OSError:
+            pass  # no fallocate here: pages get allocated on first use instead
+        finally:
+            os.close(fd)
+        assert shm.buf is not None
+        ring = cls(spec, shm.buf, shm)
+        ring.words[_OWNER_PID_W] = os.getpid()
+        ring._heartbeat[0] = time.monotonic()
+        ring.words[_MAGIC_W] = _MAGIC
+        return ring
+
+    @classmethod
+    def attach(cls, spec: RingSpec) -> SlotRing:
+        """Map an existing ring by file (no resource-tracker registration: see the NOTE)."""
+        path = f"/dev/shm/{spec.name}"
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"slot ring {spec.name!r} does not exist ({path}); its owner must create it "
+                "first and keep it until every producer and consumer has closed"
+            ) from None
+        try:
+            mapped = mmap.mmap(fd, spec.segment_bytes)
+        finally:
+            os.close(fd)
+        ring = cls(spec, memoryview(mapped), None)
+        ring._mmap = mapped
+        if ring.words[_MAGIC_W] != _MAGIC:
+            ring.close()
+            raise ValueError(f"/dev/shm/{spec.name} is not a knitkit slot ring")
+        return ring
+
+    # -- control words (each has a single writer; see the NOTE) --
+    @property
+    def state(self) -> int:
+        return int(self.words[_STATE_W])
+
+    def set_state(self, state: int) -> None:
+        self.words[_STATE_W] = state
+
+    @property
+    def producer_pid(self) -> int:
+        return int(self.words[_PRODUCER_PID_W])
+
+    def set_producer_pid(self, pid: int) -> None:
+        self.words[_PRODUCER_PID_W] = pid
+
+    @property
+    def owner_pid(self) -> int:
+        return int(self.words[_OWNER_PID_W])
+
+    @property
+    def published(self) -> int:
+        return int(self.words[_PUBLISHED_W])
+
+    def set_published(self, count: int) -> None:
+        self.words[_PUBLISHED_W] = count
+
+    @property
+    def bytes_read(self) -> int:
+        """Payload bytes the producer read from its backend so far."""
+        return int(self.words[_BYTES_READ_W])
+
+    def add_bytes_read(self, nbytes: int) -> None:
+        self.words[_BYTES_READ_W] += nbytes
+
+    @property
+    def stop_requested(self) -> bool:
+        return bool(self.words[_STOP_W])
+
+    def request_stop(self) -> None:
+        self.words[_STOP_W] = 1
+
+    def min_released(self) -> int:
+        return int(self.words[_RELEASED_W:].min())
+
+    def released(self, consumer: int) -> int:
+        return int(self.words[_RELEASED_W + consumer])
+
+    def set_released(self, consumer: int, count: int) -> None:
+        self.words[_RELEASED_W + consumer] = count
+
+    # -- slots --
+    def slot(self, seq: int, nbytes: int) -> memoryview:
+        start = self.spec._data_offset + (seq % self.spec.num_slots) * self.spec.slot_bytes
+        return self._buf[start : start + nbytes]
+
+    def write_meta(self, seq: int, layout: MicroBatchLayout) -> None:
+        blob = pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(blob) + 16 > self.spec.meta_bytes:
+            raise ValueError(
+                f"micro-batch {seq}: layout metadata takes {len(blob)} bytes, more than the "
+                f"ring's meta_bytes={self.spec.meta_bytes}; build the RingSpec with a larger one"
+            )
+        start = self.spec._meta_offset + (seq % self.spec.num_slots) * self.spec.meta_bytes
+        self._buf[start + 16 : start + 16 + len(blob)] = blob
+        header = np.frombuffer(self._buf, np.int64, 2, start)
+        header[1] = len(blob)
+        header[0] = seq
+
+    def read_meta(self, seq: int) -> MicroBatchLayout:
+        start = self.spec._meta_offset + (seq % self.spec.num_slots) * self.spec.meta_bytes
+        stored_seq, length = np.frombuffer(self._buf, np.int64, 2, start).tolist()
+        if stored_seq != seq:
+            raise RuntimeError(f"slot ring {self.spec.name!r}: slot holds {stored_seq}, not {seq}")
+        layout: MicroBatchLayout = pickle.loads(self._buf[start + 16 : start + 16 + length])
+        return layout
+
+    @property
+    def heartbeat(self) -> float:
+        return float(self._heartbeat[0])
+
+    def beat(self) -> None:
+        self._heartbeat[0] = time.monotonic()
+
+    def set_error(self, message: str) -> None:
+        blob = message.encode()[:_ERROR_BYTES]
+        start = self.spec._error_offset
+        self._buf[start : start + len(blob)] = blob
+        self.words[_ERROR_LEN_W] = len(blob)
+
+    def error(self) -> str:
+        start = self.spec._error_offset
+        return bytes(self._buf[start : start + int(self.words[_ERROR_LEN_W])]).decode(
+            errors="replace"
+        )
+
+    def close(self) -> None:
+        """Unmap; views still held elsewhere keep the mapping alive until they are dropped."""
+        self.words = np.zeros(_RELEASED_W + self.spec.num_consumers, np.int64)
+        self._heartbeat = np.zeros(1, np.float64)
+        try:
+            if self._owner is not None:
+                self._owner.close()
+            elif self._mmap is not None:
+                self._buf.release()
+                self._mmap.close()
+        except BufferError:
+            pass  # a caller still holds zero-copy views; the mapping goes with them
+
+    def unlink(self) -> None:
+        """Remove the segment name (owner only); idempotent."""
+        if self._owner is None:
+            raise RuntimeError(f"slot ring {self.spec.name!r}: only its owner may unlink it")
+        with contextlib.suppress(FileNotFoundError):
+            self._owner.unlink()
+
+
+def unlink_ring(name: str) -> bool:
+    """Remove a ring's /dev/shm name without mapping it; True if it existed."""
+    try:
+        os.unlink(f"/dev/shm/{name}")
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` runs on this node and is not a zombie."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+class Backoff:
+    """Sleep schedule for polling a shared word: spin briefly, then sleep up to ``max_s``."""
+
+    def __init__(self, max_s: float = 0.001):
+        self._delay = 0.0
+        self._max = max_s
+
+    def wait(self) -> None:
+        if self._delay:
+            time.sleep(self._delay)
+        self._delay = min(self._max, self._delay * 2 or 2e-5)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple

@@ -1,0 +1,93 @@
+"""Parsing one SGLang /generate output: ids, log-probs, routed experts, finish reason, version."""
+
+from __future__ import annotations
+
+import base64
+import copy
+
+import numpy as np
+import pytest
+from knitkit.integration.sglang import (
+    decode_routed_experts,
+    parse_generate_output,
+    parse_weight_version,
+)
+from sglang_fixtures import load
+
+
+def test_batch_outputs_parse_to_aligned_arrays() -> None:
+    """Every output of an n=4 batch keeps its ids, per-token log-probs and finish reason."""
+    record = load("vlm_grpo_batch.json")
+    outputs = [parse_generate_output(out) for out in record["response"]]
+    assert [o.finish.kind for o in outputs if o.finish] == ["stop", "stop", "stop", "length"]
+    assert outputs[0].finish is not None and outputs[0].finish.matched == 151645
+    assert outputs[3].finish is not None and outputs[3].finish.length == 32
+    for raw, out in zip(record["response"], outputs, strict=True):
+        assert out.output_ids.dtype == np.int32
+        assert out.output_ids.tolist() == raw["output_ids"]
+        assert out.logprobs is not None and out.logprobs.dtype == np.float32
+        expected = [entry[0] for entry in raw["meta_info"]["output_token_logprobs"]]
+        np.testing.assert_allclose(out.logprobs, expected, rtol=1e-6)
+        assert out.prompt_tokens == len(record["request"]["input_ids"][0])
+        assert out.weight_version == out.first_version == "7"
+        assert out.num_tokens == out.prompt_tokens + len(raw["output_ids"])
+
+
+def test_routed_experts_decode_to_rows_layers_topk() -> None:
+    """routed_experts is base64 int32 [prompt + completion - 1, layers, topk], bit-exact."""
+    record = load("moe_routed_experts.json")
+    shape = (record["num_hidden_layers"], record["num_experts_per_tok"])
+    out = parse_generate_output(record["response"], routing_shape=shape)
+    rows = len(record["request"]["input_ids"]) + len(record["response"]["output_ids"]) - 1
+    assert out.routed_experts is not None
+    assert out.routed_experts.shape == (rows, *shape)
+    raw = base64.b64decode(record["response"]["meta_info"]["routed_experts"])
+    assert out.routed_experts.astype("<i4").tobytes() == raw
+    assert out.routed_experts.min() >= 0 and out.routed_experts.max() < 128
+    flat = parse_generate_output(record["response"]).routed_experts
+    assert flat is not None and flat.shape == (rows, shape[0] * shape[1])
+
+
+def test_routed_experts_shape_mismatch_names_the_request() -> None:
+    """A wrong routing shape or start length is an error naming the request id."""
+    record = load("moe_routed_experts.json")
+    rid = record["response"]["meta_info"]["id"]
+    with pytest.raises(ValueError, match=rid):
+        parse_generate_output(record["response"], routing_shape=(47, 8))
+    with pytest.raises(ValueError, match="not a multiple"):
+        decode_routed_experts(record["response"]["meta_info"]["routed_experts"], 7)
+
+
+def test_inconsistent_logprobs_are_rejected() -> None:
+    """Log-prob entries must match output_ids one to one, token for token."""
+    out = copy.deepcopy(load("vlm_grpo_batch.json")["response"][0])
+    out["meta_info"]["output_token_logprobs"][2][1] += 1
+    with pytest.raises(ValueError, match="differ from output_ids"):
+        parse_generate_output(out)
+    out["meta_info"]["output_token_logprobs"].pop()
+    with pytest.raises(ValueError, match="output_token_logprobs for"):
+        parse_generate_output(out)
+
+
+def test_abort_and_error_outputs() -> None:
+    """An aborted output parses as a partial rollout; an error body or unknown reason raises."""
+    exchange = load("partial_rollout.json")["exchanges"][0]
+    out = parse_generate_output(exchange["response"])
+    assert out.finish is not None and out.finish.aborted and out.finish.message == "Aborted"
+    with pytest.raises(ValueError, match="error"):
+        parse_generate_output({"error": {"message": "bad input"}})
+    bad = copy.deepcopy(exchange["response"])
+    bad["meta_info"]["finish_reason"] = {"type": "eos"}
+    with pytest.raises(ValueError, match="'eos'"):
+        parse_generate_output(bad)
+    with pytest.raises(ValueError, match="output_ids"):
+        parse_generate_output({"text": "hi", "meta_info": {}})
+
+
+def test_weight_version_mapping() -> None:
+    """'default' is the initial version; integers parse; other labels say how to fix them."""
+    assert parse_weight_version("default") == 0
+    assert parse_weight_version("default", initial=5) == 5
+    assert parse_weight_version("12") == 12
+    with pytest.raises(ValueError, match="version_of"):
+        parse_weight_version("ckpt-a")

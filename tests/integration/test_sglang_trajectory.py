@@ -1,0 +1,151 @@
+"""Building a storable Trajectory (payload arrays + metadata) from a request and its SGLang outputs."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+
+import numpy as np
+import pytest
+from knitkit.integration.sglang import (
+    PayloadConfig,
+    RolloutRequest,
+    build_trajectory,
+    image_bytes,
+    parse_generate_output,
+    placeholder_runs,
+)
+from sglang_fixtures import load
+
+from knitkit.storage import content_key
+
+IMAGE_PAD = 151655
+
+
+def _grpo_requests() -> tuple[list[RolloutRequest], list[dict]]:
+    record = load("vlm_grpo_batch.json")
+    body = record["request"]
+    requests = [
+        RolloutRequest(
+            trajectory_id=f"s0-{i}",
+            sample_id="s0",
+            source="chartqa",
+            rollout_step=3,
+            input_ids=tuple(body["input_ids"][0]),
+            images=tuple(body["image_data"][0]),
+        )
+        for i in range(body["sampling_params"]["n"])
+    ]
+    return requests, record["response"]
+
+
+def test_grpo_group_shares_one_unit_per_image() -> None:
+    """The n trajectories of a sample reference the same content keys at their placeholder runs."""
+    requests, outputs = _grpo_requests()
+    config = PayloadConfig(image_token_id=IMAGE_PAD)
+    trajectories = [
+        build_trajectory(r, [parse_generate_output(o)], config)
+        for r, o in zip(requests, outputs, strict=True)
+    ]
+    metas = [t.meta() for t in trajectories]
+    keys = {ref.key for m in metas for ref in m.multimodal}
+    assert len(keys) == 2 and all(k.field == "image" for k in keys)
+    first = metas[0].multimodal
+    assert [(r.token_start, r.num_tokens, r.cost) for r in first] == [(15, 4, 4.0), (21, 8, 8.0)]
+    tokens = trajectories[0].token_fields["tokens"]
+    units = trajectories[0].inputs()
+    for image, ref in zip(requests[0].images, first, strict=True):
+        assert (tokens[ref.token_start : ref.token_start + ref.num_tokens] == IMAGE_PAD).all()
+        data = base64.b64decode(image.split(",")[1])
+        assert data.startswith(b"\x89PNG")
+        assert units[ref.key].tobytes() == data
+        assert ref.key == content_key("image", np.frombuffer(data, dtype=np.uint8))
+    for meta in metas[1:]:
+        assert meta.multimodal == first
+
+
+def test_fields_align_with_the_sequence() -> None:
+    """tokens = prompt + output; loss_mask marks generated tokens; logprobs sit at those positions."""
+    requests, outputs = _grpo_requests()
+    for request, raw in zip(requests, outputs, strict=True):
+        out = parse_generate_output(raw)
+        trajectory = build_trajectory(request, [out], PayloadConfig(image_token_id=IMAGE_PAD))
+        fields, meta = trajectory.token_fields, trajectory.meta()
+        prompt = len(request.input_ids)
+        assert fields["tokens"].tolist() == list(request.input_ids) + raw["output_ids"]
+        assert meta.num_tokens == len(fields["tokens"]) == out.num_tokens
+        assert fields["loss_mask"].tolist() == [0] * prompt + [1] * len(raw["output_ids"])
+        assert out.logprobs is not None
+        np.testing.assert_array_equal(fields["logprobs"][prompt:], out.logprobs)
+        assert not fields["logprobs"][:prompt].any()
+        assert (meta.min_version, meta.max_version) == (7, 7)
+        assert (meta.sample_id, meta.source, meta.rollout_step) == ("s0", "chartqa", 3)
+
+
+def test_routing_rows_align_and_pad_the_last_token() -> None:
+    """Row i of routing is the experts of token i; the never-forwarded last token is -1."""
+    record = load("moe_routed_experts.json")
+    shape = (record["num_hidden_layers"], record["num_experts_per_tok"])
+    out = parse_generate_output(record["response"], routing_shape=shape)
+    request = RolloutRequest("t", "s", "math", 0, tuple(record["request"]["input_ids"]))
+    trajectory = build_trajectory(request, [out], PayloadConfig(routing_shape=shape))
+    routing = trajectory.token_fields["routing"]
+    assert routing.dtype == np.int16 and routing.shape == (out.num_tokens, *shape)
+    assert out.routed_experts is not None
+    np.testing.assert_array_equal(routing[:-1], out.routed_experts)
+    assert (routing[-1] == -1).all()
+    assert (trajectory.min_version, trajectory.max_version) == (12, 12)
+    started = dataclasses.replace(
+        out, routed_experts=out.routed_experts[5:], routed_experts_start=5
+    )
+    partial = build_trajectory(request, [started], PayloadConfig()).token_fields["routing"]
+    assert (partial[:5] == -1).all() and (partial[5:-1] == out.routed_experts[5:]).all()
+
+
+def test_partial_rollout_continues_across_a_weight_update() -> None:
+    """An aborted output plus its continuation is one trajectory spanning both versions."""
+    exchanges = load("partial_rollout.json")["exchanges"]
+    outs = [parse_generate_output(e["response"]) for e in exchanges]
+    prompt = tuple(exchanges[0]["request"]["input_ids"])
+    request = RolloutRequest("t", "s", "math", 4, prompt, issued_version=4)
+    trajectory = build_trajectory(request, outs, PayloadConfig())
+    generated = exchanges[0]["response"]["output_ids"] + exchanges[1]["response"]["output_ids"]
+    assert trajectory.token_fields["tokens"].tolist() == list(prompt) + generated
+    assert trajectory.token_fields["loss_mask"].sum() == len(generated)
+    assert (trajectory.min_version, trajectory.max_version) == (4, 5)
+    with pytest.raises(ValueError, match="aborted"):
+        build_trajectory(request, outs[:1], PayloadConfig())
+    with pytest.raises(ValueError, match="prompt_tokens=38"):
+        build_trajectory(request, outs[1:], PayloadConfig())
+
+
+def test_issued_version_lowers_min_version() -> None:
+    """A request issued under an older policy than the one that finished it counts that version."""
+    exchange = load("partial_rollout.json")["exchanges"][1]
+    out = parse_generate_output(exchange["response"])
+    request = RolloutRequest(
+        "t", "s", "math", 0, tuple(exchange["request"]["input_ids"]), issued_version=2
+    )
+    meta = build_trajectory(request, [out], PayloadConfig()).meta()
+    assert (meta.min_version, meta.max_version) == (2, 5)
+
+
+def test_image_errors_say_what_to_set() -> None:
+    """Images without a placeholder token, or a count mismatch, are errors naming the trajectory."""
+    requests, outputs = _grpo_requests()
+    out = parse_generate_output(outputs[0])
+    with pytest.raises(ValueError, match="image_token_id"):
+        build_trajectory(requests[0], [out], PayloadConfig())
+    one_image = dataclasses.replace(requests[0], images=requests[0].images[:1])
+    with pytest.raises(ValueError, match="'s0-0': 1 images but 2 runs"):
+        build_trajectory(one_image, [out], PayloadConfig(image_token_id=IMAGE_PAD))
+
+
+def test_image_identity_and_placeholder_runs(tmp_path) -> None:
+    """A file path and its bytes are one image; a URL is identified by its text."""
+    path = tmp_path / "a.png"
+    path.write_bytes(b"\x89PNG fake")
+    assert image_bytes(str(path)) == image_bytes(b"\x89PNG fake")
+    assert image_bytes("https://x/a.png") == b"https://x/a.png"
+    assert placeholder_runs([1, 9, 9, 2, 9, 3, 9, 9, 9], 9) == [(1, 2), (4, 1), (6, 3)]
+    assert placeholder_runs([1, 2], 9) == []

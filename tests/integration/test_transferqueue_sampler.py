@@ -1,0 +1,168 @@
+"""knitkit admission as a TransferQueue sampler, against the real transfer_queue package and Ray."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+import ray
+import torch
+import transfer_queue as tq
+from knitkit.integration.transferqueue import AdmissionSampler, sampler_conf, trajectory_tags
+from tensordict import TensorDict
+from transfer_queue.controller import DataPartitionStatus
+
+from knitkit.admission.controller import AdmissionController
+from knitkit.admission.policies import policy_config
+from knitkit.admission.predicates import SourceQuota
+from knitkit.types import TrajectoryMeta
+
+SOURCES = ("math", "code", "chart", "ocr")
+TRAIN_BATCH, MINIBATCHES, GROUP, SEQ = 16, 4, 2, 8
+
+
+def _config():
+    quotas = [SourceQuota(source=s, min_ratio=0.25) for s in SOURCES]
+    return policy_config(
+        "knittrans",
+        train_batch_size=TRAIN_BATCH,
+        num_minibatches=MINIBATCHES,
+        sources=SOURCES,
+        quotas=quotas,
+        group_size=GROUP,
+    )
+
+
+def test_trace_breaks_quotas_without_guards() -> None:
+    """The trace below is demanding: streaming admission (no quotas) gives "ocr" too few slots."""
+    controller = AdmissionController(
+        policy_config(
+            "streaming",
+            train_batch_size=TRAIN_BATCH,
+            num_minibatches=MINIBATCHES,
+            sources=SOURCES,
+            group_size=GROUP,
+        )
+    )
+    first_train_batch: Counter[str] = Counter()
+    for meta in _trace():
+        controller.report(meta)
+        while (minibatch := controller.next_minibatch()) is not None:
+            if minibatch.train_batch == 0:
+                first_train_batch.update(t.source for t in minibatch.trajectories)
+    assert first_train_batch["ocr"] < TRAIN_BATCH // 4
+
+
+def _trace() -> list[TrajectoryMeta]:
+    """Two rollout steps of GRPO pairs, "math" over-sampled and "ocr" completing last (slow)."""
+    metas: list[TrajectoryMeta] = []
+    rng = random.Random(0)
+    for step in range(2):
+        order = ["math"] * 4 + ["code"] * 2 + ["chart"] * 2
+        rng.shuffle(order)
+        order += ["ocr", "ocr"]
+        for g, source in enumerate(order):
+            sample = f"s{step}-{g}"
+            for k in range(GROUP):
+                metas.append(TrajectoryMeta(f"{sample}/{k}", sample, source, step, SEQ, step, step))
+    return metas
+
+
+@pytest.fixture(scope="module")
+def transfer_queue() -> Iterator[None]:
+    """A real TransferQueue (controller + one SimpleStorage unit) on a 2-CPU local Ray."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    conf = sampler_conf(
+        AdmissionSampler(_config()), backend={"SimpleStorage": {"num_data_storage_units": 1}}
+    )
+    tq.init(conf)
+    yield
+    tq.close()
+    ray.shutdown()
+
+
+def _put(metas: list[TrajectoryMeta]) -> None:
+    tokens = torch.stack([torch.full((SEQ,), hash(m.trajectory_id) % 1000) for m in metas])
+    fields = TensorDict({"tokens": tokens}, batch_size=len(metas))
+    tq.kv_batch_put(
+        keys=[m.trajectory_id for m in metas],
+        partition_id="train",
+        fields=fields,
+        tags=[trajectory_tags(m) for m in metas],
+    )
+
+
+def _fetch_all(task: str) -> list[list[dict]]:
+    """Every mini-batch admitted so far for ``task``, as the samples' tags."""
+    client = tq.get_client()
+    batches = []
+    while True:
+        meta = client.get_meta(
+            data_fields=["tokens"],
+            batch_size=1,
+            partition_id="train",
+            mode="fetch",
+            task_name=task,
+            sampling_config={"task_name": task},
+        )
+        if meta.size == 0:
+            return batches
+        batches.append(list(meta.custom_meta))
+
+
+def test_get_meta_returns_admitted_minibatches_in_order(transfer_queue: None) -> None:
+    """Streamed puts + get_meta yield exactly the in-process controller's mini-batches, with quotas.
+
+    Every train batch meets each source's quota, GRPO pairs stay whole, no trajectory is handed
+    out twice, and a second task receives the same mini-batches in the same order.
+    """
+    trace = _trace()
+    reference = AdmissionController(_config())
+    expected: list[list[str]] = []
+    got: list[list[dict]] = []
+    for start in range(0, len(trace), 6):
+        chunk = trace[start : start + 6]
+        _put(chunk)
+        for meta in chunk:
+            reference.report(meta)
+        while (minibatch := reference.next_minibatch()) is not None:
+            expected.append([t.trajectory_id for t in minibatch.trajectories])
+        got.extend(_fetch_all("actor"))
+    assert [[tags["trajectory_id"] for tags in batch] for batch in got] == expected
+    assert len(got) > 2 * MINIBATCHES
+    ids = [tags["trajectory_id"] for batch in got for tags in batch]
+    assert len(ids) == len(set(ids))
+    for train_batch in range(2):
+        batches = [b for b in got if b[0]["knitkit_train_batch"] == train_batch]
+        assert [b[0]["knitkit_minibatch"] for b in batches] == list(range(MINIBATCHES))
+        per_source = Counter(tags["source"] for b in batches for tags in b)
+        assert all(per_source[s] >= TRAIN_BATCH // 4 for s in SOURCES), per_source
+    for batch in got:
+        groups = Counter(tags["sample_id"] for tags in batch)
+        assert set(groups.values()) == {GROUP}
+    ref_task = _fetch_all("ref")
+    assert ref_task == got
+    data = tq.kv_batch_get(keys=expected[0], partition_id="train", select_fields="tokens")
+    assert data["tokens"].shape[0] == len(expected[0])
+
+
+def test_untagged_samples_wait_and_partial_tags_fail() -> None:
+    """A ready sample without tags is not reported until tagged; incomplete tags name what is missing."""
+    partition = DataPartitionStatus("p")
+    sampler = AdmissionSampler(
+        policy_config("streaming", train_batch_size=2, num_minibatches=1, sources=("a",))
+    )
+    assert sampler.sample([0, 1], 1, partition=partition) == ([], [])
+    metas = [TrajectoryMeta(f"t{i}", f"s{i}", "a", 0, 4, 0, 0) for i in range(2)]
+    partition.set_custom_meta({0: trajectory_tags(metas[0])})
+    assert sampler.sample([0, 1], 1, partition=partition) == ([], [])
+    partition.set_custom_meta({1: trajectory_tags(metas[1])})
+    assert sampler.sample([0, 1], 1, partition=partition) == ([0, 1], [0, 1])
+    assert partition.get_custom_meta([0])[0]["knitkit_minibatch"] == 0
+    partition.set_custom_meta({2: {"source": "a"}})
+    with pytest.raises(ValueError, match="without"):
+        sampler.sample([2], 1, partition=partition)
+    with pytest.raises(ValueError, match="partition"):
+        sampler.sample([0], 1)

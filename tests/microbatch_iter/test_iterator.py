@@ -1,0 +1,248 @@
+"""MicroBatchIterator on CPU: order, errors, early stop, shutdown, bounded memory, pool reuse."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from knitkit.microbatch_iter import MicroBatchIterator
+
+PREFIX = "knitkit-microbatch-prefetch-"
+
+
+def prefetch_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith(PREFIX)}
+
+
+def wait_until(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def assert_fields(mb, expected: dict[str, np.ndarray]) -> None:
+    assert list(mb.tensors) == list(expected)
+    for name, array in expected.items():
+        np.testing.assert_array_equal(mb[name].numpy(), array, err_msg=f"field {name}")
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_yields_every_micro_batch_in_order_with_its_content(
+    depth, counting_source, expected_fields
+):
+    """Micro-batch i comes out i-th, with exactly its fields, for variable sizes and any depth."""
+    sizes = (17, 300, 64, 1)
+    source = counting_source(40, sizes)
+    indices = []
+    with MicroBatchIterator(source, MicroBatchIterator.Config(depth=depth), device="cpu") as it:
+        for mb in it:
+            assert_fields(mb, expected_fields(mb.index, sizes[mb.index % len(sizes)]))
+            indices.append(mb.index)
+    assert indices == list(range(40))
+    assert it.stats.count == 40
+
+
+def test_packed_items_from_a_reused_shared_memory_slot_are_copied_before_release(
+    shm_reorganizer, expected_fields
+):
+    """One copy per micro-batch happens before release(): the reused /dev/shm slot never leaks through."""
+    reorganizer = shm_reorganizer(30, tokens=128)
+    config = MicroBatchIterator.Config(depth=3)
+    with MicroBatchIterator(reorganizer, config, device="cpu") as it:
+        for mb in it:
+            time.sleep(0.002)  # the reorganizer refills its slot meanwhile
+            assert_fields(mb, expected_fields(mb.index, 128))
+            assert mb.layout.extra["micro_batch"] == mb.index
+    assert reorganizer.released == 30
+
+
+def test_dict_of_tensors_keeps_bfloat16_and_shapes():
+    """Torch fields (bfloat16 included) come back with their dtype, shape and values."""
+    items = [{"x": torch.randn(5, 3).to(torch.bfloat16), "m": torch.ones(5, dtype=torch.bool)}]
+    with MicroBatchIterator(items, device="cpu") as it:
+        mb = next(it)
+        assert mb["x"].dtype == torch.bfloat16 and mb["x"].shape == (5, 3)
+        assert torch.equal(mb["x"], items[0]["x"]) and mb["m"].all()
+
+
+def _failing_source(fail_at: int) -> Iterator[dict[str, np.ndarray]]:
+    for i in range(100):
+        if i == fail_at:
+            raise ValueError(f"source broke at micro-batch {i}")
+        yield {"x": np.full(4, i, dtype=np.int64)}
+
+
+def test_source_exception_is_raised_at_next_with_the_original_traceback():
+    """Items before the failure arrive; then next() raises the source's own exception and frames."""
+    it = MicroBatchIterator(_failing_source(3), device="cpu")
+    got = [int(next(it)["x"][0]) for _ in range(3)]
+    with pytest.raises(ValueError, match="micro-batch 3") as info:
+        next(it)
+    assert got == [0, 1, 2]
+    frames = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
+    assert "_failing_source" in frames
+    with pytest.raises(StopIteration):
+        next(it)
+    assert not prefetch_threads()
+
+
+def test_malformed_item_raises_a_type_error_that_names_it():
+    """A staging error in the thread reaches the consumer and says what the item should be."""
+    with (
+        MicroBatchIterator([object()], device="cpu") as it,
+        pytest.raises(TypeError, match="object"),
+    ):
+        next(it)
+
+
+def test_early_stop_with_context_manager_stops_thread_and_closes_source(counting_source):
+    """Leaving the with-block mid-stream stops the thread and closes the source."""
+    source = counting_source(10_000)
+    before = prefetch_threads()
+    with MicroBatchIterator(source, device="cpu") as it:
+        for mb in it:
+            if mb.index == 2:
+                break
+    assert prefetch_threads() == before
+    assert source.closed and source.pulled < 10_000
+    assert it.pool.held_bytes == 0
+
+
+def test_garbage_collection_stops_the_thread(counting_source):
+    """Dropping the last reference to a running iterator stops its thread (no reference cycle)."""
+    before = prefetch_threads()
+    it = MicroBatchIterator(counting_source(10_000), device="cpu")
+    next(it)
+    assert len(prefetch_threads() - before) == 1
+    del it
+    gc.collect()
+    assert wait_until(lambda: prefetch_threads() == before)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_prefetch_never_runs_more_than_depth_ahead(depth, counting_source):
+    """The source is pulled at most `depth` items past the one the consumer holds, and reaches it."""
+    source = counting_source(20, sizes=(100, 900))
+    ahead = []
+    with MicroBatchIterator(source, MicroBatchIterator.Config(depth=depth), device="cpu") as it:
+        for mb in it:
+            time.sleep(0.01)  # slow consumer: the thread would run ahead if it could
+            ahead.append(source.pulled - (mb.index + 1))
+            assert it.pool.held_bytes <= (depth + 1) * 16384  # 900 tokens = 14.1 KiB
+    assert max(ahead) == depth
+
+
+def test_pool_is_reused_after_the_largest_micro_batch(counting_source):
+    """Slots grow to powers of two for the largest size seen, then are reused with no allocation."""
+    sizes = (50, 400, 120, 10)
+    source = counting_source(200, sizes)
+    config = MicroBatchIterator.Config(depth=2)
+    states = []
+    with MicroBatchIterator(source, config, device="cpu") as it:
+        for mb in it:
+            if mb.index >= 20:  # every slot has seen the largest size by now
+                pointers = [slot.host.data_ptr() for slot in it.pool.slots]
+                states.append((it.pool.allocations, pointers))
+    assert all(state == states[0] for state in states)
+    assert states[0][0] <= 3 * 3  # 3 slots, at most 3 sizes each
+    assert it.pool.held_bytes == 0  # exhausting the source closed the iterator
+
+
+def test_slot_nbytes_preallocates_once(counting_source):
+    """With slots sized at start-up, no allocation happens while iterating."""
+    config = MicroBatchIterator.Config(depth=2, slot_nbytes=1 << 16)
+    with MicroBatchIterator(counting_source(50, (10, 1000)), config, device="cpu") as it:
+        assert it.pool.allocations == 3
+        sum(1 for _ in it)
+        assert it.pool.allocations == 3
+
+
+def test_stage_after_launch_holds_staging_until_launched(counting_source):
+    """With stage_after_launch, the next pull waits for launched(); next() alone still progresses."""
+    source = counting_source(6)
+    config = MicroBatchIterator.Config(depth=1, stage_after_launch=True)
+    with MicroBatchIterator(source, config, device="cpu") as it:
+        next(it)
+        time.sleep(0.2)
+        assert source.pulled == 1
+        it.launched()
+        assert wait_until(lambda: source.pulled == 2)
+        assert [mb.index for mb in it] == [1, 2, 3, 4, 5]
+
+
+def test_stats_report_waits_fetch_time_and_bytes():
+    """A source slower than the consumer shows up as exposed wait; bytes add up per micro-batch."""
+
+    def slow():
+        for i in range(5):
+            time.sleep(0.03)
+            yield {"x": np.zeros(100 + i, dtype=np.float32)}
+
+    with MicroBatchIterator(slow(), device="cpu") as it:
+        delivered = [mb.stats for mb in it]
+    assert all(s.fetch_s >= 0.025 for s in delivered)
+    assert all(s.wait_s >= 0.01 for s in delivered[1:])
+    assert it.stats.count == 5
+    assert it.stats.nbytes == sum(s.nbytes for s in delivered) == sum(448 for _ in range(5))
+    assert it.stats.wait_s == pytest.approx(sum(s.wait_s for s in delivered))
+
+
+def test_closing_over_a_blocked_source_returns_and_warns():
+    """close() over a source stuck in next() returns after join_timeout_s and says why."""
+    gate = threading.Event()
+
+    def blocked():
+        gate.wait()
+        yield {"x": np.zeros(1)}
+
+    it = MicroBatchIterator(blocked(), MicroBatchIterator.Config(join_timeout_s=0.2), device="cpu")
+    start = time.monotonic()
+    with pytest.warns(ResourceWarning, match="next\\(source\\)"):
+        it.close()
+    assert time.monotonic() - start < 2.0
+    gate.set()
+    assert wait_until(lambda: not prefetch_threads())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "it = MicroBatchIterator(endless(), device='cpu'); next(it)",
+        "it = MicroBatchIterator(stuck(), device='cpu')",
+    ],
+    ids=["abandoned-mid-stream", "source-blocked-forever"],
+)
+def test_process_exits_promptly_without_close(body):
+    """A consumer that stops early and never closes (even over a stuck source) never hangs exit."""
+    script = (
+        textwrap.dedent(
+            """
+        import threading, numpy as np
+        from knitkit.microbatch_iter import MicroBatchIterator
+        def endless():
+            while True:
+                yield {"x": np.zeros(1000)}
+        def stuck():
+            threading.Event().wait()
+            yield {}
+        """
+        )
+        + body
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], timeout=60, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr

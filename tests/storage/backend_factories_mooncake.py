@@ -1,0 +1,31 @@
+"""The Mooncake store backend in the storage contract suite, each against a master it starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from knitkit.storage.backend import UnitBackend
+
+
+def make_backend(tmp: Path) -> UnitBackend:
+    try:
+        from knitkit.integration.mooncake import MooncakeBackend, MooncakeMaster
+    except ImportError as error:
+        pytest.skip(f"needs mooncake-transfer-engine-non-cuda and libibverbs1 (./dev.sh test): {error}")
+
+    class SelfHostedMooncakeBackend(MooncakeBackend):
+        """A ``MooncakeBackend`` that stops the master it started when closed."""
+
+        def close(self) -> None:
+            try:
+                super().close()
+            finally:
+                master.stop()
+
+    master = MooncakeMaster(log_path=str(tmp / "mooncake_master.log"))
+    return SelfHostedMooncakeBackend(master.start(), segment_bytes=64 << 20)
+
+
+FACTORIES = {"mooncake": make_backend}

@@ -1,0 +1,66 @@
+"""Backend factories for the storage contract suite, and helpers shared by the storage tests.
+
+To run the ``UnitBackend`` contract suite (``test_backend_contract.py``) against another backend,
+add a file ``tests/storage/backend_factories_<name>.py`` defining
+
+    FACTORIES: dict[str, BackendFactory] = {"<name>": make_backend}
+
+where ``make_backend(tmp_path)`` returns a fresh, empty backend (call ``pytest.skip`` inside it
+when the engine is unavailable). The suite closes every backend it made.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from knitkit.storage.backend import UnitBackend
+from knitkit.storage.disk import SafetensorsBackend
+from knitkit.storage.memory import MemoryBackend
+from knitkit.storage.shm import SharedMemoryBackend
+
+BackendFactory = Callable[[Path], UnitBackend]
+
+LOCAL_BACKENDS = ("memory", "shm", "disk")
+"""knitkit's own backends: tests of the layers above the backend seam run over these."""
+
+BACKEND_FACTORIES: dict[str, BackendFactory] = {
+    "memory": lambda tmp: MemoryBackend(),
+    "shm": lambda tmp: SharedMemoryBackend(slab_bytes=1 << 20),
+    "disk": lambda tmp: SafetensorsBackend(str(tmp / "shards"), shard_bytes=64 << 10),
+}
+
+
+def _load_extra_factories() -> None:
+    for path in sorted(Path(__file__).parent.glob("backend_factories_*.py")):
+        spec = importlib.util.spec_from_file_location(f"_knitkit_{path.stem}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        BACKEND_FACTORIES.update(module.FACTORIES)
+
+
+_load_extra_factories()
+
+
+@pytest.fixture(params=sorted(BACKEND_FACTORIES))
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[UnitBackend]:
+    """A fresh backend of every registered kind."""
+    made = BACKEND_FACTORIES[request.param](tmp_path)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+@pytest.fixture(params=LOCAL_BACKENDS)
+def local_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[UnitBackend]:
+    """A fresh backend of each of knitkit's own kinds (the contract suite covers the others)."""
+    made = BACKEND_FACTORIES[request.param](tmp_path)
+    try:
+        yield made
+    finally:
+        made.close()

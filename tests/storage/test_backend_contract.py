@@ -1,0 +1,120 @@
+"""The ``UnitBackend`` contract, run against every registered backend (see conftest.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from knitkit.storage.backend import UnitBackend, UnitSpec
+from knitkit.types import UnitKey
+
+_counter = itertools.count()
+
+_DTYPES = ["uint8", "int32", "float32", "int64", "bool", "uint16"]
+
+
+@st.composite
+def unit_and_ranges(draw: st.DrawFn) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    length = draw(st.integers(0, 40))
+    trailing = draw(st.sampled_from([(), (3,), (2, 4)]))
+    dtype = draw(st.sampled_from(_DTYPES))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    array = (
+        rng.integers(0, 250, size=(length, *trailing)) % (2 if dtype == "bool" else 250)
+    ).astype(dtype)
+    bounds = st.integers(0, length)
+    pairs = draw(st.lists(st.tuples(bounds, bounds), max_size=4))
+    return array, [(min(a, b), max(a, b)) for a, b in pairs]
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(case=unit_and_ranges())
+def test_sliced_read_equals_slicing_the_whole_unit(backend: UnitBackend, case) -> None:
+    """read(key, ranges) == concatenation of whole[a:b]; bytes_read grows by exactly those bytes."""
+    array, ranges = case
+    key = UnitKey(f"t{next(_counter)}", "routing")
+    backend.put(key, array)
+    before = backend.bytes_read
+    got = backend.read(key, ranges)
+    want = np.concatenate([array[a:b] for a, b in ranges]) if ranges else array[:0]
+    assert got.dtype == array.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    assert backend.bytes_read - before == want.nbytes
+    np.testing.assert_array_equal(backend.read(key), array)
+
+
+def test_read_into_out_fills_the_given_buffer(backend: UnitBackend) -> None:
+    """A read with ``out`` writes into that buffer (e.g. a shared-memory slot) and returns it."""
+    key = UnitKey("t-out", "logprobs")
+    array = np.arange(30, dtype=np.float32).reshape(10, 3)
+    backend.put(key, array)
+    dst = np.zeros((12, 3), dtype=np.float32)
+    got = backend.read(key, [(0, 2), (6, 10)], out=dst[2:8])
+    assert np.shares_memory(got, dst)
+    np.testing.assert_array_equal(dst[2:8], np.concatenate([array[0:2], array[6:10]]))
+    assert not dst[:2].any() and not dst[8:].any()
+    with pytest.raises(ValueError, match="t-out/logprobs"):
+        backend.read(key, [(0, 2)], out=np.zeros((3, 3), dtype=np.float32))
+
+
+def test_scalar_units_are_read_whole(backend: UnitBackend) -> None:
+    """A 0-d unit (a reward) reads back whole; a range on it is an IndexError naming the key."""
+    key = UnitKey("t-scalar", "reward")
+    backend.put(key, np.array(0.75, dtype=np.float32))
+    assert backend.spec(key) == UnitSpec("float32", ())
+    assert float(backend.read(key)) == 0.75
+    with pytest.raises(IndexError, match="t-scalar/reward"):
+        backend.read(key, [(0, 1)])
+
+
+def test_replace_rewrites_one_unit_in_place(backend: UnitBackend) -> None:
+    """replace() with the same dtype/shape changes that unit only."""
+    a, b = UnitKey("t-r", "logprobs"), UnitKey("t-r", "tokens")
+    backend.put(a, np.zeros(8, dtype=np.float32))
+    backend.put(b, np.arange(8, dtype=np.int32))
+    backend.replace(a, np.full(8, 2.5, dtype=np.float32))
+    np.testing.assert_array_equal(backend.read(a), np.full(8, 2.5, dtype=np.float32))
+    np.testing.assert_array_equal(backend.read(b), np.arange(8, dtype=np.int32))
+
+
+def test_bad_inputs_name_the_key_and_leave_the_backend_unchanged(backend: UnitBackend) -> None:
+    """Unknown key, out-of-bounds range, wrong dtype/shape on replace, duplicate put: clear errors."""
+    key = UnitKey("t-bad", "tokens")
+    original = np.arange(10, dtype=np.int32)
+    backend.put(key, original)
+    cases = [
+        (KeyError, lambda: backend.read(UnitKey("nope", "tokens"))),
+        (KeyError, lambda: backend.spec(UnitKey("nope", "tokens"))),
+        (KeyError, lambda: backend.delete(UnitKey("nope", "tokens"))),
+        (IndexError, lambda: backend.read(key, [(0, 11)])),
+        (IndexError, lambda: backend.read(key, [(5, 3)])),
+        (IndexError, lambda: backend.read(key, [(-1, 3)])),
+        (ValueError, lambda: backend.replace(key, np.arange(10, dtype=np.int64))),
+        (ValueError, lambda: backend.replace(key, np.arange(11, dtype=np.int32))),
+        (KeyError, lambda: backend.put(key, np.zeros(3, dtype=np.int32))),
+    ]
+    for error, call in cases:
+        with pytest.raises(error) as info:
+            call()
+        assert "t-bad/tokens" in str(info.value) or "nope/tokens" in str(info.value)
+    assert sorted(backend.keys()) == [key]
+    assert backend.spec(key) == UnitSpec("int32", (10,))
+    np.testing.assert_array_equal(backend.read(key), original)
+
+
+def test_delete_removes_the_unit(backend: UnitBackend) -> None:
+    """After delete() the key is unknown and a new put under it works."""
+    key = UnitKey("t-del", "tokens")
+    backend.put(key, np.arange(5, dtype=np.int32))
+    backend.delete(key)
+    assert key not in set(backend.keys())
+    with pytest.raises(KeyError, match="t-del/tokens"):
+        backend.read(key)
+    backend.put(key, np.arange(6, dtype=np.int32))
+    assert backend.spec(key).shape == (6,)
