@@ -11,6 +11,20 @@ install() {
     # knitkit's loose `torch>=2.4` requirement pulls no multi-GB CUDA build.
     "$PYTHON" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
     "$PYTHON" -m pip install --quiet --disable-pip-version-check -e ".[$1]"
+    case ",$1," in *,mooncake,*) install_mooncake_libs ;; esac
+}
+
+install_mooncake_libs() {
+    # NOTE: Mooncake's wheel links libibverbs.so.1 and libnuma.so.1 even for TCP transfers;
+    # Debian ships them in libibverbs1 and libnuma1. apt-get runs only when one is missing.
+    local libs missing=()
+    libs=$(ldconfig -p)
+    grep -q 'libibverbs\.so\.1 ' <<<"$libs" || missing+=(libibverbs1)
+    grep -q 'libnuma\.so\.1 ' <<<"$libs" || missing+=(libnuma1)
+    if [ ${#missing[@]} -gt 0 ]; then
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } \
+            >/dev/null 2>&1 || { echo "apt-get install ${missing[*]} failed" >&2; return 1; }
+    fi
 }
 
 case "${1:-}" in

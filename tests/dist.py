@@ -41,6 +41,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _STOP = "stop"
+_READY = "ready"
+_STARTUP_S = 300.0
+"""Limit for spawning a world (importing torch and joining the process group) on a loaded machine."""
 
 
 class WorkerError(RuntimeError):
@@ -68,6 +71,7 @@ def _serve(
         world_size=size,
         timeout=timedelta(seconds=120),
     )
+    outbox.put((rank, True, _READY))
     while True:
         job = inbox.get()
         if job == _STOP:
@@ -87,7 +91,7 @@ class World:
     size: int
     backend: str = "gloo"
     timeout_s: float = 120.0
-    """Default limit for one ``run``; the world is torn down when it passes."""
+    """Default limit for one ``run`` (spawning the world has its own, longer limit)."""
     _procs: list[SpawnProcess] = field(default_factory=list)
     _inboxes: list[Queue[Any]] = field(default_factory=list)
     _outbox: Queue[Any] | None = None
@@ -129,7 +133,9 @@ class World:
                 errors[rank] = value
                 self._drain(errors, results)
                 self._terminate()
-                raise WorkerError(f"{fn.__name__} failed on ranks {sorted(errors)}:\n{_format(errors)}")
+                raise WorkerError(
+                    f"{fn.__name__} failed on ranks {sorted(errors)}:\n{_format(errors)}"
+                )
         return [results[r] for r in range(self.size)]
 
     def close(self) -> None:
@@ -155,6 +161,19 @@ class World:
         ]
         for proc in self._procs:
             proc.start()
+        ready: set[int] = set()
+        waited = 0.0
+        while len(ready) < self.size:
+            try:
+                rank, _, _ = self._outbox.get(timeout=1.0)
+                ready.add(rank)
+            except queue.Empty:
+                waited += 1.0
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead or waited >= _STARTUP_S:
+                    self._terminate()
+                    why = f"ranks {dead} died" if dead else f"not ready after {_STARTUP_S:.0f} s"
+                    raise WorkerError(f"starting a world of {self.size}: {why}") from None
 
     def _drain(self, errors: dict[int, str], results: dict[int, Any]) -> None:
         """Collect what other ranks report shortly after a failure, so every traceback is shown."""

@@ -85,3 +85,35 @@ def model_parallel_config(**overrides: object) -> object:
     }
     kwargs.update(overrides)
     return ModelParallelConfig(**kwargs)  # type: ignore[arg-type]
+
+
+class _SchedulesTorch:
+    """Stands in for ``torch`` inside megatron's ``schedules.py``: ``zeros(device="cuda")`` lands on the CPU."""
+
+    def __getattr__(self, name: str) -> object:
+        if name == "zeros":
+            return _zeros_on_cpu
+        return getattr(torch, name)
+
+
+def _zeros_on_cpu(*args: object, **kwargs: object) -> torch.Tensor:
+    kwargs["device"] = "cpu"
+    return torch.zeros(*args, **kwargs)  # type: ignore[call-overload,no-any-return]
+
+
+def install_schedule_shim() -> None:
+    """Let ``get_forward_backward_func()`` schedules and Megatron DDP run on CPU (idempotent).
+
+    On top of ``install()``: the no-pipelining schedule allocates its token counter with
+    ``torch.zeros(..., device="cuda")`` (schedules.py L596 in 0.16.1); only that module's
+    ``torch`` is proxied, so nothing else changes. DDP's grad buffers use
+    ``torch.cuda.current_device()`` and are covered by ``install()``. Call it after
+    ``initialize_model_parallel`` (which sets up the CPU RNG tracker). No-op with CUDA.
+    """
+    install()
+    if torch.cuda.is_available():
+        return
+    from megatron.core.pipeline_parallel import schedules
+
+    if not isinstance(schedules.torch, _SchedulesTorch):
+        schedules.torch = _SchedulesTorch()  # type: ignore[assignment]

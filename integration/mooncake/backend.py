@@ -12,10 +12,11 @@ from typing import Any
 import numpy as np
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
-from knitkit.integration.mooncake.master import MasterAddress
 from knitkit.storage import UnitSpec
-from knitkit.storage.ranges import check_ranges, check_replacement, destination, spec_of
+from knitkit.storage.ranges import check_ranges, check_replacement, destination
 from knitkit.types import SeqRange, UnitKey
+
+from .master import MasterAddress
 
 _ERRORS = {
     -600: "INVALID_PARAMS",
@@ -63,7 +64,13 @@ class MooncakeBackend:
         self._owner = segment_bytes > 0
         self._store = MooncakeDistributedStore()
         code = self._store.setup(
-            local_hostname, "P2PHANDSHAKE", segment_bytes, local_buffer_bytes, protocol, "", master.rpc
+            local_hostname,
+            "P2PHANDSHAKE",
+            segment_bytes,
+            local_buffer_bytes,
+            protocol,
+            "",
+            master.rpc,
         )
         if code != 0:
             raise RuntimeError(
@@ -113,7 +120,11 @@ class MooncakeBackend:
         if sizes:
             with self._registered(dst):
                 done = self._store.get_into_ranges(
-                    [dst.ctypes.data], [[self._data_key(key)]], [[dst_offsets]], [[src_offsets]], [[sizes]]
+                    [dst.ctypes.data],
+                    [[self._data_key(key)]],
+                    [[dst_offsets]],
+                    [[src_offsets]],
+                    [[sizes]],
                 )[0][0]
             for size, got in zip(sizes, done, strict=True):
                 if got != size:
@@ -178,7 +189,9 @@ class MooncakeBackend:
         if array.nbytes == 0:
             return  # an empty unit is its spec alone; reads of it move no bytes
         with self._registered(array):
-            _check(op(self._data_key(key), array.ctypes.data, array.nbytes, self._config), "write", key)
+            _check(
+                op(self._data_key(key), array.ctypes.data, array.nbytes, self._config), "write", key
+            )
 
     def _fetch_specs(self, keys: list[UnitKey]) -> list[UnitSpec]:
         raw = self._store.get_batch([self._spec_key(k) for k in keys])
@@ -214,7 +227,11 @@ def _attach(
 ) -> MooncakeBackend:
     """Unpickle a ``MooncakeBackend``: a client of the same namespace contributing no memory."""
     return MooncakeBackend(
-        master, namespace=namespace, segment_bytes=0, local_hostname=local_hostname, protocol=protocol
+        master,
+        namespace=namespace,
+        segment_bytes=0,
+        local_hostname=local_hostname,
+        protocol=protocol,
     )
 
 

@@ -91,7 +91,9 @@ class MooncakeMaster:
             except OSError:
                 time.sleep(0.05)
         self.stop()
-        raise TimeoutError(f"mooncake_master on {self.address.rpc} not healthy in {self.timeout_s}s")
+        raise TimeoutError(
+            f"mooncake_master on {self.address.rpc} not healthy in {self.timeout_s}s"
+        )
 
 
 def binary() -> Path:

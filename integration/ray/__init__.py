@@ -1,5 +1,7 @@
 """knitkit.integration.ray: the Ray object-store backend, node-local reorganizer actors, plan dispatch."""
 
-from knitkit.integration.ray.backend import RayBackend, UnitDirectory
+from .backend import RayBackend, UnitDirectory
+from .dispatch import RayDispatcher, RingConfig
+from .reorganizer import ReorganizerActor
 
-__all__ = ["RayBackend", "UnitDirectory"]
+__all__ = ["RayBackend", "RayDispatcher", "ReorganizerActor", "RingConfig", "UnitDirectory"]

@@ -11,7 +11,7 @@ import ray
 from knitkit.storage import ConsumerPlan, EncoderRankPlan, UnitBackend
 from knitkit.storage.publication import Publisher
 from knitkit.storage.reorganizer import Reorganizer
-from knitkit.storage.slot_ring import RingClosedError, RingSpec, SlotRing
+from knitkit.storage.slot_ring import FAILED, RingClosedError, RingSpec, SlotRing
 
 # NOTE [ Reorganizer actor lifetime ]
 #
@@ -29,7 +29,7 @@ from knitkit.storage.slot_ring import RingClosedError, RingSpec, SlotRing
 # and raise; the segment is unlinked by the actor process's multiprocessing resource tracker.
 
 
-@ray.remote(num_cpus=0, concurrency_groups={"control": 1})
+@ray.remote(num_cpus=0, concurrency_groups={"control": 1})  # type: ignore[call-overload]
 class ReorganizerActor:
     """One reorganizer (a backbone (DP, CP) group or an encoder rank) living in a Ray actor."""
 
@@ -74,7 +74,8 @@ class ReorganizerActor:
 
     def finish(self) -> None:
         """No more assignments: consumers stop after the last published micro-batch."""
-        self.publisher.finish()
+        if self.ring.state != FAILED:  # a failed deliver already told consumers why
+            self.publisher.finish()
 
     def bytes_read(self) -> int:
         return self.ring.bytes_read
@@ -91,7 +92,7 @@ class ReorganizerActor:
             return
         self.closed = True
         self.ring.request_stop()
-        with self._delivering:  # a running deliver ends soon: STOP is set
+        with self._delivering:  # a deliver returns after its assignment, or at once if blocked
             self.publisher.close()
             self.ring.unlink()
             self.backend.close()

@@ -7,7 +7,7 @@ from .response import (
     parse_generate_output,
     parse_weight_version,
 )
-from .stream import StreamAccumulator, iter_sse_events
+from .stream import StreamAccumulator, fold_stream, iter_sse_events
 from .trajectory import (
     PayloadConfig,
     RolloutRequest,
@@ -26,6 +26,7 @@ __all__ = [
     "StreamAccumulator",
     "build_trajectory",
     "decode_routed_experts",
+    "fold_stream",
     "image_bytes",
     "iter_sse_events",
     "parse_generate_output",

@@ -102,3 +102,29 @@ class StreamAccumulator:
         )
         first = self._first_version or output.weight_version
         return dataclasses.replace(output, first_version=first)
+
+
+def fold_stream(
+    chunks: Iterable[Mapping[str, Any]],
+    *,
+    routing_shape: tuple[int, int] | None = None,
+    routed_experts_start: int = 0,
+) -> list[GenerateOutput]:
+    """Fold a whole stream, single or batched, into one output per request, in batch order.
+
+    A batched stream (a list of prompts, or ``n > 1``) interleaves its requests' chunks and tags
+    each with its position ``index``; a single request's chunks have none.
+    """
+    accumulators: dict[int, StreamAccumulator] = {}
+    for chunk in chunks:
+        index = int(chunk.get("index", 0))
+        if index not in accumulators:
+            accumulators[index] = StreamAccumulator(
+                routing_shape=routing_shape, routed_experts_start=routed_experts_start
+            )
+        accumulators[index].feed(chunk)
+    if sorted(accumulators) != list(range(len(accumulators))):
+        raise ValueError(
+            f"stream has chunks for batch positions {sorted(accumulators)}; some are missing"
+        )
+    return [accumulators[i].result() for i in range(len(accumulators))]

@@ -69,6 +69,10 @@ def build_trajectory(
             f"trajectory {tid!r}: last output is {'running' if last.finish is None else 'aborted'}; "
             "continue it with input_ids = prompt + outputs so far, then build"
         )
+    if any(s.finish is None or not s.finish.aborted for s in segments[:-1]):
+        raise ValueError(
+            f"trajectory {tid!r}: only its last output may be finished; the others are aborted"
+        )
     tokens = list(request.input_ids)
     generated: list[tuple[int, GenerateOutput]] = []
     for segment in segments:

@@ -1,7 +1,5 @@
 """knitkit.integration.transferqueue."""
 
-from .sampler import (
-    AdmissionSampler,
-    sampler_conf,
-    trajectory_tags,
-)
+from .sampler import AdmissionSampler as AdmissionSampler
+from .sampler import sampler_conf as sampler_conf
+from .sampler import trajectory_tags as trajectory_tags

@@ -9,15 +9,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from transfer_queue import BaseSampler
 
-from knitkit.admission.config import AdmissionConfig
-from knitkit.admission.controller import AdmissionController
+from knitkit.admission import AdmissionConfig, AdmissionController
+from knitkit.storage import karmarkar_karp
 from knitkit.types import TrajectoryMeta
 
 TAG_KEYS = ("source", "sample_id", "rollout_step", "num_tokens", "min_version", "max_version")
 """Per-sample tags (TransferQueue ``custom_meta``) a producer must set for admission to see it."""
 
-ADMITTED_KEYS = ("knitkit_train_batch", "knitkit_minibatch")
-"""Tags the sampler adds to every admitted sample: its train batch and mini-batch index."""
+ADMITTED_KEYS = ("knitkit_train_batch", "knitkit_minibatch", "knitkit_dp_rank")
+"""Tags the sampler adds to every admitted sample: its train batch, mini-batch index and DP rank."""
 
 
 def trajectory_tags(meta: TrajectoryMeta) -> dict[str, Any]:
@@ -50,32 +50,39 @@ class _PartitionState:
     controller: AdmissionController
     reported: set[int] = field(default_factory=set)
     index_of: dict[str, int] = field(default_factory=dict)
-    admitted: list[list[int]] = field(default_factory=list)
-    """Global indexes of every admitted mini-batch, in admission order."""
-    cursor: dict[str, int] = field(default_factory=dict)
-    """Per task: how many admitted mini-batches it has fetched."""
+    admitted: list[list[list[int]]] = field(default_factory=list)
+    """Every admitted mini-batch in admission order, as one list of global indexes per DP rank."""
+    cursor: dict[tuple[str, int], int] = field(default_factory=dict)
+    """Per (task, DP rank): how many admitted mini-batches it has fetched."""
 
 
 class AdmissionSampler(BaseSampler):
-    """Returns whole knitkit-admitted mini-batches from ``get_meta(mode="fetch")``, or nothing yet.
+    """Returns knitkit-admitted mini-batches from ``get_meta(mode="fetch")``, or nothing yet.
 
     Each call reports newly ready samples (by their tags) to one ``AdmissionController`` per
-    partition and hands out the next admitted mini-batch; every task (``task_name`` in
-    ``sampling_config``) receives the same mini-batches in the same order. A mini-batch's size is
-    set by admission, not by ``batch_size``: ask with ``batch_size=1`` so admission sees every
-    completion early. Needs ``polling_mode=True`` (``sampler_conf``): "not yet" is an empty result.
+    partition and hands out the caller's share of the next admitted mini-batch: every task
+    (``task_name`` in ``sampling_config``, as ``StreamingDataset`` sends it) receives the same
+    mini-batches in the same order, and with ``dp_size > 1`` each ``dp_rank`` gets whole GRPO
+    groups balanced by tokens, the same number on every rank. A mini-batch's size is set by
+    admission, not by ``batch_size``: ask with a small one (1) so admission sees every completion
+    early. Needs ``polling_mode=True`` (``sampler_conf``): "not yet" is an empty result.
 
     NOTE [tags arrive after production]: ``TransferQueueClient.put`` flips the samples'
     production bits before it sends their ``custom_meta``, so a ready sample may have no tags
     yet. Such samples are left unreported and picked up by a later call, never guessed.
     """
 
-    def __init__(self, config: AdmissionConfig) -> None:
+    def __init__(self, config: AdmissionConfig, *, dp_size: int = 1) -> None:
         super().__init__()
-        AdmissionController(
-            config
-        )  # fail at construction, in the caller's process, on a bad config
+        controller = AdmissionController(config)  # a bad config fails here, in the caller
+        groups = [size // config.group_size for size in controller.minibatch_sizes]
+        if dp_size < 1 or any(g % dp_size for g in groups):
+            raise ValueError(
+                f"dp_size={dp_size} must divide the groups of every mini-batch {groups} "
+                f"(group_size={config.group_size}) so each DP rank gets as many"
+            )
         self.config = config
+        self.dp_size = dp_size
         self._partitions: dict[str, _PartitionState] = {}
 
     def sample(
@@ -84,6 +91,7 @@ class AdmissionSampler(BaseSampler):
         batch_size: int,
         *args: Any,
         task_name: str = "",
+        dp_rank: int = 0,
         partition: Any = None,
         **kwargs: Any,
     ) -> tuple[list[int], list[int]]:
@@ -92,21 +100,32 @@ class AdmissionSampler(BaseSampler):
                 "AdmissionSampler needs the controller's partition (kwarg 'partition'); "
                 "use it as a TransferQueueController sampler, e.g. tq.init(sampler_conf(sampler))"
             )
+        if not 0 <= dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank={dp_rank} is outside dp_size={self.dp_size}")
         state = self._partitions.get(partition.partition_id)
         if state is None:
             state = _PartitionState(AdmissionController(self.config))
             self._partitions[partition.partition_id] = state
         self._report_new(state, partition, ready_indexes)
-        cursor = state.cursor.get(task_name, 0)
+        cursor = state.cursor.get((task_name, dp_rank), 0)
         if cursor == len(state.admitted):
             self._admit(state, partition)
         if cursor == len(state.admitted):
             return [], []
-        batch = state.admitted[cursor]
-        if not set(batch) <= set(ready_indexes):
-            return [], []  # this task's fields are not all produced for the batch yet
-        state.cursor[task_name] = cursor + 1
-        return list(batch), list(batch)
+        share = state.admitted[cursor][dp_rank]
+        if not set(share) <= set(ready_indexes):
+            return [], []  # this task's fields are not all produced for the share yet
+        state.cursor[(task_name, dp_rank)] = cursor + 1
+        return list(share), list(share)
+
+    def has_cached_result(
+        self, partition_id: str, task_name: str, sampling_config: dict[str, Any] | None = None
+    ) -> bool:
+        """True when an admitted share awaits this (task, DP rank), however few samples are ready."""
+        state = self._partitions.get(partition_id)
+        config = sampling_config or {}
+        key = (config.get("task_name", ""), config.get("dp_rank", 0))
+        return state is not None and state.cursor.get(key, 0) < len(state.admitted)
 
     def _report_new(self, state: _PartitionState, partition: Any, ready: list[int]) -> None:
         new = [i for i in ready if i not in state.reported]
@@ -124,11 +143,26 @@ class AdmissionSampler(BaseSampler):
         minibatch = state.controller.next_minibatch()
         if minibatch is None:
             return
-        indexes = [state.index_of[t.trajectory_id] for t in minibatch.trajectories]
-        tags = partition.get_custom_meta(indexes)
-        admitted = dict(zip(ADMITTED_KEYS, (minibatch.train_batch, minibatch.index), strict=True))
-        partition.set_custom_meta({i: {**tags.get(i, {}), **admitted} for i in indexes})
-        state.admitted.append(indexes)
+        groups: dict[str, list[TrajectoryMeta]] = {}
+        for meta in minibatch.trajectories:
+            groups.setdefault(
+                meta.sample_id if self.config.group_size > 1 else meta.trajectory_id, []
+            ).append(meta)
+        members = list(groups.values())
+        costs = [sum(t.num_tokens for t in group) for group in members]
+        shares = [
+            [state.index_of[t.trajectory_id] for g in part for t in members[g]]
+            for part in karmarkar_karp(costs, self.dp_size, equal_size=True)
+        ]
+        tags = partition.get_custom_meta([i for share in shares for i in share])
+        updates = {}
+        for rank, share in enumerate(shares):
+            admitted = dict(
+                zip(ADMITTED_KEYS, (minibatch.train_batch, minibatch.index, rank), strict=True)
+            )
+            updates.update({i: {**tags.get(i, {}), **admitted} for i in share})
+        partition.set_custom_meta(updates)
+        state.admitted.append(shares)
 
     def clear_cache(self, partition_id: str) -> None:
         """TransferQueue clears a partition: forget its admission state too."""

@@ -58,14 +58,18 @@ def minibatch_sizes(config: AdmissionConfig) -> tuple[int, ...]:
     """Split the train batch into ``n`` mini-batches (whole GRPO groups), larger ones first."""
     units = config.train_batch_size // config.group_size
     base, extra = divmod(units, config.num_minibatches)
-    return tuple((base + (1 if t < extra else 0)) * config.group_size for t in range(config.num_minibatches))
+    return tuple(
+        (base + (1 if t < extra else 0)) * config.group_size for t in range(config.num_minibatches)
+    )
 
 
 def resolve(config: AdmissionConfig) -> tuple[tuple[ResolvedQuota, ...], tuple[int, ...]]:
     """Validate ``config``; return its resolved quotas and mini-batch sizes, or raise ValueError."""
     b, n, g = config.train_batch_size, config.num_minibatches, config.group_size
     if n < 1 or b < 1 or g < 1:
-        raise ValueError(f"train_batch_size={b}, num_minibatches={n}, group_size={g}: all must be >= 1")
+        raise ValueError(
+            f"train_batch_size={b}, num_minibatches={n}, group_size={g}: all must be >= 1"
+        )
     if b % g or b // g < n:
         raise ValueError(
             f"train_batch_size={b} must be a multiple of group_size={g} with at least one "
@@ -81,7 +85,9 @@ def resolve(config: AdmissionConfig) -> tuple[tuple[ResolvedQuota, ...], tuple[i
     quotas: list[ResolvedQuota] = []
     for quota in config.quotas:
         if quota.source not in config.sources:
-            raise ValueError(f"quota names unknown source {quota.source!r}; sources: {config.sources}")
+            raise ValueError(
+                f"quota names unknown source {quota.source!r}; sources: {config.sources}"
+            )
         if any(q.source == quota.source for q in quotas):
             raise ValueError(f"two quotas for source {quota.source!r}; merge them into one")
         lower, upper = quota.bounds(b)
@@ -102,8 +108,8 @@ def _check_satisfiable(config: AdmissionConfig, quotas: list[ResolvedQuota]) -> 
             f"quotas are jointly unsatisfiable: lower bounds {detail} sum to {sum(need.values())} "
             f"> train_batch_size={b}; lower a bound or grow the train batch"
         )
-    uppers = {q.source: q.upper for q in quotas if q.upper is not None}
-    if len(uppers) == len(config.sources) and sum(uppers.values()) < b:  # type: ignore[arg-type]
+    uppers: dict[str, int] = {q.source: q.upper for q in quotas if q.upper is not None}
+    if len(uppers) == len(config.sources) and sum(uppers.values()) < b:
         raise ValueError(
             f"quotas are jointly unsatisfiable: every source is upper-bounded and the bounds "
             f"{uppers} sum to less than train_batch_size={b}"

@@ -51,7 +51,14 @@ class AdmissionController:
             tuple(q.source for q in self._quotas if q.group == name)
             for name in dict.fromkeys(q.group for q in self._quotas)
         )
-        self._size_alphas = tuple(config.size_schedule.alphas(config.num_minibatches))
+        self._group_lowers = tuple(
+            tuple((q.source, q.lower) for q in self._quotas if q.group == name)
+            for name in dict.fromkeys(q.group for q in self._quotas)
+        )
+        self._size_targets = [
+            math.ceil(a * config.train_batch_size - 1e-9)
+            for a in config.size_schedule.alphas(config.num_minibatches)
+        ]
         self._pool = ReadyPool(config.sources)
         self._seen: set[str] = set()
         self._open_groups: dict[str, list[TrajectoryMeta]] = {}
@@ -62,7 +69,8 @@ class AdmissionController:
         self.train_batch = 0
         self._t = 0
         self._admitted: dict[str, int] = dict.fromkeys(config.sources, 0)
-        self._quota_start: dict[str, float] = {}
+        self._admitted_total = 0
+        self._quota_targets: list[list[tuple[str, int]]] = []
         self._predicate_start: list[float] = []
         self._open_train_batch()
 
@@ -82,7 +90,9 @@ class AdmissionController:
     def issued(self, rollout_step: int, count: int) -> None:
         """Tell the controller ``count`` more trajectories were issued in ``rollout_step``."""
         if rollout_step < 0 or count < 0:
-            raise ValueError(f"issued(rollout_step={rollout_step}, count={count}): both must be >= 0")
+            raise ValueError(
+                f"issued(rollout_step={rollout_step}, count={count}): both must be >= 0"
+            )
         self._issued_by_step[rollout_step] += count
 
     def report(self, meta: TrajectoryMeta) -> None:
@@ -112,7 +122,11 @@ class AdmissionController:
             self._add(tuple(group))
 
     def _add(self, trajectories: tuple[TrajectoryMeta, ...]) -> None:
-        if not all(t.accepted for t in trajectories):
+        if not (
+            trajectories[0].accepted
+            if len(trajectories) == 1
+            else all(t.accepted for t in trajectories)
+        ):
             self.stats.rejected += len(trajectories)
             return
         unit = Unit(self._seq, trajectories[0].source, trajectories)
@@ -132,9 +146,10 @@ class AdmissionController:
         size = self.minibatch_sizes[t]
         if len(self._pool) < size or not self._ready(t):
             return None
-        request = self._request(t, size)
-        if request.guarded and not self._guard_coverable(request):
+        guarded = self.config.enforce_quotas and self.config.guards
+        if guarded and not self._guard_coverable(size):
             return None
+        request = self._request(size, guarded)
         counts = self.config.selection.propose(request, self._pool)
         if counts is None or not self._admissible(counts, request):
             return None
@@ -142,6 +157,7 @@ class AdmissionController:
         trajectories = tuple(tr for u in units for tr in u.trajectories)
         for unit in units:
             self._admitted[unit.source] += unit.size
+        self._admitted_total += len(trajectories)
         self.stats.admitted += len(trajectories)
         batch = MiniBatch(self.train_batch, t, trajectories)
         self._t += 1
@@ -149,14 +165,25 @@ class AdmissionController:
             self.train_batch += 1
             self._t = 0
             self._admitted = dict.fromkeys(self.config.sources, 0)
+            self._admitted_total = 0
             if self.config.max_staleness is not None:
-                self.stats.stale_dropped += sum(u.size for u in self._pool.drop_where(self._is_stale))
+                self.stats.stale_dropped += sum(
+                    u.size for u in self._pool.drop_where(self._is_stale)
+                )
             self._open_train_batch()
         return batch
 
     def _open_train_batch(self) -> None:
         """Snapshot s_{i,0} for every quota and predicate when a train batch opens."""
-        self._quota_start = {q.source: float(self._pool.ready[q.source]) for q in self._quotas}
+        n = self.config.num_minibatches
+        self._quota_targets = [
+            [
+                (q.source, math.ceil(start + q.alphas[t] * (q.lower - start) - 1e-9))
+                for q in self._quotas
+                for start in (float(self._pool.ready[q.source]),)
+            ]
+            for t in range(n)
+        ]
         if self.config.predicates:
             view = self._view(0)
             self._predicate_start = [p.progress(view) for p in self.config.predicates]
@@ -173,33 +200,27 @@ class AdmissionController:
 
     def _ready(self, t: int) -> bool:
         """The readiness predicates P_{i,t} (eq. 3) for the size target, quotas and user predicates."""
-        admitted_total = sum(self._admitted.values())
-        size_target = math.ceil(self._size_alphas[t] * self.config.train_batch_size - 1e-9)
-        if admitted_total + len(self._pool) < size_target:
+        if self._admitted_total + len(self._pool) < self._size_targets[t]:
             return False
         if self.config.enforce_quotas:
-            for quota in self._quotas:
-                start = self._quota_start[quota.source]
-                target = start + quota.alphas[t] * (quota.lower - start)
-                have = self._admitted[quota.source] + self._pool.ready[quota.source]
-                if have < math.ceil(target - 1e-9):
+            admitted, ready = self._admitted, self._pool.ready
+            for source, target in self._quota_targets[t]:
+                if admitted[source] + ready[source] < target:
                     return False
         if self.config.predicates:
             view = self._view(t)
             for predicate, start in zip(self.config.predicates, self._predicate_start, strict=True):
-                target = start + predicate.schedule.alphas(self.config.num_minibatches)[t] * (
-                    predicate.target(view) - start
-                )
-                if predicate.progress(view) < target - 1e-9:
+                alpha = predicate.schedule.alphas(self.config.num_minibatches)[t]
+                goal = start + alpha * (predicate.target(view) - start)
+                if predicate.progress(view) < goal - 1e-9:
                     return False
         return True
 
-    def _request(self, t: int, size: int) -> CandidateRequest:
+    def _request(self, size: int, guarded: bool) -> CandidateRequest:
         enforce = self.config.enforce_quotas
-        admitted_total = sum(self._admitted.values())
         return CandidateRequest(
             size=size,
-            slots_after=self.config.train_batch_size - admitted_total - size,
+            slots_after=self.config.train_batch_size - self._admitted_total - size,
             deficits={q.source: max(0, q.lower - self._admitted[q.source]) for q in self._quotas},
             room={
                 q.source: q.upper - self._admitted[q.source]
@@ -207,14 +228,21 @@ class AdmissionController:
                 if enforce and q.upper is not None
             },
             groups=self._groups,
-            guarded=enforce and self.config.guards,
+            guarded=guarded,
         )
 
-    def _guard_coverable(self, request: CandidateRequest) -> bool:
+    def _guard_coverable(self, size: int) -> bool:
         """O(#sources) precheck: ready units can cover what each guard needs from this mini-batch."""
-        for group in request.groups:
-            need = sum(request.deficits[s] for s in group) - request.slots_after
-            if need > 0 and need > sum(min(request.deficits[s], self._pool.ready[s]) for s in group):
+        slots_after = self.config.train_batch_size - self._admitted_total - size
+        admitted, ready = self._admitted, self._pool.ready
+        for group in self._group_lowers:
+            need = cover = 0
+            for source, lower in group:
+                deficit = lower - admitted[source]
+                if deficit > 0:
+                    need += deficit
+                    cover += min(deficit, ready[source])
+            if need - slots_after > cover:
                 return False
         return True
 

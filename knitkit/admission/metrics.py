@@ -42,7 +42,9 @@ class RunRecord:
             work = sum(s for _, s in job.segments) or 1.0
             versions = [v for v, _ in job.segments] or [job.version]
             starts.append(float(train_batch - min(versions)))
-            mean = sum((train_batch - v) * s for v, s in job.segments) / work if job.segments else 0.0
+            mean = (
+                sum((train_batch - v) * s for v, s in job.segments) / work if job.segments else 0.0
+            )
             tokens.append((mean, job.record.tokens or 1))
 
     def per_step(self, token_weighted: bool) -> dict[int, float]:
@@ -62,7 +64,10 @@ class RunRecord:
 
 
 def violations(
-    record: RunRecord, batches: range, num_minibatches: int, bounds: dict[str, tuple[int, int | None]]
+    record: RunRecord,
+    batches: range,
+    num_minibatches: int,
+    bounds: dict[str, tuple[int, int | None]],
 ) -> int:
     """Train batches in ``batches`` whose composition misses a lower bound or exceeds an upper one."""
     bad = 0
@@ -76,7 +81,9 @@ def violations(
     return bad
 
 
-def mix_skew(record: RunRecord, batches: range, num_minibatches: int, target: dict[str, float]) -> float:
+def mix_skew(
+    record: RunRecord, batches: range, num_minibatches: int, target: dict[str, float]
+) -> float:
     """Mean total-variation distance between each mini-batch's source mix and ``target`` shares."""
     distances = []
     for k in batches:
@@ -86,7 +93,9 @@ def mix_skew(record: RunRecord, batches: range, num_minibatches: int, target: di
                 continue
             n = sum(mix.values())
             sources = set(mix) | set(target)
-            distances.append(0.5 * sum(abs(mix.get(s, 0) / n - target.get(s, 0.0)) for s in sources))
+            distances.append(
+                0.5 * sum(abs(mix.get(s, 0) / n - target.get(s, 0.0)) for s in sources)
+            )
     return float(np.mean(distances)) if distances else 0.0
 
 

@@ -56,7 +56,9 @@ def describe(policy: str) -> str:
 
 def _check(policy: str) -> str:
     if policy not in _POLICIES:
-        raise ValueError(f"unknown admission policy {policy!r}; choose from {', '.join(POLICY_NAMES)}")
+        raise ValueError(
+            f"unknown admission policy {policy!r}; choose from {', '.join(POLICY_NAMES)}"
+        )
     return policy
 
 

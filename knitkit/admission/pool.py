@@ -34,19 +34,22 @@ class ReadyPool:
     a candidate is fully described by a count of units per source.
     """
 
-    __slots__ = ("_queues", "ready")
+    __slots__ = ("_queues", "ready", "total")
 
     def __init__(self, sources: Iterable[str]) -> None:
         self._queues: dict[str, deque[Unit]] = {s: deque() for s in sources}
         self.ready: dict[str, int] = dict.fromkeys(self._queues, 0)
         """Ready trajectories per source (sum of unit sizes)."""
+        self.total = 0
+        """Ready trajectories over all sources."""
 
     def __len__(self) -> int:
-        return sum(self.ready.values())
+        return self.total
 
     def push(self, unit: Unit) -> None:
         self._queues[unit.source].append(unit)
-        self.ready[unit.source] += unit.size
+        self.ready[unit.source] += len(unit.trajectories)
+        self.total += len(unit.trajectories)
 
     def units(self, source: str) -> int:
         return len(self._queues[source])
@@ -63,6 +66,7 @@ class ReadyPool:
             for _ in range(count):
                 unit = queue.popleft()
                 self.ready[source] -= unit.size
+                self.total -= unit.size
                 taken.append(unit)
         taken.sort(key=lambda u: u.seq)
         return taken
@@ -75,5 +79,7 @@ class ReadyPool:
             if len(kept) != len(queue):
                 dropped.extend(u for u in queue if predicate(u))
                 self._queues[source] = kept
+                self.total -= self.ready[source]
                 self.ready[source] = sum(u.size for u in kept)
+                self.total += self.ready[source]
         return dropped

@@ -98,7 +98,7 @@ class CompletionQuota:
     """Partial-rollout completion quota: a share of the newest rollout step's trajectories has completed."""
 
     min_ratio: float
-    schedule: Schedule = LinearSchedule()
+    schedule: Schedule = field(default_factory=LinearSchedule)
     name: str = "completion"
 
     def __post_init__(self) -> None:

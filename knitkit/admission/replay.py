@@ -10,8 +10,8 @@ import numpy as np
 
 from knitkit.admission.metrics import RunRecord, first_minibatch_fraction, mix_skew, violations
 from knitkit.admission.policies import POLICY_NAMES
+from knitkit.admission.settings import ReplaySettings, preset
 from knitkit.admission.simulate import run_colocated, run_disaggregated
-from knitkit.admission.settings import ReplaySettings
 from knitkit.admission.trace import Trace
 
 Summary = dict[str, Any]
@@ -29,7 +29,9 @@ class ProgressBar:
         self.done = min(self.total, self.done + steps)
         if self.enabled:
             filled = round(30 * self.done / max(1, self.total))
-            self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total}")
+            self.stream.write(
+                f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total}"
+            )
             if self.done == self.total:
                 self.stream.write("\n")
             self.stream.flush()
@@ -75,7 +77,9 @@ def run_replay(
         busy = sum(run.busy_s[k] for k in steps[1:])
         out[policy] = {
             "architectural_staleness": float(np.mean([tok[k] - base_tok[k] for k in steps])),
-            "architectural_staleness_start": float(np.mean([start[k] - base_start[k] for k in steps])),
+            "architectural_staleness_start": float(
+                np.mean([start[k] - base_start[k] for k in steps])
+            ),
             "violations": violations(run, steps, n, bounds),
             "steps": len(steps),
             "staleness_per_step": [tok[k] - base_tok[k] for k in steps],
@@ -84,7 +88,10 @@ def run_replay(
             "trainer_idle_fraction": max(0.0, 1.0 - busy / span) if span > 0 else 0.0,
             "seconds_per_step": span / (len(steps) - 1),
             "composition_per_step": [
-                {s: c / settings.train_batch_size for s, c in sorted(run.batch_counts(k, n).items())}
+                {
+                    s: c / settings.train_batch_size
+                    for s, c in sorted(run.batch_counts(k, n).items())
+                }
                 for k in steps
             ],
             "admission_times": [
@@ -109,3 +116,12 @@ def run_replay(
             "quota_ratios": dict(settings.quota_ratios),
         },
     }
+
+
+def replay_preset(
+    name: str = "paper4", policies: Sequence[str] = POLICY_NAMES, **settings: Any
+) -> Summary:
+    """Replay a named preset (``settings`` override ``ReplaySettings`` fields); return the summary."""
+    chosen = preset(name)
+    replay_settings = chosen.settings.with_(**settings)
+    return run_replay(chosen.trace(replay_settings), replay_settings, policies)

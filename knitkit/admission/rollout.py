@@ -70,7 +70,9 @@ class EventQueue:
 class RolloutPool:
     """Rollout slots fed from a FIFO issue queue; the k-th issue of a source replays trace record k."""
 
-    def __init__(self, trace: Trace, slots: int, events: EventQueue, on_finish: Callable[[Job], None]):
+    def __init__(
+        self, trace: Trace, slots: int, events: EventQueue, on_finish: Callable[[Job], None]
+    ):
         self._trace = trace
         self._next = dict.fromkeys(trace.sources, 0)
         self.slots = slots
@@ -86,24 +88,33 @@ class RolloutPool:
             j.record.source == source for j in self.running.values()
         )
 
-    def issue(self, step: int, prompts: Mapping[str, int]) -> int:
-        """Queue ``prompts[source]`` GRPO groups per source, interleaved round-robin; returns trajectories."""
+    def issue(self, step: int, prompts: Mapping[str, int], interleave: bool = True) -> int:
+        """Queue ``prompts[source]`` GRPO groups per source; returns the trajectories queued.
+
+        ``interleave`` alternates sources round-robin; otherwise sources are queued whole, in
+        the order of ``prompts`` (e.g. slowest first).
+        """
         g = self._trace.group_size
-        issued = 0
-        for round_ in range(max(prompts.values(), default=0)):
-            for source, count in prompts.items():
-                if round_ >= count:
-                    continue
-                records = self._trace.records[source]
-                start = self._next[source]
-                if start + g > len(records):
-                    raise RuntimeError(f"trace source {source!r} ran out of records at {start}")
-                self._next[source] = start + g
-                for k in range(start, start + g):
-                    rec = records[k]
-                    self.queue.append(Job(rec, f"{source}#{k}", step, rec.duration_s, self.version))
-                    issued += 1
-        return issued
+        order = (
+            [
+                s
+                for r in range(max(prompts.values(), default=0))
+                for s, c in prompts.items()
+                if r < c
+            ]
+            if interleave
+            else [s for s, c in prompts.items() for _ in range(c)]
+        )
+        for source in order:
+            records = self._trace.records[source]
+            start = self._next[source]
+            if start + g > len(records):
+                raise RuntimeError(f"trace source {source!r} ran out of records at {start}")
+            self._next[source] = start + g
+            for k in range(start, start + g):
+                rec = records[k]
+                self.queue.append(Job(rec, f"{source}#{k}", step, rec.duration_s, self.version))
+        return len(order) * g
 
     def fill(self, penalty_s: float = 0.0) -> None:
         """Start queued jobs while slots are free; resumed partial jobs pay ``penalty_s``."""
@@ -116,8 +127,11 @@ class RolloutPool:
 
     def _start(self, job: Job) -> None:
         self.running[job.trajectory_id] = job
+        self.events.at(job.run_from + job.remaining_s, self._finisher(job))
+
+    def _finisher(self, job: Job) -> Callable[[], None]:
         ticket = job.ticket
-        self.events.at(job.run_from + job.remaining_s, lambda: self._finish(job, ticket))
+        return lambda: self._finish(job, ticket)
 
     def _finish(self, job: Job, ticket: int) -> None:
         if job.ticket != ticket or job.trajectory_id not in self.running:
@@ -135,7 +149,7 @@ class RolloutPool:
             job.ticket += 1
             job.version = self.version
             job.run_from = now + penalty_s
-            self.events.at(job.run_from + job.remaining_s, lambda j=job, t=job.ticket: self._finish(j, t))
+            self.events.at(job.run_from + job.remaining_s, self._finisher(job))
 
     def pause_all(self) -> None:
         """Stop every running job (colocated phase end); partial jobs resume first next phase."""

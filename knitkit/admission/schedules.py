@@ -18,7 +18,9 @@ def coefficients(schedule: Schedule, n: int, *, name: str = "schedule") -> tuple
     """``schedule.alphas(n)``, checked: n values in [0, 1], non-decreasing, ending at exactly 1."""
     values = tuple(float(a) for a in schedule.alphas(n))
     if len(values) != n:
-        raise ValueError(f"{name}: {len(values)} coefficients for {n} mini-batches; give one per mini-batch")
+        raise ValueError(
+            f"{name}: {len(values)} coefficients for {n} mini-batches; give one per mini-batch"
+        )
     for t, value in enumerate(values, start=1):
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name}: alpha_{t}={value} is outside [0, 1]")
@@ -27,7 +29,9 @@ def coefficients(schedule: Schedule, n: int, *, name: str = "schedule") -> tuple
                 f"{name}: alpha_{t}={value} < alpha_{t - 1}={values[t - 2]}; coefficients must not decrease"
             )
     if values[-1] != 1.0:
-        raise ValueError(f"{name}: alpha_{n}={values[-1]}; the last coefficient must be 1 (the final quota)")
+        raise ValueError(
+            f"{name}: alpha_{n}={values[-1]}; the last coefficient must be 1 (the final quota)"
+        )
     return values
 
 
@@ -55,7 +59,9 @@ class RelaxedSchedule:
             raise ValueError(f"RelaxedSchedule.hold={self.hold}; use a value in [0, 1)")
 
     def alphas(self, n: int) -> tuple[float, ...]:
-        return tuple(min(1.0, max(0.0, (t / n - self.hold) / (1.0 - self.hold))) for t in range(1, n + 1))
+        return tuple(
+            min(1.0, max(0.0, (t / n - self.hold) / (1.0 - self.hold))) for t in range(1, n + 1)
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,6 +53,9 @@ class PacedSelection:
     as they complete keeps later mini-batches from waiting on them (and keeps mixes balanced).
     """
 
+    stalest_first: bool = True
+    """Fill the rest by oldest generating version first (then completion order)."""
+
     def propose(self, request: CandidateRequest, pool: ReadyPool) -> dict[str, int] | None:
         share = request.size / (request.size + request.slots_after)
         start: dict[str, int] = {}
@@ -65,7 +69,7 @@ class PacedSelection:
                 start[source] = units
         if sum(_sizes(pool, start).values()) > request.size:
             start = {}
-        return fill_oldest_first(request, pool, start)
+        return fill_oldest_first(request, pool, start, self.stalest_first)
 
 
 def _sizes(pool: ReadyPool, counts: Mapping[str, int]) -> dict[str, int]:
@@ -73,50 +77,60 @@ def _sizes(pool: ReadyPool, counts: Mapping[str, int]) -> dict[str, int]:
 
 
 def fill_oldest_first(
-    request: CandidateRequest, pool: ReadyPool, start: Mapping[str, int]
+    request: CandidateRequest,
+    pool: ReadyPool,
+    start: Mapping[str, int],
+    stalest_first: bool = False,
 ) -> dict[str, int] | None:
     """Extend ``start`` (units per source) oldest-first to ``request.size`` trajectories.
 
     With ``request.guarded``, a unit is skipped when taking it would leave fewer free slots than
     the groups' outstanding deficits still need (so the guard of eq. 4 stays satisfiable).
-    Cost: O(size x #sources).
+    The slack (free slots minus what the guards still need) never grows while filling, so a
+    source skipped once stays skipped: a heap merge of the source heads, O(size x log #sources).
     """
     counts = dict(start)
     taken = _sizes(pool, counts)
     deficit = {s: max(0, d - taken.get(s, 0)) for s, d in request.deficits.items()}
-    total = sum(taken.values())
     group_of = {s: g for g in request.groups for s in g}
+    must = {g: max(0, sum(deficit[s] for s in g) - request.slots_after) for g in request.groups}
+    must_total = sum(must.values()) if request.guarded else 0
+    total = sum(taken.values())
+
+    def head(source: str) -> tuple[int, int, str] | None:
+        index = counts.get(source, 0)
+        if index >= pool.units(source):
+            return None
+        unit = pool.peek(source, index)
+        return (unit.min_version if stalest_first else 0, unit.seq, source)
+
+    heap = [h for h in map(head, pool.ready) if h is not None]
+    heapq.heapify(heap)
     while total < request.size:
         free = request.size - total
-        must = {
-            group: max(0, sum(deficit[s] for s in group) - request.slots_after)
-            for group in request.groups
-        }
-        must_total = sum(must.values()) if request.guarded else 0
-        if must_total > free:
+        if must_total > free or not heap:
             return None
-        best: tuple[int, str] | None = None
-        for source in pool.ready:
-            index = counts.get(source, 0)
-            if index >= pool.units(source):
-                continue
-            unit = pool.peek(source, index)
-            room = request.room.get(source)
-            if unit.size > free or (room is not None and taken.get(source, 0) + unit.size > room):
-                continue
-            group = group_of.get(source)
-            covers = 0 if group is None else min(unit.size, deficit[source], must[group])
-            if must_total - covers > free - unit.size:
-                continue  # taking it would leave a guard unsatisfiable
-            if best is None or unit.seq < best[0]:
-                best = (unit.seq, source)
-        if best is None:
-            return None
-        source = best[1]
-        size = pool.peek(source, counts.get(source, 0)).size
+        source = heapq.heappop(heap)[2]
+        unit = pool.peek(source, counts.get(source, 0))
+        room = request.room.get(source)
+        if unit.size > free or (room is not None and taken.get(source, 0) + unit.size > room):
+            continue
+        group = group_of.get(source)
+        covers = (
+            0
+            if group is None or not request.guarded
+            else min(unit.size, deficit[source], must[group])
+        )
+        if must_total - covers > free - unit.size:
+            continue  # taking it would leave a guard unsatisfiable
         counts[source] = counts.get(source, 0) + 1
-        taken[source] = taken.get(source, 0) + size
-        if source in deficit:
-            deficit[source] = max(0, deficit[source] - size)
-        total += size
+        taken[source] = taken.get(source, 0) + unit.size
+        total += unit.size
+        if group is not None:
+            deficit[source] = max(0, deficit[source] - unit.size)
+            must[group] -= covers
+            must_total -= covers
+        nxt = head(source)
+        if nxt is not None:
+            heapq.heappush(heap, nxt)
     return counts

@@ -28,22 +28,42 @@ def _controller(policy: str, trace: Trace, settings: ReplaySettings) -> Admissio
     )
 
 
-def _prompts(trace: Trace, settings: ReplaySettings, pool: RolloutPool, ctl: AdmissionController) -> dict[str, int]:
-    """GRPO groups to issue per source this rollout step, within each source's outstanding cap."""
+def _prompts(
+    trace: Trace, settings: ReplaySettings, pool: RolloutPool, ctl: AdmissionController
+) -> dict[str, int]:
+    """GRPO groups to issue per source this rollout step, within each source's outstanding cap.
+
+    The order of the result is the issue order when ``settings.issue_order`` is 'slow_first'.
+    """
     shares = settings.issue_shares or dict.fromkeys(trace.sources, 1.0 / len(trace.sources))
     ready = ctl.ready_counts()
     g = trace.group_size
     prompts = {}
     for source in trace.sources:
-        want = round((1 + settings.oversample) * settings.train_batch_size * shares.get(source, 0.0) / g)
+        want = round(
+            (1 + settings.oversample) * settings.train_batch_size * shares.get(source, 0.0) / g
+        )
         cap = math.ceil(settings.source_cap * want) * g
-        room = (cap - pool.outstanding(source) - ready.get(source, 0)) // g
+        room = -(-(cap - pool.outstanding(source) - ready.get(source, 0)) // g)
         prompts[source] = max(0, min(want, room))
+    if settings.issue_order == "slow_first":
+        prompts = dict(sorted(prompts.items(), key=lambda kv: -trace.mean_duration(kv[0])))
     return prompts
 
 
+def _issue(
+    step: int, trace: Trace, settings: ReplaySettings, pool: RolloutPool, ctl: AdmissionController
+) -> None:
+    prompts = _prompts(trace, settings, pool, ctl)
+    ctl.issued(step, pool.issue(step, prompts, interleave=settings.issue_order == "round_robin"))
+
+
 def run_disaggregated(
-    trace: Trace, settings: ReplaySettings, policy: str, train_time_s: float, progress: Progress | None = None
+    trace: Trace,
+    settings: ReplaySettings,
+    policy: str,
+    train_time_s: float,
+    progress: Progress | None = None,
 ) -> RunRecord:
     """Rollout and training run concurrently; parameters sync to rollout after each train batch."""
     events, record = EventQueue(), RunRecord()
@@ -70,7 +90,7 @@ def run_disaggregated(
         ):
             step = state["steps"]
             record.step_start[step] = events.now
-            ctl.issued(step, pool.issue(step, _prompts(trace, settings, pool, ctl)))
+            _issue(step, trace, settings, pool, ctl)
             state["steps"] += 1
             pool.fill(settings.resume_penalty_s)
 
@@ -118,7 +138,9 @@ def run_disaggregated(
     return record
 
 
-def run_colocated(trace: Trace, settings: ReplaySettings, progress: Progress | None = None) -> RunRecord:
+def run_colocated(
+    trace: Trace, settings: ReplaySettings, progress: Progress | None = None
+) -> RunRecord:
     """Rollout and training time-share one pool: rollout step k runs at version k, then trains.
 
     The train batch is admitted whole (barrier). Without partial rollout, unfinished and
@@ -142,11 +164,13 @@ def run_colocated(trace: Trace, settings: ReplaySettings, progress: Progress | N
     for k in range(settings.train_batches):
         pool.version = k
         record.step_start[k] = events.now
-        ctl.issued(k, pool.issue(k, _prompts(trace, settings, pool, ctl)))
+        _issue(k, trace, settings, pool, ctl)
         pool.fill(settings.resume_penalty_s)
         events.run_until(lambda: len(closed) == settings.num_minibatches)
         if len(closed) < settings.num_minibatches:
-            raise RuntimeError(f"colocated replay stalled at train batch {k}; raise source_cap or oversample")
+            raise RuntimeError(
+                f"colocated replay stalled at train batch {k}; raise source_cap or oversample"
+            )
         record.train_end[k] = events.now
         for mb in closed:
             record.train(k, [jobs.pop(t.trajectory_id) for t in mb.trajectories])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -54,6 +55,10 @@ class Trace:
     def sources(self) -> tuple[str, ...]:
         return tuple(self.records)
 
+    def mean_duration(self, source: str) -> float:
+        records = self.records[source]
+        return sum(r.duration_s for r in records) / max(1, len(records))
+
 
 def generate_trace(
     profiles: Sequence[SourceProfile], *, samples_per_source: int, group_size: int, seed: int
@@ -62,12 +67,17 @@ def generate_trace(
     records: dict[str, tuple[TraceRecord, ...]] = {}
     for index, profile in enumerate(profiles):
         rng = np.random.default_rng([seed, index])
-        prompt = rng.normal(0.0, profile.sigma * math.sqrt(profile.prompt_share), samples_per_source)
+        prompt = rng.normal(
+            0.0, profile.sigma * math.sqrt(profile.prompt_share), samples_per_source
+        )
         noise = rng.normal(
-            0.0, profile.sigma * math.sqrt(1.0 - profile.prompt_share), (samples_per_source, group_size)
+            0.0,
+            profile.sigma * math.sqrt(1.0 - profile.prompt_share),
+            (samples_per_source, group_size),
         )
         durations = np.minimum(
-            profile.median_s * np.exp(prompt[:, None] + noise), profile.cap_factor * profile.median_s
+            profile.median_s * np.exp(prompt[:, None] + noise),
+            profile.cap_factor * profile.median_s,
         )
         accepted = rng.random((samples_per_source, group_size)) < profile.accept_prob
         records[profile.name] = tuple(
@@ -113,7 +123,9 @@ def read_jsonl(path: str | Path) -> Trace:
                     f"{path}:{line_no}: not a trace record ({exc}); need source, sample_id, duration_s"
                 ) from exc
             if rec.duration_s < 0 or (rec.tokens is not None and rec.tokens < 0):
-                raise ValueError(f"{path}:{line_no}: negative duration_s or tokens in {line.strip()}")
+                raise ValueError(
+                    f"{path}:{line_no}: negative duration_s or tokens in {line.strip()}"
+                )
             by_source.setdefault(rec.source, []).append(rec)
     if not by_source:
         raise ValueError(f"{path}: empty trace")
@@ -124,7 +136,7 @@ def _group_size(per_source: Iterable[list[TraceRecord]]) -> int:
     sizes = set()
     for recs in per_source:
         run = 1
-        for prev, rec in zip(recs, recs[1:], strict=False):
+        for prev, rec in itertools.pairwise(recs):
             if rec.sample_id == prev.sample_id:
                 run += 1
             else:

@@ -10,7 +10,7 @@ from types import TracebackType
 
 import torch
 
-from knitkit.microbatch_iter.batch import IterStats, MicroBatch, MicroBatchStats, field_tensors
+from knitkit.microbatch_iter.batch import IterStats, MicroBatch, MicroBatchStats
 from knitkit.microbatch_iter.pool import SlotRing
 from knitkit.microbatch_iter.source import SourceItem
 from knitkit.microbatch_iter.transport import make_transport
@@ -94,20 +94,20 @@ class MicroBatchIterator(Iterator[MicroBatch]):
         if isinstance(record, Failure):
             self.close()
             raise record.error
-        slot = prefetcher.ring.slots[record.slot]
-        assert slot.device is not None
         prefetcher.transport.hand_over(record.slot)
         prefetcher.held = record.slot
-        layout = record.layout
-        flat = slot.device[: layout.nbytes]
-        tensors = field_tensors(flat, layout, record.torch_dtypes)
         self._launch_pending = True
+        stats = MicroBatchStats(
+            record.index,
+            time.perf_counter() - start,
+            record.fetch_s,
+            record.stage_s,
+            record.layout.nbytes,
+        )
+        self._stats.add(stats)
         if not self.config.stage_after_launch:
             self.launched()
-        wait_s = time.perf_counter() - start
-        stats = MicroBatchStats(record.index, wait_s, record.fetch_s, record.stage_s, layout.nbytes)
-        self._stats.add(stats)
-        return MicroBatch(record.index, layout, flat, tensors, stats)
+        return MicroBatch(record.index, record.layout, record.flat, record.tensors, stats)
 
     def launched(self) -> None:
         """Tell the iterator the held micro-batch's first kernel is launched; staging may go on.

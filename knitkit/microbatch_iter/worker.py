@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from knitkit.microbatch_iter.batch import field_tensors
 from knitkit.microbatch_iter.pool import SlotRing
 from knitkit.microbatch_iter.source import SourceItem, StagingPlan, plan_staging
 from knitkit.microbatch_iter.transport import Transport
@@ -48,7 +49,9 @@ class Staged:
     index: int
     slot: int
     layout: MicroBatchLayout
-    torch_dtypes: Mapping[str, torch.dtype]
+    flat: torch.Tensor
+    tensors: Mapping[str, torch.Tensor]
+    """Field views over ``flat``, built here so the consumer's hand-over stays short."""
     fetch_s: float
     stage_s: float
 
@@ -112,6 +115,7 @@ class Prefetcher:
                         _release(plan_staging(item))
                         return
                     staged = self._stage(index, item, fetch_s=fetched - start)
+                del item  # the source's buffer is released; hold no view of it while waiting
                 self.ready.put(staged)
         except BaseException as error:
             self.ready.put(Failure(error))
@@ -134,10 +138,13 @@ class Prefetcher:
         assert slot.host is not None and slot.device is not None
         plan.copy_into(slot.host.numpy())
         _release(plan)
-        self.transport.to_device(slot.index, slot.host, slot.device, plan.layout.nbytes)
+        layout = plan.layout
+        self.transport.to_device(slot.index, slot.host, slot.device, layout.nbytes)
+        flat = slot.device[: layout.nbytes]
+        tensors = field_tensors(flat, layout, plan.torch_dtypes)
         stage_s = time.perf_counter() - start
         # The record keeps no reference to the source's buffer: its slot may be reused now.
-        return Staged(index, slot.index, plan.layout, plan.torch_dtypes, fetch_s, stage_s)
+        return Staged(index, slot.index, layout, flat, tensors, fetch_s, stage_s)
 
     def take(self) -> Staged | Failure | End:
         """Consumer side: the next record, in order; raises if the thread died without one."""
@@ -185,6 +192,8 @@ class Prefetcher:
                 self.held = None
             self.transport.close()
             self.ring.clear()
+            while not self.ready.empty():  # staged records hold views of the slots
+                self.ready.get_nowait()
 
 
 def _release(plan: StagingPlan) -> None:

@@ -2,7 +2,7 @@
 
 from knitkit.storage.backend import UnitBackend, UnitSpec
 from knitkit.storage.balance import CostModel, karmarkar_karp, pack_by_budget, pack_ranks_by_budget
-from knitkit.storage.cp import cp_chunks, padded_lengths
+from knitkit.storage.cp import cp_chunks, padded_lengths, rank_chunks
 from knitkit.storage.disk import SafetensorsBackend
 from knitkit.storage.index import HierarchicalIndex, IndexEntry
 from knitkit.storage.memory import MemoryBackend
@@ -58,6 +58,7 @@ __all__ = [
     "plan_encoder",
     "plan_minibatch",
     "planner_ms",
+    "rank_chunks",
     "synthetic_metas",
     "synthetic_trajectories",
     "video_groups",

@@ -62,6 +62,7 @@ class SafetensorsBackend:
         self._entries: dict[UnitKey, ShardEntry] = {}
         self._pending: dict[UnitKey, np.ndarray] = {}
         self._fds: dict[str, int] = {}
+        self._writable: set[str] = set()
         self._bytes_read = 0
 
     def put(self, key: UnitKey, array: np.ndarray) -> None:
@@ -122,6 +123,7 @@ class SafetensorsBackend:
         del self._entries[key]
         if all(e.shard != shard for e in self._entries.values()):
             fd = self._fds.pop(shard, None)
+            self._writable.discard(shard)
             if fd is not None:
                 os.close(fd)
             os.unlink(shard)
@@ -138,6 +140,7 @@ class SafetensorsBackend:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._writable.clear()
 
     def __getstate__(self) -> dict[str, Any]:
         self.flush()
@@ -153,6 +156,7 @@ class SafetensorsBackend:
         self._entries = state["entries"]
         self._pending = {}
         self._fds = {}
+        self._writable = set()
         self._bytes_read = 0
 
     def _entry(self, key: UnitKey) -> ShardEntry:
@@ -166,13 +170,16 @@ class SafetensorsBackend:
             ) from None
 
     def _fd(self, shard: str, write: bool = False) -> int:
-        # NOTE: one fd per shard, opened read-write once it is written to; preadv needs no seek lock.
+        # NOTE: one fd per shard, reopened read-write once on the first replace; preadv and
+        # pwritev take explicit offsets, so threads may share it without a seek lock.
         fd = self._fds.get(shard)
-        if fd is None or write:
+        if fd is None or (write and shard not in self._writable):
             if fd is not None:
                 os.close(fd)
             fd = os.open(shard, os.O_RDWR if write else os.O_RDONLY)
             self._fds[shard] = fd
+            if write:
+                self._writable.add(shard)
         return fd
 
 

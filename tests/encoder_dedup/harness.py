@@ -61,7 +61,9 @@ def run_case(rank: int, case: Case) -> tuple[Report, int, int]:
     if layout.megatron:
         import megatron_cpu
 
-        megatron_cpu.initialize_model_parallel(tensor_parallel=layout.tp, context_parallel=layout.cp)
+        megatron_cpu.initialize_model_parallel(
+            tensor_parallel=layout.tp, context_parallel=layout.cp
+        )
     try:
         dtype = getattr(torch, case.dtype)
         encoder, backbone = (
@@ -158,7 +160,7 @@ def _groups(
 ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, list[dist.ProcessGroup]]:
     """DP x CP group (same TP index) and CP group of this rank; every rank creates every group."""
     layout = case.layout
-    d, c, t = layout.coords(rank)
+    d, _, t = layout.coords(rank)
     own: list[dist.ProcessGroup] = []
     dp_cp = cp = None
     for tt in range(layout.tp):

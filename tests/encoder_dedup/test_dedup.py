@@ -42,7 +42,9 @@ def assert_equivalent(report: dict[str, tuple[float, float]], rtol: float) -> No
     assert any(k.startswith("encoder.projector") for k in report)
     for name, (diff, norm) in report.items():
         assert norm > 0, f"{name}: baseline gradient is zero, the case does not exercise it"
-        assert diff <= rtol * norm + 1e-7, f"{name}: |dedup - baseline| = {diff:.3g}, |baseline| = {norm:.3g}"
+        assert diff <= rtol * norm + 1e-7, (
+            f"{name}: |dedup - baseline| = {diff:.3g}, |baseline| = {norm:.3g}"
+        )
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -98,3 +100,14 @@ def test_encoder_output_of_wrong_shape_is_rejected() -> None:
     _, dedup, _ = _encoder_and_dedup(case)
     with pytest.raises(ValueError, match="one row per placeholder token"):
         dedup.encode(lambda keys: torch.zeros(1, 16))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(CASES))
+def test_gradients_match_reencoding_baseline_on_cuda(name: str) -> None:
+    """The one-process equivalence with every tensor on the GPU."""
+    case = dataclasses.replace(CASES[name], device="cuda")
+    report, _, dedup_encodes = run_case(0, case)
+    assert_equivalent(report, BF16_RTOL if case.dtype == "bfloat16" else FP32_RTOL)
+    assert dedup_encodes == len({ref.key for t in case.trajectories for ref in t.refs})

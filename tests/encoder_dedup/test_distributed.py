@@ -3,18 +3,17 @@
 Each case runs the re-encoding baseline and knitkit's dedup on every rank of a spawned world and
 compares every encoder, projector and backbone gradient after the trainer's reductions (DP x CP
 all-reduce for the baseline and the backbone; ``sync_encoder_grads`` for the deduplicated encoder).
-Two worlds (2 and 4 ranks) are spawned once per module and reused by all cases.
+Two worlds (2 and 4 ranks, ``conftest.py``) are spawned once and reused by all cases.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
 import pytest
 import torch
-
 from dist import World
+
 from encoder_dedup.harness import run_case
 from encoder_dedup.test_dedup import BF16_RTOL, FP32_RTOL, MIXED, assert_equivalent
 from encoder_dedup.toy import Case, Layout, grpo_case
@@ -30,29 +29,21 @@ CASES_2 = {
     "dp2_bf16": grpo_case("bf16", Layout(dp=2), MIXED, n=4, dtype="bfloat16"),
 }
 CASES_4 = {
-    "dp2_tp2_megatron_encoder_dp4": grpo_case("dp2tp2", Layout(dp=2, tp=2, megatron=True), MIXED, n=4),
+    "dp2_tp2_megatron_encoder_dp4": grpo_case(
+        "dp2tp2", Layout(dp=2, tp=2, megatron=True), MIXED, n=4
+    ),
     "dp2_tp2_encoder_dp2_other_ranks": grpo_case(
         "dp2tp2e", Layout(dp=2, tp=2, encoder_ranks=(0, 3)), MIXED, n=4
     ),
     "tp2_cp2_megatron": grpo_case("tp2cp2", Layout(tp=2, cp=2, megatron=True), ACROSS_CP, n=4),
-    "dp2_cp2_encoder_dp1": grpo_case("dp2cp2", Layout(dp=2, cp=2, encoder_ranks=(2,)), ACROSS_CP, n=2),
+    "dp2_cp2_encoder_dp1": grpo_case(
+        "dp2cp2", Layout(dp=2, cp=2, encoder_ranks=(2,)), ACROSS_CP, n=2
+    ),
 }
 
 
-@pytest.fixture(scope="module")
-def world2() -> Iterator[World]:
-    with World(2, timeout_s=180) as world:
-        yield world
-
-
-@pytest.fixture(scope="module")
-def world4() -> Iterator[World]:
-    with World(4, timeout_s=180) as world:
-        yield world
-
-
 def _check(case: Case, results: list) -> None:
-    for rank, (report, baseline_encodes, _) in enumerate(results):
+    for rank, (report, _, _) in enumerate(results):
         try:
             assert_equivalent(report, BF16_RTOL if case.dtype == "bfloat16" else FP32_RTOL)
         except AssertionError as err:
@@ -93,7 +84,9 @@ def _cuda_devices() -> int:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(_cuda_devices() < 2, reason="needs CUDA: 2 GPUs for a 2-rank NCCL world")
-@pytest.mark.parametrize("name", ["dp2", "cp2_image_across_boundary", "tp2_megatron_replicated_inputs"])
+@pytest.mark.parametrize(
+    "name", ["dp2", "cp2_image_across_boundary", "tp2_megatron_replicated_inputs"]
+)
 def test_nccl_two_rank_layouts_match_baseline(name: str) -> None:
     """The same equivalence with CUDA tensors and NCCL all-to-all."""
     case = dataclasses.replace(CASES_2[name], device="cuda")

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from knitkit.integration.sglang import StreamAccumulator, iter_sse_events
+from knitkit.integration.sglang import StreamAccumulator, fold_stream, iter_sse_events
 from sglang_fixtures import load
 
 
@@ -70,3 +70,19 @@ def test_sse_error_chunk_raises() -> None:
     with pytest.raises(ValueError, match="input too long"):
         list(iter_sse_events(body))
     assert list(iter_sse_events([b": keep-alive", b"data: [DONE]", b"data: {}"])) == []
+
+
+def test_batched_stream_folds_per_index() -> None:
+    """Interleaved chunks of an n=2 stream fold into two outputs in batch order, none mixed."""
+    record = load("stream_batch_n2.json")
+    chunks = list(iter_sse_events(record["response_body"].splitlines()))
+    outputs = fold_stream(chunks)
+    assert len(outputs) == 2
+    for index, out in enumerate(outputs):
+        mine = [c for c in chunks if c["index"] == index]
+        assert out.output_ids.tolist() == [t for c in mine for t in c["output_ids"]]
+        assert out.rid == mine[0]["meta_info"]["id"]
+        assert out.prompt_tokens == len(record["request"]["input_ids"])
+    assert [len(o.output_ids) for o in outputs] == [7, 10]
+    with pytest.raises(ValueError, match="missing"):
+        fold_stream([c for c in chunks if c["index"] == 1])

@@ -117,6 +117,8 @@ def test_partial_rollout_continues_across_a_weight_update() -> None:
         build_trajectory(request, outs[:1], PayloadConfig())
     with pytest.raises(ValueError, match="prompt_tokens=38"):
         build_trajectory(request, outs[1:], PayloadConfig())
+    with pytest.raises(ValueError, match="only its last output"):
+        build_trajectory(request, [outs[1], outs[1]], PayloadConfig())
 
 
 def test_issued_version_lowers_min_version() -> None:

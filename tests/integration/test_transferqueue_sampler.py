@@ -14,13 +14,11 @@ from knitkit.integration.transferqueue import AdmissionSampler, sampler_conf, tr
 from tensordict import TensorDict
 from transfer_queue.controller import DataPartitionStatus
 
-from knitkit.admission.controller import AdmissionController
-from knitkit.admission.policies import policy_config
-from knitkit.admission.predicates import SourceQuota
+from knitkit.admission import AdmissionController, SourceQuota, policy_config
 from knitkit.types import TrajectoryMeta
 
 SOURCES = ("math", "code", "chart", "ocr")
-TRAIN_BATCH, MINIBATCHES, GROUP, SEQ = 16, 4, 2, 8
+TRAIN_BATCH, MINIBATCHES, GROUP, SEQ, DP = 16, 4, 2, 8, 2
 
 
 def _config():
@@ -75,7 +73,8 @@ def transfer_queue() -> Iterator[None]:
     """A real TransferQueue (controller + one SimpleStorage unit) on a 2-CPU local Ray."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     conf = sampler_conf(
-        AdmissionSampler(_config()), backend={"SimpleStorage": {"num_data_storage_units": 1}}
+        AdmissionSampler(_config(), dp_size=DP),
+        backend={"SimpleStorage": {"num_data_storage_units": 1}},
     )
     tq.init(conf)
     yield
@@ -94,58 +93,67 @@ def _put(metas: list[TrajectoryMeta]) -> None:
     )
 
 
-def _fetch_all(task: str) -> list[list[dict]]:
-    """Every mini-batch admitted so far for ``task``, as the samples' tags."""
-    client = tq.get_client()
+def _fetch(task: str, dp_rank: int) -> list[dict]:
+    """One ``get_meta`` of a DP rank of ``task`` (as ``StreamingDataset`` asks), as the samples' tags."""
+    meta = tq.get_client().get_meta(
+        data_fields=["tokens"],
+        batch_size=1,
+        partition_id="train",
+        mode="fetch",
+        task_name=task,
+        sampling_config={"task_name": task, "dp_rank": dp_rank},
+    )
+    return list(meta.custom_meta)
+
+
+def _fetch_all(task: str) -> list[list[list[dict]]]:
+    """Every mini-batch admitted so far for ``task``, as its DP ranks' shares."""
     batches = []
     while True:
-        meta = client.get_meta(
-            data_fields=["tokens"],
-            batch_size=1,
-            partition_id="train",
-            mode="fetch",
-            task_name=task,
-            sampling_config={"task_name": task},
-        )
-        if meta.size == 0:
+        shares = [_fetch(task, rank) for rank in range(DP)]
+        if not shares[0]:
+            assert not any(shares), "a DP rank got a share of a mini-batch its peer did not"
             return batches
-        batches.append(list(meta.custom_meta))
+        batches.append(shares)
 
 
 def test_get_meta_returns_admitted_minibatches_in_order(transfer_queue: None) -> None:
-    """Streamed puts + get_meta yield exactly the in-process controller's mini-batches, with quotas.
+    """Streamed puts + per-DP-rank get_meta yield the in-process controller's mini-batches.
 
-    Every train batch meets each source's quota, GRPO pairs stay whole, no trajectory is handed
-    out twice, and a second task receives the same mini-batches in the same order.
+    Every train batch meets each source's quota, each DP rank gets whole GRPO groups (as many as
+    its peer), no trajectory is handed out twice, and a second task gets the same shares in order.
     """
     trace = _trace()
     reference = AdmissionController(_config())
-    expected: list[list[str]] = []
-    got: list[list[dict]] = []
+    expected: list[set[str]] = []
+    got: list[list[list[dict]]] = []
     for start in range(0, len(trace), 6):
         chunk = trace[start : start + 6]
         _put(chunk)
         for meta in chunk:
             reference.report(meta)
         while (minibatch := reference.next_minibatch()) is not None:
-            expected.append([t.trajectory_id for t in minibatch.trajectories])
+            expected.append({t.trajectory_id for t in minibatch.trajectories})
         got.extend(_fetch_all("actor"))
-    assert [[tags["trajectory_id"] for tags in batch] for batch in got] == expected
+    assert [{tags["trajectory_id"] for share in b for tags in share} for b in got] == expected
     assert len(got) > 2 * MINIBATCHES
-    ids = [tags["trajectory_id"] for batch in got for tags in batch]
+    ids = [tags["trajectory_id"] for b in got for share in b for tags in share]
     assert len(ids) == len(set(ids))
+    for shares in got:
+        assert [len(share) for share in shares] == [len(shares[0])] * DP
+        for rank, share in enumerate(shares):
+            assert {tags["knitkit_dp_rank"] for tags in share} == {rank}
+            assert set(Counter(tags["sample_id"] for tags in share).values()) == {GROUP}
+    flat = [[tags for share in b for tags in share] for b in got]
     for train_batch in range(2):
-        batches = [b for b in got if b[0]["knitkit_train_batch"] == train_batch]
+        batches = [b for b in flat if b[0]["knitkit_train_batch"] == train_batch]
         assert [b[0]["knitkit_minibatch"] for b in batches] == list(range(MINIBATCHES))
         per_source = Counter(tags["source"] for b in batches for tags in b)
         assert all(per_source[s] >= TRAIN_BATCH // 4 for s in SOURCES), per_source
-    for batch in got:
-        groups = Counter(tags["sample_id"] for tags in batch)
-        assert set(groups.values()) == {GROUP}
-    ref_task = _fetch_all("ref")
-    assert ref_task == got
-    data = tq.kv_batch_get(keys=expected[0], partition_id="train", select_fields="tokens")
-    assert data["tokens"].shape[0] == len(expected[0])
+    assert _fetch_all("ref") == got
+    first = [tags["trajectory_id"] for tags in got[0][0]]
+    data = tq.kv_batch_get(keys=first, partition_id="train", select_fields="tokens")
+    assert data["tokens"].shape[0] == len(first)
 
 
 def test_untagged_samples_wait_and_partial_tags_fail() -> None:
@@ -166,3 +174,30 @@ def test_untagged_samples_wait_and_partial_tags_fail() -> None:
         sampler.sample([2], 1, partition=partition)
     with pytest.raises(ValueError, match="partition"):
         sampler.sample([0], 1)
+
+
+def test_dp_shares_are_balanced_and_cached_for_late_ranks() -> None:
+    """DP ranks get token-balanced whole groups; a rank whose share waits is served whatever is ready."""
+    partition = DataPartitionStatus("p")
+    config = policy_config(
+        "streaming", train_batch_size=8, num_minibatches=1, sources=("a",), group_size=2
+    )
+    with pytest.raises(ValueError, match="dp_size=3"):
+        AdmissionSampler(config, dp_size=3)
+    sampler = AdmissionSampler(config, dp_size=2)
+    lengths = [100, 100, 10, 10, 60, 60, 50, 50]  # group token sums 200, 20, 120, 100
+    metas = [TrajectoryMeta(f"t{i}", f"s{i // 2}", "a", 0, n, 0, 0) for i, n in enumerate(lengths)]
+    partition.set_custom_meta({i: trajectory_tags(m) for i, m in enumerate(metas)})
+    config_of = {"task_name": "actor", "dp_rank": 1}
+    assert not sampler.has_cached_result("p", "actor", config_of)
+    rank0, _ = sampler.sample(list(range(8)), 1, task_name="actor", dp_rank=0, partition=partition)
+    assert sampler.has_cached_result("p", "actor", config_of)
+    rank1, _ = sampler.sample([], 1, task_name="actor", dp_rank=1, partition=partition)
+    assert rank1 == [] and sampler.has_cached_result("p", "actor", config_of)
+    rank1, _ = sampler.sample(list(range(8)), 1, task_name="actor", dp_rank=1, partition=partition)
+    assert sorted(rank0 + rank1) == list(range(8)) and len(rank0) == len(rank1) == 4
+    tokens = [sum(lengths[i] for i in share) for share in (rank0, rank1)]
+    assert sorted(tokens) == [220, 220]
+    assert not sampler.has_cached_result("p", "actor", config_of)
+    with pytest.raises(ValueError, match="dp_rank=2"):
+        sampler.sample([0], 1, dp_rank=2, partition=partition)

@@ -87,6 +87,7 @@ def _failing_source(fail_at: int) -> Iterator[dict[str, np.ndarray]]:
 
 def test_source_exception_is_raised_at_next_with_the_original_traceback():
     """Items before the failure arrive; then next() raises the source's own exception and frames."""
+    before = prefetch_threads()
     it = MicroBatchIterator(_failing_source(3), device="cpu")
     got = [int(next(it)["x"][0]) for _ in range(3)]
     with pytest.raises(ValueError, match="micro-batch 3") as info:
@@ -96,7 +97,7 @@ def test_source_exception_is_raised_at_next_with_the_original_traceback():
     assert "_failing_source" in frames
     with pytest.raises(StopIteration):
         next(it)
-    assert not prefetch_threads()
+    assert prefetch_threads() == before
 
 
 def test_malformed_item_raises_a_type_error_that_names_it():
@@ -139,7 +140,7 @@ def test_prefetch_never_runs_more_than_depth_ahead(depth, counting_source):
     ahead = []
     with MicroBatchIterator(source, MicroBatchIterator.Config(depth=depth), device="cpu") as it:
         for mb in it:
-            time.sleep(0.01)  # slow consumer: the thread would run ahead if it could
+            time.sleep(0.02)  # slow consumer: the thread would run ahead if it could
             ahead.append(source.pulled - (mb.index + 1))
             assert it.pool.held_bytes <= (depth + 1) * 16384  # 900 tokens = 14.1 KiB
     assert max(ahead) == depth
@@ -208,13 +209,14 @@ def test_closing_over_a_blocked_source_returns_and_warns():
         gate.wait()
         yield {"x": np.zeros(1)}
 
+    before = prefetch_threads()
     it = MicroBatchIterator(blocked(), MicroBatchIterator.Config(join_timeout_s=0.2), device="cpu")
     start = time.monotonic()
     with pytest.warns(ResourceWarning, match="next\\(source\\)"):
         it.close()
     assert time.monotonic() - start < 2.0
     gate.set()
-    assert wait_until(lambda: not prefetch_threads())
+    assert wait_until(lambda: prefetch_threads() == before)
 
 
 @pytest.mark.parametrize(
@@ -246,3 +248,11 @@ def test_process_exits_promptly_without_close(body):
         [sys.executable, "-c", script], timeout=60, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_config_build_and_invalid_depth():
+    """Config.build wires source and device; a depth below 1 is refused with its value."""
+    with MicroBatchIterator.Config(depth=1).build([{"x": np.ones(2)}], device="cpu") as it:
+        assert it.device == torch.device("cpu") and next(it)["x"].sum() == 2
+    with pytest.raises(ValueError, match="depth=0"):
+        MicroBatchIterator([], MicroBatchIterator.Config(depth=0), device="cpu")

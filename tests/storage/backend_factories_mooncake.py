@@ -13,7 +13,9 @@ def make_backend(tmp: Path) -> UnitBackend:
     try:
         from knitkit.integration.mooncake import MooncakeBackend, MooncakeMaster
     except ImportError as error:
-        pytest.skip(f"needs mooncake-transfer-engine-non-cuda and libibverbs1 (./dev.sh test): {error}")
+        pytest.skip(
+            f"needs mooncake-transfer-engine-non-cuda and libibverbs1 (./dev.sh test): {error}"
+        )
 
     class SelfHostedMooncakeBackend(MooncakeBackend):
         """A ``MooncakeBackend`` that stops the master it started when closed."""

@@ -17,7 +17,6 @@ from knitkit.storage.backend import UnitBackend
 def make_backend(tmp: Path) -> UnitBackend:
     try:
         import ray
-
         from knitkit.integration.ray import RayBackend
     except ImportError as error:
         pytest.skip(f"the Ray backend needs ray (pip install knitkit[ray]): {error}")

@@ -1,0 +1,163 @@
+"""Admission benchmark: architectural staleness per policy on `paper4` (4 and 8 mini-batches),
+the reductions of knittrans/adaptive against linear, a rho sweep, regret against the offline
+optimum on small windows, and the admission decision cost with 100k pending trajectories.
+
+    python benchmarks/admission.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from knitkit.admission import (
+    POLICY_NAMES,
+    SourceQuota,
+    build_controller,
+    preset,
+    regret_study,
+    run_replay,
+)
+from knitkit.types import TrajectoryMeta
+
+
+def replay_figures(
+    minibatches: int, seeds: list[int], train_batches: int
+) -> dict[str, dict[str, float]]:
+    """Per policy: staleness and violations averaged over seeds, plus first-mini-batch fraction."""
+    chosen = preset("paper4")
+    runs = []
+    for seed in seeds:
+        settings = chosen.settings.with_(
+            num_minibatches=minibatches, seed=seed, train_batches=train_batches
+        )
+        runs.append(run_replay(chosen.trace(settings), settings, POLICY_NAMES)["policies"])
+    return {
+        p: {
+            "staleness": float(np.mean([r[p]["architectural_staleness"] for r in runs])),
+            "staleness_oldest_token": float(
+                np.mean([r[p]["architectural_staleness_start"] for r in runs])
+            ),
+            "violations": int(sum(r[p]["violations"] for r in runs)),
+            "steps": int(sum(r[p]["steps"] for r in runs)),
+            "mix_skew": float(np.mean([r[p]["mix_skew"] for r in runs])),
+            "first_minibatch_fraction": float(
+                np.mean([r[p]["first_minibatch_fraction"] for r in runs])
+            ),
+        }
+        for p in POLICY_NAMES
+    }
+
+
+def rho_sweep(rhos: list[float], train_batches: int) -> dict[float, dict[str, float]]:
+    chosen = preset("paper4")
+    out = {}
+    for rho in rhos:
+        settings = chosen.settings.with_(rho=rho, train_batches=train_batches)
+        policies = run_replay(
+            chosen.trace(settings), settings, ("barrier", "linear", "knittrans", "adaptive")
+        )
+        out[rho] = {p: v["architectural_staleness"] for p, v in policies["policies"].items()}
+    return out
+
+
+def decision_cost_us(pending: int, reports: int) -> float:
+    """Microseconds per reported trajectory (report + admission attempt) with ``pending`` waiting.
+
+    A backlog of ``pending`` fast-source trajectories sits in the pool while a stream of mixed
+    reports arrives; every report is followed by admission attempts, as a trainer loop does.
+    """
+    sources = ("A", "B", "C", "D")
+    ctl = build_controller(
+        "knittrans",
+        train_batch_size=256,
+        num_minibatches=4,
+        sources=sources,
+        quotas=[SourceQuota(source=s, min_ratio=0.24) for s in sources],
+    )
+    for k in range(pending):
+        ctl.report(TrajectoryMeta(f"p{k}", f"p{k}", "A", 0, 100, 0, 0))
+    stream = [
+        TrajectoryMeta(f"r{k}", f"r{k}", sources[k % 4], 0, 100, 0, 0) for k in range(reports)
+    ]
+    start = time.perf_counter()
+    for meta in stream:
+        ctl.report(meta)
+        while ctl.next_minibatch() is not None:
+            pass
+    elapsed = time.perf_counter() - start
+    assert ctl.pending >= pending * 0.9, "the backlog must stay pending during the measurement"
+    return elapsed / reports * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer seeds and train batches (< 1 min)"
+    )
+    parser.add_argument("--json", default=None, help="write the flat figure object here")
+    args = parser.parse_args()
+    seeds = [0] if args.quick else [0, 1, 2]
+    batches = 24 if args.quick else 40
+    figures: dict[str, float] = {"rho": preset("paper4").settings.rho}
+    print(f"paper4 replay, seeds {seeds}, {batches} train batches, rho={figures['rho']}")
+    for n in (4, 8):
+        per_policy = replay_figures(n, seeds, batches)
+        print(f"\n{n} mini-batches per train batch")
+        print(
+            f"{'policy':<10} {'staleness':>9} {'(oldest)':>9} {'violations':>10} {'/steps':>6} {'mix skew':>8}"
+        )
+        for p, v in per_policy.items():
+            figures[f"mb{n}.{p}.staleness"] = v["staleness"]
+            figures[f"mb{n}.{p}.violations"] = v["violations"]
+            figures[f"mb{n}.{p}.mix_skew"] = v["mix_skew"]
+            print(
+                f"{p:<10} {v['staleness']:>9.3f} {v['staleness_oldest_token']:>9.3f} "
+                f"{v['violations']:>10d} {v['steps']:>6d} {v['mix_skew']:>8.3f}"
+            )
+        linear = per_policy["linear"]["staleness"]
+        for p in ("knittrans", "adaptive"):
+            figures[f"mb{n}.{p}.reduction_vs_linear"] = 1.0 - per_policy[p]["staleness"] / linear
+        figures[f"mb{n}.linear.first_minibatch_fraction"] = per_policy["linear"][
+            "first_minibatch_fraction"
+        ]
+        print(
+            f"reduction vs linear: knittrans {figures[f'mb{n}.knittrans.reduction_vs_linear']:.1%}, "
+            f"adaptive {figures[f'mb{n}.adaptive.reduction_vs_linear']:.1%}; linear first mini-batch "
+            f"at {figures[f'mb{n}.linear.first_minibatch_fraction']:.2f} of the rollout step"
+        )
+    rhos = [0.5, 0.85, 1.1] if args.quick else [0.25, 0.5, 0.7, 0.85, 1.0, 1.1, 1.3]
+    print("\nrho sweep (4 mini-batches): architectural staleness")
+    print(
+        f"{'rho':>5} {'barrier':>8} {'linear':>8} {'knittrans':>9} {'adaptive':>8} {'knit vs lin':>11}"
+    )
+    for rho, row in rho_sweep(rhos, 24 if args.quick else 32).items():
+        cut = 1.0 - row["knittrans"] / row["linear"] if row["linear"] > 0 else 0.0
+        figures[f"rho{rho}.knittrans.reduction_vs_linear"] = cut
+        for p, v in row.items():
+            figures[f"rho{rho}.{p}.staleness"] = v
+        print(
+            f"{rho:>5.2f} {row['barrier']:>8.3f} {row['linear']:>8.3f} {row['knittrans']:>9.3f} {row['adaptive']:>8.3f} {cut:>11.1%}"
+        )
+    regret = regret_study(("linear", "knittrans", "adaptive"), windows=6 if args.quick else 20)
+    print("\nregret vs clairvoyant per-batch optimum (relative sync-time excess, small windows):")
+    for p, v in regret.items():
+        figures[f"regret.{p}"] = v
+        print(f"  {p:<10} {v:.3%}")
+    cost = decision_cost_us(100_000, 5_000 if args.quick else 20_000)
+    figures["decision_cost_us"] = cost
+    print(
+        f"\ndecision cost with 100k pending: {cost:.1f} us per reported trajectory (target <= 50)"
+    )
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(figures, f, indent=1, sort_keys=True)
+
+
+if __name__ == "__main__":
+    main()

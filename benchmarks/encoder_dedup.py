@@ -1,0 +1,303 @@
+"""Encoder dedup: dup (every micro-batch re-encodes its images) vs dedup (paper 5.3, Fig. 11c), on CPU.
+
+A ViT-style encoder (patch embedding, transformer layers, projector) and a causal transformer
+backbone train one GRPO mini-batch: ``samples`` prompts with one image each, ``n`` trajectories per
+prompt, shuffled into backbone micro-batches of ``micro`` trajectories.
+
+- dup: each micro-batch encodes its trajectories' images, runs the backbone, back-propagates
+  through both (the encoder's backward is timed apart via a detached boundary; same math).
+- dedup: ``knitkit.encoder_dedup.DedupEncoder``: each unique image encoded once per mini-batch,
+  cached leaves per micro-batch, one deferred encoder backward.
+
+Keys, for k in 8, 16: ``n<k>.encoder_time_ratio`` (dup / dedup encoder forward+backward seconds),
+``n<k>.step_time_ratio`` (dup / dedup whole mini-batch step incl. AdamW; > 1 means dedup is faster),
+``n<k>.peak_memory_ratio`` (dedup / dup peak live tensor bytes). Peak memory is measured in a
+separate, untimed pass by ``LiveTensorBytes``: a ``TorchDispatchMode`` that adds the bytes of every
+tensor storage an op creates and subtracts them when the storage dies (a weakref callback on the
+storage, which lives as long as its C++ StorageImpl), so parameters, gradients, optimizer states,
+activations saved for backward and temporaries all count, independent of the CPU allocator. Dedup keeps every
+unique image's encoder graph for the whole mini-batch, so its peak stays below dup's while the
+mini-batch's unique images do not outnumber one micro-batch's images (printed as ``unique/micro``).
+
+    python benchmarks/encoder_dedup.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from knitkit.encoder_dedup import (
+    BackboneAssignment,
+    DedupEncoder,
+    EncoderAssignment,
+    LocalTransport,
+    build_routing_plan,
+    row_slices,
+)
+from knitkit.types import MultimodalRef, UnitKey
+
+
+@dataclass(frozen=True, slots=True)
+class Size:
+    """Model and mini-batch sizes of one run."""
+
+    width: int
+    patches: int
+    text: int
+    layers: int
+    samples: int
+    micro: int
+    repeats: int
+
+    @property
+    def image_at(self) -> int:
+        return 4
+
+
+class ViT(nn.Module):
+    """Patch embedding + transformer layers + projector to the backbone width."""
+
+    def __init__(self, size: Size) -> None:
+        super().__init__()
+        self.patch = nn.Linear(3 * 8 * 8, size.width)
+        self.pos = nn.Parameter(torch.randn(size.patches, size.width) * 0.02)
+        layer = nn.TransformerEncoderLayer(size.width, 4, 4 * size.width, 0.0, batch_first=True)
+        self.layers = nn.TransformerEncoder(layer, size.layers, enable_nested_tensor=False)
+        self.projector = nn.Sequential(nn.Linear(size.width, size.width), nn.GELU())
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """``[units, patches, 192]`` -> ``[units * patches, width]``."""
+        h = self.layers(self.patch(images) + self.pos)
+        return self.projector(h).flatten(0, 1)
+
+
+class Backbone(nn.Module):
+    """Causal transformer over text tokens with image features spliced in at ``image_at``."""
+
+    def __init__(self, size: Size, vocab: int = 512) -> None:
+        super().__init__()
+        self.size = size
+        self.embed = nn.Embedding(vocab, size.width)
+        layer = nn.TransformerEncoderLayer(size.width, 4, 4 * size.width, 0.0, batch_first=True)
+        self.layers = nn.TransformerEncoder(layer, size.layers, enable_nested_tensor=False)
+        self.head = nn.Linear(size.width, vocab)
+
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor, norm: float) -> torch.Tensor:
+        s = self.size
+        x = self.embed(tokens)
+        feats = features.view(len(tokens), s.patches, s.width)
+        x = torch.cat([x[:, : s.image_at], feats, x[:, s.image_at + s.patches :]], dim=1)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        logits = self.head(self.layers(x, mask=mask, is_causal=True))
+        return (
+            F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
+            / norm
+        )
+
+
+@dataclass(slots=True)
+class MiniBatch:
+    """A GRPO mini-batch: one image per prompt, n trajectories per prompt, shuffled micro-batches."""
+
+    images: dict[UnitKey, torch.Tensor]
+    refs: list[MultimodalRef]
+    tokens: torch.Tensor
+    micro_batches: list[list[int]]
+    norm: float
+
+
+def make_minibatch(size: Size, n: int) -> MiniBatch:
+    gen = torch.Generator().manual_seed(0)
+    seq = size.image_at + size.patches + size.text
+    keys = [UnitKey(f"img{s:03d}", "image") for s in range(size.samples)]
+    images = {k: torch.randn(size.patches, 3 * 8 * 8, generator=gen) for k in keys}
+    refs = [MultimodalRef(k, size.image_at, size.patches) for k in keys for _ in range(n)]
+    order = list(range(len(refs)))
+    random.Random(0).shuffle(order)
+    micro = [order[i : i + size.micro] for i in range(0, len(order), size.micro)]
+    tokens = torch.randint(0, 512, (len(refs), seq), generator=gen)
+    return MiniBatch(images, refs, tokens, micro, float(len(refs) * seq))
+
+
+@dataclass(slots=True)
+class Timing:
+    encoder_s: float = 0.0
+    step_s: float = 0.0
+
+
+def dup_step(enc: ViT, bb: Backbone, opt: torch.optim.Optimizer, mb: MiniBatch) -> Timing:
+    """Every micro-batch encodes its own trajectories' images (the non-dedup baseline)."""
+    t = Timing()
+    start = time.perf_counter()
+    opt.zero_grad()
+    for traj in mb.micro_batches:
+        t0 = time.perf_counter()
+        out = enc(torch.stack([mb.images[mb.refs[i].key] for i in traj]))
+        t.encoder_s += time.perf_counter() - t0
+        leaf = out.detach().requires_grad_()
+        bb(mb.tokens[traj], leaf, mb.norm).backward()
+        t0 = time.perf_counter()
+        out.backward(leaf.grad)
+        t.encoder_s += time.perf_counter() - t0
+        del out, leaf
+    opt.step()
+    t.step_s = time.perf_counter() - start
+    return t
+
+
+def dedup_step(enc: ViT, bb: Backbone, opt: torch.optim.Optimizer, mb: MiniBatch) -> Timing:
+    """knitkit's DedupEncoder: unique images once, cached leaves, one deferred encoder backward."""
+    t = Timing()
+    start = time.perf_counter()
+    opt.zero_grad()
+    keys = sorted(mb.images)
+    encoder = EncoderAssignment({0: [keys]}, {k: len(mb.images[k]) for k in keys})
+    needs = [
+        [s for i in traj for s in row_slices([mb.refs[i]], [(0, 1 << 30)])]
+        for traj in mb.micro_batches
+    ]
+    plan = build_routing_plan(encoder, BackboneAssignment({0: needs}), world_size=1)
+    width = bb.embed.embedding_dim
+    dedup = DedupEncoder(plan.for_rank(0), LocalTransport(), hidden=width)
+    t0 = time.perf_counter()
+    dedup.encode(lambda ks: enc(torch.stack([mb.images[k] for k in ks])))
+    t.encoder_s += time.perf_counter() - t0
+    for micro, traj in enumerate(mb.micro_batches):
+        features = dedup.features(micro)
+        bb(mb.tokens[traj], features, mb.norm).backward()
+        del features
+    t0 = time.perf_counter()
+    dedup.backward()
+    t.encoder_s += time.perf_counter() - t0
+    opt.step()
+    t.step_s = time.perf_counter() - start
+    return t
+
+
+Step = Callable[[ViT, Backbone, torch.optim.Optimizer, MiniBatch], Timing]
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of live tensor storages: those given up front plus every one an op creates."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        for t in tensors:
+            self._track(t)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self._refs:
+            return
+        nbytes = storage.nbytes()
+        self._refs[key] = weakref.ref(storage, partial(self._free, key, nbytes))
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def _free(self, key: int, nbytes: int, _: object) -> None:
+        if self._refs.pop(key, None) is not None:
+            self.live -= nbytes
+
+
+def peak_bytes(
+    step: Step, enc: ViT, bb: Backbone, opt: torch.optim.Optimizer, mb: MiniBatch
+) -> int:
+    """Peak live tensor bytes of one step, parameters, gradients and optimizer states included."""
+    held = [*enc.parameters(), *bb.parameters(), *mb.images.values(), mb.tokens]
+    held += [
+        v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+    ]
+    with LiveTensorBytes(*held) as tracker:
+        step(enc, bb, opt, mb)
+    return tracker.peak
+
+
+def measure(size: Size, n: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    enc, bb = ViT(size), Backbone(size)
+    opt = torch.optim.AdamW([*enc.parameters(), *bb.parameters()], lr=1e-4)
+    mb = make_minibatch(size, n)
+    for step in (dup_step, dedup_step):  # warm-up; also creates the optimizer states
+        step(enc, bb, opt, mb)
+    runs: dict[str, list[Timing]] = {"dup": [], "dedup": []}
+    for _ in range(size.repeats):  # interleaved, so background load hits both alike
+        runs["dup"].append(dup_step(enc, bb, opt, mb))
+        runs["dedup"].append(dedup_step(enc, bb, opt, mb))
+    med = {
+        (mode, part): statistics.median(getattr(t, part) for t in ts)
+        for mode, ts in runs.items()
+        for part in ("encoder_s", "step_s")
+    }
+    dup_peak = peak_bytes(dup_step, enc, bb, opt, mb)
+    dedup_peak = peak_bytes(dedup_step, enc, bb, opt, mb)
+    return {
+        f"n{n}.encoder_time_ratio": med["dup", "encoder_s"] / med["dedup", "encoder_s"],
+        f"n{n}.step_time_ratio": med["dup", "step_s"] / med["dedup", "step_s"],
+        f"n{n}.peak_memory_ratio": dedup_peak / dup_peak,
+        f"n{n}.dup.encoder_s": med["dup", "encoder_s"],
+        f"n{n}.dedup.encoder_s": med["dedup", "encoder_s"],
+        f"n{n}.dup.step_s": med["dup", "step_s"],
+        f"n{n}.dedup.step_s": med["dedup", "step_s"],
+        f"n{n}.dup.peak_mib": dup_peak / 2**20,
+        f"n{n}.dedup.peak_mib": dedup_peak / 2**20,
+        f"n{n}.unique_per_micro": size.samples / size.micro,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, under a minute")
+    parser.add_argument("--json", metavar="PATH", help="write the flat figures to PATH")
+    args = parser.parse_args()
+    if args.quick:
+        size = Size(width=128, patches=64, text=16, layers=1, samples=2, micro=8, repeats=2)
+    else:
+        size = Size(width=192, patches=128, text=64, layers=2, samples=4, micro=8, repeats=3)
+    # NOTE: one thread: on a shared 2-core machine, intra-op threads mostly add scheduling noise.
+    torch.set_num_threads(1)
+    figures: dict[str, float] = {}
+    print(f"{size}")
+    header = "n    enc dup s  enc dedup s  enc ratio  step dup s  step dedup s  step ratio  peak ratio (MiB)"
+    print(header)
+    for n in (8, 16):
+        f = measure(size, n)
+        figures.update(f)
+        print(
+            f"{n:<4} {f[f'n{n}.dup.encoder_s']:9.3f}  {f[f'n{n}.dedup.encoder_s']:11.3f}  "
+            f"{f[f'n{n}.encoder_time_ratio']:9.2f}  {f[f'n{n}.dup.step_s']:10.3f}  "
+            f"{f[f'n{n}.dedup.step_s']:12.3f}  {f[f'n{n}.step_time_ratio']:10.2f}  "
+            f"{f[f'n{n}.peak_memory_ratio']:5.2f} ({f[f'n{n}.dedup.peak_mib']:.1f}/{f[f'n{n}.dup.peak_mib']:.1f})"
+        )
+    print(f"target: n16.encoder_time_ratio >= {0.75 * 16:.0f} (ideal 16); peak_memory_ratio <= 1")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(figures, fh, indent=1, sort_keys=True)
+
+
+if __name__ == "__main__":
+    main()

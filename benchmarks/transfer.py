@@ -1,0 +1,373 @@
+"""Transfer benchmark: knitkit vs sample-level vs TransferQueue delivery to real consumer processes.
+
+A DP2 x CP2 x TP2 backbone (8 consumer processes) plus a DP2 vision encoder train several
+mini-batches of GRPO trajectories with MoE routing fields ([seq, layers, top-k]) and images.
+Each consumer "computes" every backbone micro-batch for ``compute_s`` (a sleep: GPU time costs
+no host CPU) and measures how long it waits for data:
+
+- knitkit: one reorganizer process per (DP, CP) group and per encoder rank reads exactly its
+  ranges from the shared-memory store and publishes packed micro-batches in consumption order
+  into node-local shared memory; consumers take zero-copy views.
+- sample_level: every rank reads its DP share's whole trajectories from the same store before
+  the step (images on TP0/CP0, once per referencing trajectory), then packs locally.
+- transferqueue: the same, through the real TransferQueue (one row per trajectory, KV API).
+
+Keys: ``<method>.bytes_read_ratio`` (bytes read / bytes the step consumes, images counted once),
+``<method>.exposed_s_per_step`` (per step the slowest rank's wait, averaged over steps),
+``sliced_read.<backend>.fraction_of_ceiling`` (sliced-read throughput / a plain memcpy (memory,
+shm) or page-cache ``preadv`` (disk) of the same bytes), ``planner_ms`` (DP32 x CP2 x TP4, 4096
+trajectories, the storage planner).
+
+    python benchmarks/transfer.py [--quick] [--json PATH] [--skip-tq]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from knitkit.storage import (
+    EncoderTopology,
+    MiniBatchPlan,
+    PlannerConfig,
+    SharedMemoryBackend,
+    Topology,
+    TrajectoryStore,
+    pack_layout,
+    plan_minibatch,
+    planner_ms,
+    synthetic_trajectories,
+)
+from knitkit.storage.consumer import MicroBatchConsumer
+from knitkit.storage.reorganizer_process import ReorganizerProcess
+from knitkit.storage.sample_level import RankPosition, pack_local, read_share
+from knitkit.storage.slot_ring import RingSpec
+from knitkit.types import UnitKey
+
+FIELDS = ("tokens", "logprobs", "loss_mask", "routing", "topp_mask")
+TOPOLOGY = Topology(dp=2, cp=2, tp=2)
+ENCODER = EncoderTopology("vision", dp=2)
+METHODS = ("knitkit", "sample_level", "transferqueue")
+TQ_PARTITION = "transfer-bench"
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """Workload of one run."""
+
+    samples_per_minibatch: int
+    group_size: int
+    min_tokens: int
+    max_tokens: int
+    routing_layers: int
+    image_patches: int
+    patch_dim: int
+    minibatches: int
+    micro_batch_tokens: int
+    compute_s: float
+    sliced_units: int
+    sliced_rows: int
+
+
+FULL = Sizes(4, 4, 4096, 16384, 48, 1024, 1176, 4, 8192, 0.05, 16, 16384)
+QUICK = Sizes(2, 4, 1024, 4096, 12, 256, 588, 2, 2048, 0.02, 8, 4096)
+
+
+def build_workload(sizes: Sizes) -> tuple[TrajectoryStore, list[MiniBatchPlan], list[Any], int]:
+    """Store trajectories in shared memory; plan each mini-batch; bytes one step consumes."""
+    trajectories = synthetic_trajectories(
+        sizes.samples_per_minibatch * sizes.minibatches,
+        group_size=sizes.group_size,
+        min_tokens=sizes.min_tokens,
+        max_tokens=sizes.max_tokens,
+        routing_layers=sizes.routing_layers,
+        routing_topk=8,
+        image_patches=sizes.image_patches,
+        patch_dim=sizes.patch_dim,
+    )
+    store = TrajectoryStore(SharedMemoryBackend(slab_bytes=256 << 20))
+    for trajectory in trajectories:
+        store.write(trajectory)
+    per_step = sizes.samples_per_minibatch * sizes.group_size
+    config = PlannerConfig(
+        token_fields=FIELDS, max_tokens_per_micro_batch=sizes.micro_batch_tokens, keep_groups=True
+    )
+    plans, consumed = [], 0
+    for step in range(sizes.minibatches):
+        metas = store.metas([t.trajectory_id for t in trajectories[step * per_step :][:per_step]])
+        plans.append(plan_minibatch(metas, TOPOLOGY, config, (ENCODER,), f"mb{step}"))
+        units = {UnitKey(m.trajectory_id, f) for m in metas for f in (*FIELDS, "reward")}
+        units |= {ref.key for m in metas for ref in m.multimodal}
+        consumed += sum(store.backend.spec(k).nbytes for k in units)
+    return store, plans, trajectories, consumed
+
+
+def slot_bytes(store: TrajectoryStore, plans: list[MiniBatchPlan]) -> tuple[int, int]:
+    """Largest backbone and encoder micro-batch, so one slot fits any of them."""
+    schema = store.schema(plans[0].consumers[0].micro_batches[0].sequences[0].trajectory_id)
+    backbone = max(
+        pack_layout(mb, schema).nbytes for p in plans for c in p.consumers for mb in c.micro_batches
+    )
+    encoder = max(
+        sum(store.backend.spec(k).nbytes + 64 for k in mb)
+        for p in plans
+        for r in p.encoder("vision").ranks
+        for mb in r.micro_batches
+    )
+    return backbone, encoder
+
+
+def rank_main(
+    rank: RankPosition,
+    backend: SharedMemoryBackend,
+    plans: list[MiniBatchPlan],
+    rings: dict[tuple[int, int], RingSpec],
+    encoder_ring: RingSpec | None,
+    tq_configs: Any,
+    compute_s: float,
+    barrier: Any,
+    results: Any,
+) -> None:
+    """One training rank: runs every method in turn, reporting per-step waits and bytes read."""
+    waits: dict[str, list[float]] = {m: [] for m in METHODS}
+    bytes_read: dict[str, int] = dict.fromkeys(METHODS, 0)
+    backbone = MicroBatchConsumer(rings[(rank.dp, rank.cp)], rank.tp)
+    encoder = MicroBatchConsumer(encoder_ring, 0) if encoder_ring else None
+    barrier.wait()
+    for plan in plans:
+        wait = 0.0
+        for _ in plan.encoder("vision").ranks[rank.dp].micro_batches if encoder else ():
+            start = time.perf_counter()
+            assert encoder is not None
+            encoder.next_micro_batch().release()
+            wait += time.perf_counter() - start
+        for _ in plan.consumer(rank.dp, rank.cp).micro_batches:
+            start = time.perf_counter()
+            batch = backbone.next_micro_batch()
+            wait += time.perf_counter() - start
+            time.sleep(compute_s)
+            batch.release()
+        waits["knitkit"].append(wait)
+    backbone.close()
+    if encoder:
+        encoder.close()
+
+    barrier.wait()
+    for plan in plans:
+        start = time.perf_counter()
+        before = backend.bytes_read
+        packed = list(pack_local(plan.consumer(rank.dp, rank.cp), read_share(backend, plan, rank)))
+        waits["sample_level"].append(time.perf_counter() - start)
+        bytes_read["sample_level"] += backend.bytes_read - before
+        for _ in packed:
+            time.sleep(compute_s)
+
+    tq_config = tq_configs.get()
+    if tq_config is not None:
+        from knitkit.integration.transferqueue.backend import TransferQueueConnection
+        from knitkit.integration.transferqueue.baseline import read_share_tq
+
+        client = TransferQueueConnection(tq_config).client()
+        barrier.wait()
+        for plan in plans:
+            start = time.perf_counter()
+            local, moved = read_share_tq(client, plan, rank, TQ_PARTITION)
+            packed = list(pack_local(plan.consumer(rank.dp, rank.cp), local))
+            waits["transferqueue"].append(time.perf_counter() - start)
+            bytes_read["transferqueue"] += moved
+            for _ in packed:
+                time.sleep(compute_s)
+        client.close()
+    results.put((rank, waits, bytes_read))
+
+
+def run_delivery(sizes: Sizes, with_tq: bool) -> dict[str, float]:
+    """The three methods on one workload, consumers as real processes; figures by key."""
+    store, plans, trajectories, consumed = build_workload(sizes)
+    backbone_bytes, encoder_bytes = slot_bytes(store, plans)
+    ctx = mp.get_context("spawn")
+    ranks = [RankPosition(d, c, t) for d in range(2) for c in range(2) for t in range(2)]
+    barrier, results, tq_configs = ctx.Barrier(len(ranks) + 1), ctx.Queue(), ctx.Queue()
+    rings = {
+        (d, c): RingSpec.new(num_slots=2, slot_bytes=backbone_bytes, num_consumers=TOPOLOGY.tp)
+        for d in range(2)
+        for c in range(2)
+    }
+    encoder_rings = [
+        RingSpec.new(num_slots=2, slot_bytes=encoder_bytes, num_consumers=1) for _ in range(2)
+    ]
+    reorganizers = [ReorganizerProcess(store.backend, spec) for spec in rings.values()]
+    reorganizers += [ReorganizerProcess(store.backend, spec) for spec in encoder_rings]
+    processes = []
+    connection = None
+    try:
+        for rank in ranks:
+            encoder_ring = encoder_rings[rank.dp] if rank.reads_multimodal else None
+            args = (rank, store.backend, plans, rings, encoder_ring, tq_configs, sizes.compute_s)
+            process = ctx.Process(target=rank_main, args=(*args, barrier, results))
+            process.start()
+            processes.append(process)
+        if with_tq:
+            from knitkit.integration.transferqueue.backend import start_transfer_queue
+            from knitkit.integration.transferqueue.baseline import put_trajectories
+
+            connection = start_transfer_queue()
+            client = connection.client()
+            put_trajectories(client, trajectories, TQ_PARTITION)
+            client.close()
+        barrier.wait(timeout=300)
+        for plan in plans:
+            for reorganizer, group in zip(reorganizers[:4], plan.consumers, strict=True):
+                reorganizer.submit(plan.minibatch_id, group)
+            for reorganizer, rank_plan in zip(
+                reorganizers[4:], plan.encoder("vision").ranks, strict=True
+            ):
+                reorganizer.submit(plan.minibatch_id, rank_plan)
+        barrier.wait(timeout=300)
+        for _ in ranks:
+            tq_configs.put(connection.config if connection else None)
+        if connection:
+            barrier.wait(timeout=300)
+        got = [results.get(timeout=600) for _ in ranks]
+        knitkit_read = sum(r.bytes_read for r in reorganizers)
+    finally:
+        for process in processes:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+        for reorganizer in reorganizers:
+            reorganizer.close()
+        store.backend.close()
+        if connection:
+            from knitkit.integration.transferqueue.backend import stop_transfer_queue
+
+            stop_transfer_queue()
+    figures: dict[str, float] = {"bytes_consumed_per_step": consumed / sizes.minibatches}
+    for method in METHODS if with_tq else METHODS[:2]:
+        per_step = np.array([waits[method] for _, waits, _ in got])  # ranks x steps
+        figures[f"{method}.exposed_s_per_step"] = float(per_step.max(axis=0).mean())
+        figures[f"{method}.exposed_s_per_step_mean_rank"] = float(per_step.mean())
+        read = knitkit_read if method == "knitkit" else sum(b[method] for _, _, b in got)
+        figures[f"{method}.bytes_read_ratio"] = read / consumed
+    figures["steps"] = sizes.minibatches
+    figures["micro_batches_per_step"] = plans[0].num_micro_batches
+    return figures
+
+
+def sliced_read_fractions(sizes: Sizes) -> dict[str, float]:
+    """Throughput of CP-chunk range reads per backend against a plain copy of the same number of
+    bytes: one memcpy from private memory (memory, shm) or one page-cache ``os.preadv`` (disk).
+
+    NOTE: on this VM a copy runs several times slower when source and destination share their
+    address bits below 4 KiB (4K aliasing), so each ceiling is the best over a few source
+    offsets: the ceiling is what a plain copy can do, not what one unlucky alignment does.
+    """
+    from knitkit.storage import MemoryBackend, SafetensorsBackend, cp_chunks
+
+    rng = np.random.default_rng(0)
+    shape = (sizes.sliced_units, sizes.sliced_rows, 48, 8)
+    source = rng.integers(0, 256, shape, dtype=np.uint8)
+    ranges = cp_chunks(sizes.sliced_rows, 2, 0)
+    out = np.ones((shape[0], sum(b - a for a, b in ranges), *shape[2:]), dtype=np.uint8)
+    flat_out = out.reshape(-1)
+    offsets = (0, 64, 1088, 2112)
+    padded = np.ones(out.nbytes + offsets[-1], dtype=np.uint8)
+    figures = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = os.path.join(tmp, "plain.bin")
+        padded.tofile(plain)
+        fd = os.open(plain, os.O_RDONLY)
+        try:
+            memcpy = min(
+                _best(lambda o=o: np.copyto(flat_out, padded[o : o + out.nbytes])) for o in offsets
+            )
+            page_cache = min(_best(lambda o=o: os.preadv(fd, [flat_out], o)) for o in offsets)
+        finally:
+            os.close(fd)
+        ceilings = {"memory": memcpy, "shm": memcpy, "disk": page_cache}
+        backends = {
+            "memory": MemoryBackend(),
+            "shm": SharedMemoryBackend(slab_bytes=256 << 20),
+            "disk": SafetensorsBackend(os.path.join(tmp, "shards"), shard_bytes=64 << 20),
+        }
+        for name, backend in backends.items():
+            keys = [UnitKey(f"t{i}", "routing") for i in range(shape[0])]
+            for key, unit in zip(keys, source, strict=True):
+                backend.put(key, unit)
+
+            def sliced(backend=backend, keys=keys) -> None:
+                for i, key in enumerate(keys):
+                    backend.read(key, ranges, out=out[i])
+
+            seconds = _best(sliced)
+            figures[f"sliced_read.{name}.fraction_of_ceiling"] = ceilings[name] / seconds
+            figures[f"sliced_read.{name}.gbps"] = out.nbytes / seconds / 1e9
+            figures[f"sliced_read.{name}.ceiling_gbps"] = out.nbytes / ceilings[name] / 1e9
+            backend.close()
+    return figures
+
+
+def _best(fn: Any, repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, under a minute")
+    parser.add_argument("--json", metavar="PATH", help="write the figures as one flat JSON object")
+    parser.add_argument("--skip-tq", action="store_true", help="leave out TransferQueue (no Ray)")
+    args = parser.parse_args()
+    sizes = QUICK if args.quick else FULL
+    figures = run_delivery(sizes, with_tq=not args.skip_tq)
+    figures.update(sliced_read_fractions(sizes))
+    figures["planner_ms"] = planner_ms(repeats=3 if args.quick else 5)
+    print_table(figures)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1, sort_keys=True)
+
+
+def print_table(figures: dict[str, float]) -> None:
+    print(
+        f"DP2 x CP2 x TP2 consumers, {figures['steps']:.0f} steps of "
+        f"{figures['micro_batches_per_step']:.0f} micro-batches, "
+        f"{figures['bytes_consumed_per_step'] / 2**20:.1f} MiB consumed per step"
+    )
+    print(f"{'method':<15}{'bytes read / consumed':>24}{'exposed s/step (max rank)':>28}")
+    for method in METHODS:
+        if f"{method}.bytes_read_ratio" in figures:
+            print(
+                f"{method:<15}{figures[f'{method}.bytes_read_ratio']:>24.2f}"
+                f"{figures[f'{method}.exposed_s_per_step']:>28.4f}"
+            )
+    knitkit = figures["knitkit.exposed_s_per_step"]
+    for method in METHODS[1:]:
+        if f"{method}.exposed_s_per_step" in figures:
+            ratio = figures[f"{method}.exposed_s_per_step"] / max(knitkit, 1e-9)
+            print(f"exposed {method} / knitkit: {ratio:.1f}x")
+    print(f"{'sliced read':<15}{'GB/s':>10}{'plain copy GB/s':>18}{'fraction of ceiling':>22}")
+    for name in ("memory", "shm", "disk"):
+        print(
+            f"{name:<15}{figures[f'sliced_read.{name}.gbps']:>10.2f}"
+            f"{figures[f'sliced_read.{name}.ceiling_gbps']:>18.2f}"
+            f"{figures[f'sliced_read.{name}.fraction_of_ceiling']:>22.2f}"
+        )
+    print(f"planner (DP32 x CP2 x TP4, 4096 trajectories): {figures['planner_ms']:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

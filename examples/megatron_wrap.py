@@ -1,0 +1,257 @@
+"""Wrap an existing Megatron VLM train step with knitkit: each unique image encoded once per mini-batch.
+
+The user's code is a ``GPTModel`` fed through ``decoder_input`` plus a vision encoder and projector,
+a forward-step function and a loss, run under ``get_forward_backward_func()`` with Megatron DDP.
+The wrap keeps all of it and adds: knitkit's planner (topology from ``parallel_state``), the THD
+packer and prefetch iterator as the data iterator, and ``DedupVLMStep`` around the schedule.
+
+Run (GPUs, NCCL): torchrun --nproc-per-node 2 examples/megatron_wrap.py
+On CPU the tests run ``train`` in a gloo world with a test-only CUDA shim
+(tests/integration/test_megatron_example.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from knitkit.integration.megatron import (
+    DedupVLMStep,
+    MegatronLayout,
+    megatron_batch,
+    megatron_batches,
+)
+
+from knitkit.microbatch_iter import MicroBatchIterator, PackedMicroBatch
+from knitkit.storage import (
+    MemoryBackend,
+    MiniBatchPlan,
+    MultimodalInput,
+    PlannerConfig,
+    Trajectory,
+    TrajectoryStore,
+    pack,
+    plan_minibatch,
+)
+from knitkit.types import UnitKey
+
+HIDDEN, VOCAB, PATCH_DIM, IMAGE_TOKEN, MAX_SEQ = 32, 64, 12, 3, 512
+
+
+# ----- the user's existing Megatron VLM (unchanged by the wrap) -----------------------------------
+class VisionPath(torch.nn.Module):
+    """Vision encoder + projector: an image's patches -> one feature row per placeholder token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Linear(PATCH_DIM, 24)
+        self.projector = torch.nn.Linear(24, HIDDEN)
+
+    def encode(self, patches: torch.Tensor) -> torch.Tensor:
+        hidden = torch.nn.functional.gelu(self.encoder(patches))
+        return self.projector(hidden + hidden.mean(0, keepdim=True))  # patches see each other
+
+    def forward(self, images: list[tuple[torch.Tensor, int, int]]) -> torch.Tensor:
+        """``images``: per consumed piece, (the image's patches, first row, end row)."""
+        return torch.cat([self.encode(patches)[a:b] for patches, a, b in images])
+
+
+def build_model(overlap_grad_reduce: bool) -> torch.nn.Module:
+    """GPTModel + vision path in one MegatronModule, wrapped in Megatron DDP (seeded: same on every call)."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.enums import ModelType
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.parallel_state import get_tensor_model_parallel_world_size
+    from megatron.core.transformer import MegatronModule, TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        tensor_model_parallel_size=get_tensor_model_parallel_world_size(),
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+
+    class TinyVLM(MegatronModule):
+        def __init__(self) -> None:
+            super().__init__(config)
+            self.model_type = ModelType.encoder_or_decoder
+            self.vision = VisionPath()
+            self.language_model = GPTModel(
+                config, get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, position_embedding_type="rope"
+            )
+
+        def set_input_tensor(self, tensor: torch.Tensor) -> None:
+            self.language_model.set_input_tensor(tensor)
+
+        def forward(self, tokens, position_ids, attention_mask, labels, images=None):  # type: ignore[no-untyped-def]
+            embeddings = self.language_model.embedding(input_ids=tokens, position_ids=position_ids)
+            features = self.vision(images)  # [image tokens, hidden], in placeholder order
+            at_image = (tokens == IMAGE_TOKEN).t().unsqueeze(-1).expand_as(embeddings)
+            embeddings = embeddings.masked_scatter(at_image, features.to(embeddings.dtype))
+            return self.language_model(
+                tokens, position_ids, attention_mask, decoder_input=embeddings, labels=labels
+            )
+
+    torch.manual_seed(1234)
+    model = TinyVLM()
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(overlap_grad_reduce=overlap_grad_reduce), model
+    )
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return ddp
+
+
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):  # type: ignore[no-untyped-def]
+    loss = (output.float() * loss_mask).sum()
+    return loss, loss_mask.sum().to(torch.int), {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):  # type: ignore[no-untyped-def]
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch["attention_mask"],
+        batch["labels"],
+        images=batch.get("images"),
+    )
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+# ----- rollout data: GRPO groups whose n trajectories share their prompt's images ----------------
+def grpo_trajectories(seed: int, samples: int = 4, n: int = 4) -> list[Trajectory]:
+    """``samples`` prompts x ``n`` rollouts; each prompt has 1-2 images of 4-6 patches."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in range(samples):
+        images, at = [], 2
+        for _ in range(1 + s % 2):
+            patches = int(rng.integers(4, 7))
+            pixels = rng.standard_normal((patches, PATCH_DIM)).astype(np.float32)
+            images.append(MultimodalInput("image", pixels, at, patches))
+            at += patches + 1
+        for r in range(n):
+            length = at + int(rng.integers(8, 24))
+            tokens = rng.integers(4, VOCAB, size=length).astype(np.int64)
+            for image in images:
+                tokens[image.token_start : image.token_start + image.num_tokens] = IMAGE_TOKEN
+            out.append(
+                Trajectory(
+                    f"s{seed}-{s}-{r}", f"s{seed}-{s}", {"tokens": tokens}, multimodal=tuple(images)
+                )
+            )
+    return out
+
+
+def plan_step(store: TrajectoryStore, ids: list[str], layout: MegatronLayout) -> MiniBatchPlan:
+    """knitkit's plan of one mini-batch for this Megatron layout (3 micro-batches per DP rank)."""
+    config = PlannerConfig(token_fields=("tokens",), scalar_fields=(), min_micro_batches=3)
+    return plan_minibatch(
+        store.metas(ids), layout.topology, config, encoders=[layout.encoder_topology()]
+    )
+
+
+def knitkit_batches(store: TrajectoryStore, plan: MiniBatchPlan, layout: MegatronLayout):  # type: ignore[no-untyped-def]
+    """This rank's packed micro-batches through knitkit's prefetch iterator, as Megatron batches."""
+    dp, cp, _ = layout.coord
+    consumer = plan.consumer(dp, cp)
+    schema = store.schema(consumer.micro_batches[0].sequences[0].trajectory_id)
+    packed = (PackedMicroBatch(*pack(mb, schema, store.read_into)) for mb in consumer.micro_batches)
+    iterator = MicroBatchIterator(packed)
+    return iterator, megatron_batches(
+        iterator, functools.partial(megatron_batch, attention_mask=True)
+    )
+
+
+# ----- the wrap -----------------------------------------------------------------------------------
+def train(
+    steps: int = 3, overlap_grad_reduce: bool = False, lr: float = 0.5
+) -> list[dict[str, float]]:
+    """Train the tiny VLM for ``steps`` mini-batches with deduplicated encoding; per-step figures."""
+    layout = MegatronLayout.from_parallel_state()
+    model = build_model(overlap_grad_reduce)
+    vision = model.module.vision
+    store = TrajectoryStore(MemoryBackend())
+    trajectories = grpo_trajectories(seed=0)
+    for trajectory in trajectories:
+        store.write(trajectory)
+    ids = [t.trajectory_id for t in trajectories]
+    step = DedupVLMStep(model, vision="vision")
+
+    def encode(
+        keys: list[UnitKey],
+    ) -> torch.Tensor:  # the user's vision path, once per unique image
+        return torch.cat(
+            [vision.encode(torch.from_numpy(store.read(k)).to(_device())) for k in keys]
+        )
+
+    history = []
+    for _ in range(steps):
+        plan = plan_step(store, ids, layout)
+        route = layout.routing_plan(plan).for_rank(dist.get_rank())
+        model.zero_grad_buffer()
+        iterator, data = knitkit_batches(store, plan, layout)
+        with iterator:
+            losses = step.run(
+                forward_step_func=forward_step,
+                data_iterator=data,
+                route=route,
+                encode_fn=encode,
+                num_microbatches=plan.num_micro_batches,
+                seq_length=MAX_SEQ,
+                micro_batch_size=1,
+            )
+        for param in model.parameters():  # stand-in for the user's Megatron optimizer
+            param.data.add_(param.main_grad, alpha=-lr)
+        loss = torch.stack([out["lm loss"] for out in losses]).sum()  # type: ignore[index]
+        dist.all_reduce(loss)
+        units = torch.tensor(float(step.last_encoded_units))
+        dist.all_reduce(units)
+        history.append({"loss": float(loss), "encoded_units": float(units)})
+    return history
+
+
+def _device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def main() -> None:
+    from megatron.core import parallel_state
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(1234)
+    for i, figures in enumerate(train()):
+        if dist.get_rank() == 0:
+            print(
+                f"step {i}: loss {figures['loss']:.4f}, unique images encoded {figures['encoded_units']:.0f}"
+            )
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

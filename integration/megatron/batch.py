@@ -1,0 +1,113 @@
+"""Packed (THD) micro-batches from knitkit's prefetch iterator, as the tensors a Megatron forward step takes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+from knitkit.microbatch_iter import MicroBatch
+
+if TYPE_CHECKING:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+Batch = dict[str, object]
+"""What a forward step gets from ``next(data_iterator)``: tensors plus ``packed_seq_params``."""
+
+
+def packed_seq_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> PackedSeqParams:
+    """Megatron's ``PackedSeqParams`` (THD) for packed sequences, as ``get_thd_batch_on_this_cp_rank`` builds it.
+
+    ``cu_seqlens`` are the cumulative real lengths and ``cu_seqlens_padded`` the cumulative
+    padded lengths of the WHOLE sequences (under CP each rank holds ``1/cp`` of every one).
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    cu_seqlens_padded = cu_seqlens_padded.to(torch.int32)
+    max_seqlen = (
+        int((cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).max()) if len(cu_seqlens) > 1 else 0
+    )
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens_padded,
+        cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+    )
+
+
+def block_causal_mask(local_lengths: torch.Tensor) -> torch.Tensor:
+    """``[1, 1, T, T]`` boolean mask (True = masked) of causal attention within each packed sequence.
+
+    For attention without THD support (megatron-core's local ``DotProductAttention``, CP=1):
+    equivalent to THD attention over the same packed sequences, at ``T^2`` memory.
+    """
+    device = local_lengths.device
+    owner = torch.repeat_interleave(
+        torch.arange(len(local_lengths), device=device), local_lengths.long()
+    )
+    total = int(owner.numel())
+    causal = torch.ones(total, total, dtype=torch.bool, device=device).triu(diagonal=1)
+    return (causal | (owner[:, None] != owner[None, :]))[None, None]
+
+
+def megatron_batch(
+    micro_batch: MicroBatch, *, cp_size: int = 1, attention_mask: bool = False
+) -> Batch:
+    """One packed micro-batch as Megatron tensors: ``[1, T]`` tokens, labels, loss mask, position ids.
+
+    ``labels`` is the stored ``labels`` field when present (required under CP, where a rank does
+    not hold each token's successor), else the tokens shifted left within each sequence with the
+    last position of every sequence masked out. ``attention_mask=True`` adds
+    ``block_causal_mask`` for attention without THD support (CP=1 only).
+    """
+    tokens = micro_batch["tokens"].long()
+    loss_mask = micro_batch["loss_mask"].float()
+    cu_seqlens = micro_batch["cu_seqlens"]
+    cu_padded = micro_batch["cu_seqlens_padded"]
+    local_lengths = (cu_padded[1:] - cu_padded[:-1]) // cp_size
+    if "labels" in micro_batch.tensors:
+        labels = micro_batch["labels"].long()
+    elif cp_size > 1:
+        raise ValueError(
+            "under context parallelism a rank does not hold each token's successor; "
+            "store a per-token 'labels' field and plan it with the tokens"
+        )
+    else:
+        real = cu_seqlens[1:] - cu_seqlens[:-1]
+        last = (cu_padded[:-1] + real - 1)[real > 0].long()
+        labels = torch.roll(tokens, -1)
+        labels[last] = 0
+        loss_mask = loss_mask.clone()
+        loss_mask[last] = 0.0
+    batch: Batch = {
+        "tokens": tokens[None],
+        "labels": labels[None],
+        "loss_mask": loss_mask[None],
+        "position_ids": micro_batch["position_ids"].long()[None],
+        "packed_seq_params": packed_seq_params(cu_seqlens, cu_padded),
+    }
+    if attention_mask:
+        if cp_size > 1:
+            raise ValueError("block_causal_mask covers CP=1 only; use THD attention (TE) under CP")
+        batch["attention_mask"] = block_causal_mask(local_lengths)
+    return batch
+
+
+def megatron_batches(
+    micro_batches: Iterable[MicroBatch],
+    to_batch: Callable[[MicroBatch], Mapping[str, object]] = megatron_batch,
+) -> Iterator[Mapping[str, object]]:
+    """The data iterator for ``get_forward_backward_func()``: knitkit's prefetch iterator, converted.
+
+    NOTE: a prefetched micro-batch's tensors live in a staging slot that is refilled once the ring
+    comes round; megatron's no-pipelining schedule finishes each micro-batch's backward before the
+    next ``next()``, so views are safe there. Clone in ``to_batch`` when the schedule holds several
+    micro-batches in flight (pipeline parallelism) or the prefetch depth is small.
+    """
+    for micro_batch in micro_batches:
+        yield to_batch(micro_batch)

@@ -1,0 +1,183 @@
+"""TransferQueue as a physical backend under knitkit's logical storage: one TQ row per atomic unit."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from knitkit.storage.backend import UnitSpec
+from knitkit.types import SeqRange, UnitKey
+
+UNIT_FIELD = "unit"
+"""The single TQ column of a unit row: the unit's bytes as a flat uint8 tensor."""
+
+# NOTE [ One TransferQueue row per atomic unit ]
+#
+# knitkit addresses atomic units (one trajectory's field, one content-addressed image), so each
+# unit is one TQ KV row keyed by ``str(UnitKey)``: a per-field update rewrites one row, an image
+# shared by a GRPO sample's n trajectories is one row, and every unit is readable alone. One row
+# per trajectory (TQ's usual layout) would force every reader of one field to name the whole
+# row's columns and would store a shared image n times. The row holds the unit's raw bytes in one
+# uint8 column and its dtype/shape in the row's tag (TQ custom meta), so any process can answer
+# ``spec`` from TQ, and no dtype goes through TQ's torch/nested-tensor conversion.
+# TQ 0.1.11 moves whole rows: a range read fetches the unit and slices it here, and
+# ``bytes_read`` counts the whole unit (the bytes TQ actually moved), not just the ranges.
+
+
+@dataclass(frozen=True, slots=True)
+class TransferQueueConnection:
+    """How any process reaches a running TransferQueue: its merged config (picklable)."""
+
+    config: Any
+    """The ``DictConfig`` returned by ``transfer_queue.init`` (controller and storage ZMQ info)."""
+
+    def client(self) -> Any:
+        """A new ``TransferQueueClient`` for this process; no Ray connection needed."""
+        from transfer_queue import TransferQueueClient
+
+        client = TransferQueueClient(
+            client_id=f"knitkit-{os.getpid()}-{id(self):x}",
+            controller_info=self.config.controller.zmq_info,
+        )
+        name = self.config.backend.storage_backend
+        client.initialize_storage_manager(manager_type=name, config=self.config.backend[name])
+        return client
+
+
+def start_transfer_queue(num_cpus: int = 4) -> TransferQueueConnection:
+    """Start Ray (if needed) and TQ with one SimpleStorage unit, sized for a small CPU host.
+
+    NOTE: TQ's defaults (controller + 2 storage units, one CPU each) hang on a 2-core Ray;
+    ``num_cpus`` over-subscribes logical CPUs and one storage unit keeps start-up short.
+    """
+    import ray
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    overrides = {
+        "controller": {"polling_mode": True},
+        "backend": {"SimpleStorage": {"num_data_storage_units": 1}},
+    }
+    return TransferQueueConnection(tq.init(OmegaConf.create(overrides)))
+
+
+def stop_transfer_queue() -> None:
+    """Close TQ (controller, storage units) and shut Ray down."""
+    import ray
+    import transfer_queue as tq
+
+    tq.close()
+    ray.shutdown()
+
+
+class TransferQueueBackend:
+    """``UnitBackend`` over TransferQueue's KV rows (see NOTE above); pickles to a reader elsewhere."""
+
+    def __init__(self, connection: TransferQueueConnection, partition_id: str = "knitkit-units"):
+        self.connection = connection
+        self.partition_id = partition_id
+        self._client: Any = None
+        self._specs: dict[UnitKey, UnitSpec] = {}
+        self._bytes_read = 0
+
+    def put(self, key: UnitKey, array: np.ndarray) -> None:
+        if self._row(key).size:
+            raise KeyError(f"unit {key} already exists in TQ partition {self.partition_id!r}")
+        self._write(key, np.asarray(array, order="C"))
+
+    def replace(self, key: UnitKey, array: np.ndarray) -> None:
+        spec = self.spec(key)
+        if np.dtype(spec.dtype) != array.dtype or spec.shape != array.shape:
+            raise ValueError(
+                f"replace of unit {key}: stored {spec.dtype}{list(spec.shape)}, got "
+                f"{array.dtype}{list(array.shape)}; delete and put to change dtype or shape"
+            )
+        self._write(key, np.asarray(array, order="C"))
+
+    def spec(self, key: UnitKey) -> UnitSpec:
+        if key not in self._specs:
+            tags = self._row(key).custom_meta
+            if not tags:
+                raise KeyError(f"unknown unit {key} in TQ partition {self.partition_id!r}")
+            tag = tags[0]
+            self._specs[key] = UnitSpec(str(tag["dtype"]), tuple(int(s) for s in tag["shape"]))
+        return self._specs[key]
+
+    def read(
+        self,
+        key: UnitKey,
+        ranges: Sequence[SeqRange] | None = None,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        from knitkit.storage.ranges import check_ranges, destination
+
+        spec = self.spec(key)
+        checked = check_ranges(key, spec, ranges)
+        dst = destination(key, spec, checked, out)
+        row = self._row(key).select_fields([UNIT_FIELD])
+        column = self._client_or_new().get_data(row)[UNIT_FIELD]
+        raw = column.unbind()[0] if column.is_nested else column[0]
+        unit = raw.numpy().view(spec.dtype).reshape(spec.shape)
+        self._bytes_read += unit.nbytes
+        if checked is None:
+            np.copyto(dst, unit)
+        else:
+            offset = 0
+            for start, stop in checked:
+                dst[offset : offset + stop - start] = unit[start:stop]
+                offset += stop - start
+        return dst
+
+    def delete(self, key: UnitKey) -> None:
+        row = self._row(key)
+        if not row.size:
+            raise KeyError(f"unknown unit {key} in TQ partition {self.partition_id!r}")
+        self._client_or_new().clear_samples(row)
+        self._specs.pop(key, None)
+
+    def keys(self) -> Iterator[UnitKey]:
+        listed = self._client_or_new().kv_list(self.partition_id)
+        return iter([UnitKey.parse(k) for k in listed.get(self.partition_id, {})])
+
+    @property
+    def bytes_read(self) -> int:
+        return self._bytes_read
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"connection": self.connection, "partition_id": self.partition_id}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["connection"], state["partition_id"])  # type: ignore[misc]
+
+    def _write(self, key: UnitKey, array: np.ndarray) -> None:
+        import torch
+        from tensordict import TensorDict
+
+        client = self._client_or_new()
+        row = client.kv_retrieve_meta(keys=[str(key)], partition_id=self.partition_id, create=True)
+        spec = UnitSpec(array.dtype.name, tuple(int(s) for s in array.shape))
+        row.update_custom_meta([{"dtype": spec.dtype, "shape": list(spec.shape)}])
+        flat = torch.from_numpy(array.reshape(-1).view(np.uint8).copy())
+        client.put(TensorDict({UNIT_FIELD: flat[None]}, batch_size=1), row)
+        self._specs[key] = spec
+
+    def _row(self, key: UnitKey) -> Any:
+        return self._client_or_new().kv_retrieve_meta(
+            keys=[str(key)], partition_id=self.partition_id, create=False
+        )
+
+    def _client_or_new(self) -> Any:
+        if self._client is None:
+            self._client = self.connection.client()
+        return self._client

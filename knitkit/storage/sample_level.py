@@ -1,0 +1,97 @@
+"""Sample-level baseline: each rank reads whole trajectories of its DP share and slices them locally."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from knitkit.storage.backend import UnitBackend
+from knitkit.storage.packing import RowSpec, pack
+from knitkit.storage.plan import ConsumerPlan, MicroBatchPlan, MiniBatchPlan
+from knitkit.storage.ranges import check_ranges, destination, spec_of
+from knitkit.types import MicroBatchLayout, UnitKey, UnitRead
+
+
+@dataclass(frozen=True, slots=True)
+class RankPosition:
+    """Where a training rank sits in the backbone topology."""
+
+    dp: int
+    cp: int
+    tp: int
+
+    @property
+    def reads_multimodal(self) -> bool:
+        """Sample-level systems read multimodal inputs on TP0/CP0 and redistribute them."""
+        return self.tp == 0 and self.cp == 0
+
+
+class LocalTrajectories:
+    """Whole units held in this rank's memory; range reads slice them, no storage I/O."""
+
+    def __init__(self, units: Mapping[UnitKey, np.ndarray]) -> None:
+        self.units = dict(units)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.units.values())
+
+    def read_into(self, read: UnitRead, out: np.ndarray) -> None:
+        """``packing.ReadInto`` over the local copies."""
+        unit = self.units[read.key]
+        ranges = check_ranges(read.key, spec_of(unit), read.ranges)
+        dst = destination(read.key, spec_of(unit), ranges, out)
+        if ranges is None:
+            np.copyto(dst, unit)
+            return
+        row = 0
+        for start, stop in ranges:
+            dst[row : row + stop - start] = unit[start:stop]
+            row += stop - start
+
+    def schema(self, micro_batch: MicroBatchPlan) -> dict[str, RowSpec]:
+        """dtype and row shape of every field the micro-batch packs."""
+        if not micro_batch.sequences:
+            return {}
+        first = micro_batch.sequences[0].trajectory_id
+        out: dict[str, RowSpec] = {}
+        for name in micro_batch.token_fields:
+            unit = self.units[UnitKey(first, name)]
+            out[name] = (unit.dtype.name, unit.shape[1:])
+        for name in micro_batch.scalar_fields:
+            unit = self.units[UnitKey(first, name)]
+            out[name] = (unit.dtype.name, unit.shape)
+        return out
+
+
+def share_reads(plan: MiniBatchPlan, rank: RankPosition) -> list[UnitKey]:
+    """Every unit a sample-level rank reads whole: its DP share's fields on every rank, plus
+    each trajectory's multimodal inputs on TP0/CP0 (once per referencing trajectory, as a
+    per-trajectory sample store holds them)."""
+    group = plan.consumer(rank.dp, rank.cp)
+    keys: list[UnitKey] = []
+    for micro_batch in group.micro_batches:
+        fields = (*micro_batch.token_fields, *micro_batch.scalar_fields)
+        for seq in micro_batch.sequences:
+            keys.extend(UnitKey(seq.trajectory_id, name) for name in fields)
+            if rank.reads_multimodal:
+                keys.extend(ref.key for ref in seq.multimodal)
+    return keys
+
+
+def read_share(backend: UnitBackend, plan: MiniBatchPlan, rank: RankPosition) -> LocalTrajectories:
+    """Materialize the rank's whole DP share eagerly, as sample-level loaders do.
+
+    A key listed twice (an input shared by several trajectories) is read twice.
+    """
+    return LocalTrajectories({key: backend.read(key) for key in share_reads(plan, rank)})
+
+
+def pack_local(
+    group: ConsumerPlan, local: LocalTrajectories
+) -> Iterator[tuple[MicroBatchLayout, np.ndarray]]:
+    """The rank's micro-batches, packed from its local copies exactly like the reorganizer does."""
+    for micro_batch in group.micro_batches:
+        yield pack(micro_batch, local.schema(micro_batch), local.read_into)

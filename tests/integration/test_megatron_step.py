@@ -1,0 +1,269 @@
+"""Gradient equivalence of the wrapped Megatron VLM step against the unwrapped one (gloo on CPU, NCCL on GPU).
+
+The unwrapped reference is the user's step as is: every backbone micro-batch re-encodes the images
+its placeholder tokens consume, under ``get_forward_backward_func()`` with Megatron DDP. The wrapped
+step is ``DedupVLMStep``: each unique image encoded once on one rank of the world, features routed
+to the (DP, CP, TP) consumers, one deferred encoder backward before ``finalize_model_grads``.
+Both run the same model (same seed), the same knitkit plan and packed micro-batches, two mini-batches
+with an SGD update in between (so Megatron DDP's first-batch and later-batch paths both run).
+
+Tolerance (fp32): per parameter, ``max|g_wrapped - g_ref| <= 1e-5 + 1e-4 * max|g_ref|``; the two
+differ only in summation order (features summed over micro-batches, encoder gradients over ranks).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import megatron_cpu
+import pytest
+import torch
+import torch.distributed as dist
+from dist import World
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import megatron_wrap as user
+
+ATOL, RTOL = 1e-5, 1e-4
+STEPS, LR = 2, 0.5
+
+
+def _equivalence(rank: int, tensor_parallel: int, overlap: bool) -> dict[str, object]:
+    """One rank: reference and wrapped steps on twin models; per-parameter gradient differences."""
+    from knitkit.integration.megatron import DedupVLMStep, MegatronLayout, feature_slices
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from knitkit.storage import MemoryBackend, TrajectoryStore
+
+    megatron_cpu.initialize_model_parallel(tensor_parallel=tensor_parallel)
+    megatron_cpu.install_schedule_shim()
+    try:
+        layout = MegatronLayout.from_parallel_state()
+        reference, wrapped = user.build_model(overlap), user.build_model(overlap)
+        step = DedupVLMStep(wrapped, vision="vision")
+        store = TrajectoryStore(MemoryBackend())
+        device = user._device()
+
+        def pixels(key):  # type: ignore[no-untyped-def]
+            return torch.from_numpy(store.read(key)).to(device)
+
+        def encode(keys):  # type: ignore[no-untyped-def]
+            return torch.cat([wrapped.module.vision.encode(pixels(k)) for k in keys])
+
+        worst: dict[str, float] = {}
+        references = encoded = 0
+        for mini_batch in range(STEPS):
+            trajectories = user.grpo_trajectories(seed=mini_batch)
+            for trajectory in trajectories:
+                store.write(trajectory)
+            plan = user.plan_step(store, [t.trajectory_id for t in trajectories], layout)
+            consumer = plan.consumer(*layout.coord[:2])
+
+            reference.zero_grad_buffer()
+            iterator, data = user.knitkit_batches(store, plan, layout)
+            with iterator:
+                pieces = [feature_slices(mb) for mb in consumer.micro_batches]
+                references += sum(len(p) for p in pieces)
+                with_images = (
+                    dict(batch, images=[(pixels(s.key), s.start, s.stop) for s in piece])
+                    for batch, piece in zip(data, pieces, strict=True)
+                )
+                get_forward_backward_func()(
+                    forward_step_func=user.forward_step,
+                    data_iterator=with_images,
+                    model=[reference],
+                    num_microbatches=plan.num_micro_batches,
+                    seq_length=user.MAX_SEQ,
+                    micro_batch_size=1,
+                )
+
+            wrapped.zero_grad_buffer()
+            iterator, data = user.knitkit_batches(store, plan, layout)
+            with iterator:
+                step.run(
+                    forward_step_func=user.forward_step,
+                    data_iterator=data,
+                    route=layout.routing_plan(plan).for_rank(dist.get_rank()),
+                    encode_fn=encode,
+                    num_microbatches=plan.num_micro_batches,
+                    seq_length=user.MAX_SEQ,
+                    micro_batch_size=1,
+                )
+            encoded += step.last_encoded_units
+
+            for (name, ref), mine in zip(
+                reference.module.named_parameters(), wrapped.module.parameters(), strict=True
+            ):
+                excess = (
+                    mine.main_grad - ref.main_grad
+                ).abs().max() - RTOL * ref.main_grad.abs().max()
+                worst[name] = max(worst.get(name, -1.0), float(excess))
+                for param in (ref, mine):
+                    param.data.add_(param.main_grad, alpha=-LR)
+        return {"worst_excess": worst, "references": references, "encoded": encoded}
+    finally:
+        megatron_cpu.destroy_model_parallel()
+
+
+def _check(results: list[dict[str, object]], world_size: int, tensor_parallel: int) -> None:
+    for rank, result in enumerate(results):
+        worst = result["worst_excess"]
+        assert isinstance(worst, dict) and any(n.startswith("vision.") for n in worst)
+        bad = {name: excess for name, excess in worst.items() if excess > ATOL}
+        assert not bad, f"rank {rank}: gradients beyond {ATOL} + {RTOL}*max|g_ref|: {bad}"
+    # Dedup: the world encodes each unique image once per mini-batch; the reference encodes every
+    # consumed piece on every rank.
+    encoded = sum(int(r["encoded"]) for r in results)  # type: ignore[call-overload]
+    references = sum(int(r["references"]) for r in results)  # type: ignore[call-overload]
+    unique_per_step = [
+        len({i.key for t in user.grpo_trajectories(s) for i in t.multimodal}) for s in range(STEPS)
+    ]
+    assert encoded == sum(unique_per_step)
+    assert references > encoded
+
+
+def _example(rank: int, steps: int) -> list[dict[str, float]]:
+    megatron_cpu.initialize_model_parallel(tensor_parallel=2)
+    megatron_cpu.install_schedule_shim()
+    try:
+        return user.train(steps=steps)
+    finally:
+        megatron_cpu.destroy_model_parallel()
+
+
+def _layout(rank: int, tensor_parallel: int, context_parallel: int) -> dict[str, object]:
+    """The layout read from parallel_state, and this CP rank's packed tokens vs megatron's CP split."""
+    import numpy as np
+    from knitkit.integration.megatron import MegatronLayout
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from knitkit.storage import (
+        MemoryBackend,
+        PlannerConfig,
+        Trajectory,
+        TrajectoryStore,
+        pack,
+        plan_minibatch,
+    )
+
+    megatron_cpu.initialize_model_parallel(
+        tensor_parallel=tensor_parallel, context_parallel=context_parallel
+    )
+    try:
+        layout = MegatronLayout.from_parallel_state()
+        groups = {
+            "tp": dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group()),
+            "cp": dist.get_process_group_ranks(parallel_state.get_context_parallel_group()),
+            "dp": dist.get_process_group_ranks(parallel_state.get_data_parallel_group()),
+        }
+        store = TrajectoryStore(MemoryBackend())
+        tokens = np.arange(1, 14, dtype=np.int64)  # 13 tokens: padded to a multiple of 2*cp
+        store.write(Trajectory("t0", "s0", {"tokens": tokens}))
+        plan = plan_minibatch(
+            store.metas(["t0"]),
+            layout.topology,
+            PlannerConfig(token_fields=("tokens",), scalar_fields=()),
+        )
+        mb = plan.consumer(*layout.coord[:2]).micro_batches[0]
+        packed_layout, buffer = pack(mb, store.schema("t0"), store.read_into)
+        packed = packed_layout.numpy_views(buffer)["tokens"]
+        padded = torch.zeros(mb.sequences[0].padded_length, dtype=torch.int64)
+        padded[: len(tokens)] = torch.from_numpy(tokens)
+        megatron = get_batch_on_this_cp_rank({"tokens": padded[None]})["tokens"][0]
+        return {
+            "topology": layout.topology,
+            "coords": layout.coords,
+            "groups": groups,
+            "cp_split_equal": bool(torch.equal(torch.from_numpy(packed.copy()), megatron)),
+        }
+    finally:
+        megatron_cpu.destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def world2() -> Iterator[World]:
+    with World(2, timeout_s=240) as world:
+        yield world
+
+
+@pytest.fixture(scope="module")
+def world4() -> Iterator[World]:
+    with World(4, timeout_s=240) as world:
+        yield world
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap_off", "overlap_on"])
+def test_tp2_wrapped_step_matches_unwrapped(world2: World, overlap: bool) -> None:
+    """TP=2: every encoder, projector and backbone gradient equals the re-encoding reference."""
+    _check(world2.run(_equivalence, 2, overlap), 2, 2)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap_off", "overlap_on"])
+def test_dp2_tp2_wrapped_step_matches_unwrapped(world4: World, overlap: bool) -> None:
+    """DP=2 x TP=2: same equivalence with encodings routed across DP and TP-owned gradient slices."""
+    _check(world4.run(_equivalence, 2, overlap), 4, 2)
+
+
+def _cuda_devices() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_cuda_devices() < 2, reason="needs CUDA: 2 GPUs for a 2-rank NCCL world")
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap_off", "overlap_on"])
+def test_tp2_wrapped_step_matches_unwrapped_nccl(overlap: bool) -> None:
+    """TP=2 on GPUs with NCCL: the same equivalence as on CPU."""
+    with World(2, backend="nccl", timeout_s=300) as world:
+        _check(world.run(_equivalence, 2, overlap), 2, 2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_cuda_devices() < 4, reason="needs CUDA: 4 GPUs for a 4-rank NCCL world")
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap_off", "overlap_on"])
+def test_dp2_tp2_wrapped_step_matches_unwrapped_nccl(overlap: bool) -> None:
+    """DP=2 x TP=2 on GPUs with NCCL: the same equivalence as on CPU."""
+    with World(4, backend="nccl", timeout_s=300) as world:
+        _check(world.run(_equivalence, 2, overlap), 4, 2)
+
+
+def test_example_trains_with_dedup(world2: World) -> None:
+    """examples/megatron_wrap.py at TP=2: the loss falls and each unique image is encoded once per step."""
+    history = world2.run(_example, 3)
+    assert history[0] == history[1], "TP ranks must agree on the reduced figures"
+    losses = [step["loss"] for step in history[0]]
+    assert losses[0] > losses[1] > losses[2], losses
+    unique = len({i.key for t in user.grpo_trajectories(0) for i in t.multimodal})
+    assert all(step["encoded_units"] == unique for step in history[0])
+
+
+@pytest.mark.parametrize(("tp", "cp"), [(2, 1), (1, 2)])
+def test_layout_comes_from_parallel_state(world2: World, tp: int, cp: int) -> None:
+    """MegatronLayout matches parallel_state's groups; the planner's CP split equals get_batch_on_this_cp_rank."""
+    from knitkit.storage import Topology
+
+    results = world2.run(_layout, tp, cp)
+    for rank, result in enumerate(results):
+        assert result["topology"] == Topology(dp=1, cp=cp, tp=tp)
+        _, cp_rank, tp_rank = result["coords"][rank]
+        groups = result["groups"]
+        assert groups["tp"][tp_rank] == rank and groups["cp"][cp_rank] == rank
+        assert result["cp_split_equal"], f"rank {rank}: CP split differs from megatron's"
+    assert results[0]["coords"] == results[1]["coords"]
+
+
+def test_layout_dp2_tp2(world4: World) -> None:
+    """DP=2 x TP=2: every rank's (dp, cp, tp) coordinate is its place in parallel_state's groups."""
+    from knitkit.storage import Topology
+
+    results = world4.run(_layout, 2, 1)
+    coords = results[0]["coords"]
+    assert sorted(coords) == [(d, 0, t) for d in range(2) for t in range(2)]
+    for rank, result in enumerate(results):
+        assert result["topology"] == Topology(dp=2, cp=1, tp=2)
+        dp_rank, _, tp_rank = coords[rank]
+        assert result["groups"]["tp"][tp_rank] == rank
+        assert result["groups"]["dp"][dp_rank] == rank

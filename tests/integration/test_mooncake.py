@@ -1,0 +1,148 @@
+"""knitkit.integration.mooncake against a real mooncake_master on 127.0.0.1 (the contract suite
+in tests/storage runs the same backend too)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip(
+    "mooncake.store",
+    reason="needs mooncake-transfer-engine-non-cuda and libibverbs1 (./dev.sh test)",
+)
+
+from knitkit.integration.mooncake import MasterAddress, MooncakeBackend, MooncakeMaster
+
+from knitkit.storage import (
+    PlannerConfig,
+    Topology,
+    TrajectoryStore,
+    plan_minibatch,
+    synthetic_trajectories,
+)
+from knitkit.storage.consumer import MicroBatchConsumer
+from knitkit.storage.reorganizer_process import ReorganizerProcess
+from knitkit.storage.slot_ring import RingSpec
+from knitkit.types import UnitKey
+
+POSITION_MASK = (1 << 20) - 1
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MasterAddress]:
+    log = tmp_path_factory.mktemp("mooncake") / "master.log"
+    with MooncakeMaster(log_path=str(log)) as address:
+        yield address
+
+
+@pytest.fixture
+def backend(master: MasterAddress) -> Iterator[MooncakeBackend]:
+    made = MooncakeBackend(master, segment_bytes=128 << 20)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def test_ranged_reads_move_only_the_asked_rows(backend: MooncakeBackend) -> None:
+    """Several ranges of a routing unit [seq, 48, 8] come back in order; bytes_read counts only them."""
+    routing = np.random.default_rng(0).integers(0, 64, (4096, 48, 8), dtype=np.uint8)
+    key = UnitKey("t0", "routing")
+    backend.put(key, routing)
+    ranges = [(100, 612), (4000, 4096), (0, 3)]
+    got = backend.read(key, ranges)
+    np.testing.assert_array_equal(got, np.concatenate([routing[a:b] for a, b in ranges]))
+    assert backend.bytes_read == (512 + 96 + 3) * 48 * 8
+
+
+def _read_in_child(backend: MooncakeBackend, key: UnitKey, results: mp.Queue) -> None:
+    try:
+        results.put(backend.read(key, [(2, 5)]).tolist())
+    finally:
+        backend.close()
+
+
+def test_a_pickled_backend_reads_from_another_process(backend: MooncakeBackend) -> None:
+    """A spawned process gets a client of the same namespace (no memory of its own) and reads ranges."""
+    key = UnitKey("t1", "logprobs")
+    backend.put(key, np.arange(10, dtype=np.float32))
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    child = ctx.Process(target=_read_in_child, args=(backend, key, results))
+    child.start()
+    assert results.get(timeout=60) == [2.0, 3.0, 4.0]
+    child.join(30)
+    assert child.exitcode == 0
+
+
+def test_reads_into_a_registered_buffer_reuse_it(backend: MooncakeBackend) -> None:
+    """Reads into views of one registered buffer (a reorganizer's ring) land at the right offsets."""
+    key = UnitKey("t2", "tokens")
+    backend.put(key, np.arange(1000, dtype=np.int64))
+    ring = np.zeros(64, dtype=np.int64)
+    backend.register(ring)
+    backend.read(key, [(10, 20)], out=ring[:10])
+    backend.read(key, [(990, 1000), (0, 2)], out=ring[32:44])
+    np.testing.assert_array_equal(ring[:10], np.arange(10, 20))
+    np.testing.assert_array_equal(ring[32:44], [*range(990, 1000), 0, 1])
+    assert not ring[10:32].any() and not ring[44:].any()
+
+
+def test_closing_the_owner_removes_its_units(master: MasterAddress) -> None:
+    """The owning client's close() removes every unit of its namespace from the store."""
+    owner = MooncakeBackend(master, segment_bytes=32 << 20)
+    owner.put(UnitKey("t3", "tokens"), np.arange(5, dtype=np.int32))
+    reader = MooncakeBackend(master, namespace=owner.namespace, segment_bytes=0)
+    try:
+        assert list(reader.keys()) == [UnitKey("t3", "tokens")]
+        owner.close()
+        assert list(reader.keys()) == []
+        with pytest.raises(KeyError, match="t3/tokens"):
+            reader.read(UnitKey("t3", "tokens"))
+    finally:
+        reader.close()
+
+
+def test_a_reorganizer_process_delivers_from_mooncake(backend: MooncakeBackend) -> None:
+    """The real reorganizer loop, in a spawned process reading Mooncake, delivers every token of a
+    CP=2 plan exactly once."""
+    trajectories = synthetic_trajectories(2, group_size=2, max_tokens=300)
+    store = TrajectoryStore(backend)
+    for trajectory in trajectories:
+        store.write(trajectory)
+    config = PlannerConfig(token_fields=("tokens", "routing"), scalar_fields=("reward",))
+    plan = plan_minibatch(
+        store.metas([t.trajectory_id for t in trajectories]),
+        Topology(1, 2),
+        config,
+        minibatch_id="mb0",
+    )
+    seen: list[int] = []
+    for group in plan.consumers:
+        spec = RingSpec.new(num_slots=1, slot_bytes=1 << 20, num_consumers=1)
+        with ReorganizerProcess(backend, spec) as reorganizer:
+            reorganizer.submit(plan.minibatch_id, group)
+            reorganizer.finish(timeout_s=0)
+            with MicroBatchConsumer(spec, 0, liveness_timeout_s=30) as consumer:
+                for mb in consumer:
+                    tokens = mb.fields["tokens"]
+                    seen += tokens[(tokens & POSITION_MASK) == mb.fields["position_ids"]].tolist()
+    everything = np.concatenate([t.token_fields["tokens"] for t in trajectories])
+    assert sorted(seen) == sorted(everything.tolist())
+
+
+def test_the_master_stops_and_frees_its_port(tmp_path: Path) -> None:
+    """stop() ends the master process; its RPC port accepts a new bind afterwards."""
+    master = MooncakeMaster(log_path=str(tmp_path / "master.log"))
+    address = master.start()
+    MooncakeBackend(address, segment_bytes=16 << 20).close()
+    master.stop()
+    host, port = address.rpc.rsplit(":", 1)
+    with socket.socket() as sock:
+        sock.bind((host, int(port)))
+    master.stop()  # idempotent

@@ -1,0 +1,306 @@
+"""knitkit.integration.ray on a real two-node local Ray cluster: backend, reorganizer actors, dispatch."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="the Ray integration needs ray (pip install knitkit[ray])")
+
+from knitkit.integration.ray import RayBackend, RayDispatcher, RingConfig  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+
+from knitkit.storage import (  # noqa: E402
+    EncoderTopology,
+    MemoryBackend,
+    MiniBatchPlan,
+    PlannerConfig,
+    Topology,
+    TrajectoryStore,
+    pack,
+    plan_minibatch,
+    synthetic_trajectories,
+)
+from knitkit.storage.consumer import MicroBatchConsumer, ReorganizerDiedError  # noqa: E402
+from knitkit.storage.slot_ring import RingSpec  # noqa: E402
+from knitkit.types import MicroBatchLayout, UnitKey  # noqa: E402
+
+# Ray workers cannot import this test module: ship its functions by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+TOKEN_FIELDS = ("tokens", "logprobs", "loss_mask", "routing", "topp_mask")
+POSITION_MASK = (1 << 20) - 1
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[tuple[str, str]]:
+    """A head and a worker node (two raylets, two object stores) on this machine: (head, worker)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
+    )
+    try:
+        cluster.add_node(num_cpus=2)
+        ray.init(address=cluster.address, logging_level="ERROR")
+        cluster.wait_for_nodes()
+        head = ray.get_runtime_context().get_node_id()
+        worker = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)
+        yield head, worker
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _on(node: str) -> NodeAffinitySchedulingStrategy:
+    return NodeAffinitySchedulingStrategy(node, soft=False)
+
+
+@ray.remote(num_cpus=0)
+def _read_elsewhere(backend: RayBackend, key: UnitKey, ranges: list[tuple[int, int]]):
+    return ray.get_runtime_context().get_node_id(), backend.read(key, ranges), backend.bytes_read
+
+
+@ray.remote(num_cpus=0)
+class _Writer:
+    def __init__(self, backend: RayBackend) -> None:
+        self.backend = backend
+
+    def put(self, key: UnitKey, array: np.ndarray) -> str:
+        try:
+            self.backend.put(key, array)
+        except KeyError as error:
+            return str(error)
+        return "ok"
+
+
+def test_a_reader_on_another_node_gets_exactly_the_ranges(nodes: tuple[str, str]) -> None:
+    """A backend pickled to a task on the other node reads ranges equal to slicing the whole unit."""
+    _, worker = nodes
+    backend = RayBackend()
+    try:
+        routing = np.random.default_rng(0).integers(0, 64, (300, 48, 8), dtype=np.uint8)
+        key = UnitKey("t0", "routing")
+        backend.put(key, routing)
+        ranges = [(10, 40), (250, 300), (0, 1)]
+        where, got, moved = ray.get(
+            _read_elsewhere.options(scheduling_strategy=_on(worker)).remote(backend, key, ranges)
+        )
+        want = np.concatenate([routing[a:b] for a, b in ranges])
+        assert where == worker
+        np.testing.assert_array_equal(got, want)
+        assert moved == want.nbytes
+    finally:
+        backend.close()
+
+
+def test_whole_unit_views_are_zero_copy(nodes: tuple[str, str]) -> None:
+    """Two views of one unit are the same read-only object-store memory, not copies."""
+    backend = RayBackend()
+    try:
+        key = UnitKey("t0", "logprobs")
+        backend.put(key, np.linspace(0, 1, 1 << 16, dtype=np.float32))
+        first, second = backend.view(key), backend.view(key)
+        assert first.ctypes.data == second.ctypes.data
+        assert not first.flags.writeable
+        assert backend.bytes_read == 0
+        backend.resolve([key])
+        assert backend.view(key).ctypes.data == first.ctypes.data
+    finally:
+        backend.close()
+
+
+def test_units_written_by_an_actor_on_another_node_are_shared(nodes: tuple[str, str]) -> None:
+    """An actor's put is visible to the driver; a duplicate put from anywhere raises naming the key."""
+    _, worker = nodes
+    backend = RayBackend()
+    try:
+        writer = _Writer.options(scheduling_strategy=_on(worker)).remote(backend)
+        key = UnitKey("t1", "tokens")
+        assert ray.get(writer.put.remote(key, np.arange(100, dtype=np.int32))) == "ok"
+        np.testing.assert_array_equal(backend.read(key, [(5, 8)]), [5, 6, 7])
+        assert "t1/tokens" in ray.get(writer.put.remote(key, np.zeros(3, dtype=np.int32)))
+        backend.replace(key, np.arange(100, dtype=np.int32) * 2)
+        np.testing.assert_array_equal(backend.read(key, [(5, 6)]), [10])
+        assert list(backend.keys()) == [key]
+        ray.kill(writer)
+    finally:
+        backend.close()
+
+
+def _plan(store: TrajectoryStore, ids: list[str], name: str) -> MiniBatchPlan:
+    metas = store.metas(ids)
+    config = PlannerConfig(
+        token_fields=TOKEN_FIELDS, scalar_fields=("reward",), min_micro_batches=2
+    )
+    vision = EncoderTopology("vision", dp=2, kinds=("image",))
+    return plan_minibatch(metas, Topology(2, 2, 2), config, [vision], minibatch_id=name)
+
+
+def _expected(reference: MemoryBackend, plans: list[MiniBatchPlan]) -> dict[str, list[str]]:
+    """Digests of every group's micro-batches, packed in this process from a copy of the units."""
+    expected: dict[str, list[str]] = {}
+    for plan in plans:
+        for consumer in plan.consumers:
+            for mb in consumer.micro_batches:
+                first = mb.sequences[0].trajectory_id
+                schema = {
+                    f: _row_spec(reference, UnitKey(first, f), f in TOKEN_FIELDS)
+                    for f in (*TOKEN_FIELDS, "reward")
+                }
+                layout, buffer = pack(
+                    mb, schema, lambda r, out: reference.read(r.key, r.ranges, out=out)
+                )
+                expected.setdefault(consumer.name, []).append(_digest(layout.numpy_views(buffer)))
+        for rank in (r for e in plan.encoders for r in e.ranks):
+            for units in rank.micro_batches:
+                specs = {str(k): (reference.spec(k).dtype, reference.spec(k).shape) for k in units}
+                views = MicroBatchLayout.build(specs).numpy_views(bytearray(1 << 20))
+                for k in units:
+                    reference.read(k, out=views[str(k)])
+                expected.setdefault(rank.name, []).append(_digest(views))
+    return expected
+
+
+def _digest(fields: dict[str, np.ndarray]) -> str:
+    """Hash of every field's name and bytes (alignment gaps between fields are not data)."""
+    digest = hashlib.sha256()
+    for name, array in fields.items():
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
+
+
+def _row_spec(backend: MemoryBackend, key: UnitKey, per_token: bool) -> tuple[str, tuple[int, ...]]:
+    spec = backend.spec(key)
+    return spec.dtype, spec.shape[1:] if per_token else spec.shape
+
+
+@ray.remote(num_cpus=0)
+def _consume(rings: dict[str, RingSpec], tp: dict[str, int]) -> dict[str, list[list]]:
+    """Every TP rank of every group on this node, one thread each: per micro-batch (digest, tokens)."""
+    out: dict[str, list[list]] = {}
+
+    def run(name: str, rank: int) -> None:
+        got = []
+        with MicroBatchConsumer(rings[name], rank, liveness_timeout_s=30) as consumer:
+            for mb in consumer:
+                tokens = mb.fields.get("tokens")
+                real = (
+                    []
+                    if tokens is None
+                    else tokens[(tokens & POSITION_MASK) == mb.fields["position_ids"]].tolist()
+                )
+                got.append([_digest(mb.fields), real])
+        out[f"{name}#{rank}"] = got
+
+    threads = [threading.Thread(target=run, args=(n, r)) for n in rings for r in range(tp[n])]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return out
+
+
+@pytest.mark.slow
+def test_dispatch_across_nodes_delivers_every_token_once(nodes: tuple[str, str]) -> None:
+    """DP2 x CP2 x TP2 plus a 2-rank encoder, half the groups on each node, two mini-batches:
+    every TP rank gets micro-batches bit-identical to in-process packing, every token reaches
+    exactly one (DP, CP) group once, each image one encoder rank once, and the reorganizers read
+    exactly the bytes of their plans; closing unlinks every ring."""
+    head, worker = nodes
+    trajectories = synthetic_trajectories(4, group_size=4, max_tokens=300, routing_layers=8)
+    backend = RayBackend()
+    reference = MemoryBackend()
+    store = TrajectoryStore(backend)
+    for trajectory in trajectories:
+        store.write(trajectory)
+    for key in list(backend.keys()):
+        reference.put(key, backend.view(key))
+    ids = [t.trajectory_id for t in trajectories]
+    plans = [_plan(store, ids[:8], "mb0"), _plan(store, ids[8:], "mb1")]
+    expected = _expected(reference, plans)
+    placement = {name: head if "dp0" in name else worker for name in expected}
+    dispatcher = RayDispatcher(
+        backend,
+        plans[0].topology,
+        encoders=[e.topology for e in plans[0].encoders],
+        placement=placement,
+        ring=RingConfig(num_slots=1, slot_bytes=1 << 20),
+    )
+    try:
+        assert {n: node for n, (node, _) in dispatcher.nodes.items()} == placement
+        tp = {name: spec.num_consumers for name, spec in dispatcher.rings.items()}
+        consumers = [
+            _consume.options(scheduling_strategy=_on(node)).remote(
+                {n: s for n, s in dispatcher.rings.items() if placement[n] == node}, tp
+            )
+            for node in (head, worker)
+        ]
+        counts = [dispatcher.dispatch(plan) for plan in plans]
+        dispatcher.finish()
+        delivered: dict[str, list[list]] = {}
+        for part in ray.get(consumers, timeout=120):
+            delivered.update(part)
+        published = [n for c in counts for n in ray.get(list(c.values()))]
+        assert sum(published) == sum(len(v) for v in expected.values())
+        seen: list[int] = []
+        for name, digests in expected.items():
+            ranks = [delivered[f"{name}#{r}"] for r in range(tp[name])]
+            for rank in ranks:
+                assert [d for d, _ in rank] == digests, name
+            if name.startswith("backbone"):
+                seen += [t for _, tokens in ranks[0] for t in tokens]
+        everything = np.concatenate([t.token_fields["tokens"] for t in trajectories])
+        assert sorted(seen) == sorted(everything.tolist())
+        assert sum(dispatcher.bytes_read().values()) == reference.bytes_read
+        dispatcher.close()
+        assert not [
+            s.name for s in dispatcher.rings.values() if os.path.exists(f"/dev/shm/{s.name}")
+        ]
+    finally:
+        dispatcher.close()
+        backend.close()
+
+
+def test_a_killed_reorganizer_actor_makes_its_consumer_raise(nodes: tuple[str, str]) -> None:
+    """Killing the actor mid-mini-batch: the consumer raises within its liveness timeout, and
+    once the dispatcher is closed no /dev/shm segment is left behind."""
+    trajectories = synthetic_trajectories(2, group_size=2, max_tokens=300)
+    backend = RayBackend()
+    store = TrajectoryStore(backend)
+    for trajectory in trajectories:
+        store.write(trajectory)
+    metas = store.metas([t.trajectory_id for t in trajectories])
+    config = PlannerConfig(
+        token_fields=TOKEN_FIELDS, scalar_fields=("reward",), min_micro_batches=4
+    )
+    plan = plan_minibatch(metas, Topology(1), config, minibatch_id="mb0")
+    dispatcher = RayDispatcher(
+        backend, plan.topology, ring=RingConfig(num_slots=1, slot_bytes=1 << 20)
+    )
+    spec = dispatcher.rings["backbone/dp0/cp0"]
+    try:
+        dispatcher.dispatch(plan)
+        with MicroBatchConsumer(spec, 0, liveness_timeout_s=2.0) as consumer:
+            first = consumer.next_micro_batch(timeout_s=60)  # held: the ring (1 slot) stays full
+            ray.kill(ray.get_actor(f"knitkit-reorganizer/{spec.name}"))
+            first.release()
+            started = time.monotonic()
+            with pytest.raises(ReorganizerDiedError):
+                while True:
+                    consumer.next_micro_batch(timeout_s=30).release()
+            assert time.monotonic() - started < 10
+        dispatcher.close()
+        assert not os.path.exists(f"/dev/shm/{spec.name}")
+    finally:
+        dispatcher.close()
+        backend.close()

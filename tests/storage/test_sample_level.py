@@ -1,0 +1,80 @@
+"""Sample-level baseline: same micro-batches as the reorganizer, TP x CP times the bytes read."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from knitkit.storage.consumer import MicroBatchConsumer
+from knitkit.storage.plan import EncoderTopology, Topology
+from knitkit.storage.planner import PlannerConfig, plan_minibatch
+from knitkit.storage.publication import Publisher
+from knitkit.storage.reorganizer import Reorganizer
+from knitkit.storage.sample_level import RankPosition, pack_local, read_share, share_reads
+from knitkit.storage.shm import SharedMemoryBackend
+from knitkit.storage.slot_ring import RingSpec, SlotRing
+from knitkit.storage.store import TrajectoryStore
+from knitkit.storage.synthetic import synthetic_trajectories
+
+FIELDS = ("tokens", "logprobs", "loss_mask", "routing", "topp_mask")
+
+
+@pytest.fixture
+def store():
+    made = TrajectoryStore(SharedMemoryBackend(slab_bytes=4 << 20))
+    for trajectory in synthetic_trajectories(4, group_size=3, seed=3):
+        made.write(trajectory)
+    yield made
+    made.backend.close()
+
+
+@pytest.mark.parametrize(("dp", "cp", "tp"), [(1, 1, 1), (2, 2, 2), (1, 3, 2)])
+def test_same_micro_batches_and_redundant_reads(store, dp, cp, tp):
+    """Each sample-level rank packs bit-identical micro-batches to the reorganizer's; token fields
+    cost TP x CP times the reorganizer's bytes, and only TP0/CP0 reads the images."""
+    config = PlannerConfig(token_fields=FIELDS, max_tokens_per_micro_batch=512)
+    plan = plan_minibatch(
+        store.metas(), Topology(dp, cp, tp), config, (EncoderTopology("vision", 1),)
+    )
+    backend = store.backend
+    knitkit_bytes = 0
+    sample_bytes = {"token": 0, "image": 0}
+    for group in plan.consumers:
+        spec = RingSpec.new(num_slots=len(group.micro_batches), slot_bytes=1 << 20, num_consumers=1)
+        owner = SlotRing.create(spec)
+        publisher = Publisher(SlotRing.attach(spec))
+        publisher.start()
+        before = backend.bytes_read
+        Reorganizer(backend, publisher).deliver("mb", group)
+        publisher.finish()
+        knitkit_bytes += backend.bytes_read - before
+        with MicroBatchConsumer(spec, 0) as consumer:
+            published = [(b.layout, {k: v.copy() for k, v in b.fields.items()}) for b in consumer]
+        for t in range(tp):
+            rank = RankPosition(group.dp_rank, group.cp_rank, t)
+            before = backend.bytes_read
+            local = read_share(backend, plan, rank)
+            read = backend.bytes_read - before
+            images = sum(
+                backend.spec(k).nbytes for k in share_reads(plan, rank) if k.field == "image"
+            )
+            assert rank.reads_multimodal or images == 0
+            sample_bytes["token"] += read - images
+            sample_bytes["image"] += images
+            for (layout, buffer), (expected_layout, expected) in zip(
+                pack_local(group, local), published, strict=True
+            ):
+                assert layout.fields == expected_layout.fields
+                assert layout.cu_seqlens == expected_layout.cu_seqlens
+                views = layout.numpy_views(buffer)
+                assert all(np.array_equal(views[k], v) for k, v in expected.items())
+        publisher.close()
+        owner.close()
+        owner.unlink()
+    sizes = {k: backend.spec(k).nbytes for k in list(backend.keys())}
+    per_token = sum(n for k, n in sizes.items() if k.field in FIELDS)
+    rewards = sum(n for k, n in sizes.items() if k.field == "reward")
+    assert knitkit_bytes == per_token + cp * rewards
+    assert sample_bytes["token"] == tp * cp * (per_token + rewards)
+    image_refs = [ref.key for meta in store.metas() for ref in meta.multimodal]
+    assert sample_bytes["image"] == sum(sizes[k] for k in image_refs)
