@@ -179,7 +179,7 @@ def knitkit_batches(store: TrajectoryStore, plan: MiniBatchPlan, layout: Megatro
 
 # ----- the wrap -----------------------------------------------------------------------------------
 def train(
-    steps: int = 3, overlap_grad_reduce: bool = False, lr: float = 0.5
+    steps: int = 3, overlap_grad_reduce: bool = False, lr: float = 0.1
 ) -> list[dict[str, float]]:
     """Train the tiny VLM for ``steps`` mini-batches with deduplicated encoding; per-step figures."""
     layout = MegatronLayout.from_parallel_state()

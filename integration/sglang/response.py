@@ -74,7 +74,7 @@ def parse_generate_output(
     routing_shape: tuple[int, int] | None = None,
     routed_experts_start: int = 0,
 ) -> GenerateOutput:
-    """Parse one finished output of ``/generate`` (one element of the list a batch request returns).
+    """Parse one output of ``/generate`` (or one element of the list a batch request returns).
 
     ``routing_shape`` is the MoE model's ``(num_hidden_layers, num_experts_per_tok)``; the response
     does not carry it. ``routed_experts_start`` is the request's ``routed_experts_start_len``.

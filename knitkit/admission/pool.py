@@ -26,6 +26,11 @@ class Unit:
     def min_version(self) -> int:
         return min(t.min_version for t in self.trajectories)
 
+    @property
+    def version_sum(self) -> int:
+        """Sum of the oldest and newest versions over the unit: smaller means staler tokens."""
+        return sum(t.min_version + t.max_version for t in self.trajectories)
+
 
 class ReadyPool:
     """Per-source FIFO queues of ready units; counts are kept so readiness checks are O(#sources).

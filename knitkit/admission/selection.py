@@ -102,7 +102,7 @@ def fill_oldest_first(
         if index >= pool.units(source):
             return None
         unit = pool.peek(source, index)
-        return (unit.min_version if stalest_first else 0, unit.seq, source)
+        return (unit.version_sum if stalest_first else 0, unit.seq, source)
 
     heap = [h for h in map(head, pool.ready) if h is not None]
     heapq.heapify(heap)

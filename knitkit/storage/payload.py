@@ -63,7 +63,7 @@ class Trajectory:
     sample_id: str
     token_fields: Mapping[str, np.ndarray]
     """Each ``[num_tokens, ...]``: tokens, logprobs, loss_mask, routing ``[seq, layers, topk]``, ..."""
-    scalars: Mapping[str, np.ndarray | float | int] = field(default_factory=dict)
+    scalars: Mapping[str, np.ndarray | np.generic | float | int] = field(default_factory=dict)
     multimodal: tuple[MultimodalInput, ...] = ()
     source: str = ""
     rollout_step: int = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,7 +55,24 @@ def plan_minibatch(
     Trajectories with ``accepted=False`` are dropped. Every DP rank gets the same number of
     micro-batches; every real token lands on exactly one (DP, CP) consumer.
     """
-    config = config or PlannerConfig()
+    # NOTE: planning allocates tens of thousands of small acyclic objects; the cyclic GC would
+    # scan them repeatedly for nothing (about a quarter of the time at 4096 trajectories).
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _plan(metas, topology, config or PlannerConfig(), encoders, minibatch_id)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _plan(
+    metas: Sequence[TrajectoryMeta],
+    topology: Topology,
+    config: PlannerConfig,
+    encoders: Sequence[EncoderTopology],
+    minibatch_id: str,
+) -> MiniBatchPlan:
     metas = [m for m in metas if m.accepted]
     lengths = np.fromiter((m.num_tokens for m in metas), dtype=np.int64, count=len(metas))
     padded = padded_lengths(lengths, topology.pad_multiple)
@@ -65,24 +83,25 @@ def plan_minibatch(
         config.max_tokens_per_micro_batch,
         config.min_micro_batches,
     )
+    # NOTE: the loops below build one SequenceSlice per (trajectory, CP rank), the planner's main
+    # cost at 4096 trajectories; everything they index is a precomputed Python list.
+    columns = list(
+        zip(*((m.trajectory_id, m.num_tokens, m.multimodal) for m in metas), strict=True)
+    )
+    tids, num_tokens, multimodal = columns or ((), (), ())
     padded_list = padded.tolist()
-    chunks = [rank_chunks(padded, topology.cp, r) for r in range(topology.cp)]
     consumers = []
     for dp_rank, items in enumerate(per_rank):
-        for cp_rank, rank_chunk in enumerate(chunks):
+        for cp_rank in range(topology.cp):
+            chunks = rank_chunks(padded[items], topology.cp, cp_rank) if items else []
+            slices = [
+                SequenceSlice(tids[i], num_tokens[i], padded_list[i], chunk, multimodal[i])
+                for i, chunk in zip(items, chunks, strict=True)
+            ]
             batches = tuple(
                 MicroBatchPlan(
                     index,
-                    tuple(
-                        SequenceSlice(
-                            metas[i].trajectory_id,
-                            metas[i].num_tokens,
-                            padded_list[i],
-                            rank_chunk[i],
-                            metas[i].multimodal,
-                        )
-                        for i in (items[j] for j in bin_)
-                    ),
+                    tuple(slices[j] for j in bin_),
                     config.token_fields,
                     config.scalar_fields,
                 )

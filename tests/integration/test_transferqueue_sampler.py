@@ -11,7 +11,9 @@ import ray
 import torch
 import transfer_queue as tq
 from knitkit.integration.transferqueue import AdmissionSampler, sampler_conf, trajectory_tags
+from omegaconf import DictConfig
 from tensordict import TensorDict
+from transfer_queue import StreamingDataLoader, StreamingDataset
 from transfer_queue.controller import DataPartitionStatus
 
 from knitkit.admission import AdmissionController, SourceQuota, policy_config
@@ -69,25 +71,24 @@ def _trace() -> list[TrajectoryMeta]:
 
 
 @pytest.fixture(scope="module")
-def transfer_queue() -> Iterator[None]:
+def transfer_queue() -> Iterator[DictConfig]:
     """A real TransferQueue (controller + one SimpleStorage unit) on a 2-CPU local Ray."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     conf = sampler_conf(
         AdmissionSampler(_config(), dp_size=DP),
         backend={"SimpleStorage": {"num_data_storage_units": 1}},
     )
-    tq.init(conf)
-    yield
+    yield tq.init(conf)
     tq.close()
     ray.shutdown()
 
 
-def _put(metas: list[TrajectoryMeta]) -> None:
+def _put(metas: list[TrajectoryMeta], partition: str = "train") -> None:
     tokens = torch.stack([torch.full((SEQ,), hash(m.trajectory_id) % 1000) for m in metas])
     fields = TensorDict({"tokens": tokens}, batch_size=len(metas))
     tq.kv_batch_put(
         keys=[m.trajectory_id for m in metas],
-        partition_id="train",
+        partition_id=partition,
         fields=fields,
         tags=[trajectory_tags(m) for m in metas],
     )
@@ -117,7 +118,7 @@ def _fetch_all(task: str) -> list[list[list[dict]]]:
         batches.append(shares)
 
 
-def test_get_meta_returns_admitted_minibatches_in_order(transfer_queue: None) -> None:
+def test_get_meta_returns_admitted_minibatches_in_order(transfer_queue: DictConfig) -> None:
     """Streamed puts + per-DP-rank get_meta yield the in-process controller's mini-batches.
 
     Every train batch meets each source's quota, each DP rank gets whole GRPO groups (as many as
@@ -154,6 +155,38 @@ def test_get_meta_returns_admitted_minibatches_in_order(transfer_queue: None) ->
     first = [tags["trajectory_id"] for tags in got[0][0]]
     data = tq.kv_batch_get(keys=first, partition_id="train", select_fields="tokens")
     assert data["tokens"].shape[0] == len(first)
+
+
+def test_streaming_dataloader_receives_admitted_shares(transfer_queue: DictConfig) -> None:
+    """TransferQueue's own StreamingDataLoader, unchanged, yields each DP rank's admitted shares."""
+    trace = _trace()
+    _put(trace, partition="stream")
+    reference = AdmissionController(_config())
+    for meta in trace:
+        reference.report(meta)
+    expected = []
+    while (minibatch := reference.next_minibatch()) is not None:
+        expected.append({t.trajectory_id for t in minibatch.trajectories})
+    per_rank = []
+    for rank in range(DP):
+        dataset = StreamingDataset(
+            transfer_queue,
+            batch_size=1,
+            micro_batch_size=GROUP,
+            data_fields=["tokens"],
+            partition_id="stream",
+            task_name="trainer",
+            dp_rank=rank,
+        )
+        loader = iter(StreamingDataLoader(dataset, num_workers=0))
+        micro_batches = [next(loader) for _ in range(len(expected))]  # one GRPO group per share
+        per_rank.append(
+            [[tags["trajectory_id"] for tags in meta.custom_meta] for _, meta in micro_batches]
+        )
+        for data, meta in micro_batches:
+            assert data["tokens"].shape[0] == meta.size == GROUP
+    got = [set(per_rank[0][t]) | set(per_rank[1][t]) for t in range(len(expected))]
+    assert got == expected
 
 
 def test_untagged_samples_wait_and_partial_tags_fail() -> None:

@@ -1,8 +1,7 @@
 """The Ray object-store backend in the storage contract suite, on a local Ray instance.
 
-Starting Ray takes 5-15 s on this machine, so the first Ray backend starts one instance
-(``num_cpus=4``, as TransferQueue needs) and leaves it up for the rest of the session; Ray shuts
-it down at exit. A test that needs its own instance must check ``ray.is_initialized()`` first.
+Starting Ray takes 5-15 s on this machine, so the first Ray backend of a test module starts one
+instance and ``teardown()`` (run by conftest.py after the module) shuts it down again.
 """
 
 from __future__ import annotations
@@ -13,16 +12,29 @@ import pytest
 
 from knitkit.storage.backend import UnitBackend
 
+_started = False
+
 
 def make_backend(tmp: Path) -> UnitBackend:
+    global _started
     try:
         import ray
         from knitkit.integration.ray import RayBackend
     except ImportError as error:
         pytest.skip(f"the Ray backend needs ray (pip install knitkit[ray]): {error}")
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+        _started = True
     return RayBackend()
+
+
+def teardown() -> None:
+    global _started
+    if _started:
+        import ray
+
+        ray.shutdown()
+        _started = False
 
 
 FACTORIES = {"ray": make_backend}

@@ -6,7 +6,8 @@ add a file ``tests/storage/backend_factories_<name>.py`` defining
     FACTORIES: dict[str, BackendFactory] = {"<name>": make_backend}
 
 where ``make_backend(tmp_path)`` returns a fresh, empty backend (call ``pytest.skip`` inside it
-when the engine is unavailable). The suite closes every backend it made.
+when the engine is unavailable). The suite closes every backend it made. An optional
+``teardown()`` in that file runs after each test module (to stop an engine the factory started).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ BACKEND_FACTORIES: dict[str, BackendFactory] = {
 }
 
 
+_TEARDOWNS: list[Callable[[], None]] = []
+
+
 def _load_extra_factories() -> None:
     for path in sorted(Path(__file__).parent.glob("backend_factories_*.py")):
         spec = importlib.util.spec_from_file_location(f"_knitkit_{path.stem}", path)
@@ -41,9 +45,19 @@ def _load_extra_factories() -> None:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         BACKEND_FACTORIES.update(module.FACTORIES)
+        if hasattr(module, "teardown"):
+            _TEARDOWNS.append(module.teardown)
 
 
 _load_extra_factories()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_factory_engines() -> Iterator[None]:
+    """Run the factories' ``teardown()`` after each module (e.g. shut down a local Ray)."""
+    yield
+    for teardown in _TEARDOWNS:
+        teardown()
 
 
 @pytest.fixture(params=sorted(BACKEND_FACTORIES))

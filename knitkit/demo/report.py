@@ -1,0 +1,127 @@
+"""The demo's report: a printed table per stage and PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from knitkit.demo.pipeline import PipelineResult
+
+
+def summarize(replay: dict[str, Any], live: PipelineResult) -> dict[str, Any]:
+    """Flat figures of the whole run (also written as JSON)."""
+    ranks = [r for step in live.steps for r in step]
+    dedup_s = sum(r.dedup_encoder_s for r in ranks)
+    dup_s = sum(r.dup_encoder_s for r in ranks)
+    micro = sum(r.micro_batches for r in ranks)
+    out: dict[str, Any] = {
+        f"replay.{name}.{key}": figures[key]
+        for name, figures in replay["policies"].items()
+        for key in ("architectural_staleness", "violations", "first_minibatch_fraction")
+    }
+    out["replay.rho"] = replay["rho"]
+    for name, record in live.admission.items():
+        out[f"live.{name}.first_minibatch_fraction"] = _first_fraction(record)
+        out[f"live.{name}.train_batches_meeting_quotas"] = _quota_ok(record, live.quotas)
+        out[f"live.{name}.train_batches"] = len(set(record.train_batch))
+    out.update(
+        {
+            "bytes.knitkit_read": live.knitkit_bytes_read,
+            "bytes.consumed": live.bytes_consumed,
+            "bytes.sample_level_read": live.sample_level_bytes,
+            "bytes.knitkit_ratio": live.knitkit_bytes_read / max(1, live.bytes_consumed),
+            "bytes.sample_level_ratio": live.sample_level_bytes / max(1, live.bytes_consumed),
+            "prefetch.exposed_wait_ms_per_micro": 1e3 * sum(r.exposed_wait_s for r in ranks) / max(1, micro),
+            "prefetch.stage_ms_per_micro": 1e3 * sum(r.stage_s for r in ranks) / max(1, micro),
+            "encoder.dup_s": dup_s,
+            "encoder.dedup_s": dedup_s,
+            "encoder.time_ratio": dup_s / dedup_s if dedup_s else float("nan"),
+            "encoder.dup_units": sum(r.dup_units_encoded for r in ranks),
+            "encoder.dedup_units": sum(r.units_encoded for r in ranks),
+            "loss": [step[0].loss for step in live.steps],
+            "units_left_in_store": live.units_left,
+            "live.wall_s": live.wall_s,
+        }
+    )
+    return out
+
+
+def print_report(figures: dict[str, Any], replay_policies: list[str]) -> None:
+    print("\n== Admission: trace replay (paper4 preset, disaggregated vs colocated) ==")
+    print(f"{'policy':<12}{'arch. staleness':>17}{'violations':>12}{'1st mini-batch at':>19}")
+    for name in replay_policies:
+        print(
+            f"{name:<12}{figures[f'replay.{name}.architectural_staleness']:>17.3f}"
+            f"{figures[f'replay.{name}.violations']:>12d}"
+            f"{figures[f'replay.{name}.first_minibatch_fraction']:>18.0%}"
+        )
+    print(f"rho (training time per train batch / rollout step) = {figures['replay.rho']:.2f}")
+    print("\n== Admission: live stream (4 sources, GRPO n=8) ==")
+    print(f"{'policy':<12}{'train batches meeting every quota':>36}{'1st mini-batch at':>19}")
+    for name in ("knittrans", "barrier"):
+        print(
+            f"{name:<12}{figures[f'live.{name}.train_batches_meeting_quotas']:>30d} / "
+            f"{figures[f'live.{name}.train_batches']:<3d}"
+            f"{figures[f'live.{name}.first_minibatch_fraction']:>18.0%}"
+        )
+    print("\n== Data path (DP=2 x CP=2, reorganizer processes, shared memory) ==")
+    consumed = figures["bytes.consumed"]
+    print(f"bytes consumed by trainers      {consumed / 2**20:10.2f} MiB")
+    print(f"bytes read by knitkit           {figures['bytes.knitkit_read'] / 2**20:10.2f} MiB"
+          f"  ({figures['bytes.knitkit_ratio']:.2f}x consumed)")
+    print(f"bytes a sample-level read moves {figures['bytes.sample_level_read'] / 2**20:10.2f} MiB"
+          f"  ({figures['bytes.sample_level_ratio']:.2f}x consumed)")
+    print(f"exposed wait per micro-batch    {figures['prefetch.exposed_wait_ms_per_micro']:10.2f} ms"
+          f"  (staging {figures['prefetch.stage_ms_per_micro']:.2f} ms, hidden by the prefetch thread)")
+    print(f"units left in the store         {figures['units_left_in_store']:10d}")
+    print("\n== Encoder dedup ==")
+    print(f"encoder fwd+bwd, dup   {figures['encoder.dup_s']:8.3f} s  ({figures['encoder.dup_units']} encodings)")
+    print(f"encoder fwd+bwd, dedup {figures['encoder.dedup_s']:8.3f} s  ({figures['encoder.dedup_units']} encodings)")
+    print(f"ratio dup / dedup      {figures['encoder.time_ratio']:8.2f}x")
+    print("\n== Training (loss = mean NLL of response tokens) ==")
+    print("  ".join(f"{i + 1}:{loss:.3f}" for i, loss in enumerate(figures["loss"])))
+    print(f"\nlive pipeline wall time {figures['live.wall_s']:.1f} s")
+
+
+def plot_report(figures: dict[str, Any], live: PipelineResult, path: Path) -> None:
+    """Four panels: loss per step, live admission timeline, bytes moved, encoder time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    ax = axes[0][0]
+    ax.plot(range(1, len(figures["loss"]) + 1), figures["loss"], marker="o")
+    ax.set(title="Training loss per optimizer step", xlabel="mini-batch step", ylabel="NLL")
+    ax = axes[0][1]
+    for name, record in live.admission.items():
+        ax.step(record.times_s, range(1, len(record.times_s) + 1), where="post", label=name)
+    ax.set(title="Mini-batch admissions over rollout time", xlabel="simulated seconds", ylabel="admitted")
+    ax.legend()
+    ax = axes[1][0]
+    labels = ["consumed", "knitkit read", "sample-level read"]
+    values = [figures["bytes.consumed"], figures["bytes.knitkit_read"], figures["bytes.sample_level_read"]]
+    ax.bar(labels, [v / 2**20 for v in values], color=["gray", "tab:green", "tab:red"])
+    ax.set(title="Bytes moved for the same mini-batches", ylabel="MiB")
+    ax = axes[1][1]
+    ax.bar(["dup", "dedup"], [figures["encoder.dup_s"], figures["encoder.dedup_s"]], color=["tab:red", "tab:green"])
+    ax.set(title=f"Encoder fwd+bwd time ({figures['encoder.time_ratio']:.1f}x)", ylabel="seconds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _first_fraction(record: Any) -> float:
+    """Of the first train batch's admission interval, the fraction before its first mini-batch."""
+    times = [t for t, b in zip(record.times_s, record.train_batch, strict=True) if b == 0]
+    return times[0] / times[-1] if times and times[-1] > 0 else float("nan")
+
+
+def _quota_ok(record: Any, quotas: dict[str, int]) -> int:
+    totals: dict[int, dict[str, int]] = {}
+    for batch, counts in zip(record.train_batch, record.composition, strict=True):
+        merged = totals.setdefault(batch, {})
+        for source, count in counts.items():
+            merged[source] = merged.get(source, 0) + count
+    return sum(all(c.get(s, 0) >= q for s, q in quotas.items()) for c in totals.values())

@@ -1,0 +1,255 @@
+"""One training rank of the demo: prefetched packed micro-batches, deduplicated encoder, GRPO-style loss."""
+
+from __future__ import annotations
+
+import queue
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from knitkit.demo.model import Backbone, ModelSize, VisionEncoder
+from knitkit.encoder_dedup import (
+    BackboneAssignment,
+    DedupEncoder,
+    EncoderAssignment,
+    ProcessGroupTransport,
+    RoutingPlan,
+    build_routing_plan,
+    row_slices,
+)
+from knitkit.microbatch_iter import MicroBatchIterator
+from knitkit.storage import MicroBatchPlan, MiniBatchPlan
+from knitkit.storage.consumer import MicroBatchConsumer
+from knitkit.storage.slot_ring import RingSpec
+from knitkit.types import UnitKey
+
+
+@dataclass(frozen=True, slots=True)
+class RankSetup:
+    """What every training rank is started with; plans arrive later, one per mini-batch."""
+
+    world: int
+    cp: int
+    port: int
+    backbone_rings: tuple[RingSpec, ...]
+    """Indexed by global rank (= dp * cp + cp_rank)."""
+    encoder_rings: tuple[RingSpec, ...]
+    """Indexed by encoder DP rank; encoder rank e runs on global rank ``encoder_ranks[e]``."""
+    encoder_ranks: tuple[int, ...]
+    size: ModelSize
+    lr: float
+    prefetch_depth: int
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one rank measured on one mini-batch (the driver sums or averages over ranks)."""
+
+    rank: int
+    minibatch_id: str
+    loss: float
+    micro_batches: int
+    exposed_wait_s: float
+    stage_s: float
+    step_s: float
+    dedup_encoder_s: float
+    dup_encoder_s: float
+    units_encoded: int
+    dup_units_encoded: int
+    grad_norm: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def routing_plan(plan: MiniBatchPlan, encoder_ranks: Sequence[int], world: int) -> RoutingPlan:
+    """The dedup routing plan of a mini-batch: encoder ranks' units -> every backbone rank's rows."""
+    rows: dict[UnitKey, int] = {}
+    backbone: dict[int, list[list]] = {}
+    for consumer in plan.consumers:
+        micro = []
+        for mb in consumer.micro_batches:
+            for seq in mb.sequences:
+                rows.update((ref.key, ref.num_tokens) for ref in seq.multimodal)
+            micro.append([s for seq in mb.sequences for s in row_slices(seq.multimodal, seq.chunks)])
+        backbone[consumer.dp_rank * plan.topology.cp + consumer.cp_rank] = micro
+    encoder = plan.encoders[0]
+    assignment = EncoderAssignment(
+        {encoder_ranks[r.dp_rank]: r.micro_batches for r in encoder.ranks}, rows
+    )
+    return build_routing_plan(assignment, BackboneAssignment(backbone), world_size=world)
+
+
+def feature_positions(mb: MicroBatchPlan) -> tuple[np.ndarray, np.ndarray]:
+    """Packed row of every feature row (in ``row_slices`` order) and the sequence id of every token."""
+    at: list[int] = []
+    sequence_ids: list[np.ndarray] = []
+    offset = 0
+    for index, seq in enumerate(mb.sequences):
+        local = {p: offset + i for i, p in enumerate(p for a, b in seq.chunks for p in range(a, b))}
+        starts = {ref.key: ref.token_start for ref in seq.multimodal}
+        for piece in row_slices(seq.multimodal, seq.chunks):
+            at.extend(local[starts[piece.key] + r] for r in range(piece.start, piece.stop))
+        sequence_ids.append(np.full(seq.local_length, index, np.int64))
+        offset += seq.local_length
+    return np.asarray(at, np.int64), np.concatenate(sequence_ids)
+
+
+def run_rank(rank: int, setup: RankSetup, plans: queue.Queue, results: queue.Queue) -> None:
+    """Entry point of one spawned training process; trains until the driver sends ``None``."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{setup.port}", rank=rank, world_size=setup.world
+    )
+    try:
+        _train(rank, setup, plans, results)
+    except BaseException:
+        results.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(rank: int, setup: RankSetup, plans: queue.Queue, results: queue.Queue) -> None:
+    cp_groups = [
+        dist.new_group(list(range(d * setup.cp, (d + 1) * setup.cp)))
+        for d in range(setup.world // setup.cp)
+    ]
+    cp_group = cp_groups[rank // setup.cp]
+    torch.manual_seed(setup.seed)
+    encoder, backbone = VisionEncoder(setup.size), Backbone(setup.size)
+    params = [*encoder.parameters(), *backbone.parameters()]
+    optimizer = torch.optim.Adam(params, lr=setup.lr)
+    encoder_index = setup.encoder_ranks.index(rank) if rank in setup.encoder_ranks else None
+    units_in = (
+        MicroBatchConsumer(setup.encoder_rings[encoder_index], 0)
+        if encoder_index is not None
+        else None
+    )
+    consumer = MicroBatchConsumer(setup.backbone_rings[rank], 0)
+    config = MicroBatchIterator.Config(depth=setup.prefetch_depth, slot_nbytes=1 << 20)
+    with config.build(consumer, device="cpu") as micro_batches:
+        while (plan := plans.get()) is not None:
+            results.put(
+                _train_minibatch(
+                    rank, setup, plan, encoder, backbone, params, optimizer, units_in,
+                    micro_batches, cp_group,
+                )
+            )
+    if units_in is not None:
+        units_in.close()
+
+
+def _train_minibatch(
+    rank: int,
+    setup: RankSetup,
+    plan: MiniBatchPlan,
+    encoder: VisionEncoder,
+    backbone: Backbone,
+    params: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    units_in: MicroBatchConsumer | None,
+    micro_batches: MicroBatchIterator,
+    cp_group: dist.ProcessGroup,
+) -> StepResult:
+    start = time.perf_counter()
+    route = routing_plan(plan, setup.encoder_ranks, setup.world).for_rank(rank)
+    pixels: dict[UnitKey, torch.Tensor] = {}
+    for _ in route.encoder_micro_batches:
+        assert units_in is not None, f"rank {rank} has encoder work but no encoder ring"
+        delivered = units_in.next_micro_batch()
+        pixels.update((UnitKey.parse(k), torch.from_numpy(v.copy())) for k, v in delivered.fields.items())
+        delivered.release()
+    dup_s, dup_units = _time_duplicate_encoding(plan, encoder, pixels)
+    dedup = DedupEncoder(route, ProcessGroupTransport(), hidden=setup.size.hidden)
+    t0 = time.perf_counter()
+    dedup.encode(lambda keys: encoder([pixels[k] for k in keys]))
+    encode_s = time.perf_counter() - t0
+    consumer = plan.consumer(rank // setup.cp, rank % setup.cp)
+    norm = float(sum(s.num_tokens for c in plan.consumers if c.cp_rank == 0 for mb in c.micro_batches for s in mb.sequences))
+    total_loss = 0.0
+    wait_before, stage_before = micro_batches.stats.wait_s, micro_batches.stats.stage_s
+    for index, mb_plan in enumerate(consumer.micro_batches):
+        mb = next(micro_batches)
+        feature_at, sequence_ids = feature_positions(mb_plan)
+        logits = backbone(
+            mb["tokens"],
+            mb["position_ids"],
+            torch.from_numpy(sequence_ids),
+            dedup.features(index),
+            torch.from_numpy(feature_at),
+            cp_group,
+        )
+        logp = F.log_softmax(logits.float(), -1).gather(-1, mb["labels"][:, None]).squeeze(-1)
+        advantage = mb["advantage"].repeat_interleave(torch.from_numpy(np.bincount(sequence_ids)))
+        ratio = torch.exp(logp - mb["old_logprobs"])
+        loss = -(ratio * advantage * mb["loss_mask"]).sum() / norm
+        loss.backward()
+        total_loss += float((-(logp * mb["loss_mask"]).sum() / norm).detach())
+    t0 = time.perf_counter()
+    dedup.backward()
+    backward_s = time.perf_counter() - t0
+    grad_norm = _all_reduce_gradients(params)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.tensor([total_loss])
+    dist.all_reduce(loss_sum)
+    return StepResult(
+        rank=rank,
+        minibatch_id=plan.minibatch_id,
+        loss=float(loss_sum),
+        micro_batches=len(consumer.micro_batches),
+        exposed_wait_s=micro_batches.stats.wait_s - wait_before,
+        stage_s=micro_batches.stats.stage_s - stage_before,
+        step_s=time.perf_counter() - start,
+        dedup_encoder_s=encode_s + backward_s,
+        dup_encoder_s=dup_s,
+        units_encoded=dedup.encoded_units,
+        dup_units_encoded=dup_units,
+        grad_norm=grad_norm,
+    )
+
+
+def _all_reduce_gradients(params: list[torch.nn.Parameter]) -> float:
+    """Sum gradients over DP x CP (the loss is normalised by the mini-batch's token count)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+    return float(flat.norm())
+
+
+def _time_duplicate_encoding(
+    plan: MiniBatchPlan, encoder: VisionEncoder, pixels: dict[UnitKey, torch.Tensor]
+) -> tuple[float, int]:
+    """Encoder forward+backward time of the non-dedup baseline for the units this rank holds.
+
+    Without dedup every backbone micro-batch on every (DP, CP) rank re-encodes the inputs of each
+    trajectory it holds, so a unit is encoded once per referencing trajectory and CP rank. This
+    rank times exactly that many encodings of its own units (its share of the baseline's work);
+    the gradients are thrown away.
+    """
+    references = [
+        ref.key
+        for consumer in plan.consumers
+        for mb in consumer.micro_batches
+        for seq in mb.sequences
+        for ref in seq.multimodal
+        if ref.key in pixels
+    ]
+    if not references:
+        return 0.0, 0
+    t0 = time.perf_counter()
+    out = encoder([pixels[k] for k in references])
+    out.sum().backward()
+    elapsed = time.perf_counter() - t0
+    encoder.zero_grad(set_to_none=True)
+    return elapsed, len(references)
