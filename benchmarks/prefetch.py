@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import statistics
 import time
 import uuid
@@ -273,6 +274,7 @@ def main() -> int:
         (4.0, 6.0),
     ]  # (compute ms, preparation ms); first = headline
     figures: dict[str, float] = {"cpu.threads": float(args.threads), "cpu.n_micro": float(n)}
+    figures["cpu.loadavg_1m_at_start"] = os.getloadavg()[0]  # other tenants of the machine
     print(f"CPU: {n} micro-batches of 4096 tokens (0.8 MiB), median of {repeats} runs")
     header = ("X ms", "X real", "Y ms", "eager wait", "iter wait", "ratio", "steady", "wall")
     print("{:>6} {:>7} {:>5} {:>11} {:>10} {:>7} {:>7} {:>7}".format(*header))
@@ -321,6 +323,11 @@ def main() -> int:
             f" (waits) {figures['gpu.wait_exposed_ratio']:.3f}; hand-over"
             f" {figures['gpu.overhead_us_per_micro']:.1f} us"
         )
+    figures["cpu.loadavg_1m_at_end"] = os.getloadavg()[0]
+    print(
+        f"load average (1 min) at start / end: {figures['cpu.loadavg_1m_at_start']:.1f} /"
+        f" {figures['cpu.loadavg_1m_at_end']:.1f} on {os.cpu_count()} CPUs"
+    )
     if args.json:
         with open(args.json, "w") as out:
             json.dump(figures, out, indent=1, sort_keys=True)

@@ -27,6 +27,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from knitkit.storage import (
     SharedMemoryBackend,
     Topology,
     TrajectoryStore,
+    UnitBackend,
     pack_layout,
     plan_minibatch,
     planner_ms,
@@ -132,6 +134,7 @@ def rank_main(
     rings: dict[tuple[int, int], RingSpec],
     encoder_ring: RingSpec | None,
     tq_configs: Any,
+    with_tq: bool,
     compute_s: float,
     barrier: Any,
     results: Any,
@@ -141,6 +144,9 @@ def rank_main(
     bytes_read: dict[str, int] = dict.fromkeys(METHODS, 0)
     backbone = MicroBatchConsumer(rings[(rank.dp, rank.cp)], rank.tp)
     encoder = MicroBatchConsumer(encoder_ring, 0) if encoder_ring else None
+    if with_tq:  # import torch / Ray / TQ now, while the driver starts TransferQueue
+        from knitkit.integration.transferqueue.backend import TransferQueueConnection
+        from knitkit.integration.transferqueue.baseline import read_share_tq
     barrier.wait()
     for plan in plans:
         wait = 0.0
@@ -172,9 +178,6 @@ def rank_main(
 
     tq_config = tq_configs.get()
     if tq_config is not None:
-        from knitkit.integration.transferqueue.backend import TransferQueueConnection
-        from knitkit.integration.transferqueue.baseline import read_share_tq
-
         client = TransferQueueConnection(tq_config).client()
         barrier.wait()
         for plan in plans:
@@ -189,9 +192,14 @@ def rank_main(
     results.put((rank, waits, bytes_read))
 
 
+def _progress(message: str, start: float = time.perf_counter()) -> None:
+    print(f"[{time.perf_counter() - start:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
 def run_delivery(sizes: Sizes, with_tq: bool) -> dict[str, float]:
     """The three methods on one workload, consumers as real processes; figures by key."""
     store, plans, trajectories, consumed = build_workload(sizes)
+    _progress(f"stored {len(trajectories)} trajectories, planned {len(plans)} mini-batches")
     backbone_bytes, encoder_bytes = slot_bytes(store, plans)
     ctx = mp.get_context("spawn")
     ranks = [RankPosition(d, c, t) for d in range(2) for c in range(2) for t in range(2)]
@@ -211,7 +219,8 @@ def run_delivery(sizes: Sizes, with_tq: bool) -> dict[str, float]:
     try:
         for rank in ranks:
             encoder_ring = encoder_rings[rank.dp] if rank.reads_multimodal else None
-            args = (rank, store.backend, plans, rings, encoder_ring, tq_configs, sizes.compute_s)
+            args: tuple[Any, ...] = (rank, store.backend, plans, rings, encoder_ring, tq_configs)
+            args += (with_tq, sizes.compute_s)
             process = ctx.Process(target=rank_main, args=(*args, barrier, results))
             process.start()
             processes.append(process)
@@ -223,7 +232,9 @@ def run_delivery(sizes: Sizes, with_tq: bool) -> dict[str, float]:
             client = connection.client()
             put_trajectories(client, trajectories, TQ_PARTITION)
             client.close()
+            _progress("TransferQueue started and loaded")
         barrier.wait(timeout=300)
+        _progress("knitkit phase")
         for plan in plans:
             for reorganizer, group in zip(reorganizers[:4], plan.consumers, strict=True):
                 reorganizer.submit(plan.minibatch_id, group)
@@ -232,11 +243,14 @@ def run_delivery(sizes: Sizes, with_tq: bool) -> dict[str, float]:
             ):
                 reorganizer.submit(plan.minibatch_id, rank_plan)
         barrier.wait(timeout=300)
+        _progress("sample-level phase")
         for _ in ranks:
             tq_configs.put(connection.config if connection else None)
         if connection:
             barrier.wait(timeout=300)
+            _progress("TransferQueue phase")
         got = [results.get(timeout=600) for _ in ranks]
+        _progress("delivery done")
         knitkit_read = sum(r.bytes_read for r in reorganizers)
     finally:
         for process in processes:
@@ -286,11 +300,11 @@ def sliced_read_fractions(sizes: Sizes) -> dict[str, float]:
         fd = os.open(plain, os.O_RDONLY)
         try:
             memcpy = _best(lambda: np.copyto(flat_out, plain_source))
-            page_cache = _best(lambda: os.preadv(fd, [flat_out], 0))
+            page_cache = _best(lambda: os.preadv(fd, [flat_out.data], 0))
         finally:
             os.close(fd)
         ceilings = {"memory": memcpy, "shm": memcpy, "disk": page_cache}
-        backends = {
+        backends: dict[str, UnitBackend] = {
             "memory": MemoryBackend(),
             "shm": SharedMemoryBackend(slab_bytes=256 << 20),
             "disk": SafetensorsBackend(os.path.join(tmp, "shards"), shard_bytes=64 << 20),
@@ -330,7 +344,9 @@ def main() -> None:
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
     figures = run_delivery(sizes, with_tq=not args.skip_tq)
+    _progress("sliced reads")
     figures.update(sliced_read_fractions(sizes))
+    _progress("planner")
     figures["planner_ms"] = planner_ms(repeats=3 if args.quick else 5)
     print_table(figures)
     if args.json:

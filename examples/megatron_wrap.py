@@ -38,17 +38,17 @@ from knitkit.storage import (
 )
 from knitkit.types import UnitKey
 
-HIDDEN, VOCAB, PATCH_DIM, IMAGE_TOKEN, MAX_SEQ = 32, 64, 12, 3, 512
+HIDDEN, VISION_HIDDEN, VOCAB, PATCH_DIM, IMAGE_TOKEN, MAX_SEQ = 32, 24, 64, 12, 3, 512
 
 
 # ----- the user's existing Megatron VLM (unchanged by the wrap) -----------------------------------
 class VisionPath(torch.nn.Module):
     """Vision encoder + projector: an image's patches -> one feature row per placeholder token."""
 
-    def __init__(self) -> None:
+    def __init__(self, projector: torch.nn.Module | None = None) -> None:
         super().__init__()
-        self.encoder = torch.nn.Linear(PATCH_DIM, 24)
-        self.projector = torch.nn.Linear(24, HIDDEN)
+        self.encoder = torch.nn.Linear(PATCH_DIM, VISION_HIDDEN)
+        self.projector = projector or torch.nn.Linear(VISION_HIDDEN, HIDDEN)
 
     def encode(self, patches: torch.Tensor) -> torch.Tensor:
         hidden = torch.nn.functional.gelu(self.encoder(patches))
@@ -59,8 +59,12 @@ class VisionPath(torch.nn.Module):
         return torch.cat([self.encode(patches)[a:b] for patches, a, b in images])
 
 
-def build_model(overlap_grad_reduce: bool) -> torch.nn.Module:
-    """GPTModel + vision path in one MegatronModule, wrapped in Megatron DDP (seeded: same on every call)."""
+def build_model(overlap_grad_reduce: bool, tp_sharded_projector: bool = False) -> torch.nn.Module:
+    """GPTModel + vision path in one MegatronModule, wrapped in Megatron DDP (seeded: same on every call).
+
+    ``tp_sharded_projector`` uses megatron's ``MultimodalProjector`` (column- then row-parallel,
+    as in LLaVA) instead of a replicated linear projector.
+    """
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -69,8 +73,11 @@ def build_model(overlap_grad_reduce: bool) -> torch.nn.Module:
     from megatron.core.enums import ModelType
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.vision.multimodal_projector import MultimodalProjector
     from megatron.core.parallel_state import get_tensor_model_parallel_world_size
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer import MegatronModule, TransformerConfig
+    from megatron.core.transformer.mlp import MLPSubmodules
 
     config = TransformerConfig(
         num_layers=2,
@@ -86,7 +93,15 @@ def build_model(overlap_grad_reduce: bool) -> torch.nn.Module:
         def __init__(self) -> None:
             super().__init__(config)
             self.model_type = ModelType.encoder_or_decoder
-            self.vision = VisionPath()
+            projector = None
+            if tp_sharded_projector:
+                projector = MultimodalProjector(
+                    config,
+                    MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                    "mlp",
+                    VISION_HIDDEN,
+                )
+            self.vision = VisionPath(projector)
             self.language_model = GPTModel(
                 config, get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, position_embedding_type="rope"
             )
@@ -157,12 +172,13 @@ def grpo_trajectories(seed: int, samples: int = 4, n: int = 4) -> list[Trajector
     return out
 
 
-def plan_step(store: TrajectoryStore, ids: list[str], layout: MegatronLayout) -> MiniBatchPlan:
+def plan_step(
+    store: TrajectoryStore, ids: list[str], layout: MegatronLayout, tp_sharded: bool = False
+) -> MiniBatchPlan:
     """knitkit's plan of one mini-batch for this Megatron layout (3 micro-batches per DP rank)."""
     config = PlannerConfig(token_fields=("tokens",), scalar_fields=(), min_micro_batches=3)
-    return plan_minibatch(
-        store.metas(ids), layout.topology, config, encoders=[layout.encoder_topology()]
-    )
+    encoder = layout.encoder_topology(tp_sharded=tp_sharded)
+    return plan_minibatch(store.metas(ids), layout.topology, config, encoders=[encoder])
 
 
 def knitkit_batches(store: TrajectoryStore, plan: MiniBatchPlan, layout: MegatronLayout):  # type: ignore[no-untyped-def]
@@ -202,14 +218,13 @@ def train(
     history = []
     for _ in range(steps):
         plan = plan_step(store, ids, layout)
-        route = layout.routing_plan(plan).for_rank(dist.get_rank())
         model.zero_grad_buffer()
         iterator, data = knitkit_batches(store, plan, layout)
         with iterator:
             losses = step.run(
                 forward_step_func=forward_step,
                 data_iterator=data,
-                route=route,
+                route=layout.route(plan),
                 encode_fn=encode,
                 num_microbatches=plan.num_micro_batches,
                 seq_length=MAX_SEQ,

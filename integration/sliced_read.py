@@ -2,7 +2,7 @@
 
 ``python -m knitkit.integration.sliced_read [--quick] [--json PATH]`` prints the table;
 ``benchmarks/transfer.py`` calls ``measure(engine, quick)`` for its
-``sliced_read.<engine>.fraction_of_ceiling`` keys.
+``sliced_read.<engine>.fraction_of_ceiling`` keys (plus ``sliced_read.mooncake.fraction_of_transport``).
 """
 
 from __future__ import annotations
@@ -33,21 +33,10 @@ def fraction_of_ceiling(
     when it supports that, as a reorganizer's ring is); the ceiling copies the same row ranges
     from in-memory arrays into the same destination. Medians over ``repeats`` passes.
     """
-    rng = np.random.default_rng(0)
-    units = [rng.integers(0, 64, (tokens, *ROUTING_ROW), dtype=np.uint8) for _ in range(num_units)]
-    keys = [UnitKey(f"sliced-read-{i}", "routing") for i in range(num_units)]
-    for key, unit in zip(keys, units, strict=True):
-        backend.put(key, unit)
+    keys, units = _store_units(backend, num_units, tokens)
     ranges = cp_chunks(tokens, 2, 0)
     rows = sum(stop - start for start, stop in ranges)
-    dst = np.ones((num_units * rows, *ROUTING_ROW), dtype=np.uint8)
-    for hook, arg in (("register", dst), ("resolve", keys)):
-        if hasattr(backend, hook):
-            getattr(backend, hook)(arg)
-
-    def backend_pass() -> None:
-        for i, key in enumerate(keys):
-            backend.read(key, ranges, out=dst[i * rows : (i + 1) * rows])
+    dst = _destination(backend, keys, num_units * rows)
 
     def memcpy_pass() -> None:
         for i, unit in enumerate(units):
@@ -56,17 +45,83 @@ def fraction_of_ceiling(
                 np.copyto(dst[at : at + stop - start], unit[start:stop])
                 at += stop - start
 
-    return _median_s(memcpy_pass, repeats) / _median_s(backend_pass, repeats)
+    return _time_ratio(memcpy_pass, _sliced_pass(backend, keys, dst), repeats)
 
 
-def measure(engine: str, quick: bool = False) -> float:
-    """``fraction_of_ceiling`` of ``engine`` ("ray" or "mooncake"), starting what it needs locally."""
-    sizes = {"num_units": 4, "tokens": 4096, "repeats": 5} if quick else {}
+def fraction_of_transport(
+    writer: UnitBackend,
+    reader: UnitBackend,
+    *,
+    num_units: int = 8,
+    tokens: int = 16384,
+    repeats: int = 7,
+) -> float:
+    """Whole-unit read time per byte / sliced read time per byte, both through ``reader``.
+
+    For a backend whose reads cross a transport (Mooncake's TCP here), this separates the cost
+    of slicing from the transport's own rate: 1.0 means ranges move as fast as whole units.
+    """
+    keys, _ = _store_units(writer, num_units, tokens)
+    dst = _destination(reader, keys, num_units * tokens)
+    rows = sum(stop - start for start, stop in cp_chunks(tokens, 2, 0))
+
+    def whole_pass() -> None:
+        for i, key in enumerate(keys):
+            reader.read(key, out=dst[i * tokens : (i + 1) * tokens])
+
+    return _time_ratio(whole_pass, _sliced_pass(reader, keys, dst), repeats) * rows / tokens
+
+
+def measure(engine: str, quick: bool = False) -> dict[str, float]:
+    """The ``sliced_read.<engine>.*`` figures of ``engine`` ("ray" or "mooncake"), starting what it
+    needs locally: ``fraction_of_ceiling``, and for Mooncake ``fraction_of_transport``."""
+    sizes = {"num_units": 4, "tokens": 8192, "repeats": 5} if quick else {}
+    prefix = f"sliced_read.{engine}"
     if engine == "ray":
-        return _on_ray(lambda backend: fraction_of_ceiling(backend, **sizes))
+        return {f"{prefix}.fraction_of_ceiling": _on_ray(lambda b: fraction_of_ceiling(b, **sizes))}
     if engine == "mooncake":
-        return _on_mooncake(lambda backend: fraction_of_ceiling(backend, **sizes))
+        return {
+            f"{prefix}.fraction_of_ceiling": _on_mooncake(
+                lambda b, _: fraction_of_ceiling(b, **sizes)
+            ),
+            f"{prefix}.fraction_of_transport": _on_mooncake(
+                lambda b, reader: fraction_of_transport(b, reader, **sizes)
+            ),
+        }
     raise ValueError(f"unknown engine {engine!r}; choose 'ray' or 'mooncake'")
+
+
+def _store_units(
+    backend: UnitBackend, num_units: int, tokens: int
+) -> tuple[list[UnitKey], list[np.ndarray]]:
+    rng = np.random.default_rng(0)
+    units = [rng.integers(0, 64, (tokens, *ROUTING_ROW), dtype=np.uint8) for _ in range(num_units)]
+    keys = [UnitKey(f"sliced-read-{i}", "routing") for i in range(num_units)]
+    for key, unit in zip(keys, units, strict=True):
+        backend.put(key, unit)
+    return keys, units
+
+
+def _destination(backend: UnitBackend, keys: list[UnitKey], rows: int) -> np.ndarray:
+    """A pre-touched destination, registered and with ``keys`` resolved where the backend can."""
+    dst = np.ones((rows, *ROUTING_ROW), dtype=np.uint8)
+    for hook, arg in (("register", dst), ("resolve", keys)):
+        if hasattr(backend, hook):
+            getattr(backend, hook)(arg)
+    return dst
+
+
+def _sliced_pass(backend: UnitBackend, keys: list[UnitKey], dst: np.ndarray) -> Callable[[], None]:
+    """Read CP rank 0's two chunks (of 2 ranks) of every unit, back to back into ``dst``."""
+    tokens = backend.spec(keys[0]).shape[0]
+    ranges = cp_chunks(tokens, 2, 0)
+    rows = sum(stop - start for start, stop in ranges)
+
+    def run() -> None:
+        for i, key in enumerate(keys):
+            backend.read(key, ranges, out=dst[i * rows : (i + 1) * rows])
+
+    return run
 
 
 def _on_ray(run: Callable[[UnitBackend], float]) -> float:
@@ -85,25 +140,32 @@ def _on_ray(run: Callable[[UnitBackend], float]) -> float:
             ray.shutdown()
 
 
-def _on_mooncake(run: Callable[[UnitBackend], float]) -> float:
+def _on_mooncake(run: Callable[[UnitBackend, UnitBackend], float]) -> float:
+    """``run(owner, reader)``: the owner holds the units; the reader contributes no memory, so its
+    reads go through the transport as a reader on another host does."""
     from knitkit.integration.mooncake import MooncakeBackend, MooncakeMaster
 
     with MooncakeMaster() as address:
-        backend = MooncakeBackend(address, segment_bytes=256 << 20)
+        owner = MooncakeBackend(address, segment_bytes=256 << 20)
+        reader = MooncakeBackend(address, namespace=owner.namespace, segment_bytes=0)
         try:
-            return run(backend)
+            return run(owner, reader)
         finally:
-            backend.close()
+            reader.close()
+            owner.close()
 
 
-def _median_s(run: Callable[[], None], repeats: int) -> float:
-    run()  # warm: first-touch faults, connections, lease lookups
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _time_ratio(baseline: Callable[[], None], measured: Callable[[], None], repeats: int) -> float:
+    """Median time of ``baseline`` / median time of ``measured``, run alternately (after one
+    warm-up each: first-touch faults, connections, lease lookups) so load drifts hit both."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for round_ in range(repeats + 1):
+        for run, out in ((baseline, times[0]), (measured, times[1])):
+            start = time.perf_counter()
+            run()
+            if round_:
+                out.append(time.perf_counter() - start)
+    return statistics.median(times[0]) / statistics.median(times[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,10 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the figures as one flat JSON object")
     parser.add_argument("--engines", nargs="+", default=["ray", "mooncake"])
     args = parser.parse_args(argv)
-    figures = {f"sliced_read.{e}.fraction_of_ceiling": measure(e, args.quick) for e in args.engines}
-    print(f"{'figure':<42} {'value':>8}")
+    figures = {k: v for engine in args.engines for k, v in measure(engine, args.quick).items()}
+    print(f"{'figure':<44} {'value':>8}")
     for name, value in figures.items():
-        print(f"{name:<42} {value:>8.2f}")
+        print(f"{name:<44} {value:>8.2f}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(figures, out, indent=1)

@@ -81,7 +81,6 @@ def _serve(
             outbox.put((rank, True, fn(rank, *args)))
         except BaseException:
             outbox.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
 
 
 @dataclass(slots=True)
@@ -143,7 +142,7 @@ class World:
         for inbox in self._inboxes:
             inbox.put(_STOP)
         for proc in self._procs:
-            proc.join(timeout=10)
+            proc.join(timeout=5)
         self._terminate()
 
     def _start(self) -> None:

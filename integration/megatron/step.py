@@ -30,14 +30,15 @@ class DedupVLMStep:
     the one deferred encoder backward runs after the last micro-batch's backward and before
     Megatron finishes its gradient reduction, whatever ``overlap_grad_reduce`` is.
 
-    NOTE [encoder gradients under Megatron DDP]: each unique input is encoded on ONE rank of the
-    world, so an encoder replica's gradient covers only the inputs it encoded. Megatron DDP
+    NOTE [encoder gradients under Megatron DDP]: with a replicated vision path each unique input
+    is encoded on ONE rank of the world, so an encoder replica's gradient covers only the inputs it encoded. Megatron DDP
     averages over DP (x CP) but never reduces replicated parameters over TP; the step therefore
     SUM-reduces the vision parameters' ``main_grad`` over the TP group right after finalize. Both
     reductions are linear, so the order does not matter for the result, and doing it after
     finalize never races an in-flight bucket reduction of ``overlap_grad_reduce``. A rank that
     encodes nothing back-propagates a zero through its vision parameters, so DDP sees the same
-    gradient-ready events on every rank and every mini-batch.
+    gradient-ready events on every rank and every mini-batch. A TP-sharded vision path is encoded
+    by all TP peers together (each holds the full, identical feature gradient), so it needs no sum.
     """
 
     model: torch.nn.Module
@@ -45,10 +46,10 @@ class DedupVLMStep:
     vision: str = "vision"
     """Dotted path of the vision path inside the unwrapped model; its output rows must be the
     features of the micro-batch's placeholder tokens, in order."""
-    group: dist.ProcessGroup | None = None
-    """Group the encoding rows travel in (plan ranks = ranks in it); ``None``: the world."""
-    tp_group: dist.ProcessGroup | None = None
-    """Group the vision gradients are summed over after finalize; ``None``: megatron's TP group."""
+    tp_sharded_vision: bool = False
+    """True when the vision path is itself TP-sharded (e.g. megatron's ``MultimodalProjector``):
+    TP peers then encode together, rows travel in megatron's DP x CP group and no TP sum is
+    needed. Plan with ``MegatronLayout.encoder_topology(tp_sharded=True)`` to match."""
     last_encoded_units: int = field(default=0, init=False)
     """Unique units this rank encoded in the last ``run``."""
 
@@ -66,7 +67,7 @@ class DedupVLMStep:
     ) -> list[object]:
         """Encode, run ``get_forward_backward_func()`` over the micro-batches, deferred backward, finalize.
 
-        ``route`` is this rank's route (``MegatronLayout.routing_plan(plan).for_rank(rank)``) and
+        ``route`` is this rank's route (``MegatronLayout.route(plan)``) and
         ``encode_fn`` maps an encoder micro-batch of unit keys to its feature rows (it calls the
         vision path). Returns what the schedule returns (the loss dicts).
         """
@@ -89,7 +90,7 @@ class DedupVLMStep:
         params = tuple(p for p in vision.parameters() if p.requires_grad)
         dedup = DedupEncoder(
             route,
-            ProcessGroupTransport(self.group),
+            ProcessGroupTransport(self._encoder_group()),
             hidden=config.hidden_size,
             dtype=config.params_dtype,
             device=_device(),
@@ -97,7 +98,7 @@ class DedupVLMStep:
         dedup.encode(encode_fn)
         self.last_encoded_units = dedup.encoded_units
         hook = FinalizeWithDeferredBackward(
-            functools.partial(_finalize_then_sum, original, params, self._tp_group())
+            functools.partial(_finalize_then_sum, original, params, self._sum_group())
         )
         hook.arm(_DeferredEncoderBackward(dedup, params))
         feed = _CountingIterator(iter(data_iterator))
@@ -155,9 +156,18 @@ class DedupVLMStep:
         finally:
             setattr(parent, name, original)
 
-    def _tp_group(self) -> dist.ProcessGroup | None:
-        if self.tp_group is not None:
-            return self.tp_group
+    def _encoder_group(self) -> dist.ProcessGroup | None:
+        """Where encoding rows travel: the world, or this TP rank's DP x CP group if TP-sharded."""
+        if not self.tp_sharded_vision:
+            return None
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+    def _sum_group(self) -> dist.ProcessGroup | None:
+        """Where vision gradients are summed after finalize: TP if replicas encoded different units."""
+        if self.tp_sharded_vision:
+            return None
         from megatron.core import parallel_state
 
         return parallel_state.get_tensor_model_parallel_group()

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from knitkit.encoder_dedup import (
     BackboneAssignment,
     EncoderAssignment,
-    RoutingPlan,
+    RankRoute,
     RowSlice,
     build_routing_plan,
     row_slices,
@@ -28,14 +28,21 @@ class MegatronLayout:
     """Where every rank of a PP=1 Megatron world sits in the DP x CP x TP grid, and what follows.
 
     The backbone ``topology`` feeds knitkit's planner; the vision encoder gets its own topology
-    spanning the whole world (every rank encodes a disjoint share of the mini-batch's unique
-    inputs, paper 5.3), and ``routing_plan`` turns a ``MiniBatchPlan`` into the encoder-dedup
-    routes between encoding ranks and (DP, CP, TP) consumers.
+    (``encoder_topology``), and ``route`` turns a ``MiniBatchPlan`` into this rank's encoder-dedup
+    route between encoding ranks and (DP, CP, TP) consumers. Two encoder layouts:
+
+    - replicated vision path (default): every world rank encodes a disjoint share of the
+      mini-batch's unique inputs (paper 5.3); TP replicas each return an owned gradient slice;
+    - TP-sharded vision path (``tp_sharded=True``, e.g. megatron's ``MultimodalProjector``): the
+      TP ranks of one group encode the same units together, so units are spread over the DP x CP
+      ranks and routed within each TP rank's DP x CP group.
     """
 
     topology: Topology
     coords: tuple[Coord, ...]
     """``coords[r]`` is global rank ``r``'s ``(dp_rank, cp_rank, tp_rank)``."""
+    dp_cp_ranks: tuple[int, ...]
+    """``dp_cp_ranks[r]``: global rank ``r``'s rank in its DP x CP group (megatron's ``dp_cp``)."""
     rank: int
 
     @classmethod
@@ -65,6 +72,7 @@ class MegatronLayout:
                 ps.get_data_parallel_rank(),
                 ps.get_context_parallel_rank(),
                 ps.get_tensor_model_parallel_rank(),
+                ps.get_data_parallel_rank(with_context_parallel=True),
             ],
             dtype=torch.int64,
         )
@@ -72,24 +80,31 @@ class MegatronLayout:
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
         coords = tuple((int(t[0]), int(t[1]), int(t[2])) for t in gathered)
-        return cls(topology, coords, dist.get_rank())
+        return cls(topology, coords, tuple(int(t[3]) for t in gathered), dist.get_rank())
 
     @property
     def coord(self) -> Coord:
         return self.coords[self.rank]
 
     def encoder_topology(
-        self, name: str = "vision", kinds: tuple[str, ...] = ("image", "video")
+        self,
+        name: str = "vision",
+        kinds: tuple[str, ...] = ("image", "video"),
+        tp_sharded: bool = False,
     ) -> EncoderTopology:
-        """The encoder's own topology: one encoder DP rank per world rank (encoder DP rank = global rank)."""
+        """The encoder's own topology: one encoder DP rank per world rank, or per DP x CP rank if TP-sharded."""
+        if tp_sharded:
+            return EncoderTopology(
+                name, dp=self.topology.dp * self.topology.cp, tp=self.topology.tp, kinds=kinds
+            )
         return EncoderTopology(name, dp=len(self.coords), kinds=kinds)
 
-    def routing_plan(self, plan: MiniBatchPlan, encoder: str = "vision") -> RoutingPlan:
-        """Encoder-dedup routes of one mini-batch for every world rank (pure; same on all ranks).
+    def route(self, plan: MiniBatchPlan, encoder: str = "vision") -> RankRoute:
+        """This rank's encoder-dedup route for one mini-batch (pure; computed alike on every rank).
 
-        Rank ``r`` encodes what encoder DP rank ``r`` of ``plan.encoder(encoder)`` holds and
-        consumes, per micro-batch, the feature rows of its (DP, CP) consumer in placeholder order;
-        the TP ranks of one (DP, CP) consumer are replicas that each return an owned slice.
+        The route's ranks are world ranks for a replicated vision path and DP x CP group ranks for
+        a TP-sharded one (``encoder_topology(tp_sharded=True)``); ``DedupVLMStep`` picks the
+        matching process group.
         """
         if plan.topology != self.topology:
             raise ValueError(
@@ -97,18 +112,22 @@ class MegatronLayout:
                 "plan with MegatronLayout.topology"
             )
         encoder_plan = plan.encoder(encoder)
-        if len(encoder_plan.ranks) != len(self.coords):
+        sharded = encoder_plan.topology.tp > 1
+        members = [r for r, c in enumerate(self.coords) if not sharded or c[2] == self.coord[2]]
+        index = {r: (self.dp_cp_ranks[r] if sharded else r) for r in members}
+        if len(encoder_plan.ranks) != len(members):
             raise ValueError(
-                f"encoder {encoder!r} was planned over {len(encoder_plan.ranks)} ranks; the world "
-                f"has {len(self.coords)}; plan it with MegatronLayout.encoder_topology()"
+                f"encoder {encoder!r} was planned over {len(encoder_plan.ranks)} ranks but routes "
+                f"over {len(members)}; plan it with MegatronLayout.encoder_topology(tp_sharded=...)"
             )
         micro_batches: dict[int, list[tuple[RowSlice, ...]]] = {}
         replicas: dict[tuple[int, int], list[int]] = defaultdict(list)
         num_rows: dict[UnitKey, int] = {}
-        for rank, (dp, cp, _) in enumerate(self.coords):
+        for rank in members:
+            dp, cp, _ = self.coords[rank]
             consumer = plan.consumer(dp, cp)
-            micro_batches[rank] = [feature_slices(mb) for mb in consumer.micro_batches]
-            replicas[(dp, cp)].append(rank)
+            micro_batches[index[rank]] = [feature_slices(mb) for mb in consumer.micro_batches]
+            replicas[(dp, cp)].append(index[rank])
             for mb in consumer.micro_batches:
                 for seq in mb.sequences:
                     num_rows.update({ref.key: ref.num_tokens for ref in seq.multimodal})
@@ -116,7 +135,8 @@ class MegatronLayout:
             {r.dp_rank: r.micro_batches for r in encoder_plan.ranks}, num_rows
         )
         backbone = BackboneAssignment(micro_batches, tuple(replicas.values()))
-        return build_routing_plan(encoders, backbone, len(self.coords))
+        routing = build_routing_plan(encoders, backbone, len(members))
+        return routing.for_rank(index[self.rank])
 
 
 def feature_slices(micro_batch: MicroBatchPlan) -> tuple[RowSlice, ...]:

@@ -87,9 +87,13 @@ class MooncakeBackend:
         if self._store.is_exist(self._spec_key(key)) == 1:
             raise KeyError(f"unit {key} already exists; use replace() to update it")
         array = np.asarray(array, order="C")
-        self._write(key, array, self._store.put_from)
+        # upsert: rows left behind by a put that failed before its spec must not survive
+        self._write(key, array, self._store.upsert_from)
         spec = json.dumps({"dtype": array.dtype.name, "shape": list(array.shape)}).encode()
-        _check(self._store.put(self._spec_key(key), spec, self._config), "put", key)
+        code = self._store.put(self._spec_key(key), spec, self._config)
+        if code != 0:
+            self._store.remove(self._data_key(key), True)
+            _check(code, "put", key)
 
     def replace(self, key: UnitKey, array: np.ndarray) -> None:
         check_replacement(key, self.spec(key), array)

@@ -28,8 +28,8 @@ _Boxed = list[ray.ObjectRef]
 # `replace` puts a new object and swaps the ref in the directory (objects are immutable); the
 # old object is freed once no reader holds it. Readers look a key up in the directory on every
 # read, unless they `resolve()`d it: then they keep its zero-copy view until `release()`. A
-# reorganizer resolves all keys of its plan in one call when the mini-batch is admitted, when
-# its units are final; a `replace` after that is not seen by that reader until it resolves again.
+# reorganizer resolves all keys of an assignment in one call when it starts it (the mini-batch
+# is admitted, its units are final); a `replace` after that is not seen until it resolves again.
 #
 # On the node that holds an object, `ray.get` maps it: no copy. A reader on another node makes
 # Ray pull the WHOLE object to its node first (Ray transfers objects, not byte ranges); sliced
@@ -39,7 +39,7 @@ _Boxed = list[ray.ObjectRef]
 
 @ray.remote(num_cpus=0)
 class UnitDirectory:
-    """Named actor: unit key -> (boxed object ref, spec); it owns the unit objects."""
+    """Named actor: unit key -> (boxed object ref, spec); holding the refs keeps the units alive."""
 
     def __init__(self) -> None:
         self._units: dict[str, tuple[_Boxed, UnitSpec]] = {}

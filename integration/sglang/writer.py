@@ -62,7 +62,11 @@ class RolloutWriter:
     def add_batch(
         self, requests: Sequence[RolloutRequest], outputs: Sequence[Mapping[str, Any]]
     ) -> list[TrajectoryMeta | None]:
-        """Add the list a batch (or ``n > 1``) request returns, one request per output, in order."""
+        """Add the list a batch (or ``n > 1``) request returns, one request per output, in order.
+
+        SGLang returns a batch of prompts with ``n`` samples prompt by prompt: p0's ``n``
+        outputs, then p1's, and so on.
+        """
         if len(requests) != len(outputs):
             raise ValueError(
                 f"{len(requests)} requests for {len(outputs)} outputs; pair them one to one"

@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from knitkit.admission.config import AdmissionConfig, resolve
+from knitkit.admission.guards import candidate_admissible, guard_coverable
 from knitkit.admission.pool import ReadyPool, Unit
 from knitkit.admission.predicates import AdmissionView
 from knitkit.admission.selection import CandidateRequest
@@ -42,19 +43,20 @@ class AdmissionController:
     (eq. 3), the selection policy proposes a candidate, and every group's feasibility guard
     holds on it (eq. 4); admission is irrevocable (eq. 5). Reports and readiness checks cost
     O(#sources): the ready pool keeps per-source queues and counters.
+
+    NOTE [single writer]: the controller holds no lock. Call ``report``, ``issued`` and
+    ``next_minibatch`` from one thread (the trainer's rollout loop, or one actor that owns it);
+    a failed call raises before changing state, so the caller may log and continue.
     """
 
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
         self._quotas, self.minibatch_sizes = resolve(config)
-        self._groups = tuple(
-            tuple(q.source for q in self._quotas if q.group == name)
-            for name in dict.fromkeys(q.group for q in self._quotas)
-        )
         self._group_lowers = tuple(
             tuple((q.source, q.lower) for q in self._quotas if q.group == name)
             for name in dict.fromkeys(q.group for q in self._quotas)
         )
+        self._groups = tuple(tuple(s for s, _ in group) for group in self._group_lowers)
         self._size_targets = [
             math.ceil(a * config.train_batch_size - 1e-9)
             for a in config.size_schedule.alphas(config.num_minibatches)
@@ -147,11 +149,14 @@ class AdmissionController:
         if len(self._pool) < size or not self._ready(t):
             return None
         guarded = self.config.enforce_quotas and self.config.guards
-        if guarded and not self._guard_coverable(size):
+        slots_after = self.config.train_batch_size - self._admitted_total - size
+        if guarded and not guard_coverable(
+            self._group_lowers, self._admitted, self._pool.ready, slots_after
+        ):
             return None
         request = self._request(size, guarded)
         counts = self.config.selection.propose(request, self._pool)
-        if counts is None or not self._admissible(counts, request):
+        if counts is None or not candidate_admissible(counts, request, self._pool):
             return None
         units = self._pool.take(counts)
         trajectories = tuple(tr for u in units for tr in u.trajectories)
@@ -230,36 +235,3 @@ class AdmissionController:
             groups=self._groups,
             guarded=guarded,
         )
-
-    def _guard_coverable(self, size: int) -> bool:
-        """O(#sources) precheck: ready units can cover what each guard needs from this mini-batch."""
-        slots_after = self.config.train_batch_size - self._admitted_total - size
-        admitted, ready = self._admitted, self._pool.ready
-        for group in self._group_lowers:
-            need = cover = 0
-            for source, lower in group:
-                deficit = lower - admitted[source]
-                if deficit > 0:
-                    need += deficit
-                    cover += min(deficit, ready[source])
-            if need - slots_after > cover:
-                return False
-        return True
-
-    def _admissible(self, counts: dict[str, int], request: CandidateRequest) -> bool:
-        """Check the proposal: exact size, bounds, and (if guarded) every group's guard Q_k (eq. 4)."""
-        taken: dict[str, int] = {}
-        for source, count in counts.items():
-            if count < 0 or count > self._pool.units(source):
-                return False
-            taken[source] = sum(self._pool.peek(source, k).size for k in range(count))
-        if sum(taken.values()) != request.size:
-            return False
-        if any(taken.get(s, 0) > room for s, room in request.room.items()):
-            return False
-        if request.guarded:
-            for group in request.groups:
-                deficit = sum(max(0, request.deficits[s] - taken.get(s, 0)) for s in group)
-                if deficit > request.slots_after:
-                    return False
-        return True

@@ -6,13 +6,22 @@ import argparse
 import json
 import sys
 
-from knitkit.admission.policies import POLICY_NAMES
+from knitkit.admission.policies import POLICY_NAMES, describe
 from knitkit.admission.replay import ProgressBar, Summary, run_replay
 from knitkit.admission.settings import PRESETS, ReplaySettings, preset
 from knitkit.admission.trace import Trace, read_jsonl
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the epilog's line breaks and shows defaults."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = "policies:\n" + "\n".join(f"  {p:<10} {describe(p)}" for p in POLICY_NAMES)
+    parser.epilog += "\npresets:\n" + "\n".join(
+        f"  {n:<10} {p.description}" for n, p in PRESETS.items()
+    )
+    parser.formatter_class = _HelpFormatter
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--trace", help="JSONL trace (one trajectory a line; see admission README)")
     source.add_argument(

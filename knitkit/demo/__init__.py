@@ -28,12 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=8, help="GRPO rollouts per prompt (n)")
     parser.add_argument("--train-batch-size", type=int, default=64, help="trajectories per train batch")
     parser.add_argument("--minibatches", type=int, default=4, help="mini-batches (optimizer steps) per train batch")
-    parser.add_argument("--train-batches", type=int, default=2, help="train batches to train on")
+    parser.add_argument("--train-batches", type=int, default=3, help="train batches to train on")
     parser.add_argument("--quota", type=float, default=0.24, help="lower-bound share of each of the 4 sources")
     parser.add_argument("--max-tokens", type=int, default=240, help="longest trajectory (tokens)")
     parser.add_argument("--micro-batch-tokens", type=int, default=192, help="token budget of one micro-batch per rank")
     parser.add_argument("--prefetch-depth", type=int, default=2, help="micro-batches staged ahead")
-    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
     parser.add_argument("--replay-train-batches", type=int, default=16, help="train batches in the trace replay")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens_per_micro_batch=args.micro_batch_tokens,
         prefetch_depth=args.prefetch_depth,
         lr=args.lr,
-        size=replace(ModelSize(), patch_dim=rollout.patch_dim),
+        size=replace(ModelSize(), patch_dim=rollout.patch_dim, vocab=rollout.vocab),
     )
     live = run_pipeline(config, _say)
     figures = summarize(replay, live)

@@ -14,7 +14,7 @@ from torch import nn
 class ModelSize:
     """Widths of the demo model; small enough to train several steps on two CPU cores."""
 
-    vocab: int = 512
+    vocab: int = 64
     patch_dim: int = 48
     encoder_width: int = 96
     hidden: int = 64

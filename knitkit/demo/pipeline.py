@@ -65,6 +65,7 @@ class PipelineResult:
     """Per optimizer step (mini-batch), every rank's result."""
     admission: dict[str, AdmissionRecord] = field(default_factory=dict)
     quotas: dict[str, int] = field(default_factory=dict)
+    num_minibatches: int = 0
     knitkit_bytes_read: int = 0
     sample_level_bytes: int = 0
     bytes_consumed: int = 0
@@ -75,7 +76,7 @@ class PipelineResult:
 def run_pipeline(config: PipelineConfig, progress: Callable[[str], None]) -> PipelineResult:
     """Stream the rollout through admission into training; returns the measurements."""
     start = time.perf_counter()
-    result = PipelineResult()
+    result = PipelineResult(num_minibatches=config.num_minibatches)
     sources = [p.name for p in config.rollout.sources]
     quotas = [SourceQuota(source=s, min_ratio=config.quota_ratio) for s in sources]
     controllers = {

@@ -22,8 +22,9 @@ def summarize(replay: dict[str, Any], live: PipelineResult) -> dict[str, Any]:
     out["replay.rho"] = replay["rho"]
     for name, record in live.admission.items():
         out[f"live.{name}.first_minibatch_fraction"] = _first_fraction(record)
-        out[f"live.{name}.train_batches_meeting_quotas"] = _quota_ok(record, live.quotas)
-        out[f"live.{name}.train_batches"] = len(set(record.train_batch))
+        complete = _complete_train_batches(record, live.num_minibatches)
+        out[f"live.{name}.train_batches_meeting_quotas"] = _quota_ok(record, live.quotas, complete)
+        out[f"live.{name}.train_batches"] = len(complete)
     out.update(
         {
             "bytes.knitkit_read": live.knitkit_bytes_read,
@@ -118,10 +119,18 @@ def _first_fraction(record: Any) -> float:
     return times[0] / times[-1] if times and times[-1] > 0 else float("nan")
 
 
-def _quota_ok(record: Any, quotas: dict[str, int]) -> int:
-    totals: dict[int, dict[str, int]] = {}
+def _complete_train_batches(record: Any, num_minibatches: int) -> set[int]:
+    """Train batches whose every mini-batch was admitted before the stream ended."""
+    return {b for b in set(record.train_batch) if record.train_batch.count(b) == num_minibatches}
+
+
+def _quota_ok(record: Any, quotas: dict[str, int], complete: set[int]) -> int:
+    """How many complete train batches hold at least each source's quota."""
+    totals: dict[int, dict[str, int]] = {b: {} for b in complete}
     for batch, counts in zip(record.train_batch, record.composition, strict=True):
-        merged = totals.setdefault(batch, {})
+        if batch not in complete:
+            continue
+        merged = totals[batch]
         for source, count in counts.items():
             merged[source] = merged.get(source, 0) + count
     return sum(all(c.get(s, 0) >= q for s, q in quotas.items()) for c in totals.values())

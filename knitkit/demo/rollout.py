@@ -30,7 +30,7 @@ class RolloutConfig:
     patch_dim: int = 48
     routing_layers: int = 8
     routing_topk: int = 2
-    vocab: int = 512
+    vocab: int = 64
     seed: int = 0
 
 

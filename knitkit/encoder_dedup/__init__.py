@@ -2,20 +2,17 @@
 route detached rows to every consumer, return owned gradient rows, run one deferred encoder backward.
 """
 
+from knitkit.encoder_dedup.assignment import (
+    BackboneAssignment,
+    EncoderAssignment,
+    RowSlice,
+    row_slices,
+)
 from knitkit.encoder_dedup.dedup import DedupEncoder, EncodeFn, Phase
 from knitkit.encoder_dedup.grad_sync import sync_encoder_grads
 from knitkit.encoder_dedup.minibatch import BackboneStep, train_minibatch
 from knitkit.encoder_dedup.ordering import DeferredBackward, FinalizeWithDeferredBackward
-from knitkit.encoder_dedup.plan import (
-    BackboneAssignment,
-    EncoderAssignment,
-    Exchange,
-    RankRoute,
-    RoutingPlan,
-    RowSlice,
-    build_routing_plan,
-    row_slices,
-)
+from knitkit.encoder_dedup.plan import Exchange, RankRoute, RoutingPlan, build_routing_plan
 from knitkit.encoder_dedup.transport import LocalTransport, ProcessGroupTransport, RowTransport
 
 __all__ = [

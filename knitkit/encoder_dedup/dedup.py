@@ -17,6 +17,8 @@ EncodeFn = Callable[[Sequence[UnitKey]], torch.Tensor]
 
 
 class Phase(enum.Enum):
+    """Where a DedupEncoder is in its mini-batch: before encode, serving features, or done."""
+
     READY = "ready"
     ENCODED = "encoded"
     DONE = "done"
@@ -98,14 +100,16 @@ class DedupEncoder:
             self.route.table_rows, self.hidden, dtype=self.grad_dtype, device=self.device
         )
         grad.index_add_(0, self.route.backward.recv_index.to(self.device), received)
-        self._cache = self._cache[:0]
-        self._cache_grad = self._cache_grad[:0]
+        self._cache = self._cache.new_empty(0, self.hidden)  # a [:0] view would keep the storage
+        self._cache_grad = self._cache_grad.new_empty(0, self.hidden)
         outputs, self._outputs = self._outputs, []
-        if outputs:
-            grads = grad.split(list(self.route.encoder_rows))
-            torch.autograd.backward(
-                outputs, [g.to(out.dtype) for out, g in zip(outputs, grads, strict=True)]
-            )
+        pairs = [
+            (out, g.to(out.dtype))
+            for out, g in zip(outputs, grad.split(list(self.route.encoder_rows)), strict=True)
+            if out.requires_grad  # a frozen encoder has nothing to back-propagate
+        ]
+        if pairs:
+            torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
         self.phase = Phase.DONE
 
     @property

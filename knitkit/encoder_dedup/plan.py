@@ -8,59 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from knitkit.types import MultimodalRef, SeqRange, UnitKey
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class RowSlice:
-    """Rows ``[start, stop)`` of one multimodal unit's encoding (row i = the unit's i-th placeholder token)."""
-
-    key: UnitKey
-    start: int
-    stop: int
-
-    @property
-    def num_rows(self) -> int:
-        return self.stop - self.start
-
-
-@dataclass(frozen=True, slots=True)
-class EncoderAssignment:
-    """The encoder's own partition: encoder micro-batches of unique units, per encoding rank."""
-
-    micro_batches: Mapping[int, Sequence[Sequence[UnitKey]]]
-    """Rank -> its encoder micro-batches, each a sequence of unit keys encoded together, in order."""
-    num_rows: Mapping[UnitKey, int]
-    """Encoding rows of every unit (= ``MultimodalRef.num_tokens``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class BackboneAssignment:
-    """What each backbone rank consumes: per backbone micro-batch, the encoding rows in feature order."""
-
-    micro_batches: Mapping[int, Sequence[Sequence[RowSlice]]]
-    """Rank -> its backbone micro-batches, each the row slices its features are gathered from, in order."""
-    tp_groups: Sequence[Sequence[int]] = ()
-    """Tensor-parallel replica groups; members consume identical micro-batches. Unlisted ranks: TP=1."""
-
-
-def row_slices(
-    refs: Sequence[MultimodalRef], seq_ranges: Sequence[SeqRange]
-) -> tuple[RowSlice, ...]:
-    """Encoding rows a consumer needs for a trajectory of which it holds ``seq_ranges`` (in order).
-
-    A CP rank holding zigzag chunks, or a micro-batch holding one piece of a trajectory, passes its
-    ranges; each multimodal input contributes the rows whose placeholder positions fall inside them.
-    """
-    ordered = sorted(refs, key=lambda ref: ref.token_start)
-    slices: list[RowSlice] = []
-    for lo, hi in seq_ranges:
-        for ref in ordered:
-            start = max(lo, ref.token_start)
-            stop = min(hi, ref.token_start + ref.num_tokens)
-            if start < stop:
-                slices.append(RowSlice(ref.key, start - ref.token_start, stop - ref.token_start))
-    return tuple(slices)
+from knitkit.encoder_dedup.assignment import BackboneAssignment, EncoderAssignment, RowSlice
+from knitkit.types import UnitKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +59,8 @@ class RoutingPlan:
 
 Segment = tuple[UnitKey, int, int, int]
 """(key, first row, end row, first cache row) of one contiguous run of a consumer's cache."""
+Run = tuple[int, int]
+"""(first row, number of rows) of a contiguous run of rows."""
 
 
 def build_routing_plan(
@@ -122,17 +73,17 @@ def build_routing_plan(
         r: _cache_segments(r, mbs, encoded_rows) for r, mbs in backbone.micro_batches.items()
     }
     owned = _tp_owned(backbone, segments)
-    fwd: dict[tuple[int, int], tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
-    bwd: dict[tuple[int, int], tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+    fwd: dict[tuple[int, int], tuple[list[Run], list[Run]]] = defaultdict(lambda: ([], []))
+    bwd: dict[tuple[int, int], tuple[list[Run], list[Run]]] = defaultdict(lambda: ([], []))
     for consumer, segs in segments.items():
         for key, start, stop, cache_at in segs:
             src, dst = fwd[(owner[key], consumer)]
-            src.extend(range(table_offset[key] + start, table_offset[key] + stop))
-            dst.extend(range(cache_at, cache_at + stop - start))
+            src.append((table_offset[key] + start, stop - start))
+            dst.append((cache_at, stop - start))
         for key, start, stop, cache_at in owned[consumer]:
             src, dst = bwd[(consumer, owner[key])]
-            src.extend(range(cache_at, cache_at + stop - start))
-            dst.extend(range(table_offset[key] + start, table_offset[key] + stop))
+            src.append((cache_at, stop - start))
+            dst.append((table_offset[key] + start, stop - start))
     routes = []
     for rank in range(world_size):
         segs = segments.get(rank, [])
@@ -253,24 +204,37 @@ def _gather_index(micro_batch: Sequence[RowSlice], segments: list[Segment]) -> t
     runs: dict[UnitKey, list[Segment]] = defaultdict(list)
     for segment in segments:
         runs[segment[0]].append(segment)
-    rows: list[int] = []
+    rows: list[Run] = []
     for piece in micro_batch:
         # A consumed slice lies inside exactly one merged run of its unit.
         _, start, _, at = next(
             s for s in runs[piece.key] if s[1] <= piece.start and piece.stop <= s[2]
         )
-        rows.extend(range(at + piece.start - start, at + piece.stop - start))
-    return torch.tensor(rows, dtype=torch.int64)
+        rows.append((at + piece.start - start, piece.num_rows))
+    return _index(rows)
 
 
 def _exchange(
-    rank: int, world_size: int, pairs: Mapping[tuple[int, int], tuple[list[int], list[int]]]
+    rank: int, world_size: int, pairs: Mapping[tuple[int, int], tuple[list[Run], list[Run]]]
 ) -> Exchange:
     send = [pairs.get((rank, peer), ([], []))[0] for peer in range(world_size)]
     recv = [pairs.get((peer, rank), ([], []))[1] for peer in range(world_size)]
     return Exchange(
-        send_counts=tuple(len(rows) for rows in send),
-        send_index=torch.tensor([r for rows in send for r in rows], dtype=torch.int64),
-        recv_counts=tuple(len(rows) for rows in recv),
-        recv_index=torch.tensor([r for rows in recv for r in rows], dtype=torch.int64),
+        send_counts=tuple(sum(n for _, n in runs) for runs in send),
+        send_index=_index([run for runs in send for run in runs]),
+        recv_counts=tuple(sum(n for _, n in runs) for runs in recv),
+        recv_index=_index([run for runs in recv for run in runs]),
+    )
+
+
+def _index(runs: Sequence[Run]) -> torch.Tensor:
+    """Concatenated row indices of ``runs``, built without a Python int per row."""
+    if not runs:
+        return torch.empty(0, dtype=torch.int64)
+    firsts = torch.tensor([first for first, _ in runs], dtype=torch.int64)
+    lengths = torch.tensor([n for _, n in runs], dtype=torch.int64)
+    starts = torch.cumsum(lengths, 0) - lengths
+    total = int(lengths.sum())
+    return torch.arange(total) - torch.repeat_interleave(
+        starts - firsts, lengths, output_size=total
     )

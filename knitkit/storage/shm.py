@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from knitkit.storage.backend import UnitSpec
+from knitkit.storage.journal import UnitJournal
 from knitkit.storage.ranges import check_ranges, check_replacement, destination, spec_of
 from knitkit.storage.slab import Slab, unlink_quietly
 from knitkit.types import SeqRange, UnitKey
@@ -23,8 +24,9 @@ class SharedMemoryBackend:
     """``UnitBackend`` over /dev/shm slabs; pickle it to hand another process a zero-copy reader.
 
     The creating process owns the slabs (see NOTE [slab lifetime] in ``slab.py``). A pickled copy
-    is a read-only reader attached to the same slabs, knowing the units present when it was
-    pickled; ``view`` there returns arrays over the shared pages, no copy.
+    is a read-only reader attached to the same slabs; it also sees units put after it was pickled
+    (see NOTE [unit journal] in ``journal.py``); ``view`` there returns arrays over the shared
+    pages, no copy.
     """
 
     def __init__(self, slab_bytes: int = 256 << 20, directory: str = "/dev/shm") -> None:
@@ -36,7 +38,8 @@ class SharedMemoryBackend:
         self._units: dict[UnitKey, _Location] = {}
         self._owner = True
         self._bytes_read = 0
-        self._finalizer = weakref.finalize(self, _unlink_all, self._paths)
+        self._journal = UnitJournal(os.path.join(directory, f"{self._prefix}-journal"), owner=True)
+        self._finalizer = weakref.finalize(self, _unlink_all, self._paths, self._journal.path)
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -51,6 +54,7 @@ class SharedMemoryBackend:
         slab_index, offset = self._alloc(spec.nbytes)
         np.copyto(self._slabs[slab_index].array(offset, spec.dtype, spec.shape), array)
         self._units[key] = (slab_index, offset, spec)
+        self._journal.append(("put", key, slab_index, offset, spec))
 
     def replace(self, key: UnitKey, array: np.ndarray) -> None:
         self._require_owner("replace")
@@ -89,6 +93,7 @@ class SharedMemoryBackend:
         slab_index, offset, _ = self._locate(key)
         self._slabs[slab_index].free(offset)
         del self._units[key]
+        self._journal.append(("delete", key))
 
     def keys(self) -> Iterator[UnitKey]:
         return iter(list(self._units))
@@ -106,12 +111,19 @@ class SharedMemoryBackend:
             slab.close()
         self._slabs.clear()
         self._units.clear()
+        self._journal.close()
         if self._owner:
             self._finalizer()
 
     def __getstate__(self) -> dict[str, Any]:
         sizes = [s.size for s in self._slabs]
-        return {"paths": list(self._paths), "sizes": sizes, "units": dict(self._units)}
+        return {
+            "paths": list(self._paths),
+            "sizes": sizes,
+            "units": dict(self._units),
+            "journal": self._journal.path,
+            "journal_offset": self._journal.size,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._paths = list(state["paths"])
@@ -119,6 +131,7 @@ class SharedMemoryBackend:
             Slab(p, n, owner=False) for p, n in zip(self._paths, state["sizes"], strict=True)
         ]
         self._units = state["units"]
+        self._journal = UnitJournal(state["journal"], owner=False, offset=state["journal_offset"])
         self._owner = False
         self._bytes_read = 0
         self.slab_bytes = 0
@@ -132,17 +145,31 @@ class SharedMemoryBackend:
         path = os.path.join(self.directory, f"{self._prefix}-{len(self._slabs)}")
         self._paths.append(path)
         self._slabs.append(Slab(path, max(self.slab_bytes, nbytes + 64), owner=True))
+        self._journal.append(("slab", path, self._slabs[-1].size))
         offset = self._slabs[-1].alloc(nbytes)
         assert offset is not None
         return len(self._slabs) - 1, offset
 
     def _locate(self, key: UnitKey) -> _Location:
+        if not self._owner:
+            self._follow_journal()
         try:
             return self._units[key]
         except KeyError:
             raise KeyError(
                 f"unknown unit {key}; it was never put or was already released"
             ) from None
+
+    def _follow_journal(self) -> None:
+        """Apply the owner's slabs, puts and deletes recorded since this reader last looked."""
+        for record in self._journal.new_records():
+            if record[0] == "slab":
+                self._paths.append(record[1])
+                self._slabs.append(Slab(record[1], record[2], owner=False))
+            elif record[0] == "put":
+                self._units[record[1]] = record[2:]
+            else:
+                self._units.pop(record[1], None)
 
     def _view(self, key: UnitKey) -> np.ndarray:
         slab_index, offset, spec = self._locate(key)
@@ -155,6 +182,6 @@ class SharedMemoryBackend:
             )
 
 
-def _unlink_all(paths: list[str]) -> None:
-    for path in paths:
+def _unlink_all(paths: list[str], journal: str) -> None:
+    for path in (*paths, journal):
         unlink_quietly(path)

@@ -9,11 +9,13 @@ import pytest
 from knitkit.admission import (
     AdmissionConfig,
     AdmissionController,
+    CandidateRequest,
     CompletionQuota,
     ExplicitSchedule,
     SourceQuota,
     build_controller,
 )
+from knitkit.admission.pool import ReadyPool
 from knitkit.types import TrajectoryMeta
 
 
@@ -238,3 +240,24 @@ def test_completion_quota_gates_admission() -> None:
     assert ctl.next_minibatch() is None  # 9 < 10, though 5 trajectories are ready
     ctl.report(meta(9, "A"))
     assert ctl.next_minibatch() is not None
+
+
+class _GreedyA:
+    """A user selection policy that ignores the guards: always proposes only source A."""
+
+    def propose(self, request: CandidateRequest, pool: ReadyPool) -> dict[str, int] | None:
+        return {"A": min(pool.units("A"), request.size)}
+
+
+def test_guard_rejects_a_user_selection_that_breaks_feasibility() -> None:
+    """The guard (eq. 4) is checked on every proposal, whatever the selection policy does."""
+    ctl = two_source("knittrans", selection=_GreedyA())
+    for i in range(80):
+        ctl.report(meta(i, "A"))
+    for i in range(40):
+        ctl.report(meta(100 + i, "B"))
+    first, second = ctl.next_minibatch(), ctl.next_minibatch()
+    assert first is not None and second is not None  # 50 A still fits the A quota exactly
+    ready = ctl.ready_counts()
+    assert ctl.next_minibatch() is None  # a third all-A mini-batch would leave B unreachable
+    assert ctl.ready_counts() == ready and ctl.stats.admitted == 50

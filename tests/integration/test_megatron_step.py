@@ -86,7 +86,7 @@ def _equivalence(rank: int, tensor_parallel: int, overlap: bool) -> dict[str, ob
                 step.run(
                     forward_step_func=user.forward_step,
                     data_iterator=data,
-                    route=layout.routing_plan(plan).for_rank(dist.get_rank()),
+                    route=layout.route(plan),
                     encode_fn=encode,
                     num_microbatches=plan.num_micro_batches,
                     seq_length=user.MAX_SEQ,
@@ -161,24 +161,32 @@ def _layout(rank: int, tensor_parallel: int, context_parallel: int) -> dict[str,
             "dp": dist.get_process_group_ranks(parallel_state.get_data_parallel_group()),
         }
         store = TrajectoryStore(MemoryBackend())
-        tokens = np.arange(1, 14, dtype=np.int64)  # 13 tokens: padded to a multiple of 2*cp
-        store.write(Trajectory("t0", "s0", {"tokens": tokens}))
+        lengths = {"t0": 13, "t1": 9}  # padded to multiples of 2*cp
+        for name, length in lengths.items():
+            store.write(
+                Trajectory(name, name, {"tokens": np.arange(1, length + 1, dtype=np.int64)})
+            )
         plan = plan_minibatch(
-            store.metas(["t0"]),
+            store.metas(list(lengths)),
             layout.topology,
             PlannerConfig(token_fields=("tokens",), scalar_fields=()),
         )
-        mb = plan.consumer(*layout.coord[:2]).micro_batches[0]
-        packed_layout, buffer = pack(mb, store.schema("t0"), store.read_into)
-        packed = packed_layout.numpy_views(buffer)["tokens"]
-        padded = torch.zeros(mb.sequences[0].padded_length, dtype=torch.int64)
-        padded[: len(tokens)] = torch.from_numpy(tokens)
-        megatron = get_batch_on_this_cp_rank({"tokens": padded[None]})["tokens"][0]
+        split_equal = []
+        for mb in plan.consumer(*layout.coord[:2]).micro_batches:
+            packed_layout, buffer = pack(mb, store.schema("t0"), store.read_into)
+            packed = torch.from_numpy(packed_layout.numpy_views(buffer)["tokens"].copy())
+            for seq, piece in zip(
+                mb.sequences, packed.split([s.local_length for s in mb.sequences]), strict=True
+            ):
+                whole = torch.zeros(seq.padded_length, dtype=torch.int64)
+                whole[: seq.num_tokens] = torch.arange(1, seq.num_tokens + 1)
+                megatron = get_batch_on_this_cp_rank({"tokens": whole[None]})["tokens"][0]
+                split_equal.append(bool(torch.equal(piece, megatron)))
         return {
             "topology": layout.topology,
             "coords": layout.coords,
             "groups": groups,
-            "cp_split_equal": bool(torch.equal(torch.from_numpy(packed.copy()), megatron)),
+            "cp_split_equal": split_equal,
         }
     finally:
         megatron_cpu.destroy_model_parallel()
@@ -251,7 +259,9 @@ def test_layout_comes_from_parallel_state(world2: World, tp: int, cp: int) -> No
         _, cp_rank, tp_rank = result["coords"][rank]
         groups = result["groups"]
         assert groups["tp"][tp_rank] == rank and groups["cp"][cp_rank] == rank
-        assert result["cp_split_equal"], f"rank {rank}: CP split differs from megatron's"
+        assert result["cp_split_equal"] and all(result["cp_split_equal"]), (
+            f"rank {rank}: CP split differs from megatron's: {result['cp_split_equal']}"
+        )
     assert results[0]["coords"] == results[1]["coords"]
 
 

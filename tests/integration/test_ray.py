@@ -29,7 +29,11 @@ from knitkit.storage import (  # noqa: E402
     plan_minibatch,
     synthetic_trajectories,
 )
-from knitkit.storage.consumer import MicroBatchConsumer, ReorganizerDiedError  # noqa: E402
+from knitkit.storage.consumer import (  # noqa: E402
+    MicroBatchConsumer,
+    ReorganizerDiedError,
+    ReorganizerError,
+)
 from knitkit.storage.slot_ring import RingSpec  # noqa: E402
 from knitkit.types import MicroBatchLayout, UnitKey  # noqa: E402
 
@@ -301,6 +305,35 @@ def test_a_killed_reorganizer_actor_makes_its_consumer_raise(nodes: tuple[str, s
             assert time.monotonic() - started < 10
         dispatcher.close()
         assert not os.path.exists(f"/dev/shm/{spec.name}")
+    finally:
+        dispatcher.close()
+        backend.close()
+
+
+def test_a_failing_reorganizer_actor_reports_its_error(nodes: tuple[str, str]) -> None:
+    """A unit deleted before delivery: the actor's read fails and the consumer raises
+    ReorganizerError naming the unit, instead of waiting."""
+    trajectories = synthetic_trajectories(1, group_size=2, max_tokens=200)
+    backend = RayBackend()
+    store = TrajectoryStore(backend)
+    for trajectory in trajectories:
+        store.write(trajectory)
+    config = PlannerConfig(token_fields=("tokens", "routing"), scalar_fields=())
+    plan = plan_minibatch(store.metas(), Topology(1), config, minibatch_id="mb0")
+    victim = UnitKey(trajectories[1].trajectory_id, "routing")
+    backend.delete(victim)
+    dispatcher = RayDispatcher(backend, plan.topology, ring=RingConfig(slot_bytes=1 << 20))
+    try:
+        with pytest.raises(KeyError, match="nope"):
+            RayDispatcher(backend, plan.topology, placement={"backbone/dp0/cp9-nope": "x"})
+        done = dispatcher.dispatch(plan)
+        dispatcher.finish()
+        with MicroBatchConsumer(dispatcher.rings["backbone/dp0/cp0"], 0) as consumer:
+            with pytest.raises(ReorganizerError, match=str(victim)):
+                for _ in consumer:
+                    pass
+        with pytest.raises(KeyError):
+            ray.get(list(done.values()))
     finally:
         dispatcher.close()
         backend.close()

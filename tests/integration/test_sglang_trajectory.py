@@ -151,3 +151,19 @@ def test_image_identity_and_placeholder_runs(tmp_path) -> None:
     assert image_bytes("https://x/a.png") == b"https://x/a.png"
     assert placeholder_runs([1, 9, 9, 2, 9, 3, 9, 9, 9], 9) == [(1, 2), (4, 1), (6, 3)]
     assert placeholder_runs([1, 2], 9) == []
+
+
+def test_image_encoder_and_version_hooks() -> None:
+    """encode_image shapes the stored unit (keys follow its content); version_of maps labels."""
+    requests, outputs = _grpo_requests()
+    out = parse_generate_output(outputs[0])
+    config = PayloadConfig(
+        image_token_id=IMAGE_PAD,
+        encode_image=lambda data: np.frombuffer(data, dtype=np.uint8)[:64].reshape(16, 4),
+        version_of=lambda label: {"7": 70}[label],
+    )
+    trajectory = build_trajectory(requests[0], [out], config)
+    units = trajectory.inputs()
+    assert all(unit.shape == (16, 4) for unit in units.values())
+    assert [ref.key for ref in trajectory.meta().multimodal] == list(units)
+    assert (trajectory.min_version, trajectory.max_version) == (70, 70)

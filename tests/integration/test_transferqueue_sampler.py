@@ -72,8 +72,10 @@ def _trace() -> list[TrajectoryMeta]:
 
 @pytest.fixture(scope="module")
 def transfer_queue() -> Iterator[DictConfig]:
-    """A real TransferQueue (controller + one SimpleStorage unit) on a 2-CPU local Ray."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    """A real TransferQueue (controller + one SimpleStorage unit) on a fresh 2-CPU local Ray."""
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     conf = sampler_conf(
         AdmissionSampler(_config(), dp_size=DP),
         backend={"SimpleStorage": {"num_data_storage_units": 1}},
@@ -118,6 +120,7 @@ def _fetch_all(task: str) -> list[list[list[dict]]]:
         batches.append(shares)
 
 
+@pytest.mark.slow
 def test_get_meta_returns_admitted_minibatches_in_order(transfer_queue: DictConfig) -> None:
     """Streamed puts + per-DP-rank get_meta yield the in-process controller's mini-batches.
 
@@ -157,6 +160,7 @@ def test_get_meta_returns_admitted_minibatches_in_order(transfer_queue: DictConf
     assert data["tokens"].shape[0] == len(first)
 
 
+@pytest.mark.slow
 def test_streaming_dataloader_receives_admitted_shares(transfer_queue: DictConfig) -> None:
     """TransferQueue's own StreamingDataLoader, unchanged, yields each DP rank's admitted shares."""
     trace = _trace()

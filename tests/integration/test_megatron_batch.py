@@ -1,0 +1,122 @@
+"""THD micro-batches from knitkit's prefetch iterator as Megatron forward-step tensors (one process)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from knitkit.integration.megatron import (
+    block_causal_mask,
+    megatron_batch,
+    megatron_batches,
+    packed_seq_params,
+)
+
+from knitkit.microbatch_iter import MicroBatch, MicroBatchIterator, PackedMicroBatch
+from knitkit.storage import (
+    MemoryBackend,
+    PlannerConfig,
+    Topology,
+    Trajectory,
+    TrajectoryStore,
+    pack,
+    plan_minibatch,
+)
+
+LENGTHS = {"a": 5, "b": 3, "c": 4}
+
+
+def _micro_batches(topology: Topology, fields: tuple[str, ...] = ("tokens",)) -> list[MicroBatch]:
+    store = TrajectoryStore(MemoryBackend())
+    for name, length in LENGTHS.items():
+        tokens = np.arange(10, 10 + length, dtype=np.int64)
+        per_token = {"tokens": tokens, "labels": tokens + 100}
+        store.write(Trajectory(name, name, {f: per_token[f] for f in ("tokens", "labels")}))
+    plan = plan_minibatch(
+        store.metas(list(LENGTHS)), topology, PlannerConfig(token_fields=fields, scalar_fields=())
+    )
+    consumer = plan.consumer(0, 0)
+    packed = [
+        PackedMicroBatch(*pack(mb, store.schema("a"), store.read_into))
+        for mb in consumer.micro_batches
+    ]
+    with MicroBatchIterator(packed) as iterator:
+        return [
+            MicroBatch(
+                m.index,
+                m.layout,
+                m.flat.clone(),
+                {k: v.clone() for k, v in m.tensors.items()},
+                m.stats,
+            )
+            for m in iterator
+        ]
+
+
+def test_packed_seq_params_match_megatron_thd() -> None:
+    """Our PackedSeqParams equal what megatron's get_thd_batch_on_this_cp_rank builds from the same cu_seqlens."""
+    from megatron.core.utils import get_thd_batch_on_this_cp_rank
+
+    cu = torch.tensor([0, 5, 8, 12], dtype=torch.int32)
+    cu_padded = torch.tensor([0, 6, 10, 14], dtype=torch.int32)
+    ours = packed_seq_params(cu, cu_padded)
+    _, theirs = get_thd_batch_on_this_cp_rank(
+        {"tokens": torch.zeros(1, 14)}, cu, cu_padded, torch.tensor([6]), cp_size=1, cp_rank=0
+    )
+    for name in ("qkv_format", "max_seqlen_q", "max_seqlen_kv"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+
+
+def test_block_causal_mask_keeps_attention_inside_each_sequence() -> None:
+    """Position i may attend to j iff both lie in the same packed sequence and j <= i."""
+    mask = block_causal_mask(torch.tensor([3, 2]))[0, 0]
+    owner = [0, 0, 0, 1, 1]
+    for i in range(5):
+        for j in range(5):
+            assert bool(mask[i, j]) == (owner[i] != owner[j] or j > i), (i, j)
+
+
+def test_megatron_batch_shifts_labels_within_each_sequence() -> None:
+    """Derived labels are the next token of the same sequence; each sequence's last token is masked out."""
+    (micro_batch,) = _micro_batches(Topology(dp=1))
+    batch = megatron_batch(micro_batch, attention_mask=True)
+    tokens, labels, mask = batch["tokens"][0], batch["labels"][0], batch["loss_mask"][0]  # type: ignore[index]
+    starts = np.cumsum([0, *LENGTHS.values()])
+    order = list(micro_batch.layout.trajectory_ids)
+    assert sorted(order) == sorted(LENGTHS)
+    offset = 0
+    for name in order:
+        n = LENGTHS[name]
+        assert torch.equal(labels[offset : offset + n - 1], tokens[offset + 1 : offset + n])
+        assert (
+            float(mask[offset + n - 1]) == 0.0
+            and float(mask[offset : offset + n - 1].sum()) == n - 1
+        )
+        offset += n
+    assert offset == int(starts[-1]) == tokens.numel()
+    assert batch["attention_mask"].shape == (1, 1, offset, offset)  # type: ignore[union-attr]
+    assert batch["packed_seq_params"].qkv_format == "thd"  # type: ignore[union-attr]
+
+
+def test_megatron_batch_uses_stored_labels_and_requires_them_under_cp() -> None:
+    """A stored 'labels' field wins; under CP, deriving labels is refused with a clear error."""
+    (with_labels,) = _micro_batches(Topology(dp=1, cp=2), fields=("tokens", "labels"))
+    batch = megatron_batch(with_labels, cp_size=2)
+    real = batch["loss_mask"][0] > 0  # type: ignore[index]
+    assert torch.equal(batch["labels"][0][real], batch["tokens"][0][real] + 100)  # type: ignore[index]
+    (without,) = _micro_batches(Topology(dp=1, cp=2))
+    with pytest.raises(ValueError, match="labels"):
+        megatron_batch(without, cp_size=2)
+
+
+def test_megatron_batches_converts_every_micro_batch() -> None:
+    """The data iterator yields one Megatron batch per delivered micro-batch, in order."""
+    micro_batches = _micro_batches(Topology(dp=1))
+    batches = list(megatron_batches(micro_batches))
+    assert len(batches) == len(micro_batches)
+    assert all(
+        torch.equal(b["tokens"][0], m["tokens"])
+        for b, m in zip(batches, micro_batches, strict=True)
+    )  # type: ignore[index]
