@@ -34,6 +34,8 @@ class AdmissionStats:
     """Reported with ``accepted=False`` (or in a GRPO group with one): counted, never trained on."""
     stale_dropped: int = 0
     """Filtered by ``max_staleness``."""
+    discarded: int = 0
+    """Dropped on purpose by ``discard_pending`` (e.g. synchronous RL without partial rollout)."""
 
 
 class AdmissionController:
@@ -122,6 +124,16 @@ class AdmissionController:
         if len(group) == self.config.group_size:
             del self._open_groups[meta.sample_id]
             self._add(tuple(group))
+
+    def discard_pending(self) -> int:
+        """Drop every pending trajectory (counted in ``stats.discarded``); returns how many."""
+        dropped = self._pool.drop_where(lambda unit: True)
+        count = sum(u.size for u in dropped) + sum(len(g) for g in self._open_groups.values())
+        self._open_groups.clear()
+        self.stats.discarded += count
+        if self._t == 0:
+            self._open_train_batch()  # s_{i,0} counted the discarded trajectories
+        return count
 
     def _add(self, trajectories: tuple[TrajectoryMeta, ...]) -> None:
         if not (

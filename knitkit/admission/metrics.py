@@ -68,17 +68,18 @@ def violations(
     batches: range,
     num_minibatches: int,
     bounds: dict[str, tuple[int, int | None]],
-) -> int:
-    """Train batches in ``batches`` whose composition misses a lower bound or exceeds an upper one."""
-    bad = 0
+) -> list[int]:
+    """Per train batch in ``batches``: trajectories missing from lower bounds plus excess over upper ones."""
+    out = []
     for k in batches:
         counts = record.batch_counts(k, num_minibatches)
-        if any(
-            counts.get(s, 0) < lo or (hi is not None and counts.get(s, 0) > hi)
-            for s, (lo, hi) in bounds.items()
-        ):
-            bad += 1
-    return bad
+        out.append(
+            sum(
+                max(0, lo - counts.get(s, 0)) + (0 if hi is None else max(0, counts.get(s, 0) - hi))
+                for s, (lo, hi) in bounds.items()
+            )
+        )
+    return out
 
 
 def mix_skew(

@@ -85,8 +85,11 @@ class ReadinessPredicate(Protocol):
     Readiness predicates gate proposals; unlike source quotas they are never capacity guards.
     """
 
-    name: str
-    schedule: Schedule
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def schedule(self) -> Schedule: ...
 
     def progress(self, view: AdmissionView) -> float: ...
 

@@ -53,7 +53,8 @@ def run_replay(
 
     ``summary["policies"][name]`` holds ``architectural_staleness`` (token-weighted, disaggregated
     minus colocated, mean over the steps after warm-up), ``architectural_staleness_start``
-    (oldest-token), ``violations`` (train batches missing a quota), ``steps``, per-step series,
+    (oldest-token), ``violations`` (train batches missing a quota), ``shortfall_per_step``
+    (trajectories short of the quotas per train batch), ``steps``, per-step series,
     ``mix_skew``, ``first_minibatch_fraction`` and ``trainer_idle_fraction``.
     """
     unknown = [p for p in policies if p not in POLICY_NAMES]
@@ -73,6 +74,7 @@ def run_replay(
     for policy in policies:
         run = run_disaggregated(trace, settings, policy, train_time, tick)
         tok, start = run.per_step(True), run.per_step(False)
+        shortfall = violations(run, steps, n, bounds)
         span = run.train_end[steps[-1]] - run.train_end[steps[0] - 1]
         busy = sum(run.busy_s[k] for k in steps[1:])
         out[policy] = {
@@ -80,7 +82,8 @@ def run_replay(
             "architectural_staleness_start": float(
                 np.mean([start[k] - base_start[k] for k in steps])
             ),
-            "violations": violations(run, steps, n, bounds),
+            "violations": sum(1 for v in shortfall if v),
+            "shortfall_per_step": shortfall,
             "steps": len(steps),
             "staleness_per_step": [tok[k] - base_tok[k] for k in steps],
             "mix_skew": mix_skew(run, steps, n, target_mix),

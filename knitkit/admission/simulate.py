@@ -13,8 +13,8 @@ from knitkit.admission.rollout import EventQueue, Job, RolloutPool
 from knitkit.admission.settings import ReplaySettings
 from knitkit.admission.trace import Trace
 
-Progress = Callable[[int], None]
-"""Called with the number of train batches finished so far."""
+Progress = Callable[[], None]
+"""Called once per train batch finished."""
 
 
 def _controller(policy: str, trace: Trace, settings: ReplaySettings) -> AdmissionController:
@@ -118,7 +118,7 @@ def run_disaggregated(
             record.train_end[mb.train_batch] = events.now
             state["trained"] += 1
             if progress:
-                progress(state["trained"])
+                progress()
             events.at(events.now + settings.sync_time_s, lambda: synced(mb.train_batch))
         train_next()
 
@@ -176,12 +176,10 @@ def run_colocated(
             record.train(k, [jobs.pop(t.trajectory_id) for t in mb.trajectories])
         closed.clear()
         if settings.partial_rollout == "off":
-            record.dropped += pool.drop_running() + ctl.pending
+            record.dropped += pool.drop_running() + ctl.discard_pending()
             jobs.clear()
-            ctl = _controller("barrier", trace, settings)
-            ctl.train_batch = k + 1
         else:
             pool.pause_all()
         if progress:
-            progress(k + 1)
+            progress()
     return record

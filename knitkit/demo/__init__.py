@@ -21,20 +21,37 @@ REPLAY_POLICIES = ["barrier", "linear", "knittrans", "adaptive"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("knitkit-out"), help="folder for plots and JSON")
+    parser.add_argument(
+        "--out", type=Path, default=Path("knitkit-out"), help="folder for plots and JSON"
+    )
     parser.add_argument("--dp", type=int, default=2, help="backbone data-parallel ranks")
     parser.add_argument("--cp", type=int, default=2, help="backbone context-parallel ranks")
-    parser.add_argument("--encoder-dp", type=int, default=2, help="vision encoder data-parallel ranks")
+    parser.add_argument(
+        "--encoder-dp", type=int, default=2, help="vision encoder data-parallel ranks"
+    )
     parser.add_argument("--group-size", type=int, default=8, help="GRPO rollouts per prompt (n)")
-    parser.add_argument("--train-batch-size", type=int, default=64, help="trajectories per train batch")
-    parser.add_argument("--minibatches", type=int, default=4, help="mini-batches (optimizer steps) per train batch")
+    parser.add_argument(
+        "--train-batch-size", type=int, default=64, help="trajectories per train batch"
+    )
+    parser.add_argument(
+        "--minibatches", type=int, default=4, help="mini-batches (optimizer steps) per train batch"
+    )
     parser.add_argument("--train-batches", type=int, default=3, help="train batches to train on")
-    parser.add_argument("--quota", type=float, default=0.24, help="lower-bound share of each of the 4 sources")
+    parser.add_argument(
+        "--quota", type=float, default=0.24, help="lower-bound share of each of the 4 sources"
+    )
     parser.add_argument("--max-tokens", type=int, default=240, help="longest trajectory (tokens)")
-    parser.add_argument("--micro-batch-tokens", type=int, default=192, help="token budget of one micro-batch per rank")
+    parser.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=192,
+        help="token budget of one micro-batch per rank",
+    )
     parser.add_argument("--prefetch-depth", type=int, default=2, help="micro-batches staged ahead")
     parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
-    parser.add_argument("--replay-train-batches", type=int, default=16, help="train batches in the trace replay")
+    parser.add_argument(
+        "--replay-train-batches", type=int, default=16, help="train batches in the trace replay"
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -42,14 +59,18 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     paper4 = preset("paper4")
-    settings = paper4.settings.with_(train_batches=args.replay_train_batches, warmup=4, seed=args.seed)
+    settings = paper4.settings.with_(
+        train_batches=args.replay_train_batches, warmup=4, seed=args.seed
+    )
     progress = ProgressBar(settings.train_batches * (len(REPLAY_POLICIES) + 1), "trace replay")
     replay = run_replay(paper4.trace(settings), settings, REPLAY_POLICIES, progress)
     _say(f"trace replay done ({', '.join(REPLAY_POLICIES)} on the paper4 preset)")
     rollout = RolloutConfig(
         default_sources(),
         group_size=args.group_size,
-        groups_per_source_per_step=max(1, round(1.5 * args.train_batch_size / (4 * args.group_size))),
+        groups_per_source_per_step=max(
+            1, round(1.5 * args.train_batch_size / (4 * args.group_size))
+        ),
         rollout_steps=args.train_batches + 1,
         max_tokens=args.max_tokens,
         seed=args.seed,
@@ -76,8 +97,10 @@ def run(args: argparse.Namespace) -> int:
     from knitkit.admission.plot import plot_replay
 
     plot_replay(replay, args.out / "replay.png")
-    print(f"\nwrote {args.out / 'report.json'}, {args.out / 'demo.png'}, {args.out / 'replay.png'}"
-          f" in {time.perf_counter() - started:.0f} s")
+    print(
+        f"\nwrote {args.out / 'report.json'}, {args.out / 'demo.png'}, {args.out / 'replay.png'}"
+        f" in {time.perf_counter() - started:.0f} s"
+    )
     return 0
 
 

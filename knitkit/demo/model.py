@@ -51,14 +51,14 @@ class _GatherSequence(torch.autograd.Function):
     """All-gather along the sequence over the CP group; backward keeps this rank's part of the sum."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad.chunk(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)], None
@@ -82,7 +82,9 @@ class Block(nn.Module):
         self.out = nn.Linear(size.hidden, size.hidden)
         self.norm2 = nn.LayerNorm(size.hidden)
         self.mlp = nn.Sequential(
-            nn.Linear(size.hidden, 4 * size.hidden), nn.GELU(), nn.Linear(4 * size.hidden, size.hidden)
+            nn.Linear(size.hidden, 4 * size.hidden),
+            nn.GELU(),
+            nn.Linear(4 * size.hidden, size.hidden),
         )
 
     def forward(

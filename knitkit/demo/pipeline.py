@@ -10,7 +10,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
-from knitkit.admission import AdmissionController, MiniBatch, SourceQuota, build_controller
+from knitkit.admission import MiniBatch, SourceQuota, build_controller
 from knitkit.demo.model import ModelSize
 from knitkit.demo.rollout import RolloutConfig, stream_completions
 from knitkit.demo.trainer import RankSetup, StepResult, run_rank
@@ -108,13 +108,17 @@ def run_pipeline(config: PipelineConfig, progress: Callable[[str], None]) -> Pip
         slot_bytes = 8 << 20
         backbone = [
             stack.enter_context(
-                ReorganizerProcess(store.backend, RingSpec.new(num_slots=4, slot_bytes=slot_bytes, num_consumers=1))
+                ReorganizerProcess(
+                    store.backend, RingSpec.new(num_slots=4, slot_bytes=slot_bytes, num_consumers=1)
+                )
             )
             for _ in range(world)
         ]
         encoders = [
             stack.enter_context(
-                ReorganizerProcess(store.backend, RingSpec.new(num_slots=4, slot_bytes=slot_bytes, num_consumers=1))
+                ReorganizerProcess(
+                    store.backend, RingSpec.new(num_slots=4, slot_bytes=slot_bytes, num_consumers=1)
+                )
             )
             for _ in range(config.encoder_dp)
         ]
@@ -139,8 +143,10 @@ def run_pipeline(config: PipelineConfig, progress: Callable[[str], None]) -> Pip
         for p in trainers:
             p.start()
         stack.callback(_stop, trainers, plan_queues)
-        progress(f"started {world} trainer ranks (DP={config.dp} x CP={config.cp}), "
-                 f"{world + config.encoder_dp} reorganizer processes")
+        progress(
+            f"started {world} trainer ranks (DP={config.dp} x CP={config.cp}), "
+            f"{world + config.encoder_dp} reorganizer processes"
+        )
         trained = 0
         pending: list[MiniBatchPlan] = []
         for completion in stream_completions(config.rollout):
@@ -153,7 +159,9 @@ def run_pipeline(config: PipelineConfig, progress: Callable[[str], None]) -> Pip
                     _record(result.admission[name], mb, completion.time_s)
                     if name == "knittrans" and trained + len(pending) < total_minibatches:
                         plan = plan_minibatch(
-                            mb.trajectories, topology, planner,
+                            mb.trajectories,
+                            topology,
+                            planner,
                             (EncoderTopology("vision", dp=config.encoder_dp),),
                             f"tb{mb.train_batch}-mb{mb.index}",
                         )
@@ -161,18 +169,24 @@ def run_pipeline(config: PipelineConfig, progress: Callable[[str], None]) -> Pip
                         _account(result, store, plan)
                         for reorganizer, consumer in zip(backbone, plan.consumers, strict=True):
                             reorganizer.submit(plan.minibatch_id, consumer)
-                        for reorganizer, rank_plan in zip(encoders, plan.encoders[0].ranks, strict=True):
+                        for reorganizer, rank_plan in zip(
+                            encoders, plan.encoders[0].ranks, strict=True
+                        ):
                             reorganizer.submit(plan.minibatch_id, rank_plan)
                         for q in plan_queues:
                             q.put(plan)
                         pending.append(plan)
             while pending and not results.empty():
-                trained = _collect(result, results, world, store, pending, trained, progress, total_minibatches)
+                trained = _collect(
+                    result, results, world, store, pending, trained, progress, total_minibatches
+                )
         while pending:
-            trained = _collect(result, results, world, store, pending, trained, progress, total_minibatches)
+            trained = _collect(
+                result, results, world, store, pending, trained, progress, total_minibatches
+            )
         unused = [m.trajectory_id for m in store.metas()]
         store.release(unused)
-        result.units_left = sum(1 for _ in store.backend.keys())
+        result.units_left = len(list(store.backend.keys()))
         result.knitkit_bytes_read = sum(r.bytes_read for r in (*backbone, *encoders))
     result.wall_s = time.perf_counter() - start
     return result

@@ -32,7 +32,9 @@ def summarize(replay: dict[str, Any], live: PipelineResult) -> dict[str, Any]:
             "bytes.sample_level_read": live.sample_level_bytes,
             "bytes.knitkit_ratio": live.knitkit_bytes_read / max(1, live.bytes_consumed),
             "bytes.sample_level_ratio": live.sample_level_bytes / max(1, live.bytes_consumed),
-            "prefetch.exposed_wait_ms_per_micro": 1e3 * sum(r.exposed_wait_s for r in ranks) / max(1, micro),
+            "prefetch.exposed_wait_ms_per_micro": 1e3
+            * sum(r.exposed_wait_s for r in ranks)
+            / max(1, micro),
             "prefetch.stage_ms_per_micro": 1e3 * sum(r.stage_s for r in ranks) / max(1, micro),
             "encoder.dup_s": dup_s,
             "encoder.dedup_s": dedup_s,
@@ -68,16 +70,26 @@ def print_report(figures: dict[str, Any], replay_policies: list[str]) -> None:
     print("\n== Data path (DP=2 x CP=2, reorganizer processes, shared memory) ==")
     consumed = figures["bytes.consumed"]
     print(f"bytes consumed by trainers      {consumed / 2**20:10.2f} MiB")
-    print(f"bytes read by knitkit           {figures['bytes.knitkit_read'] / 2**20:10.2f} MiB"
-          f"  ({figures['bytes.knitkit_ratio']:.2f}x consumed)")
-    print(f"bytes a sample-level read moves {figures['bytes.sample_level_read'] / 2**20:10.2f} MiB"
-          f"  ({figures['bytes.sample_level_ratio']:.2f}x consumed)")
-    print(f"exposed wait per micro-batch    {figures['prefetch.exposed_wait_ms_per_micro']:10.2f} ms"
-          f"  (staging {figures['prefetch.stage_ms_per_micro']:.2f} ms, hidden by the prefetch thread)")
+    print(
+        f"bytes read by knitkit           {figures['bytes.knitkit_read'] / 2**20:10.2f} MiB"
+        f"  ({figures['bytes.knitkit_ratio']:.2f}x consumed)"
+    )
+    print(
+        f"bytes a sample-level read moves {figures['bytes.sample_level_read'] / 2**20:10.2f} MiB"
+        f"  ({figures['bytes.sample_level_ratio']:.2f}x consumed)"
+    )
+    print(
+        f"exposed wait per micro-batch    {figures['prefetch.exposed_wait_ms_per_micro']:10.2f} ms"
+        f"  (staging {figures['prefetch.stage_ms_per_micro']:.2f} ms, hidden by the prefetch thread)"
+    )
     print(f"units left in the store         {figures['units_left_in_store']:10d}")
     print("\n== Encoder dedup ==")
-    print(f"encoder fwd+bwd, dup   {figures['encoder.dup_s']:8.3f} s  ({figures['encoder.dup_units']} encodings)")
-    print(f"encoder fwd+bwd, dedup {figures['encoder.dedup_s']:8.3f} s  ({figures['encoder.dedup_units']} encodings)")
+    print(
+        f"encoder fwd+bwd, dup   {figures['encoder.dup_s']:8.3f} s  ({figures['encoder.dup_units']} encodings)"
+    )
+    print(
+        f"encoder fwd+bwd, dedup {figures['encoder.dedup_s']:8.3f} s  ({figures['encoder.dedup_units']} encodings)"
+    )
     print(f"ratio dup / dedup      {figures['encoder.time_ratio']:8.2f}x")
     print("\n== Training (loss = mean NLL of response tokens) ==")
     print("  ".join(f"{i + 1}:{loss:.3f}" for i, loss in enumerate(figures["loss"])))
@@ -98,15 +110,27 @@ def plot_report(figures: dict[str, Any], live: PipelineResult, path: Path) -> No
     ax = axes[0][1]
     for name, record in live.admission.items():
         ax.step(record.times_s, range(1, len(record.times_s) + 1), where="post", label=name)
-    ax.set(title="Mini-batch admissions over rollout time", xlabel="simulated seconds", ylabel="admitted")
+    ax.set(
+        title="Mini-batch admissions over rollout time",
+        xlabel="simulated seconds",
+        ylabel="admitted",
+    )
     ax.legend()
     ax = axes[1][0]
     labels = ["consumed", "knitkit read", "sample-level read"]
-    values = [figures["bytes.consumed"], figures["bytes.knitkit_read"], figures["bytes.sample_level_read"]]
+    values = [
+        figures["bytes.consumed"],
+        figures["bytes.knitkit_read"],
+        figures["bytes.sample_level_read"],
+    ]
     ax.bar(labels, [v / 2**20 for v in values], color=["gray", "tab:green", "tab:red"])
     ax.set(title="Bytes moved for the same mini-batches", ylabel="MiB")
     ax = axes[1][1]
-    ax.bar(["dup", "dedup"], [figures["encoder.dup_s"], figures["encoder.dedup_s"]], color=["tab:red", "tab:green"])
+    ax.bar(
+        ["dup", "dedup"],
+        [figures["encoder.dup_s"], figures["encoder.dedup_s"]],
+        color=["tab:red", "tab:green"],
+    )
     ax.set(title=f"Encoder fwd+bwd time ({figures['encoder.time_ratio']:.1f}x)", ylabel="seconds")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

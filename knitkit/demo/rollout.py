@@ -54,7 +54,10 @@ def stream_completions(config: RolloutConfig) -> Iterator[Completion]:
         )
         rng = np.random.default_rng([config.seed, step])
         for source, records in trace.records.items():
-            groups = [records[i : i + config.group_size] for i in range(0, len(records), config.group_size)]
+            groups = [
+                records[i : i + config.group_size]
+                for i in range(0, len(records), config.group_size)
+            ]
             for group in groups:
                 sample_id = f"step{step}-{group[0].sample_id}"
                 image = _image(rng, config)
@@ -62,8 +65,15 @@ def stream_completions(config: RolloutConfig) -> Iterator[Completion]:
                 advantages = (noise.mean() - noise).astype(np.float32)
                 for j, record in enumerate(group):
                     trajectory = _trajectory(
-                        rng, config, f"{sample_id}-r{j}", sample_id, source, step, image,
-                        float(noise[j]), advantages[j],
+                        rng,
+                        config,
+                        f"{sample_id}-r{j}",
+                        sample_id,
+                        source,
+                        step,
+                        image,
+                        float(noise[j]),
+                        advantages[j],
                     )
                     finished = step * config.step_interval_s + record.duration_s
                     events.append(Completion(finished, trajectory))
@@ -106,7 +116,9 @@ def _trajectory(
     labels = np.append(tokens[1:], 0)
     loss_mask = np.zeros(length, np.float32)
     loss_mask[prompt - 1 : length - 1] = 1.0
-    routing = rng.integers(0, 64, (length, config.routing_layers, config.routing_topk)).astype(np.uint8)
+    routing = rng.integers(0, 64, (length, config.routing_layers, config.routing_topk)).astype(
+        np.uint8
+    )
     return Trajectory(
         trajectory_id=trajectory_id,
         sample_id=sample_id,

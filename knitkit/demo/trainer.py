@@ -76,7 +76,9 @@ def routing_plan(plan: MiniBatchPlan, encoder_ranks: Sequence[int], world: int) 
         for mb in consumer.micro_batches:
             for seq in mb.sequences:
                 rows.update((ref.key, ref.num_tokens) for ref in seq.multimodal)
-            micro.append([s for seq in mb.sequences for s in row_slices(seq.multimodal, seq.chunks)])
+            micro.append(
+                [s for seq in mb.sequences for s in row_slices(seq.multimodal, seq.chunks)]
+            )
         backbone[consumer.dp_rank * plan.topology.cp + consumer.cp_rank] = micro
     encoder = plan.encoders[0]
     assignment = EncoderAssignment(
@@ -137,8 +139,16 @@ def _train(rank: int, setup: RankSetup, plans: queue.Queue, results: queue.Queue
         while (plan := plans.get()) is not None:
             results.put(
                 _train_minibatch(
-                    rank, setup, plan, encoder, backbone, params, optimizer, units_in,
-                    micro_batches, cp_group,
+                    rank,
+                    setup,
+                    plan,
+                    encoder,
+                    backbone,
+                    params,
+                    optimizer,
+                    units_in,
+                    micro_batches,
+                    cp_group,
                 )
             )
     if units_in is not None:
@@ -163,7 +173,9 @@ def _train_minibatch(
     for _ in route.encoder_micro_batches:
         assert units_in is not None, f"rank {rank} has encoder work but no encoder ring"
         delivered = units_in.next_micro_batch()
-        pixels.update((UnitKey.parse(k), torch.from_numpy(v.copy())) for k, v in delivered.fields.items())
+        pixels.update(
+            (UnitKey.parse(k), torch.from_numpy(v.copy())) for k, v in delivered.fields.items()
+        )
         delivered.release()
     dup_s, dup_units = _time_duplicate_encoding(plan, encoder, pixels)
     dedup = DedupEncoder(route, ProcessGroupTransport(), hidden=setup.size.hidden)
@@ -178,7 +190,15 @@ def _train_minibatch(
 
     dedup.encode(encode)
     consumer = plan.consumer(rank // setup.cp, rank % setup.cp)
-    norm = float(sum(s.num_tokens for c in plan.consumers if c.cp_rank == 0 for mb in c.micro_batches for s in mb.sequences))
+    norm = float(
+        sum(
+            s.num_tokens
+            for c in plan.consumers
+            if c.cp_rank == 0
+            for mb in c.micro_batches
+            for s in mb.sequences
+        )
+    )
     total_loss = 0.0
     wait_before, stage_before = micro_batches.stats.wait_s, micro_batches.stats.stage_s
     for index, mb_plan in enumerate(consumer.micro_batches):

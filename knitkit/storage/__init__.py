@@ -22,25 +22,55 @@ from knitkit.storage.planner import PlannerConfig, plan_encoder, plan_minibatch,
 from knitkit.storage.shm import SharedMemoryBackend
 from knitkit.storage.store import TrajectoryStore
 from knitkit.storage.synthetic import synthetic_metas, synthetic_trajectories
+from knitkit.storage.consumer import (
+    DeliveredMicroBatch,
+    MicroBatchConsumer,
+    ReorganizerDiedError,
+    ReorganizerError,
+)
+from knitkit.storage.publication import Publisher
+from knitkit.storage.reorganizer import Reorganizer
+from knitkit.storage.reorganizer_process import Assignment, ReorganizerProcess
+from knitkit.storage.sample_level import (
+    LocalTrajectories,
+    RankPosition,
+    pack_local,
+    read_share,
+    share_reads,
+)
+from knitkit.storage.slot_ring import RingClosedError, RingSpec, SlotRing
 
 __all__ = [
+    "Assignment",
     "ConsumerPlan",
     "CostModel",
+    "DeliveredMicroBatch",
     "EncoderPlan",
     "EncoderRankPlan",
     "EncoderTopology",
     "HierarchicalIndex",
     "IndexEntry",
+    "LocalTrajectories",
     "MemoryBackend",
+    "MicroBatchConsumer",
     "MicroBatchPlan",
     "MiniBatchPlan",
     "MultimodalInput",
     "PlannerConfig",
+    "Publisher",
+    "RankPosition",
     "ReadInto",
+    "Reorganizer",
+    "ReorganizerDiedError",
+    "ReorganizerError",
+    "ReorganizerProcess",
+    "RingClosedError",
+    "RingSpec",
     "RowSpec",
     "SafetensorsBackend",
     "SequenceSlice",
     "SharedMemoryBackend",
+    "SlotRing",
     "Topology",
     "Trajectory",
     "TrajectoryStore",
@@ -53,12 +83,15 @@ __all__ = [
     "pack_by_budget",
     "pack_into",
     "pack_layout",
+    "pack_local",
     "pack_ranks_by_budget",
     "padded_lengths",
     "plan_encoder",
     "plan_minibatch",
     "planner_ms",
     "rank_chunks",
+    "read_share",
+    "share_reads",
     "synthetic_metas",
     "synthetic_trajectories",
     "video_groups",

@@ -200,7 +200,13 @@ def test_staleness_bound_and_rejections_are_counted() -> None:
     ctl.report(meta(2, "A", version=4))
     ctl.report(meta(3, "A", accepted=False))
     assert (ctl.stats.stale_dropped, ctl.stats.rejected, ctl.pending) == (1, 1, 1)
-    assert ctl.stats.reported == 3
+    assert ctl.discard_pending() == 1 and ctl.pending == 0
+    stats = ctl.stats
+    assert (
+        stats.reported
+        == 3
+        == stats.stale_dropped + stats.rejected + stats.discarded + stats.admitted
+    )
 
 
 def test_grpo_groups_are_admitted_atomically() -> None:

@@ -31,7 +31,9 @@ ATOL, RTOL = 1e-5, 1e-4
 STEPS, LR = 2, 0.5
 
 
-def _equivalence(rank: int, tensor_parallel: int, overlap: bool) -> dict[str, object]:
+def _equivalence(
+    rank: int, tensor_parallel: int, overlap: bool, sharded: bool
+) -> dict[str, object]:
     """One rank: reference and wrapped steps on twin models; per-parameter gradient differences."""
     from knitkit.integration.megatron import DedupVLMStep, MegatronLayout, feature_slices
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -42,8 +44,9 @@ def _equivalence(rank: int, tensor_parallel: int, overlap: bool) -> dict[str, ob
     megatron_cpu.install_schedule_shim()
     try:
         layout = MegatronLayout.from_parallel_state()
-        reference, wrapped = user.build_model(overlap), user.build_model(overlap)
-        step = DedupVLMStep(wrapped, vision="vision")
+        reference = user.build_model(overlap, tp_sharded_projector=sharded)
+        wrapped = user.build_model(overlap, tp_sharded_projector=sharded)
+        step = DedupVLMStep(wrapped, vision="vision", tp_sharded_vision=sharded)
         store = TrajectoryStore(MemoryBackend())
         device = user._device()
 
@@ -59,7 +62,8 @@ def _equivalence(rank: int, tensor_parallel: int, overlap: bool) -> dict[str, ob
             trajectories = user.grpo_trajectories(seed=mini_batch)
             for trajectory in trajectories:
                 store.write(trajectory)
-            plan = user.plan_step(store, [t.trajectory_id for t in trajectories], layout)
+            ids = [t.trajectory_id for t in trajectories]
+            plan = user.plan_step(store, ids, layout, tp_sharded=sharded)
             consumer = plan.consumer(*layout.coord[:2])
 
             reference.zero_grad_buffer()
@@ -108,20 +112,20 @@ def _equivalence(rank: int, tensor_parallel: int, overlap: bool) -> dict[str, ob
         megatron_cpu.destroy_model_parallel()
 
 
-def _check(results: list[dict[str, object]], world_size: int, tensor_parallel: int) -> None:
+def _check(results: list[dict[str, object]], tensor_parallel: int, sharded: bool) -> None:
     for rank, result in enumerate(results):
         worst = result["worst_excess"]
         assert isinstance(worst, dict) and any(n.startswith("vision.") for n in worst)
         bad = {name: excess for name, excess in worst.items() if excess > ATOL}
         assert not bad, f"rank {rank}: gradients beyond {ATOL} + {RTOL}*max|g_ref|: {bad}"
-    # Dedup: the world encodes each unique image once per mini-batch; the reference encodes every
-    # consumed piece on every rank.
+    # Dedup: the world encodes each unique image once per mini-batch (with every TP peer when the
+    # vision path is TP-sharded); the reference encodes every consumed piece on every rank.
     encoded = sum(int(r["encoded"]) for r in results)  # type: ignore[call-overload]
     references = sum(int(r["references"]) for r in results)  # type: ignore[call-overload]
     unique_per_step = [
         len({i.key for t in user.grpo_trajectories(s) for i in t.multimodal}) for s in range(STEPS)
     ]
-    assert encoded == sum(unique_per_step)
+    assert encoded == sum(unique_per_step) * (tensor_parallel if sharded else 1)
     assert references > encoded
 
 
@@ -204,16 +208,24 @@ def world4() -> Iterator[World]:
         yield world
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["overlap_off", "overlap_on"])
-def test_tp2_wrapped_step_matches_unwrapped(world2: World, overlap: bool) -> None:
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["overlap_off", "overlap_on"])
+VISION = pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "tp_sharded"])
+
+
+@OVERLAP
+@VISION
+def test_tp2_wrapped_step_matches_unwrapped(world2: World, overlap: bool, sharded: bool) -> None:
     """TP=2: every encoder, projector and backbone gradient equals the re-encoding reference."""
-    _check(world2.run(_equivalence, 2, overlap), 2, 2)
+    _check(world2.run(_equivalence, 2, overlap, sharded), 2, sharded)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["overlap_off", "overlap_on"])
-def test_dp2_tp2_wrapped_step_matches_unwrapped(world4: World, overlap: bool) -> None:
-    """DP=2 x TP=2: same equivalence with encodings routed across DP and TP-owned gradient slices."""
-    _check(world4.run(_equivalence, 2, overlap), 4, 2)
+@OVERLAP
+@VISION
+def test_dp2_tp2_wrapped_step_matches_unwrapped(
+    world4: World, overlap: bool, sharded: bool
+) -> None:
+    """DP=2 x TP=2: same equivalence with encodings routed across DP (and TP-owned gradient slices)."""
+    _check(world4.run(_equivalence, 2, overlap, sharded), 2, sharded)
 
 
 def _cuda_devices() -> int:
@@ -222,20 +234,22 @@ def _cuda_devices() -> int:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(_cuda_devices() < 2, reason="needs CUDA: 2 GPUs for a 2-rank NCCL world")
-@pytest.mark.parametrize("overlap", [False, True], ids=["overlap_off", "overlap_on"])
-def test_tp2_wrapped_step_matches_unwrapped_nccl(overlap: bool) -> None:
+@OVERLAP
+@VISION
+def test_tp2_wrapped_step_matches_unwrapped_nccl(overlap: bool, sharded: bool) -> None:
     """TP=2 on GPUs with NCCL: the same equivalence as on CPU."""
     with World(2, backend="nccl", timeout_s=300) as world:
-        _check(world.run(_equivalence, 2, overlap), 2, 2)
+        _check(world.run(_equivalence, 2, overlap, sharded), 2, sharded)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(_cuda_devices() < 4, reason="needs CUDA: 4 GPUs for a 4-rank NCCL world")
-@pytest.mark.parametrize("overlap", [False, True], ids=["overlap_off", "overlap_on"])
-def test_dp2_tp2_wrapped_step_matches_unwrapped_nccl(overlap: bool) -> None:
+@OVERLAP
+@VISION
+def test_dp2_tp2_wrapped_step_matches_unwrapped_nccl(overlap: bool, sharded: bool) -> None:
     """DP=2 x TP=2 on GPUs with NCCL: the same equivalence as on CPU."""
     with World(4, backend="nccl", timeout_s=300) as world:
-        _check(world.run(_equivalence, 2, overlap), 4, 2)
+        _check(world.run(_equivalence, 2, overlap, sharded), 2, sharded)
 
 
 def test_example_trains_with_dedup(world2: World) -> None:

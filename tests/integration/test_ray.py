@@ -328,10 +328,13 @@ def test_a_failing_reorganizer_actor_reports_its_error(nodes: tuple[str, str]) -
             RayDispatcher(backend, plan.topology, placement={"backbone/dp0/cp9-nope": "x"})
         done = dispatcher.dispatch(plan)
         dispatcher.finish()
-        with MicroBatchConsumer(dispatcher.rings["backbone/dp0/cp0"], 0) as consumer:
-            with pytest.raises(ReorganizerError, match=str(victim)):
-                for _ in consumer:
-                    pass
+        ring = dispatcher.rings["backbone/dp0/cp0"]
+        with (
+            MicroBatchConsumer(ring, 0) as consumer,
+            pytest.raises(ReorganizerError, match=str(victim)),
+        ):
+            for _ in consumer:
+                pass
         with pytest.raises(KeyError):
             ray.get(list(done.values()))
     finally:
