@@ -76,7 +76,7 @@ def run_replay(
         tok, start = run.per_step(True), run.per_step(False)
         shortfall = violations(run, steps, n, bounds)
         span = run.train_end[steps[-1]] - run.train_end[steps[0] - 1]
-        busy = sum(run.busy_s[k] for k in steps[1:])
+        busy = sum(run.busy_s[k] for k in steps)
         out[policy] = {
             "architectural_staleness": float(np.mean([tok[k] - base_tok[k] for k in steps])),
             "architectural_staleness_start": float(
@@ -89,7 +89,7 @@ def run_replay(
             "mix_skew": mix_skew(run, steps, n, target_mix),
             "first_minibatch_fraction": first_minibatch_fraction(run, steps, n),
             "trainer_idle_fraction": max(0.0, 1.0 - busy / span) if span > 0 else 0.0,
-            "seconds_per_step": span / (len(steps) - 1),
+            "seconds_per_step": span / len(steps),
             "composition_per_step": [
                 {
                     s: c / settings.train_batch_size

@@ -48,7 +48,7 @@ def _load(args: argparse.Namespace) -> tuple[Trace, ReplaySettings]:
     changes: dict[str, object] = {"num_minibatches": args.minibatches}
     if args.train_batches is not None:
         changes["train_batches"] = args.train_batches
-        changes["warmup"] = min(6, args.train_batches // 4)
+        changes["warmup"] = max(1, min(6, args.train_batches // 4))
     if args.rho is not None:
         changes["rho"] = args.rho
     if args.trace is None:

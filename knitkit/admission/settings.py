@@ -52,8 +52,11 @@ class ReplaySettings:
             )
         if self.issue_order not in ("round_robin", "slow_first"):
             raise ValueError(f"issue_order={self.issue_order!r}; use 'round_robin' or 'slow_first'")
-        if self.train_batches <= self.warmup:
-            raise ValueError(f"train_batches={self.train_batches} must exceed warmup={self.warmup}")
+        if not 1 <= self.warmup < self.train_batches:
+            raise ValueError(
+                f"warmup={self.warmup}, train_batches={self.train_batches}: need 1 <= warmup "
+                f"< train_batches (train_batches must exceed warmup)"
+            )
         if self.rho <= 0 or self.rollout_slots < 1 or self.oversample < 0:
             raise ValueError("rho must be > 0, rollout_slots >= 1 and oversample >= 0")
 

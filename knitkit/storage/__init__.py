@@ -2,6 +2,12 @@
 
 from knitkit.storage.backend import UnitBackend, UnitSpec
 from knitkit.storage.balance import CostModel, karmarkar_karp, pack_by_budget, pack_ranks_by_budget
+from knitkit.storage.consumer import (
+    DeliveredMicroBatch,
+    MicroBatchConsumer,
+    ReorganizerDiedError,
+    ReorganizerError,
+)
 from knitkit.storage.cp import cp_chunks, padded_lengths, rank_chunks
 from knitkit.storage.disk import SafetensorsBackend
 from knitkit.storage.index import HierarchicalIndex, IndexEntry
@@ -19,15 +25,6 @@ from knitkit.storage.plan import (
     Topology,
 )
 from knitkit.storage.planner import PlannerConfig, plan_encoder, plan_minibatch, planner_ms
-from knitkit.storage.shm import SharedMemoryBackend
-from knitkit.storage.store import TrajectoryStore
-from knitkit.storage.synthetic import synthetic_metas, synthetic_trajectories
-from knitkit.storage.consumer import (
-    DeliveredMicroBatch,
-    MicroBatchConsumer,
-    ReorganizerDiedError,
-    ReorganizerError,
-)
 from knitkit.storage.publication import Publisher
 from knitkit.storage.reorganizer import Reorganizer
 from knitkit.storage.reorganizer_process import Assignment, ReorganizerProcess
@@ -38,7 +35,10 @@ from knitkit.storage.sample_level import (
     read_share,
     share_reads,
 )
+from knitkit.storage.shm import SharedMemoryBackend
 from knitkit.storage.slot_ring import RingClosedError, RingSpec, SlotRing
+from knitkit.storage.store import TrajectoryStore
+from knitkit.storage.synthetic import synthetic_metas, synthetic_trajectories
 
 __all__ = [
     "Assignment",
