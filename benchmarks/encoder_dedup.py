@@ -9,15 +9,22 @@ prompt, shuffled into backbone micro-batches of ``micro`` trajectories.
 - dedup: ``knitkit.encoder_dedup.DedupEncoder``: each unique image encoded once per mini-batch,
   cached leaves per micro-batch, one deferred encoder backward.
 
-Keys, for k in 8, 16: ``n<k>.encoder_time_ratio`` (dup / dedup encoder forward+backward seconds, best of the repeats),
-``n<k>.step_time_ratio`` (dup / dedup whole mini-batch step incl. AdamW; > 1 means dedup is faster),
-``n<k>.peak_memory_ratio`` (dedup / dup peak live tensor bytes). Peak memory is measured in a
-separate, untimed pass by ``LiveTensorBytes``: a ``TorchDispatchMode`` that adds the bytes of every
-tensor storage an op creates and subtracts them when the storage dies (a weakref callback on the
-storage, which lives as long as its C++ StorageImpl), so parameters, gradients, optimizer states,
-activations saved for backward and temporaries all count, independent of the CPU allocator. Dedup keeps every
-unique image's encoder graph for the whole mini-batch, so its peak stays below dup's while the
-mini-batch's unique images do not outnumber one micro-batch's images (printed as ``unique/micro``).
+Keys, for k in 8, 16:
+- ``n<k>.encoder_time_ratio``: dup / dedup encoder forward+backward seconds (best of the repeats);
+- ``n<k>.step_time_ratio``: dup / dedup whole mini-batch step incl. AdamW (> 1: dedup is faster);
+- ``n<k>.peak_memory_ratio``: dedup / dup peak live tensor bytes;
+plus the raw seconds and MiB, and ``n<k>.unique_per_micro`` (unique images / trajectories per
+micro-batch).
+
+Times are CPU seconds of the one thread that does all the work (``time.thread_time``, one torch
+thread), so other load on a shared machine does not inflate them; ``--wall`` uses wall time.
+Peak memory comes from a separate, untimed pass of ``LiveTensorBytes``: a ``TorchDispatchMode``
+that adds the bytes of every tensor storage an op creates and subtracts them when the storage dies
+(a weakref callback on the storage, which lives as long as its C++ StorageImpl), so parameters,
+gradients, optimizer states, activations saved for backward and temporaries all count,
+independent of the CPU allocator. Dedup keeps every unique image's encoder graph for the whole
+mini-batch, so its peak stays below dup's while a mini-batch's unique images do not outnumber one
+micro-batch's trajectories (``unique_per_micro`` <= 1).
 
     python benchmarks/encoder_dedup.py [--quick] [--json PATH]
 """
@@ -133,6 +140,10 @@ def make_minibatch(size: Size, n: int) -> MiniBatch:
     return MiniBatch(images, refs, tokens, micro, float(len(refs) * seq))
 
 
+_clock = time.thread_time
+"""CPU seconds of this thread (all compute runs on it with one torch thread); ``--wall`` swaps it."""
+
+
 @dataclass(slots=True)
 class Timing:
     encoder_s: float = 0.0
@@ -142,27 +153,27 @@ class Timing:
 def dup_step(enc: ViT, bb: Backbone, opt: torch.optim.Optimizer, mb: MiniBatch) -> Timing:
     """Every micro-batch encodes its own trajectories' images (the non-dedup baseline)."""
     t = Timing()
-    start = time.perf_counter()
+    start = _clock()
     opt.zero_grad()
     for traj in mb.micro_batches:
-        t0 = time.perf_counter()
+        t0 = _clock()
         out = enc(torch.stack([mb.images[mb.refs[i].key] for i in traj]))
-        t.encoder_s += time.perf_counter() - t0
+        t.encoder_s += _clock() - t0
         leaf = out.detach().requires_grad_()
         bb(mb.tokens[traj], leaf, mb.norm).backward()
-        t0 = time.perf_counter()
+        t0 = _clock()
         out.backward(leaf.grad)
-        t.encoder_s += time.perf_counter() - t0
+        t.encoder_s += _clock() - t0
         del out, leaf
     opt.step()
-    t.step_s = time.perf_counter() - start
+    t.step_s = _clock() - start
     return t
 
 
 def dedup_step(enc: ViT, bb: Backbone, opt: torch.optim.Optimizer, mb: MiniBatch) -> Timing:
     """knitkit's DedupEncoder: unique images once, cached leaves, one deferred encoder backward."""
     t = Timing()
-    start = time.perf_counter()
+    start = _clock()
     opt.zero_grad()
     keys = sorted(mb.images)
     encoder = EncoderAssignment({0: [keys]}, {k: len(mb.images[k]) for k in keys})
@@ -173,18 +184,18 @@ def dedup_step(enc: ViT, bb: Backbone, opt: torch.optim.Optimizer, mb: MiniBatch
     plan = build_routing_plan(encoder, BackboneAssignment({0: needs}), world_size=1)
     width = bb.embed.embedding_dim
     dedup = DedupEncoder(plan.for_rank(0), LocalTransport(), hidden=width)
-    t0 = time.perf_counter()
+    t0 = _clock()
     dedup.encode(lambda ks: enc(torch.stack([mb.images[k] for k in ks])))
-    t.encoder_s += time.perf_counter() - t0
+    t.encoder_s += _clock() - t0
     for micro, traj in enumerate(mb.micro_batches):
         features = dedup.features(micro)
         bb(mb.tokens[traj], features, mb.norm).backward()
         del features
-    t0 = time.perf_counter()
+    t0 = _clock()
     dedup.backward()
-    t.encoder_s += time.perf_counter() - t0
+    t.encoder_s += _clock() - t0
     opt.step()
-    t.step_s = time.perf_counter() - start
+    t.step_s = _clock() - start
     return t
 
 
@@ -273,7 +284,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, under a minute")
     parser.add_argument("--json", metavar="PATH", help="write the flat figures to PATH")
+    parser.add_argument("--wall", action="store_true", help="time with wall clock, not thread CPU")
     args = parser.parse_args()
+    if args.wall:
+        global _clock
+        _clock = time.perf_counter
     if args.quick:
         size = Size(width=128, patches=96, text=16, layers=2, samples=2, micro=8, repeats=4)
     else:
@@ -281,7 +296,7 @@ def main() -> None:
     # NOTE: one thread: on a shared 2-core machine, intra-op threads mostly add scheduling noise.
     torch.set_num_threads(1)
     figures: dict[str, float] = {}
-    print(f"{size}")
+    print(f"{size}; clock: {'wall' if args.wall else 'thread CPU'} seconds")
     header = "n    enc dup s  enc dedup s  enc ratio  step dup s  step dedup s  step ratio  peak ratio (MiB)"
     print(header)
     for n in (8, 16):

@@ -24,6 +24,7 @@ trajectories, the storage planner).
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import multiprocessing as mp
 import os
@@ -42,7 +43,6 @@ from knitkit.storage import (
     SharedMemoryBackend,
     Topology,
     TrajectoryStore,
-    UnitBackend,
     pack_layout,
     plan_minibatch,
     planner_ms,
@@ -80,7 +80,7 @@ class Sizes:
 
 
 FULL = Sizes(4, 4, 4096, 16384, 48, 1024, 1176, 4, 8192, 0.05, 16, 16384)
-QUICK = Sizes(2, 4, 1024, 4096, 12, 256, 588, 2, 2048, 0.02, 8, 4096)
+QUICK = Sizes(2, 4, 1024, 4096, 12, 256, 588, 2, 2048, 0.02, 16, 8192)
 
 
 def build_workload(sizes: Sizes) -> tuple[TrajectoryStore, list[MiniBatchPlan], list[Any], int]:
@@ -277,13 +277,9 @@ def run_delivery(sizes: Sizes, with_tq: bool) -> dict[str, float]:
 
 
 def sliced_read_fractions(sizes: Sizes) -> dict[str, float]:
-    """Throughput of CP-chunk range reads per backend against a plain copy of the same number of
-    bytes: one memcpy from private memory (memory, shm) or one page-cache ``os.preadv`` (disk).
-
-    NOTE: /dev/shm here has no transparent huge pages (shmem_enabled=never) while private numpy
-    memory does; copies of a few hundred KiB out of 4 KiB-page shared mappings measured several
-    times slower than from private memory, which caps the shm fraction on this machine.
-    """
+    """Throughput of CP-chunk range reads through each backend against a plain copy of the SAME
+    bytes from the same place: a memcpy out of the stored array (memory, shm) or a raw
+    ``os.preadv`` of the same file ranges from the page cache (disk, offsets from the header)."""
     from knitkit.storage import MemoryBackend, SafetensorsBackend, cp_chunks
 
     rng = np.random.default_rng(0)
@@ -291,39 +287,70 @@ def sliced_read_fractions(sizes: Sizes) -> dict[str, float]:
     source = rng.integers(0, 256, shape, dtype=np.uint8)
     ranges = cp_chunks(sizes.sliced_rows, 2, 0)
     out = np.ones((shape[0], sum(b - a for a, b in ranges), *shape[2:]), dtype=np.uint8)
-    flat_out = out.reshape(-1)
-    plain_source = np.ones(out.nbytes, dtype=np.uint8)
+    keys = [UnitKey(f"t{i}", "routing") for i in range(shape[0])]
+    pieces = [
+        (i, a, b, sum(y - x for x, y in ranges[:j]))
+        for i in range(shape[0])
+        for j, (a, b) in enumerate(ranges)
+    ]
     figures = {}
     with tempfile.TemporaryDirectory() as tmp:
-        plain = os.path.join(tmp, "plain.bin")
-        plain_source.tofile(plain)
-        fd = os.open(plain, os.O_RDONLY)
-        try:
-            memcpy = _best(lambda: np.copyto(flat_out, plain_source))
-            page_cache = _best(lambda: os.preadv(fd, [flat_out.data], 0))
-        finally:
-            os.close(fd)
-        ceilings = {"memory": memcpy, "shm": memcpy, "disk": page_cache}
-        backends: dict[str, UnitBackend] = {
+        backends: dict[str, Any] = {
             "memory": MemoryBackend(),
             "shm": SharedMemoryBackend(slab_bytes=256 << 20),
             "disk": SafetensorsBackend(os.path.join(tmp, "shards"), shard_bytes=64 << 20),
         }
         for name, backend in backends.items():
-            keys = [UnitKey(f"t{i}", "routing") for i in range(shape[0])]
             for key, unit in zip(keys, source, strict=True):
                 backend.put(key, unit)
 
-            def sliced(backend=backend, keys=keys) -> None:
+            def sliced(backend=backend) -> None:
                 for i, key in enumerate(keys):
                     backend.read(key, ranges, out=out[i])
 
             seconds = _best(sliced)
-            figures[f"sliced_read.{name}.fraction_of_ceiling"] = ceilings[name] / seconds
+            if name == "disk":
+                read, fds = _raw_preads(backend.directory, keys, pieces, out)
+                ceiling = _best(read)
+                for fd in fds:
+                    os.close(fd)
+            else:
+                views = [backend.view(k) for k in keys]
+                ceiling = _best(lambda views=views: _copy_pieces(views, pieces, out))
+            figures[f"sliced_read.{name}.fraction_of_ceiling"] = ceiling / seconds
             figures[f"sliced_read.{name}.gbps"] = out.nbytes / seconds / 1e9
-            figures[f"sliced_read.{name}.ceiling_gbps"] = out.nbytes / ceilings[name] / 1e9
+            figures[f"sliced_read.{name}.ceiling_gbps"] = out.nbytes / ceiling / 1e9
             backend.close()
     return figures
+
+
+def _copy_pieces(
+    views: list[np.ndarray], pieces: list[tuple[int, int, int, int]], out: np.ndarray
+) -> None:
+    for i, a, b, row in pieces:
+        np.copyto(out[i, row : row + b - a], views[i][a:b])
+
+
+def _raw_preads(
+    directory: str, keys: list[UnitKey], pieces: list[tuple[int, int, int, int]], out: np.ndarray
+) -> tuple[Any, list[int]]:
+    """Plain ``os.preadv`` of the same file ranges the disk backend reads (offsets from headers),
+    and the file descriptors to close afterwards."""
+    from knitkit.storage.disk import read_header
+
+    entries = {}
+    for shard in glob.glob(os.path.join(directory, "*.safetensors")):
+        entries.update(read_header(shard))
+    fds = {shard: os.open(shard, os.O_RDONLY) for shard in {e.shard for e in entries.values()}}
+    row_bytes = out[0, 0].nbytes
+
+    def read() -> None:
+        for i, a, b, row in pieces:
+            entry = entries[keys[i]]
+            target = out[i, row : row + b - a].data
+            os.preadv(fds[entry.shard], [target], entry.offset + a * row_bytes)
+
+    return read, list(fds.values())
 
 
 def _best(fn: Any, repeats: int = 7) -> float:

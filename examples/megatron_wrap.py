@@ -7,13 +7,15 @@ packer and prefetch iterator as the data iterator, and ``DedupVLMStep`` around t
 
 Run (GPUs, NCCL): torchrun --nproc-per-node 2 examples/megatron_wrap.py
 On CPU the tests run ``train`` in a gloo world with a test-only CUDA shim
-(tests/integration/test_megatron_example.py).
+(tests/integration/test_megatron_step.py::test_example_trains_with_dedup).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,7 +61,7 @@ class VisionPath(torch.nn.Module):
         return torch.cat([self.encode(patches)[a:b] for patches, a, b in images])
 
 
-def build_model(overlap_grad_reduce: bool, tp_sharded_projector: bool = False) -> torch.nn.Module:
+def build_model(overlap_grad_reduce: bool, tp_sharded_projector: bool = False) -> Any:
     """GPTModel + vision path in one MegatronModule, wrapped in Megatron DDP (seeded: same on every call).
 
     ``tp_sharded_projector`` uses megatron's ``MultimodalProjector`` (column- then row-parallel,
@@ -109,7 +111,14 @@ def build_model(overlap_grad_reduce: bool, tp_sharded_projector: bool = False) -
         def set_input_tensor(self, tensor: torch.Tensor) -> None:
             self.language_model.set_input_tensor(tensor)
 
-        def forward(self, tokens, position_ids, attention_mask, labels, images=None):  # type: ignore[no-untyped-def]
+        def forward(
+            self,
+            tokens: torch.Tensor,
+            position_ids: torch.Tensor,
+            attention_mask: torch.Tensor,
+            labels: torch.Tensor,
+            images: list[tuple[torch.Tensor, int, int]] | None = None,
+        ) -> torch.Tensor:
             embeddings = self.language_model.embedding(input_ids=tokens, position_ids=position_ids)
             features = self.vision(images)  # [image tokens, hidden], in placeholder order
             at_image = (tokens == IMAGE_TOKEN).t().unsqueeze(-1).expand_as(embeddings)
@@ -130,12 +139,16 @@ def build_model(overlap_grad_reduce: bool, tp_sharded_projector: bool = False) -
     return ddp
 
 
-def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):  # type: ignore[no-untyped-def]
+def loss_func(
+    loss_mask: torch.Tensor, output: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     loss = (output.float() * loss_mask).sum()
     return loss, loss_mask.sum().to(torch.int), {"lm loss": loss.detach()}
 
 
-def forward_step(data_iterator, model):  # type: ignore[no-untyped-def]
+def forward_step(
+    data_iterator: Iterator[Mapping[str, Any]], model: torch.nn.Module
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], object]]:
     batch = next(data_iterator)
     output = model(
         batch["tokens"],
@@ -181,7 +194,9 @@ def plan_step(
     return plan_minibatch(store.metas(ids), layout.topology, config, encoders=[encoder])
 
 
-def knitkit_batches(store: TrajectoryStore, plan: MiniBatchPlan, layout: MegatronLayout):  # type: ignore[no-untyped-def]
+def knitkit_batches(
+    store: TrajectoryStore, plan: MiniBatchPlan, layout: MegatronLayout
+) -> tuple[MicroBatchIterator, Iterator[Mapping[str, object]]]:
     """This rank's packed micro-batches through knitkit's prefetch iterator, as Megatron batches."""
     dp, cp, _ = layout.coord
     consumer = plan.consumer(dp, cp)
@@ -208,12 +223,10 @@ def train(
     ids = [t.trajectory_id for t in trajectories]
     step = DedupVLMStep(model, vision="vision")
 
-    def encode(
-        keys: list[UnitKey],
-    ) -> torch.Tensor:  # the user's vision path, once per unique image
-        return torch.cat(
-            [vision.encode(torch.from_numpy(store.read(k)).to(_device())) for k in keys]
-        )
+    # The user's vision path, run by knitkit once per unique image of the mini-batch.
+    def encode(keys: Sequence[UnitKey]) -> torch.Tensor:
+        pixels = [torch.from_numpy(store.read(k)).to(_device()) for k in keys]
+        return torch.cat([vision.encode(p) for p in pixels])
 
     history = []
     for _ in range(steps):
@@ -221,7 +234,7 @@ def train(
         model.zero_grad_buffer()
         iterator, data = knitkit_batches(store, plan, layout)
         with iterator:
-            losses = step.run(
+            losses: list[Any] = step.run(
                 forward_step_func=forward_step,
                 data_iterator=data,
                 route=layout.route(plan),
@@ -232,9 +245,9 @@ def train(
             )
         for param in model.parameters():  # stand-in for the user's Megatron optimizer
             param.data.add_(param.main_grad, alpha=-lr)
-        loss = torch.stack([out["lm loss"] for out in losses]).sum()  # type: ignore[index]
+        loss = torch.stack([out["lm loss"] for out in losses]).sum()
         dist.all_reduce(loss)
-        units = torch.tensor(float(step.last_encoded_units))
+        units = torch.tensor(float(step.last_encoded_units), device=_device())
         dist.all_reduce(units)
         history.append({"loss": float(loss), "encoded_units": float(units)})
     return history

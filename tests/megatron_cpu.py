@@ -84,7 +84,7 @@ def model_parallel_config(**overrides: object) -> object:
         "perform_initialization": True,
     }
     kwargs.update(overrides)
-    return ModelParallelConfig(**kwargs)  # type: ignore[arg-type]
+    return ModelParallelConfig(**kwargs)
 
 
 class _SchedulesTorch:

@@ -7,8 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
-from dist import World, WorkerError
+from dist import WorkerError, World
 
 
 def _sum_of_ranks(rank: int, scale: float) -> float:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from knitkit.integration.megatron.grads import DeferredVisionBackward, finalize_then_sum
 
 from knitkit.encoder_dedup import (
     DedupEncoder,
@@ -30,15 +31,8 @@ class DedupVLMStep:
     the one deferred encoder backward runs after the last micro-batch's backward and before
     Megatron finishes its gradient reduction, whatever ``overlap_grad_reduce`` is.
 
-    NOTE [encoder gradients under Megatron DDP]: with a replicated vision path each unique input
-    is encoded on ONE rank of the world, so an encoder replica's gradient covers only the inputs it encoded. Megatron DDP
-    averages over DP (x CP) but never reduces replicated parameters over TP; the step therefore
-    SUM-reduces the vision parameters' ``main_grad`` over the TP group right after finalize. Both
-    reductions are linear, so the order does not matter for the result, and doing it after
-    finalize never races an in-flight bucket reduction of ``overlap_grad_reduce``. A rank that
-    encodes nothing back-propagates a zero through its vision parameters, so DDP sees the same
-    gradient-ready events on every rank and every mini-batch. A TP-sharded vision path is encoded
-    by all TP peers together (each holds the full, identical feature gradient), so it needs no sum.
+    See NOTE [vision gradients under Megatron DDP] in ``grads.py`` for how encoder gradients
+    reach every replica.
     """
 
     model: torch.nn.Module
@@ -86,11 +80,22 @@ class DedupVLMStep:
                 "config.finalize_model_grads_func is None; set it to "
                 "megatron.core.distributed.finalize_model_grads as megatron's training loop does"
             )
+        if schedule_kwargs.get("forward_only"):
+            raise ValueError(
+                "DedupVLMStep runs training steps; for forward_only run the unwrapped step"
+            )
+        transport = ProcessGroupTransport(self._encoder_group())
+        if len(route.forward.send_counts) != transport.world_size:
+            raise ValueError(
+                f"route spans {len(route.forward.send_counts)} ranks but the encoder group has "
+                f"{transport.world_size}; plan with encoder_topology(tp_sharded="
+                f"{self.tp_sharded_vision}) to match DedupVLMStep(tp_sharded_vision=...)"
+            )
         vision = self._vision_module()
         params = tuple(p for p in vision.parameters() if p.requires_grad)
         dedup = DedupEncoder(
             route,
-            ProcessGroupTransport(self._encoder_group()),
+            transport,
             hidden=config.hidden_size,
             dtype=config.params_dtype,
             device=_device(),
@@ -98,11 +103,11 @@ class DedupVLMStep:
         dedup.encode(encode_fn)
         self.last_encoded_units = dedup.encoded_units
         hook = FinalizeWithDeferredBackward(
-            functools.partial(_finalize_then_sum, original, params, self._sum_group())
+            functools.partial(finalize_then_sum, original, params, self._sum_group())
         )
-        hook.arm(_DeferredEncoderBackward(dedup, params))
+        hook.arm(DeferredVisionBackward(dedup, params))
         feed = _CountingIterator(iter(data_iterator))
-        config.finalize_model_grads_func = hook
+        config.finalize_model_grads_func = original  # MUTATION
         try:
             with self._serving(_CachedFeatures(dedup, feed)):
                 out = get_forward_backward_func()(
@@ -116,6 +121,7 @@ class DedupVLMStep:
                 )
         finally:
             config.finalize_model_grads_func = original
+        DeferredVisionBackward(dedup, params).backward()  # MUTATION: after finalize
         if feed.count != num_microbatches:
             raise RuntimeError(
                 f"the forward step took {feed.count} micro-batches for num_microbatches="
@@ -200,47 +206,6 @@ class _CachedFeatures(torch.nn.Module):
         if self._feed.count == 0:
             raise RuntimeError("the vision path ran before the forward step took its micro-batch")
         return self._dedup.features(self._feed.count - 1)
-
-
-@dataclass(slots=True)
-class _DeferredEncoderBackward:
-    """The mini-batch's deferred encoder backward, plus the zero anchor of a rank that encoded nothing."""
-
-    dedup: DedupEncoder
-    params: tuple[torch.nn.Parameter, ...]
-
-    def backward(self) -> None:
-        self.dedup.backward()
-        if not self.dedup.route.encoder_micro_batches and self.params:
-            torch.autograd.backward(torch.stack([p.sum() for p in self.params]).sum() * 0.0)
-
-
-def _finalize_then_sum(
-    finalize: Callable[..., object],
-    params: tuple[torch.nn.Parameter, ...],
-    tp_group: dist.ProcessGroup | None,
-    *args: object,
-    **kwargs: object,
-) -> object:
-    """Megatron's finalize, then the vision gradients SUM-reduced over TP (NOTE in ``DedupVLMStep``)."""
-    out = finalize(*args, **kwargs)
-    if params and tp_group is not None and dist.get_world_size(tp_group) > 1:
-        grads = [_grad_of(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=tp_group)
-        for grad, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            grad.copy_(piece.view_as(grad))
-    return out
-
-
-def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:
-    """Where the parameter's gradient lives: Megatron DDP's ``main_grad`` buffer, else ``.grad``."""
-    grad = getattr(param, "main_grad", None)
-    if grad is None:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        grad = param.grad
-    return grad
 
 
 def _device() -> torch.device:

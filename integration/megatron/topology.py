@@ -67,6 +67,7 @@ class MegatronLayout:
             tp=ps.get_tensor_model_parallel_world_size(),
             sequence_parallel=sequence_parallel,
         )
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL moves CUDA tensors only
         mine = torch.tensor(
             [
                 ps.get_data_parallel_rank(),
@@ -75,6 +76,7 @@ class MegatronLayout:
                 ps.get_data_parallel_rank(with_context_parallel=True),
             ],
             dtype=torch.int64,
+            device=device,
         )
         world = dist.get_world_size()
         gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -131,8 +133,8 @@ class MegatronLayout:
             for mb in consumer.micro_batches:
                 for seq in mb.sequences:
                     num_rows.update({ref.key: ref.num_tokens for ref in seq.multimodal})
-        encoders = EncoderAssignment(
-            {r.dp_rank: r.micro_batches for r in encoder_plan.ranks}, num_rows
+        encoders = EncoderAssignment(  # a rank with nothing to encode gets no micro-batch at all
+            {r.dp_rank: [mb for mb in r.micro_batches if mb] for r in encoder_plan.ranks}, num_rows
         )
         backbone = BackboneAssignment(micro_batches, tuple(replicas.values()))
         routing = build_routing_plan(encoders, backbone, len(members))

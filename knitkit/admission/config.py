@@ -108,7 +108,13 @@ def _check_satisfiable(config: AdmissionConfig, quotas: list[ResolvedQuota]) -> 
             f"quotas are jointly unsatisfiable: lower bounds {detail} sum to {sum(need.values())} "
             f"> train_batch_size={b}; lower a bound or grow the train batch"
         )
-    uppers: dict[str, int] = {q.source: q.upper for q in quotas if q.upper is not None}
+    uppers: dict[str, int] = {q.source: q.upper // g * g for q in quotas if q.upper is not None}
+    for source, upper in uppers.items():
+        if upper < need[source]:
+            raise ValueError(
+                f"quota {source!r} cannot be met in whole GRPO groups of {g}: it needs at least "
+                f"{need[source]} but at most {upper} trajectories; widen its bounds"
+            )
     if len(uppers) == len(config.sources) and sum(uppers.values()) < b:
         raise ValueError(
             f"quotas are jointly unsatisfiable: every source is upper-bounded and the bounds "

@@ -54,8 +54,13 @@ class AdmissionController:
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
         self._quotas, self.minibatch_sizes = resolve(config)
+        # NOTE: with atomic GRPO groups a lower bound is only met in whole groups, so the guards
+        # count deficits rounded up to the group size (else a guard could pass on 1 + 1 <= 4
+        # free slots when two whole groups, 8 slots, are needed).
+        g = config.group_size
+        self._guard_lower = {q.source: -(-q.lower // g) * g for q in self._quotas}
         self._group_lowers = tuple(
-            tuple((q.source, q.lower) for q in self._quotas if q.group == name)
+            tuple((q.source, self._guard_lower[q.source]) for q in self._quotas if q.group == name)
             for name in dict.fromkeys(q.group for q in self._quotas)
         )
         self._groups = tuple(tuple(s for s, _ in group) for group in self._group_lowers)
@@ -238,7 +243,7 @@ class AdmissionController:
         return CandidateRequest(
             size=size,
             slots_after=self.config.train_batch_size - self._admitted_total - size,
-            deficits={q.source: max(0, q.lower - self._admitted[q.source]) for q in self._quotas},
+            deficits={s: max(0, lo - self._admitted[s]) for s, lo in self._guard_lower.items()},
             room={
                 q.source: q.upper - self._admitted[q.source]
                 for q in self._quotas

@@ -59,11 +59,24 @@ def _load(args: argparse.Namespace) -> tuple[Trace, ReplaySettings]:
         return chosen.trace(settings), settings
     trace = read_jsonl(args.trace)
     if args.quotas:
-        ratios = {k: float(v) for k, v in (item.split("=", 1) for item in args.quotas.split(","))}
+        ratios = _parse_quotas(args.quotas)
     else:
         ratios = dict.fromkeys(trace.sources, 0.96 / len(trace.sources))
     settings = ReplaySettings(quota_ratios=ratios, **changes)  # type: ignore[arg-type]
     return trace, settings
+
+
+def _parse_quotas(text: str) -> dict[str, float]:
+    ratios = {}
+    for item in text.split(","):
+        source, sep, value = item.partition("=")
+        try:
+            ratios[source.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not source.strip():
+            raise ValueError(f"--quotas item {item!r}: expected SOURCE=RATIO, e.g. math=0.45")
+    return ratios
 
 
 def format_table(summary: Summary) -> str:

@@ -20,7 +20,7 @@ class CandidateRequest:
     slots_after: int
     """Train-batch slots left once the candidate is admitted: ``tau_0 - b_{0,t}``."""
     deficits: Mapping[str, int]
-    """Per quota'd source: lower bound minus trajectories already admitted, floored at 0."""
+    """Per quota'd source: lower bound (in whole GRPO groups) minus admitted, floored at 0."""
     room: Mapping[str, int]
     """Per upper-bounded source: how many more trajectories it may contribute."""
     groups: tuple[tuple[str, ...], ...]

@@ -101,7 +101,7 @@ class Preset:
 # were set so that under `linear` the first mini-batch lands at ~0.75-0.8 of the interval from
 # rollout-step start to final admission, the observable of the paper's Figure 3(b) ("nearly
 # 80%"), with rho = 0.85 inside the regime design.md describes. Staleness figures are outputs
-# of the replay, never inputs to this preset.
+# of the replay; the admission README says how the knobs were chosen (and what else was seen).
 PRESETS: dict[str, Preset] = {
     "paper4": Preset(
         profiles=(

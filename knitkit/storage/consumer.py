@@ -8,14 +8,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from knitkit.storage.liveness import Backoff, pid_alive
 from knitkit.storage.slot_ring import (
     DONE,
     FAILED,
     STARTING,
-    Backoff,
     RingSpec,
     SlotRing,
-    pid_alive,
 )
 from knitkit.types import MicroBatchLayout
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 import os
 import threading
 
+from knitkit.storage.liveness import Backoff, pid_alive
 from knitkit.storage.slot_ring import (
     DONE,
     FAILED,
     HEARTBEAT_S,
     RUNNING,
-    Backoff,
     RingClosedError,
     SlotRing,
-    pid_alive,
 )
 from knitkit.types import MicroBatchLayout
 

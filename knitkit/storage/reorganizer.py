@@ -29,6 +29,8 @@ class Reorganizer:
     def deliver(self, minibatch_id: str, plan: ConsumerPlan | EncoderRankPlan) -> int:
         """Publish every micro-batch of ``plan`` in consumption order; returns how many."""
         count = len(plan.micro_batches)
+        if isinstance(plan, ConsumerPlan):
+            self._learn_schema(plan)
         for index in range(count):
             extra: dict[str, int | float | str] = {
                 "minibatch_id": minibatch_id,
@@ -46,7 +48,7 @@ class Reorganizer:
     def _publish_backbone(
         self, micro_batch: MicroBatchPlan, extra: dict[str, int | float | str]
     ) -> None:
-        layout = pack_layout(micro_batch, self._schema_for(micro_batch), extra)
+        layout = pack_layout(micro_batch, self._schema, extra)
         slot = self.publisher.acquire(layout.nbytes)
         pack_into(micro_batch, layout, slot, self._read_into)
         self.publisher.publish(layout)
@@ -68,12 +70,15 @@ class Reorganizer:
     def _read_into(self, read: UnitRead, out: np.ndarray) -> None:
         self.backend.read(read.key, read.ranges, out=out)
 
-    def _schema_for(self, micro_batch: MicroBatchPlan) -> dict[str, RowSpec]:
-        """dtype and row shape of every field, from the first unit of each field seen."""
-        first = micro_batch.sequences[0].trajectory_id if micro_batch.sequences else None
-        for name in (*micro_batch.token_fields, *micro_batch.scalar_fields):
-            if name not in self._schema and first is not None:
-                spec = self.backend.spec(UnitKey(first, name))
-                is_token = name in micro_batch.token_fields
-                self._schema[name] = (spec.dtype, spec.shape[1:] if is_token else spec.shape)
-        return self._schema
+    def _learn_schema(self, plan: ConsumerPlan) -> None:
+        """dtype and row shape of every field, from the first trajectory that has it (so an
+        empty micro-batch still gets a layout)."""
+        for micro_batch in plan.micro_batches:
+            fields = (*micro_batch.token_fields, *micro_batch.scalar_fields)
+            for seq in micro_batch.sequences:
+                for name in fields:
+                    if name not in self._schema:
+                        spec = self.backend.spec(UnitKey(seq.trajectory_id, name))
+                        row = spec.shape[1:] if name in micro_batch.token_fields else spec.shape
+                        self._schema[name] = (spec.dtype, row)
+                return

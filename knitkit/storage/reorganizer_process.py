@@ -14,10 +14,11 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 
 from knitkit.storage.backend import UnitBackend
+from knitkit.storage.liveness import pid_alive
 from knitkit.storage.plan import ConsumerPlan, EncoderRankPlan
 from knitkit.storage.publication import Publisher
 from knitkit.storage.reorganizer import Reorganizer
-from knitkit.storage.slot_ring import RingClosedError, RingSpec, SlotRing, pid_alive
+from knitkit.storage.slot_ring import RingClosedError, RingSpec, SlotRing
 
 # NOTE [ Reorganizer process shutdown ]
 #

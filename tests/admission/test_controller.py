@@ -156,7 +156,12 @@ def test_infeasible_configs_fail_at_construction(quotas: list[SourceQuota], mess
     """Jointly unsatisfiable or inconsistent quotas are refused when the controller is built."""
     with pytest.raises(ValueError, match=message):
         build_controller(
-            "knittrans", train_batch_size=100, num_minibatches=4, sources=["A", "B"], quotas=quotas
+            "knittrans",
+            train_batch_size=100,
+            num_minibatches=4,
+            sources=["A", "B"],
+            quotas=quotas,
+            group_size=4,
         )
 
 

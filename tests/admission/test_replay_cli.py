@@ -74,6 +74,16 @@ def test_unknown_policy_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> 
     assert "['fifo']" in capsys.readouterr().err
 
 
+def test_bad_quota_text_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A malformed --quotas item exits 2 and shows the expected form."""
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"source": "A", "sample_id": "x", "duration_s": 3}\n')
+    assert main(["replay", "--trace", str(path), "--quotas", "A0.5", "--quiet"]) == 2
+    assert "expected SOURCE=RATIO" in capsys.readouterr().err
+
+
 def test_progress_bar_draws_when_forced() -> None:
     """The progress bar writes a single carriage-returned line and ends with a newline."""
     stream = io.StringIO()

@@ -8,6 +8,8 @@ the encoder gradients are never reduced (no overlap).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from dist import World
@@ -28,7 +30,7 @@ class _Vlm(nn.Module):
         self.encoder, self.backbone = ToyEncoder(), ToyBackbone(megatron=False, tp=1)
 
 
-def _ddp(overlap: bool) -> nn.Module:
+def _ddp(overlap: bool) -> Any:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
@@ -39,7 +41,7 @@ def _ddp(overlap: bool) -> nn.Module:
     return DistributedDataParallel(config, ddp_config, _Vlm())
 
 
-def _micro_batches(rank: int, model: nn.Module, step) -> None:
+def _micro_batches(rank: int, model: Any, step: Any) -> None:
     """Megatron's no-pipelining pattern: every micro-batch but the last under no_sync."""
     count = len(CASE.micro_batches[rank])
     for micro in range(count):
@@ -121,3 +123,34 @@ def test_deferred_backward_after_finalize_fails_with_overlap(world2: World) -> N
 
     with pytest.raises(WorkerError, match="Communication call has not been issued"):
         world2.run(run_ordering, True, False)
+
+
+def test_finalize_runs_the_armed_backward_once_then_finalizes() -> None:
+    """The wrapper runs the armed deferred backward, then before_finalize, then finalize, in order;
+    a second arm before finalize is an error; an unarmed call only finalizes."""
+    from encoder_dedup.test_dedup import CASES
+    from knitkit.encoder_dedup import LocalTransport
+
+    case = CASES["n1_nothing_to_dedup"]
+    encoder, units = ToyEncoder(), unit_inputs(case)
+    calls: list[tuple[str, bool]] = []
+    dedup = DedupEncoder(plan_for(case).for_rank(0), LocalTransport(), hidden=16)
+    dedup.encode(lambda keys: encoder([units[k] for k in keys]))
+    for micro in range(len(dedup.route.micro_batch_index)):
+        dedup.features(micro).sum().backward()
+
+    def finalize(*args: object) -> tuple[object, ...]:
+        calls.append(("finalize", encoder.patch.weight.grad is not None))
+        return args
+
+    def before() -> None:
+        calls.append(("before", dedup.phase.value == "done"))
+
+    hook = FinalizeWithDeferredBackward(finalize, before_finalize=before)
+    hook.arm(dedup)
+    with pytest.raises(RuntimeError, match="already armed"):
+        hook.arm(dedup)
+    assert hook("model") == ("model",)
+    assert calls == [("before", True), ("finalize", True)]
+    hook("model")
+    assert calls[-1] == ("finalize", True) and len(calls) == 3

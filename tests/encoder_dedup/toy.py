@@ -85,7 +85,7 @@ def grpo_case(
     dtype: str = "float32",
 ) -> Case:
     """``n`` trajectories per sample sharing its units ``(kind, rows)``; round-robin over DP ranks."""
-    trajectories = []
+    trajectories: list[Trajectory] = []
     for s, units in enumerate(samples):
         refs, at = [], 2
         for j, (kind, rows) in enumerate(units):
@@ -150,14 +150,14 @@ class _GatherSeq(torch.autograd.Function):
     """All-gather along the sequence over CP; backward sums the full gradient and keeps this rank's part."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         size = dist.get_world_size(ctx.group)

@@ -192,18 +192,22 @@ def _row_spec(backend: MemoryBackend, key: UnitKey, per_token: bool) -> tuple[st
 def _consume(rings: dict[str, RingSpec], tp: dict[str, int]) -> dict[str, list[list]]:
     """Every TP rank of every group on this node, one thread each: per micro-batch (digest, tokens)."""
     out: dict[str, list[list]] = {}
+    errors: list[BaseException] = []
 
     def run(name: str, rank: int) -> None:
         got = []
-        with MicroBatchConsumer(rings[name], rank, liveness_timeout_s=30) as consumer:
-            for mb in consumer:
-                tokens = mb.fields.get("tokens")
-                real = (
-                    []
-                    if tokens is None
-                    else tokens[(tokens & POSITION_MASK) == mb.fields["position_ids"]].tolist()
-                )
-                got.append([_digest(mb.fields), real])
+        try:
+            with MicroBatchConsumer(rings[name], rank, liveness_timeout_s=30) as consumer:
+                for mb in consumer:
+                    tokens = mb.fields.get("tokens")
+                    real = (
+                        []
+                        if tokens is None
+                        else tokens[(tokens & POSITION_MASK) == mb.fields["position_ids"]].tolist()
+                    )
+                    got.append([_digest(mb.fields), real])
+        except BaseException as error:
+            errors.append(error)
         out[f"{name}#{rank}"] = got
 
     threads = [threading.Thread(target=run, args=(n, r)) for n in rings for r in range(tp[n])]
@@ -211,6 +215,8 @@ def _consume(rings: dict[str, RingSpec], tp: dict[str, int]) -> dict[str, list[l
         thread.start()
     for thread in threads:
         thread.join()
+    if errors:
+        raise errors[0]
     return out
 
 

@@ -19,10 +19,14 @@ from knitkit.integration.transferqueue.backend import (
 )
 from knitkit.integration.transferqueue.baseline import put_trajectories, read_share_tq
 
+from knitkit.storage.consumer import MicroBatchConsumer
 from knitkit.storage.memory import MemoryBackend
 from knitkit.storage.plan import Topology
 from knitkit.storage.planner import PlannerConfig, plan_minibatch
+from knitkit.storage.publication import Publisher
+from knitkit.storage.reorganizer import Reorganizer
 from knitkit.storage.sample_level import RankPosition, pack_local, read_share
+from knitkit.storage.slot_ring import RingSpec, SlotRing
 from knitkit.storage.store import TrajectoryStore
 from knitkit.storage.synthetic import synthetic_trajectories
 from knitkit.types import UnitKey
@@ -125,3 +129,38 @@ def test_sample_level_baseline_matches_local_packing(connection: TransferQueueCo
             assert moved == own + (images * image_bytes if rank.reads_multimodal else 0)
     finally:
         client.close()
+
+
+def test_store_over_transferqueue_delivers_like_memory(connection: TransferQueueConnection):
+    """knitkit's logical store on TQ rows (one row per unit): the reorganizer loop delivers
+    the same packed micro-batches as over the in-memory backend."""
+    trajectories = synthetic_trajectories(2, group_size=2, seed=9)
+    stores = {
+        "tq": TrajectoryStore(TransferQueueBackend(connection, partition_id="store-units")),
+        "memory": TrajectoryStore(MemoryBackend()),
+    }
+    delivered: dict[str, list[dict[str, np.ndarray]]] = {}
+    try:
+        for name, store in stores.items():
+            for trajectory in trajectories:
+                store.write(trajectory)
+            config = PlannerConfig(token_fields=FIELDS, max_tokens_per_micro_batch=400)
+            plan = plan_minibatch(store.metas(), Topology(dp=1, cp=2, tp=1), config)
+            spec = RingSpec.new(num_slots=8, slot_bytes=1 << 20, num_consumers=1)
+            owner = SlotRing.create(spec)
+            publisher = Publisher(SlotRing.attach(spec))
+            publisher.start()
+            Reorganizer(store.backend, publisher).deliver("mb0", plan.consumer(0, 1))
+            publisher.finish()
+            with MicroBatchConsumer(spec, 0) as consumer:
+                delivered[name] = [{k: v.copy() for k, v in b.fields.items()} for b in consumer]
+            publisher.close()
+            owner.close()
+            owner.unlink()
+    finally:
+        for store in stores.values():
+            store.backend.close()
+    assert len(delivered["tq"]) == len(delivered["memory"]) > 0
+    for got, expected in zip(delivered["tq"], delivered["memory"], strict=True):
+        assert got.keys() == expected.keys()
+        assert all(np.array_equal(got[k], expected[k]) for k in expected)

@@ -7,11 +7,14 @@ import multiprocessing as mp
 import threading
 
 import numpy as np
+import pytest
 from delivery_payloads import fill_backend, make_metas, plan_for, real_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from knitkit.storage.backend import UnitBackend
 from knitkit.storage.consumer import MicroBatchConsumer
+from knitkit.storage.disk import SafetensorsBackend
 from knitkit.storage.memory import MemoryBackend
 from knitkit.storage.plan import Topology
 from knitkit.storage.publication import Publisher
@@ -102,15 +105,21 @@ def _consume(spec: RingSpec, index: int, results: mp.Queue) -> None:
     results.put((spec.name, index, out))
 
 
-def test_exactly_once_through_processes():
-    """DP2 x CP2 x TP2 with real reorganizer and consumer processes over shared memory.
+@pytest.mark.parametrize("kind", ["shm", "disk"])
+def test_exactly_once_through_processes(kind, tmp_path):
+    """DP2 x CP2 x TP2 with real reorganizer and consumer processes, over the shared-memory and
+    the disk backend (both readable from the reorganizer processes).
 
     Every token of both mini-batches reaches exactly one (DP, CP) group exactly once; the two
     TP processes of a group receive bit-identical micro-batches; bytes read equal bytes stored.
     """
     rng = np.random.default_rng(7)
     metas = make_metas(rng.integers(50, 400, size=12).tolist())
-    backend = SharedMemoryBackend(slab_bytes=4 << 20)
+    backend: UnitBackend = (
+        SharedMemoryBackend(slab_bytes=4 << 20)
+        if kind == "shm"
+        else SafetensorsBackend(str(tmp_path / "shards"), shard_bytes=1 << 20)
+    )
     fill_backend(backend, metas)
     topology = Topology(dp=2, cp=2, tp=2)
     plans = [plan_for(metas, topology, 256, f"mb{i}") for i in range(2)]

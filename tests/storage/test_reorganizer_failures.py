@@ -15,10 +15,11 @@ import pytest
 from delivery_payloads import fill_backend, make_metas, plan_for
 
 from knitkit.storage.consumer import MicroBatchConsumer, ReorganizerDiedError, ReorganizerError
+from knitkit.storage.liveness import pid_alive
 from knitkit.storage.plan import Topology
 from knitkit.storage.reorganizer_process import ReorganizerProcess
 from knitkit.storage.shm import SharedMemoryBackend
-from knitkit.storage.slot_ring import RingSpec, pid_alive
+from knitkit.storage.slot_ring import RingSpec
 from knitkit.types import UnitKey
 
 LIVENESS_S = 2.0

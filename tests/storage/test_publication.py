@@ -1,0 +1,144 @@
+"""The slot-ring publication protocol: order, bounded look-ahead, release rules, clear errors."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from knitkit.storage.consumer import MicroBatchConsumer, ReorganizerDiedError, ReorganizerError
+from knitkit.storage.liveness import pid_alive
+from knitkit.storage.publication import Publisher
+from knitkit.storage.slot_ring import RingClosedError, RingSpec, SlotRing
+from knitkit.types import MicroBatchLayout
+
+
+@pytest.fixture
+def ring():
+    """A 2-slot ring for 2 consumers, its owner, and a started publisher."""
+    spec = RingSpec.new(num_slots=2, slot_bytes=4096, num_consumers=2)
+    owner = SlotRing.create(spec)
+    publisher = Publisher(SlotRing.attach(spec))
+    publisher.start()
+    yield spec, owner, publisher
+    publisher.close()
+    owner.close()
+    owner.unlink()
+    assert not os.path.exists(f"/dev/shm/{spec.name}")
+
+
+def _publish(publisher: Publisher, value: int) -> int:
+    layout = MicroBatchLayout.build({"x": ("int64", (4,))}, extra={"value": value})
+    layout.numpy_views(publisher.acquire(layout.nbytes))["x"][:] = value
+    return publisher.publish(layout)
+
+
+def test_order_and_identical_views(ring):
+    """Every consumer sees every micro-batch once, in publication order, as the same bytes."""
+    spec, _, publisher = ring
+    consumers = [MicroBatchConsumer(spec, i) for i in range(2)]
+
+    def produce():
+        for value in range(6):
+            _publish(publisher, value)
+        publisher.finish()
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    seen = [[], []]
+    for _ in range(6):
+        batches = [c.next_micro_batch(timeout_s=10) for c in consumers]
+        for i, batch in enumerate(batches):
+            seen[i].append((batch.seq, int(batch.fields["x"][0]), batch.layout.extra["value"]))
+            assert not batch.fields["x"].flags.writeable
+            batch.release()
+    thread.join()
+    assert seen[0] == seen[1] == [(v, v, v) for v in range(6)]
+    for consumer in consumers:
+        with pytest.raises(StopIteration):
+            consumer.next_micro_batch(timeout_s=1)
+        consumer.close()
+
+
+def test_slot_reused_only_after_every_consumer_released(ring):
+    """With 2 slots the producer gets 2 micro-batches ahead and no further until BOTH
+    consumers released the oldest; releases may come out of order."""
+    spec, owner, publisher = ring
+    first, second = MicroBatchConsumer(spec, 0), MicroBatchConsumer(spec, 1)
+    _publish(publisher, 0)
+    _publish(publisher, 1)
+    blocked = threading.Thread(target=_publish, args=(publisher, 2))
+    blocked.start()
+    a0, a1 = first.next_micro_batch(timeout_s=5), first.next_micro_batch(timeout_s=5)
+    b0 = second.next_micro_batch(timeout_s=5)
+    a1.release()  # out of order: slot 0 is still held by a0 and b0
+    b0.release()
+    time.sleep(0.2)
+    assert blocked.is_alive() and owner.published == 2
+    a0.release()
+    blocked.join(timeout=5)
+    assert not blocked.is_alive() and owner.published == 3
+    assert int(first.next_micro_batch(timeout_s=5).fields["x"][0]) == 2
+    first.close()
+    second.close()
+
+
+def test_stop_request_unblocks_producer(ring):
+    """A producer waiting on a full ring raises RingClosedError once the owner asks it to stop."""
+    _, owner, publisher = ring
+    _publish(publisher, 0)
+    _publish(publisher, 1)
+    threading.Timer(0.2, owner.request_stop).start()
+    with pytest.raises(RingClosedError, match="stop"):
+        _publish(publisher, 2)
+
+
+def test_sizes_are_checked(ring):
+    """A micro-batch larger than a slot, or a layout larger than the metadata area, is refused
+    with the size to configure."""
+    spec, _, publisher = ring
+    with pytest.raises(ValueError, match="slot_bytes=4096"):
+        publisher.acquire(spec.slot_bytes + 1)
+    ids = tuple(f"trajectory-{i:06d}" for i in range(5000))
+    layout = MicroBatchLayout.build({"x": ("int64", (1,))}, trajectory_ids=ids)
+    publisher.acquire(layout.nbytes)
+    with pytest.raises(ValueError, match="meta_bytes"):
+        publisher.publish(layout)
+
+
+def test_failure_and_death_reach_consumers(ring):
+    """A failed producer's message reaches consumers; a producer whose pid is gone is dead."""
+    spec, owner, publisher = ring
+    consumer = MicroBatchConsumer(spec, 0, liveness_timeout_s=1.0)
+    publisher.fail("unit t3/routing vanished")
+    with pytest.raises(ReorganizerError, match="t3/routing vanished"):
+        consumer.next_micro_batch(timeout_s=5)
+    owner.set_state(1)  # pretend it runs again, as a pid that does not exist
+    owner.set_producer_pid(2**22 + 1)
+    assert not pid_alive(2**22 + 1)
+    with pytest.raises(ReorganizerDiedError, match="died"):
+        consumer.next_micro_batch(timeout_s=5)
+    consumer.close()
+
+
+def test_stale_heartbeat_is_death(ring):
+    """A live pid that stops beating for longer than the liveness timeout counts as dead."""
+    spec, _, publisher = ring
+    publisher._stop_heartbeat()
+    consumer = MicroBatchConsumer(spec, 0, liveness_timeout_s=0.3)
+    start = time.monotonic()
+    with pytest.raises(ReorganizerDiedError, match="heartbeat"):
+        consumer.next_micro_batch(timeout_s=5)
+    assert time.monotonic() - start < 2.0
+    consumer.close()
+
+
+def test_attach_errors_name_the_ring():
+    """Attaching to a ring that does not exist says which and what to do."""
+    spec = RingSpec.new(num_slots=1, slot_bytes=64, num_consumers=1)
+    with pytest.raises(FileNotFoundError, match=spec.name):
+        MicroBatchConsumer(spec, 0)
+    with pytest.raises(ValueError, match="consumer_index"):
+        MicroBatchConsumer(spec, 3)
