@@ -133,8 +133,7 @@ def rank_main(
     plans: list[MiniBatchPlan],
     rings: dict[tuple[int, int], RingSpec],
     encoder_ring: RingSpec | None,
-    tq_configs: Any,
-    with_tq: bool,
+    tq_config: Any,
     compute_s: float,
     barrier: Any,
     results: Any,
@@ -144,9 +143,6 @@ def rank_main(
     bytes_read: dict[str, int] = dict.fromkeys(METHODS, 0)
     backbone = MicroBatchConsumer(rings[(rank.dp, rank.cp)], rank.tp)
     encoder = MicroBatchConsumer(encoder_ring, 0) if encoder_ring else None
-    if with_tq:  # import torch / Ray / TQ now, while the driver starts TransferQueue
-        from knitkit.integration.transferqueue.backend import TransferQueueConnection
-        from knitkit.integration.transferqueue.baseline import read_share_tq
     barrier.wait()
     for plan in plans:
         wait = 0.0
@@ -176,8 +172,9 @@ def rank_main(
         for _ in packed:
             time.sleep(compute_s)
 
-    tq_config = tq_configs.get()
     if tq_config is not None:
+        from knitkit.integration.transferqueue import TransferQueueConnection, read_share_tq
+
         client = TransferQueueConnection(tq_config).client()
         barrier.wait()
         for plan in plans:
@@ -201,9 +198,18 @@ def run_delivery(sizes: Sizes, with_tq: bool) -> dict[str, float]:
     store, plans, trajectories, consumed = build_workload(sizes)
     _progress(f"stored {len(trajectories)} trajectories, planned {len(plans)} mini-batches")
     backbone_bytes, encoder_bytes = slot_bytes(store, plans)
+    connection = None
+    if with_tq:
+        from knitkit.integration.transferqueue import put_trajectories, start_transfer_queue
+
+        connection = start_transfer_queue()
+        client = connection.client()
+        put_trajectories(client, trajectories, TQ_PARTITION)
+        client.close()
+        _progress("TransferQueue started and loaded")
     ctx = mp.get_context("spawn")
     ranks = [RankPosition(d, c, t) for d in range(2) for c in range(2) for t in range(2)]
-    barrier, results, tq_configs = ctx.Barrier(len(ranks) + 1), ctx.Queue(), ctx.Queue()
+    barrier, results = ctx.Barrier(len(ranks) + 1), ctx.Queue()
     rings = {
         (d, c): RingSpec.new(num_slots=2, slot_bytes=backbone_bytes, num_consumers=TOPOLOGY.tp)
         for d in range(2)
@@ -215,24 +221,14 @@ def run_delivery(sizes: Sizes, with_tq: bool) -> dict[str, float]:
     reorganizers = [ReorganizerProcess(store.backend, spec) for spec in rings.values()]
     reorganizers += [ReorganizerProcess(store.backend, spec) for spec in encoder_rings]
     processes = []
-    connection = None
     try:
         for rank in ranks:
             encoder_ring = encoder_rings[rank.dp] if rank.reads_multimodal else None
-            args: tuple[Any, ...] = (rank, store.backend, plans, rings, encoder_ring, tq_configs)
-            args += (with_tq, sizes.compute_s)
+            tq_config = connection.config if connection else None
+            args = (rank, store.backend, plans, rings, encoder_ring, tq_config, sizes.compute_s)
             process = ctx.Process(target=rank_main, args=(*args, barrier, results))
             process.start()
             processes.append(process)
-        if with_tq:
-            from knitkit.integration.transferqueue.backend import start_transfer_queue
-            from knitkit.integration.transferqueue.baseline import put_trajectories
-
-            connection = start_transfer_queue()
-            client = connection.client()
-            put_trajectories(client, trajectories, TQ_PARTITION)
-            client.close()
-            _progress("TransferQueue started and loaded")
         barrier.wait(timeout=300)
         _progress("knitkit phase")
         for plan in plans:
@@ -244,8 +240,6 @@ def run_delivery(sizes: Sizes, with_tq: bool) -> dict[str, float]:
                 reorganizer.submit(plan.minibatch_id, rank_plan)
         barrier.wait(timeout=300)
         _progress("sample-level phase")
-        for _ in ranks:
-            tq_configs.put(connection.config if connection else None)
         if connection:
             barrier.wait(timeout=300)
             _progress("TransferQueue phase")
@@ -261,7 +255,7 @@ def run_delivery(sizes: Sizes, with_tq: bool) -> dict[str, float]:
             reorganizer.close()
         store.backend.close()
         if connection:
-            from knitkit.integration.transferqueue.backend import stop_transfer_queue
+            from knitkit.integration.transferqueue import stop_transfer_queue
 
             stop_transfer_queue()
     figures: dict[str, float] = {"bytes_consumed_per_step": consumed / sizes.minibatches}

@@ -107,7 +107,7 @@ class DedupVLMStep:
         )
         hook.arm(DeferredVisionBackward(dedup, params))
         feed = _CountingIterator(iter(data_iterator))
-        config.finalize_model_grads_func = original  # MUTATION
+        config.finalize_model_grads_func = hook
         try:
             with self._serving(_CachedFeatures(dedup, feed)):
                 out = get_forward_backward_func()(
@@ -121,7 +121,6 @@ class DedupVLMStep:
                 )
         finally:
             config.finalize_model_grads_func = original
-        DeferredVisionBackward(dedup, params).backward()  # MUTATION: after finalize
         if feed.count != num_microbatches:
             raise RuntimeError(
                 f"the forward step took {feed.count} micro-batches for num_microbatches="

@@ -39,10 +39,6 @@ class SourceProfile:
     tokens_per_s: float = 20.0
     accept_prob: float = 1.0
 
-    @property
-    def mean_s(self) -> float:
-        return self.median_s * math.exp(self.sigma**2 / 2)
-
 
 @dataclass(frozen=True, slots=True)
 class Trace:

@@ -110,7 +110,15 @@ def _equivalence(
                 worst[name] = max(worst.get(name, -1.0), float(excess))
                 for param in (ref, mine):
                     param.data.add_(param.main_grad, alpha=-LR)
-        return {"worst_excess": worst, "references": references, "encoded": encoded}
+        restored = type(wrapped.module.vision) is user.VisionPath and (
+            wrapped.config.finalize_model_grads_func is reference.config.finalize_model_grads_func
+        )
+        return {
+            "worst_excess": worst,
+            "references": references,
+            "encoded": encoded,
+            "restored": restored,
+        }
     finally:
         megatron_cpu.destroy_model_parallel()
 
@@ -121,6 +129,7 @@ def _check(
     for rank, result in enumerate(results):
         worst = result["worst_excess"]
         assert isinstance(worst, dict) and any(n.startswith("vision.") for n in worst)
+        assert result["restored"], f"rank {rank}: vision path or finalize func not restored"
         bad = {name: excess for name, excess in worst.items() if excess > ATOL}
         assert not bad, f"rank {rank}: gradients beyond {ATOL} + {RTOL}*max|g_ref|: {bad}"
     # Dedup: the world encodes each unique image once per mini-batch (with every TP peer when the
@@ -133,6 +142,39 @@ def _check(
     ]
     assert encoded == sum(unique_per_step) * (tensor_parallel if sharded else 1)
     assert references > encoded
+
+
+def _mismatched_route(rank: int) -> str:
+    """A plan for a replicated vision path run with ``tp_sharded_vision=True``: the error text."""
+    from knitkit.integration.megatron import DedupVLMStep, MegatronLayout
+
+    from knitkit.storage import MemoryBackend, TrajectoryStore
+
+    megatron_cpu.initialize_model_parallel(tensor_parallel=2)
+    megatron_cpu.install_schedule_shim()
+    try:
+        layout = MegatronLayout.from_parallel_state()
+        store = TrajectoryStore(MemoryBackend())
+        trajectories = user.grpo_trajectories(seed=0)
+        for trajectory in trajectories:
+            store.write(trajectory)
+        plan = user.plan_step(store, [t.trajectory_id for t in trajectories], layout)
+        step = DedupVLMStep(user.build_model(False), tp_sharded_vision=True)
+        try:
+            step.run(
+                forward_step_func=user.forward_step,
+                data_iterator=iter(()),
+                route=layout.route(plan),
+                encode_fn=lambda keys: torch.empty(0),
+                num_microbatches=plan.num_micro_batches,
+                seq_length=user.MAX_SEQ,
+                micro_batch_size=1,
+            )
+        except ValueError as error:
+            return str(error)
+        return "no error"
+    finally:
+        megatron_cpu.destroy_model_parallel()
 
 
 def _example(rank: int, steps: int) -> list[dict[str, float]]:
@@ -232,6 +274,12 @@ def test_dp2_tp2_wrapped_step_matches_unwrapped(
 ) -> None:
     """DP=2 x TP=2: same equivalence with encodings routed across DP (and TP-owned gradient slices)."""
     _check(world4.run(_equivalence, 2, overlap, sharded), 2, sharded)
+
+
+def test_route_and_step_must_agree_on_the_vision_layout(world2: World) -> None:
+    """A route planned for a replicated vision path fails fast under tp_sharded_vision=True (no hang)."""
+    for message in world2.run(_mismatched_route):
+        assert "encoder_topology(tp_sharded=True)" in message, message
 
 
 def test_dp2_tp2_rank_with_nothing_to_encode(world4: World) -> None:
