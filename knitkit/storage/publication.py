@@ -19,8 +19,8 @@ from knitkit.types import MicroBatchLayout
 # NOTE [ Micro-batch publication protocol ]
 #
 # One ring per reorganizer: ONE /dev/shm segment holding a control block, per-slot metadata and
-# `num_slots` data slots of `slot_bytes`. It is allocated (and its pages faulted in) once, by the
-# ring's owner, and reused for every micro-batch of every mini-batch: fresh pages cost 5-10x the
+# `num_slots` data slots of `slot_bytes`. Its pages are allocated once (posix_fallocate) by the
+# ring's owner and reused for every micro-batch of every mini-batch: fresh pages cost 5-10x the
 # copy on this kind of machine (notes/data_path.md section 2).
 #
 # Roles. The OWNER creates and unlinks the segment (the process wrapper in the launcher, or the Ray
@@ -31,7 +31,8 @@ from knitkit.types import MicroBatchLayout
 # SIGKILLed.
 #
 # Single writer per word. Producer: STATE, PRODUCER_PID, HEARTBEAT, PUBLISHED, BYTES_READ,
-# ERROR_*, slot data and slot metadata. Owner: OWNER_PID, STOP. Consumer c: RELEASED[c].
+# ERROR_*, slot data and slot metadata. Owner: OWNER_PID, STOP (and PRODUCER_PID once, before the
+# producer starts, with the same value: the spawned child's pid). Consumer c: RELEASED[c].
 #
 # Publication of micro-batch `seq` (0, 1, 2, ... across mini-batches) into slot `seq % num_slots`:
 #   1. producer waits until min_c RELEASED[c] > seq - num_slots (every consumer released the
@@ -39,7 +40,8 @@ from knitkit.types import MicroBatchLayout
 #   2. writes the payload into the slot, then the slot metadata (seq, pickled layout);
 #   3. stores PUBLISHED = seq + 1 last.
 # Consumer c wanting `seq` waits until PUBLISHED > seq, checks the slot's seq, and hands out
-# zero-copy views; it stores RELEASED[c] = seq + 1 once it no longer uses them.
+# read-only zero-copy views; it stores RELEASED[c] = s + 1 for the highest s such that it has
+# released s and every micro-batch before it (releases may come in any order).
 # Ordering relies on aligned 8-byte stores becoming visible in program order (x86-64 TSO), which
 # plain numpy stores give us; the slot seq check catches a stale slot.
 #

@@ -51,6 +51,14 @@ def test_killed_reorganizer_is_detected_and_cleaned(loaded):
         consumers = [MicroBatchConsumer(spec, r, liveness_timeout_s=LIVENESS_S) for r in range(2)]
         first = [c.next_micro_batch(timeout_s=60) for c in consumers]
         assert first[0].layout.extra["micro_batch"] == 0
+        # Delivered before the mini-batch is materialized: with one slot held, the reorganizer
+        # has published one micro-batch and read only its bytes.
+        assert reorganizer.ring.published == 1 < len(group.micro_batches)
+        assert (
+            0
+            < reorganizer.bytes_read
+            < sum(backend.spec(r.key).nbytes for r in group.reads() if r.key.field != "reward")
+        )
         assert reorganizer.pid is not None
         os.kill(reorganizer.pid, signal.SIGKILL)
         for batch in first:
