@@ -49,9 +49,17 @@ from knitkit.storage import (
     synthetic_trajectories,
 )
 from knitkit.storage.consumer import MicroBatchConsumer
+from knitkit.storage.publication import Publisher
 from knitkit.storage.reorganizer_process import ReorganizerProcess
-from knitkit.storage.sample_level import RankPosition, pack_local, read_share
-from knitkit.storage.slot_ring import RingSpec
+from knitkit.storage.sample_level import (
+    LocalTrajectories,
+    RankPosition,
+    pack_local,
+    read_share,
+    receive_multimodal,
+    send_multimodal,
+)
+from knitkit.storage.slot_ring import RingSpec, SlotRing
 from knitkit.types import UnitKey
 
 FIELDS = ("tokens", "logprobs", "loss_mask", "routing", "topp_mask")
@@ -112,8 +120,9 @@ def build_workload(sizes: Sizes) -> tuple[TrajectoryStore, list[MiniBatchPlan], 
     return store, plans, trajectories, consumed
 
 
-def slot_bytes(store: TrajectoryStore, plans: list[MiniBatchPlan]) -> tuple[int, int]:
-    """Largest backbone and encoder micro-batch, so one slot fits any of them."""
+def slot_bytes(store: TrajectoryStore, plans: list[MiniBatchPlan]) -> tuple[int, int, int]:
+    """Largest backbone micro-batch, encoder micro-batch and DP share of images (sample-level
+    redistribution), so one slot of each ring fits any of them."""
     schema = store.schema(plans[0].consumers[0].micro_batches[0].sequences[0].trajectory_id)
     backbone = max(
         pack_layout(mb, schema).nbytes for p in plans for c in p.consumers for mb in c.micro_batches
@@ -124,7 +133,20 @@ def slot_bytes(store: TrajectoryStore, plans: list[MiniBatchPlan]) -> tuple[int,
         for r in p.encoder("vision").ranks
         for mb in r.micro_batches
     )
-    return backbone, encoder
+    images = max(
+        sum(
+            store.backend.spec(k).nbytes + 64
+            for k in {
+                r.key
+                for mb in p.consumer(dp, 0).micro_batches
+                for s in mb.sequences
+                for r in s.multimodal
+            }
+        )
+        for p in plans
+        for dp in range(TOPOLOGY.dp)
+    )
+    return backbone, encoder, images
 
 
 def rank_main(
@@ -133,7 +155,8 @@ def rank_main(
     plans: list[MiniBatchPlan],
     rings: dict[tuple[int, int], RingSpec],
     encoder_ring: RingSpec | None,
-    tq_config: Any,
+    multimodal_ring: RingSpec,
+    tq_configs: Any,
     compute_s: float,
     barrier: Any,
     results: Any,
@@ -143,6 +166,24 @@ def rank_main(
     bytes_read: dict[str, int] = dict.fromkeys(METHODS, 0)
     backbone = MicroBatchConsumer(rings[(rank.dp, rank.cp)], rank.tp)
     encoder = MicroBatchConsumer(encoder_ring, 0) if encoder_ring else None
+    # Sample-level redistribution of images: TP0/CP0 publishes, its DP group's peers copy.
+    images_out: Publisher | None = None
+    images_in: MicroBatchConsumer | None = None
+    if rank.reads_multimodal:
+        images_out = Publisher(SlotRing.attach(multimodal_ring))
+        images_out.start()
+    else:
+        images_in = MicroBatchConsumer(multimodal_ring, rank.cp * TOPOLOGY.tp + rank.tp - 1)
+
+    def share_images(local: LocalTrajectories) -> None:
+        if images_out is not None:
+            send_multimodal(images_out, local)
+        else:
+            assert images_in is not None
+            receive_multimodal(images_in, local)
+
+    if tq_configs is not None:  # import torch / Ray / TQ while the driver starts TransferQueue
+        from knitkit.integration.transferqueue import TransferQueueConnection, read_share_tq
     barrier.wait()
     for plan in plans:
         wait = 0.0
@@ -166,26 +207,32 @@ def rank_main(
     for plan in plans:
         start = time.perf_counter()
         before = backend.bytes_read
-        packed = list(pack_local(plan.consumer(rank.dp, rank.cp), read_share(backend, plan, rank)))
-        waits["sample_level"].append(time.perf_counter() - start)
+        local = read_share(backend, plan, rank)
         bytes_read["sample_level"] += backend.bytes_read - before
+        share_images(local)
+        packed = list(pack_local(plan.consumer(rank.dp, rank.cp), local))
+        waits["sample_level"].append(time.perf_counter() - start)
         for _ in packed:
             time.sleep(compute_s)
 
-    if tq_config is not None:
-        from knitkit.integration.transferqueue import TransferQueueConnection, read_share_tq
-
-        client = TransferQueueConnection(tq_config).client()
+    if tq_configs is not None:
+        client = TransferQueueConnection(tq_configs.get()).client()
         barrier.wait()
         for plan in plans:
             start = time.perf_counter()
             local, moved = read_share_tq(client, plan, rank, TQ_PARTITION)
+            share_images(local)
             packed = list(pack_local(plan.consumer(rank.dp, rank.cp), local))
             waits["transferqueue"].append(time.perf_counter() - start)
             bytes_read["transferqueue"] += moved
             for _ in packed:
                 time.sleep(compute_s)
         client.close()
+    if images_out is not None:
+        images_out.finish()
+        images_out.close()
+    elif images_in is not None:
+        images_in.close()
     results.put((rank, waits, bytes_read))
 
 
@@ -197,19 +244,12 @@ def run_delivery(sizes: Sizes, with_tq: bool) -> dict[str, float]:
     """The three methods on one workload, consumers as real processes; figures by key."""
     store, plans, trajectories, consumed = build_workload(sizes)
     _progress(f"stored {len(trajectories)} trajectories, planned {len(plans)} mini-batches")
-    backbone_bytes, encoder_bytes = slot_bytes(store, plans)
+    backbone_bytes, encoder_bytes, image_bytes = slot_bytes(store, plans)
     connection = None
-    if with_tq:
-        from knitkit.integration.transferqueue import put_trajectories, start_transfer_queue
-
-        connection = start_transfer_queue()
-        client = connection.client()
-        put_trajectories(client, trajectories, TQ_PARTITION)
-        client.close()
-        _progress("TransferQueue started and loaded")
     ctx = mp.get_context("spawn")
     ranks = [RankPosition(d, c, t) for d in range(2) for c in range(2) for t in range(2)]
     barrier, results = ctx.Barrier(len(ranks) + 1), ctx.Queue()
+    tq_configs = ctx.Queue() if with_tq else None
     rings = {
         (d, c): RingSpec.new(num_slots=2, slot_bytes=backbone_bytes, num_consumers=TOPOLOGY.tp)
         for d in range(2)
@@ -218,17 +258,32 @@ def run_delivery(sizes: Sizes, with_tq: bool) -> dict[str, float]:
     encoder_rings = [
         RingSpec.new(num_slots=2, slot_bytes=encoder_bytes, num_consumers=1) for _ in range(2)
     ]
+    peers = TOPOLOGY.cp * TOPOLOGY.tp - 1
+    image_rings = [
+        SlotRing.create(RingSpec.new(num_slots=2, slot_bytes=image_bytes, num_consumers=peers))
+        for _ in range(TOPOLOGY.dp)
+    ]
     reorganizers = [ReorganizerProcess(store.backend, spec) for spec in rings.values()]
     reorganizers += [ReorganizerProcess(store.backend, spec) for spec in encoder_rings]
     processes = []
     try:
         for rank in ranks:
             encoder_ring = encoder_rings[rank.dp] if rank.reads_multimodal else None
-            tq_config = connection.config if connection else None
-            args = (rank, store.backend, plans, rings, encoder_ring, tq_config, sizes.compute_s)
+            args: tuple[Any, ...] = (rank, store.backend, plans, rings, encoder_ring)
+            args += (image_rings[rank.dp].spec, tq_configs, sizes.compute_s)
             process = ctx.Process(target=rank_main, args=(*args, barrier, results))
             process.start()
             processes.append(process)
+        if tq_configs is not None:
+            from knitkit.integration.transferqueue import put_trajectories, start_transfer_queue
+
+            connection = start_transfer_queue()
+            client = connection.client()
+            put_trajectories(client, trajectories, TQ_PARTITION)
+            client.close()
+            for _ in ranks:
+                tq_configs.put(connection.config)
+            _progress("TransferQueue started and loaded")
         barrier.wait(timeout=300)
         _progress("knitkit phase")
         for plan in plans:
@@ -253,6 +308,9 @@ def run_delivery(sizes: Sizes, with_tq: bool) -> dict[str, float]:
                 process.kill()
         for reorganizer in reorganizers:
             reorganizer.close()
+        for ring in image_rings:
+            ring.close()
+            ring.unlink()
         store.backend.close()
         if connection:
             from knitkit.integration.transferqueue import stop_transfer_queue

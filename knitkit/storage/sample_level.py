@@ -1,4 +1,4 @@
-"""Sample-level baseline: each rank reads whole trajectories of its DP share and slices them locally."""
+"""Sample-level baseline: ranks read their DP share's whole trajectories; TP0/CP0 shares the images."""
 
 from __future__ import annotations
 
@@ -8,10 +8,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from knitkit.storage.backend import UnitBackend
+from knitkit.storage.consumer import MicroBatchConsumer
 from knitkit.storage.packing import RowSpec, pack
 from knitkit.storage.plan import ConsumerPlan, MicroBatchPlan, MiniBatchPlan
+from knitkit.storage.publication import Publisher
 from knitkit.storage.ranges import check_ranges, destination, spec_of
 from knitkit.types import MicroBatchLayout, UnitKey, UnitRead
+
+MULTIMODAL_KINDS = ("image", "video")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,3 +99,28 @@ def pack_local(
     """The rank's micro-batches, packed from its local copies exactly like the reorganizer does."""
     for micro_batch in group.micro_batches:
         yield pack(micro_batch, local.schema(micro_batch), local.read_into)
+
+
+def _multimodal_layout(local: LocalTrajectories) -> MicroBatchLayout:
+    """One field per multimodal unit the rank holds (named by its key), for redistribution."""
+    units = {str(k): a for k, a in local.units.items() if k.field in MULTIMODAL_KINDS}
+    return MicroBatchLayout.build({k: (a.dtype.name, a.shape) for k, a in units.items()})
+
+
+def send_multimodal(publisher: Publisher, local: LocalTrajectories) -> int:
+    """TP0/CP0: publish the multimodal units it read to its DP group's peers; returns bytes."""
+    layout = _multimodal_layout(local)
+    views = layout.numpy_views(publisher.acquire(layout.nbytes))
+    for name, view in views.items():
+        np.copyto(view, local.units[UnitKey.parse(name)])
+    publisher.publish(layout)
+    return sum(v.nbytes for v in views.values())
+
+
+def receive_multimodal(consumer: MicroBatchConsumer, local: LocalTrajectories) -> int:
+    """A TP/CP peer: copy the multimodal units TP0/CP0 published into ``local``; returns bytes."""
+    batch = consumer.next_micro_batch()
+    for name, view in batch.fields.items():
+        local.units[UnitKey.parse(name)] = view.copy()
+    batch.release()
+    return batch.layout.nbytes

@@ -10,7 +10,14 @@ from knitkit.storage.plan import EncoderTopology, Topology
 from knitkit.storage.planner import PlannerConfig, plan_minibatch
 from knitkit.storage.publication import Publisher
 from knitkit.storage.reorganizer import Reorganizer
-from knitkit.storage.sample_level import RankPosition, pack_local, read_share, share_reads
+from knitkit.storage.sample_level import (
+    RankPosition,
+    pack_local,
+    read_share,
+    receive_multimodal,
+    send_multimodal,
+    share_reads,
+)
 from knitkit.storage.shm import SharedMemoryBackend
 from knitkit.storage.slot_ring import RingSpec, SlotRing
 from knitkit.storage.store import TrajectoryStore
@@ -78,3 +85,35 @@ def test_same_micro_batches_and_redundant_reads(store, dp, cp, tp):
     assert sample_bytes["token"] == tp * cp * (per_token + rewards)
     image_refs = [ref.key for meta in store.metas() for ref in meta.multimodal]
     assert sample_bytes["image"] == sum(sizes[k] for k in image_refs)
+
+
+def test_images_redistributed_from_tp0_cp0(store):
+    """Only TP0/CP0 reads the images; its TP/CP peers receive exactly those arrays over a
+    node-local ring, without touching storage."""
+    config = PlannerConfig(token_fields=FIELDS, max_tokens_per_micro_batch=512)
+    plan = plan_minibatch(store.metas(), Topology(1, 2, 2), config)
+    backend = store.backend
+    leader = read_share(backend, plan, RankPosition(0, 0, 0))
+    images = {k: a for k, a in leader.units.items() if k.field == "image"}
+    assert images
+    spec = RingSpec.new(num_slots=1, slot_bytes=1 << 20, num_consumers=3)
+    owner = SlotRing.create(spec)
+    publisher = Publisher(SlotRing.attach(spec))
+    publisher.start()
+    peers = [RankPosition(0, c, t) for c in range(2) for t in range(2)][1:]
+    try:
+        sent = send_multimodal(publisher, leader)
+        assert sent == sum(a.nbytes for a in images.values())
+        for index, peer in enumerate(peers):
+            before = backend.bytes_read
+            local = read_share(backend, plan, peer)
+            assert backend.bytes_read - before == sum(local.units[k].nbytes for k in local.units)
+            assert not any(k.field == "image" for k in local.units)
+            with MicroBatchConsumer(spec, index) as consumer:
+                receive_multimodal(consumer, local)
+            for key, array in images.items():
+                assert np.array_equal(local.units[key], array)
+    finally:
+        publisher.close()
+        owner.close()
+        owner.unlink()
