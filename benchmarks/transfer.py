@@ -328,6 +328,10 @@ def run_delivery(sizes: Sizes, with_tq: bool) -> dict[str, float]:
     return figures
 
 
+ENGINES = ("ray", "mooncake")
+"""Engine backends whose sliced reads ``knitkit.integration.sliced_read.measure`` times."""
+
+
 def sliced_read_fractions(sizes: Sizes) -> dict[str, float]:
     """Throughput of CP-chunk range reads through each backend against a plain copy of the SAME
     bytes from the same place: a memcpy out of the stored array (memory, shm) or a raw
@@ -420,11 +424,20 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, under a minute")
     parser.add_argument("--json", metavar="PATH", help="write the figures as one flat JSON object")
     parser.add_argument("--skip-tq", action="store_true", help="leave out TransferQueue (no Ray)")
+    parser.add_argument(
+        "--skip-engines", action="store_true", help="leave out the Ray and Mooncake sliced reads"
+    )
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
     figures = run_delivery(sizes, with_tq=not args.skip_tq)
     _progress("sliced reads")
     figures.update(sliced_read_fractions(sizes))
+    if not args.skip_engines:
+        from knitkit.integration.sliced_read import measure
+
+        for engine in ENGINES:
+            _progress(f"sliced reads on {engine}")
+            figures.update(measure(engine, quick=args.quick))
     _progress("planner")
     figures["planner_ms"] = planner_ms(repeats=3 if args.quick else 5)
     print_table(figures)
@@ -458,6 +471,10 @@ def print_table(figures: dict[str, float]) -> None:
             f"{figures[f'sliced_read.{name}.ceiling_gbps']:>18.2f}"
             f"{figures[f'sliced_read.{name}.fraction_of_ceiling']:>22.2f}"
         )
+    for engine in ENGINES:
+        if f"sliced_read.{engine}.fraction_of_ceiling" in figures:
+            fraction = figures[f"sliced_read.{engine}.fraction_of_ceiling"]
+            print(f"{engine:<15}{'':>10}{'':>18}{fraction:>22.2f}")
     print(f"planner (DP32 x CP2 x TP4, 4096 trajectories): {figures['planner_ms']:.1f} ms")
 
 

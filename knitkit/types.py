@@ -146,11 +146,15 @@ class MicroBatchLayout:
         for view in self.fields:
             if view.name == name:
                 return view
-        raise KeyError(f"micro-batch has no field {name!r}; fields: {[v.name for v in self.fields]}")
+        raise KeyError(
+            f"micro-batch has no field {name!r}; fields: {[v.name for v in self.fields]}"
+        )
 
     def numpy_views(self, buffer: memoryview | bytearray | np.ndarray) -> dict[str, np.ndarray]:
         """Zero-copy numpy views of every field over ``buffer`` (at least ``nbytes`` long)."""
-        flat = np.frombuffer(buffer, dtype=np.uint8) if not isinstance(buffer, np.ndarray) else buffer
+        flat = (
+            np.frombuffer(buffer, dtype=np.uint8) if not isinstance(buffer, np.ndarray) else buffer
+        )
         flat = flat.reshape(-1).view(np.uint8)
         if flat.nbytes < self.nbytes:
             raise ValueError(f"buffer has {flat.nbytes} bytes; layout needs {self.nbytes}")
