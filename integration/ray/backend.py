@@ -10,7 +10,11 @@ import numpy as np
 import ray
 
 from knitkit.storage import UnitSpec
-from knitkit.storage.ranges import check_ranges, check_replacement, destination, spec_of
+from knitkit.storage.ranges import (
+    check_replacement,
+    read_ranges,
+    spec_of,
+)
 from knitkit.types import SeqRange, UnitKey
 
 _Boxed = list[ray.ObjectRef]
@@ -118,14 +122,7 @@ class RayBackend:
         ranges: Sequence[SeqRange] | None = None,
         out: np.ndarray | None = None,
     ) -> np.ndarray:
-        unit = self.view(key)
-        spec = spec_of(unit)
-        checked = check_ranges(key, spec, ranges)
-        dst = destination(key, spec, checked, out)
-        if checked is None:
-            np.copyto(dst, unit)
-        elif checked:
-            np.concatenate([unit[start:stop] for start, stop in checked], axis=0, out=dst)
+        dst = read_ranges(key, self.view(key), ranges, out)
         self._bytes_read += dst.nbytes
         return dst
 

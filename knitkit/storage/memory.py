@@ -7,7 +7,11 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from knitkit.storage.backend import UnitSpec
-from knitkit.storage.ranges import check_ranges, check_replacement, destination, spec_of
+from knitkit.storage.ranges import (
+    check_replacement,
+    read_ranges,
+    spec_of,
+)
 from knitkit.types import SeqRange, UnitKey
 
 
@@ -36,17 +40,7 @@ class MemoryBackend:
         ranges: Sequence[SeqRange] | None = None,
         out: np.ndarray | None = None,
     ) -> np.ndarray:
-        unit = self._unit(key)
-        spec = spec_of(unit)
-        checked = check_ranges(key, spec, ranges)
-        dst = destination(key, spec, checked, out)
-        if checked is None:
-            np.copyto(dst, unit)
-        else:
-            row = 0
-            for start, stop in checked:
-                dst[row : row + stop - start] = unit[start:stop]
-                row += stop - start
+        dst = read_ranges(key, self._unit(key), ranges, out)
         self._bytes_read += dst.nbytes
         return dst
 

@@ -56,6 +56,24 @@ def destination(
     return out
 
 
+def read_ranges(
+    key: UnitKey, unit: np.ndarray, ranges: Sequence[SeqRange] | None, out: np.ndarray | None
+) -> np.ndarray:
+    """A read of an in-memory unit view: the checked ``ranges`` copied, in order, into ``out``
+    (or a fresh array); the whole unit when ``ranges`` is ``None``."""
+    spec = spec_of(unit)
+    checked = check_ranges(key, spec, ranges)
+    dst = destination(key, spec, checked, out)
+    if checked is None:
+        np.copyto(dst, unit)
+        return dst
+    row = 0
+    for start, stop in checked:
+        dst[row : row + stop - start] = unit[start:stop]
+        row += stop - start
+    return dst
+
+
 def check_replacement(key: UnitKey, spec: UnitSpec, array: np.ndarray) -> None:
     """``replace`` keeps a unit's dtype and shape; raise ``ValueError`` naming the key otherwise."""
     if np.dtype(spec.dtype) != array.dtype or tuple(spec.shape) != array.shape:

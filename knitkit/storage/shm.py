@@ -12,7 +12,11 @@ import numpy as np
 
 from knitkit.storage.backend import UnitSpec
 from knitkit.storage.journal import UnitJournal
-from knitkit.storage.ranges import check_ranges, check_replacement, destination, spec_of
+from knitkit.storage.ranges import (
+    check_replacement,
+    read_ranges,
+    spec_of,
+)
 from knitkit.storage.slab import Slab, unlink_quietly
 from knitkit.types import SeqRange, UnitKey
 
@@ -70,17 +74,7 @@ class SharedMemoryBackend:
         ranges: Sequence[SeqRange] | None = None,
         out: np.ndarray | None = None,
     ) -> np.ndarray:
-        unit = self._view(key)
-        spec = self.spec(key)
-        checked = check_ranges(key, spec, ranges)
-        dst = destination(key, spec, checked, out)
-        if checked is None:
-            np.copyto(dst, unit)
-        else:
-            row = 0
-            for start, stop in checked:
-                dst[row : row + stop - start] = unit[start:stop]
-                row += stop - start
+        dst = read_ranges(key, self._view(key), ranges, out)
         self._bytes_read += dst.nbytes
         return dst
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from knitkit.demo.model import gather_sequence
 from knitkit.encoder_dedup import RowSlice, row_slices
 from knitkit.types import MultimodalRef, SeqRange, UnitKey
 
@@ -146,24 +147,6 @@ class _Plain(nn.Linear):
         return super().forward(x), None
 
 
-class _GatherSeq(torch.autograd.Function):
-    """All-gather along the sequence over CP; backward sums the full gradient and keeps this rank's part."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        size = dist.get_world_size(ctx.group)
-        return grad.chunk(size)[dist.get_rank(ctx.group)], None
-
-
 @dataclass(slots=True)
 class ItemView:
     """One piece as a CP rank sees it: tokens at its positions and where its feature rows go."""
@@ -250,7 +233,7 @@ class ToyBackbone(nn.Module):
                 at += rows
             q, k, v = self.qkv(self.norm1(x))[0].chunk(3, dim=-1)
             if cp_group is not None:
-                k, v = _GatherSeq.apply(k, cp_group), _GatherSeq.apply(v, cp_group)
+                k, v = gather_sequence(k, cp_group), gather_sequence(v, cp_group)
             heads = lambda t: t.unflatten(-1, (self.local_heads, -1)).transpose(0, 1)  # noqa: E731
             mask = item.positions[:, None] >= item.context[None, :]
             a = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=mask)
