@@ -118,131 +118,124 @@ def run_rank(rank: int, setup: RankSetup, plans: queue.Queue, results: queue.Que
 
 
 def _train(rank: int, setup: RankSetup, plans: queue.Queue, results: queue.Queue) -> None:
-    cp_groups = [
-        dist.new_group(list(range(d * setup.cp, (d + 1) * setup.cp)))
-        for d in range(setup.world // setup.cp)
-    ]
-    cp_group = cp_groups[rank // setup.cp]
-    torch.manual_seed(setup.seed)
-    encoder, backbone = VisionEncoder(setup.size), Backbone(setup.size)
-    params = [*encoder.parameters(), *backbone.parameters()]
-    optimizer = torch.optim.Adam(params, lr=setup.lr)
-    encoder_index = setup.encoder_ranks.index(rank) if rank in setup.encoder_ranks else None
-    units_in = (
-        MicroBatchConsumer(setup.encoder_rings[encoder_index], 0)
-        if encoder_index is not None
-        else None
-    )
     consumer = MicroBatchConsumer(setup.backbone_rings[rank], 0)
     config = MicroBatchIterator.Config(depth=setup.prefetch_depth, slot_nbytes=1 << 20)
     with config.build(consumer, device="cpu") as micro_batches:
+        trainer = DemoRank(rank, setup, micro_batches)
         while (plan := plans.get()) is not None:
-            results.put(
-                _train_minibatch(
-                    rank,
-                    setup,
-                    plan,
-                    encoder,
-                    backbone,
-                    params,
-                    optimizer,
-                    units_in,
-                    micro_batches,
-                    cp_group,
-                )
+            results.put(trainer.step(plan))
+        trainer.close()
+
+
+class DemoRank:
+    """One training rank's model, optimizer and data handles; ``step`` trains one mini-batch."""
+
+    def __init__(self, rank: int, setup: RankSetup, micro_batches: MicroBatchIterator) -> None:
+        self.rank, self.setup, self.micro_batches = rank, setup, micro_batches
+        cp_groups = [
+            dist.new_group(list(range(d * setup.cp, (d + 1) * setup.cp)))
+            for d in range(setup.world // setup.cp)
+        ]
+        self.cp_group = cp_groups[rank // setup.cp]
+        torch.manual_seed(setup.seed)
+        self.encoder, self.backbone = VisionEncoder(setup.size), Backbone(setup.size)
+        self.params = [*self.encoder.parameters(), *self.backbone.parameters()]
+        self.optimizer = torch.optim.Adam(self.params, lr=setup.lr)
+        self.units_in = (
+            MicroBatchConsumer(setup.encoder_rings[setup.encoder_ranks.index(rank)], 0)
+            if rank in setup.encoder_ranks
+            else None
+        )
+
+    def close(self) -> None:
+        if self.units_in is not None:
+            self.units_in.close()
+
+    def step(self, plan: MiniBatchPlan) -> StepResult:
+        """Encode the mini-batch's unique images, train its micro-batches, run one optimizer step."""
+        start = time.perf_counter()
+        route = routing_plan(plan, self.setup.encoder_ranks, self.setup.world).for_rank(self.rank)
+        pixels: dict[UnitKey, torch.Tensor] = {}
+        for _ in route.encoder_micro_batches:
+            assert self.units_in is not None, (
+                f"rank {self.rank} has encoder work but no encoder ring"
             )
-    if units_in is not None:
-        units_in.close()
+            delivered = self.units_in.next_micro_batch()
+            pixels.update(
+                (UnitKey.parse(k), torch.from_numpy(v.copy())) for k, v in delivered.fields.items()
+            )
+            delivered.release()
+        dup_s, dup_units = _time_duplicate_encoding(plan, self.encoder, pixels)
+        dedup = DedupEncoder(route, ProcessGroupTransport(), hidden=self.setup.size.hidden)
+        forward_s = 0.0
 
+        def encode(keys: Sequence[UnitKey]) -> torch.Tensor:
+            nonlocal forward_s
+            t0 = time.perf_counter()
+            out = self.encoder([pixels[k] for k in keys])
+            forward_s += time.perf_counter() - t0
+            return out
 
-def _train_minibatch(
-    rank: int,
-    setup: RankSetup,
-    plan: MiniBatchPlan,
-    encoder: VisionEncoder,
-    backbone: Backbone,
-    params: list[torch.nn.Parameter],
-    optimizer: torch.optim.Optimizer,
-    units_in: MicroBatchConsumer | None,
-    micro_batches: MicroBatchIterator,
-    cp_group: dist.ProcessGroup,
-) -> StepResult:
-    start = time.perf_counter()
-    route = routing_plan(plan, setup.encoder_ranks, setup.world).for_rank(rank)
-    pixels: dict[UnitKey, torch.Tensor] = {}
-    for _ in route.encoder_micro_batches:
-        assert units_in is not None, f"rank {rank} has encoder work but no encoder ring"
-        delivered = units_in.next_micro_batch()
-        pixels.update(
-            (UnitKey.parse(k), torch.from_numpy(v.copy())) for k, v in delivered.fields.items()
+        dedup.encode(encode)
+        consumer = plan.consumer(self.rank // self.setup.cp, self.rank % self.setup.cp)
+        norm = float(
+            sum(
+                s.num_tokens
+                for c in plan.consumers
+                if c.cp_rank == 0
+                for mb in c.micro_batches
+                for s in mb.sequences
+            )
         )
-        delivered.release()
-    dup_s, dup_units = _time_duplicate_encoding(plan, encoder, pixels)
-    dedup = DedupEncoder(route, ProcessGroupTransport(), hidden=setup.size.hidden)
-    forward_s = 0.0
-
-    def encode(keys: Sequence[UnitKey]) -> torch.Tensor:
-        nonlocal forward_s
+        total_loss = 0.0
+        wait_before, stage_before = (
+            self.micro_batches.stats.wait_s,
+            self.micro_batches.stats.stage_s,
+        )
+        for index, mb_plan in enumerate(consumer.micro_batches):
+            mb = next(self.micro_batches)
+            feature_at, sequence_ids = feature_positions(mb_plan)
+            logits = self.backbone(
+                mb["tokens"],
+                mb["position_ids"],
+                torch.from_numpy(sequence_ids),
+                dedup.features(index),
+                torch.from_numpy(feature_at),
+                self.cp_group,
+            )
+            logp = F.log_softmax(logits.float(), -1).gather(-1, mb["labels"][:, None]).squeeze(-1)
+            advantage = mb["advantage"].repeat_interleave(
+                torch.from_numpy(np.bincount(sequence_ids))
+            )
+            ratio = torch.exp(logp - mb["old_logprobs"])
+            loss = -(ratio * advantage * mb["loss_mask"]).sum() / norm
+            loss.backward()
+            total_loss += float((-(logp * mb["loss_mask"]).sum() / norm).detach())
+        # NOTE: the barrier keeps waiting for slower ranks' backbone work out of the timed backward,
+        # which is the gradient return plus the one deferred encoder backward.
+        dist.barrier()
         t0 = time.perf_counter()
-        out = encoder([pixels[k] for k in keys])
-        forward_s += time.perf_counter() - t0
-        return out
-
-    dedup.encode(encode)
-    consumer = plan.consumer(rank // setup.cp, rank % setup.cp)
-    norm = float(
-        sum(
-            s.num_tokens
-            for c in plan.consumers
-            if c.cp_rank == 0
-            for mb in c.micro_batches
-            for s in mb.sequences
+        dedup.backward()
+        backward_s = time.perf_counter() - t0
+        grad_norm = _all_reduce_gradients(self.params)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.tensor([total_loss])
+        dist.all_reduce(loss_sum)
+        return StepResult(
+            rank=self.rank,
+            minibatch_id=plan.minibatch_id,
+            loss=float(loss_sum),
+            micro_batches=len(consumer.micro_batches),
+            exposed_wait_s=self.micro_batches.stats.wait_s - wait_before,
+            stage_s=self.micro_batches.stats.stage_s - stage_before,
+            step_s=time.perf_counter() - start,
+            dedup_encoder_s=forward_s + backward_s,
+            dup_encoder_s=dup_s,
+            units_encoded=dedup.encoded_units,
+            dup_units_encoded=dup_units,
+            grad_norm=grad_norm,
         )
-    )
-    total_loss = 0.0
-    wait_before, stage_before = micro_batches.stats.wait_s, micro_batches.stats.stage_s
-    for index, mb_plan in enumerate(consumer.micro_batches):
-        mb = next(micro_batches)
-        feature_at, sequence_ids = feature_positions(mb_plan)
-        logits = backbone(
-            mb["tokens"],
-            mb["position_ids"],
-            torch.from_numpy(sequence_ids),
-            dedup.features(index),
-            torch.from_numpy(feature_at),
-            cp_group,
-        )
-        logp = F.log_softmax(logits.float(), -1).gather(-1, mb["labels"][:, None]).squeeze(-1)
-        advantage = mb["advantage"].repeat_interleave(torch.from_numpy(np.bincount(sequence_ids)))
-        ratio = torch.exp(logp - mb["old_logprobs"])
-        loss = -(ratio * advantage * mb["loss_mask"]).sum() / norm
-        loss.backward()
-        total_loss += float((-(logp * mb["loss_mask"]).sum() / norm).detach())
-    # NOTE: the barrier keeps waiting for slower ranks' backbone work out of the timed backward,
-    # which is the gradient return plus the one deferred encoder backward.
-    dist.barrier()
-    t0 = time.perf_counter()
-    dedup.backward()
-    backward_s = time.perf_counter() - t0
-    grad_norm = _all_reduce_gradients(params)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    loss_sum = torch.tensor([total_loss])
-    dist.all_reduce(loss_sum)
-    return StepResult(
-        rank=rank,
-        minibatch_id=plan.minibatch_id,
-        loss=float(loss_sum),
-        micro_batches=len(consumer.micro_batches),
-        exposed_wait_s=micro_batches.stats.wait_s - wait_before,
-        stage_s=micro_batches.stats.stage_s - stage_before,
-        step_s=time.perf_counter() - start,
-        dedup_encoder_s=forward_s + backward_s,
-        dup_encoder_s=dup_s,
-        units_encoded=dedup.encoded_units,
-        dup_units_encoded=dup_units,
-        grad_norm=grad_norm,
-    )
 
 
 def _all_reduce_gradients(params: list[torch.nn.Parameter]) -> float:
