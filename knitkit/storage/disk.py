@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import struct
@@ -52,7 +54,8 @@ class SafetensorsBackend:
     ``put`` buffers units in memory until ``shard_bytes`` accumulate (or ``flush``), then writes one
     shard; reads and specs of buffered units flush first. ``replace`` rewrites the unit's bytes in
     place (same dtype and shape, so same size). A shard file is removed once all its units are
-    deleted. Pickling hands another process a reader of the same files.
+    deleted. Pickling hands another process a reader of the same files; a reader indexes shards
+    flushed after it was made when it meets a key it does not know.
     """
 
     def __init__(self, directory: str, shard_bytes: int = 256 << 20) -> None:
@@ -162,12 +165,23 @@ class SafetensorsBackend:
     def _entry(self, key: UnitKey) -> ShardEntry:
         if key in self._pending:
             self.flush()
+        if key not in self._entries:
+            self._scan_new_shards()
         try:
             return self._entries[key]
         except KeyError:
             raise KeyError(
-                f"unknown unit {key}; it was never put or was already released"
+                f"unknown unit {key}; it was never put, was already released, or sits unflushed "
+                "in another process's backend (call flush() there before sending the plan)"
             ) from None
+
+    def _scan_new_shards(self) -> None:
+        """Index shards written since this instance last looked (another process's flushes)."""
+        known = {entry.shard for entry in self._entries.values()}
+        for path in glob.glob(os.path.join(self.directory, "*.safetensors")):
+            if path not in known:
+                with contextlib.suppress(FileNotFoundError):
+                    self._entries.update(read_header(path))
 
     def _fd(self, shard: str, write: bool = False) -> int:
         # NOTE: one fd per shard, reopened read-write once on the first replace; preadv and

@@ -88,6 +88,20 @@ def test_a_pickled_backend_reads_the_same_shards(tmp_path: Path) -> None:
     backend.close()
 
 
+def test_a_reader_indexes_shards_flushed_after_it_was_made(tmp_path: Path) -> None:
+    """A reader made before a later flush finds the new shard's units on first use; a unit still
+    buffered in the writer is an error that says to flush."""
+    backend, _ = _filled(tmp_path)
+    reader = pickle.loads(pickle.dumps(backend))
+    backend.put(UnitKey("later", "tokens"), np.arange(6, dtype=np.int32))
+    with pytest.raises(KeyError, match=r"later/tokens.*flush"):
+        reader.read(UnitKey("later", "tokens"))
+    backend.flush()
+    np.testing.assert_array_equal(reader.read(UnitKey("later", "tokens"), [(4, 6)]), [4, 5])
+    reader.close()
+    backend.close()
+
+
 def test_a_shard_goes_when_its_last_unit_is_deleted(tmp_path: Path) -> None:
     """Deleting every unit of a shard removes the file; other shards stay."""
     backend, units = _filled(tmp_path)

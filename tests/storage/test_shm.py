@@ -84,3 +84,37 @@ def test_a_reader_cannot_write() -> None:
         assert all(os.path.exists(p) for p in backend.paths)
     finally:
         backend.close()
+
+
+def _late_reader(backend: SharedMemoryBackend, conn: Connection) -> None:
+    conn.recv()  # the owner has put more units, one in a new slab, and deleted KEY
+    late = UnitKey("t1", "routing")
+    big = UnitKey("t2", "routing")
+    conn.send((backend.read(late, [(1, 3)]).tolist(), int(backend.read(big).sum())))
+    try:
+        backend.read(KEY)
+    except KeyError as exc:
+        conn.send(str(exc))
+
+
+def test_a_reader_sees_units_put_after_it_was_made() -> None:
+    """A long-lived reader (a reorganizer spawned before the rollout) follows the owner's journal:
+    units put later, in the same or a new slab, read correctly; deleted units are gone."""
+    backend = SharedMemoryBackend(slab_bytes=4096)
+    try:
+        backend.put(KEY, np.ones((8, 2), dtype=np.int32))
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=_late_reader, args=(backend, child))
+        process.start()
+        backend.put(UnitKey("t1", "routing"), np.arange(10, dtype=np.int64).reshape(5, 2))
+        backend.put(UnitKey("t2", "routing"), np.ones((2048, 2), dtype=np.int32))  # a new slab
+        backend.delete(KEY)
+        parent.send("go")
+        assert parent.recv() == ([[2, 3], [4, 5]], 4096)
+        assert "unknown unit t0/routing" in parent.recv()
+        process.join(timeout=60)
+        assert process.exitcode == 0
+        assert len(backend.paths) == 2
+    finally:
+        backend.close()
