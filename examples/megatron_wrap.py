@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
 from knitkit.integration.megatron import (
     DedupVLMStep,
     MegatronLayout,
     megatron_batch,
     megatron_batches,
 )
-
 from knitkit.microbatch_iter import MicroBatchIterator, PackedMicroBatch
 from knitkit.storage import (
     MemoryBackend,

@@ -126,6 +126,7 @@ def _sliced_pass(backend: UnitBackend, keys: list[UnitKey], dst: np.ndarray) -> 
 
 def _on_ray(run: Callable[[UnitBackend], float]) -> float:
     import ray
+
     from knitkit.integration.ray import RayBackend
 
     started = not ray.is_initialized()

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from knitkit.integration.megatron.grads import DeferredVisionBackward, finalize_then_sum
 
 from knitkit.encoder_dedup import (
     DedupEncoder,
@@ -18,6 +17,7 @@ from knitkit.encoder_dedup import (
     ProcessGroupTransport,
     RankRoute,
 )
+from knitkit.integration.megatron.grads import DeferredVisionBackward, finalize_then_sum
 
 
 @dataclass(slots=True)

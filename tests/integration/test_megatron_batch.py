@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from knitkit.integration.megatron import (
     block_causal_mask,
     megatron_batch,
     megatron_batches,
     packed_seq_params,
 )
-
 from knitkit.microbatch_iter import MicroBatch, MicroBatchIterator, PackedMicroBatch
 from knitkit.storage import (
     MemoryBackend,

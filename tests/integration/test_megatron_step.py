@@ -38,9 +38,9 @@ def _equivalence(
     rank: int, tensor_parallel: int, overlap: bool, sharded: bool, samples: int = 4
 ) -> dict[str, object]:
     """One rank: reference and wrapped steps on twin models; per-parameter gradient differences."""
-    from knitkit.integration.megatron import DedupVLMStep, MegatronLayout, feature_slices
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from knitkit.integration.megatron import DedupVLMStep, MegatronLayout, feature_slices
     from knitkit.storage import MemoryBackend, TrajectoryStore
 
     megatron_cpu.initialize_model_parallel(tensor_parallel=tensor_parallel)
@@ -147,7 +147,6 @@ def _check(
 def _mismatched_route(rank: int) -> str:
     """A plan for a replicated vision path run with ``tp_sharded_vision=True``: the error text."""
     from knitkit.integration.megatron import DedupVLMStep, MegatronLayout
-
     from knitkit.storage import MemoryBackend, TrajectoryStore
 
     megatron_cpu.initialize_model_parallel(tensor_parallel=2)
@@ -189,10 +188,10 @@ def _example(rank: int, steps: int) -> list[dict[str, float]]:
 def _layout(rank: int, tensor_parallel: int, context_parallel: int) -> dict[str, object]:
     """The layout read from parallel_state, and this CP rank's packed tokens vs megatron's CP split."""
     import numpy as np
-    from knitkit.integration.megatron import MegatronLayout
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
+    from knitkit.integration.megatron import MegatronLayout
     from knitkit.storage import (
         MemoryBackend,
         PlannerConfig,

@@ -17,7 +17,6 @@ pytest.importorskip(
 )
 
 from knitkit.integration.mooncake import MasterAddress, MooncakeBackend, MooncakeMaster
-
 from knitkit.storage import (
     PlannerConfig,
     Topology,

@@ -14,10 +14,10 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the Ray integration needs ray (pip install knitkit[ray])")
 
-from knitkit.integration.ray import RayBackend, RayDispatcher, RingConfig  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
+from knitkit.integration.ray import RayBackend, RayDispatcher, RingConfig  # noqa: E402
 from knitkit.storage import (  # noqa: E402
     EncoderTopology,
     MemoryBackend,

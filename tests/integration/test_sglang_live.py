@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-from knitkit.integration.sglang import RolloutRequest, RolloutWriter, fold_stream
 
+from knitkit.integration.sglang import RolloutRequest, RolloutWriter, fold_stream
 from knitkit.storage import MemoryBackend, TrajectoryStore
 from knitkit.types import UnitKey
 

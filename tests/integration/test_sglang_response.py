@@ -7,12 +7,13 @@ import copy
 
 import numpy as np
 import pytest
+from sglang_fixtures import load
+
 from knitkit.integration.sglang import (
     decode_routed_experts,
     parse_generate_output,
     parse_weight_version,
 )
-from sglang_fixtures import load
 
 
 def test_batch_outputs_parse_to_aligned_arrays() -> None:

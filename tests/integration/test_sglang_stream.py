@@ -6,8 +6,9 @@ import json
 
 import numpy as np
 import pytest
-from knitkit.integration.sglang import StreamAccumulator, fold_stream, iter_sse_events
 from sglang_fixtures import load
+
+from knitkit.integration.sglang import StreamAccumulator, fold_stream, iter_sse_events
 
 
 def _fold(name: str) -> tuple[StreamAccumulator, list[dict]]:

@@ -7,6 +7,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from sglang_fixtures import load
+
 from knitkit.integration.sglang import (
     PayloadConfig,
     RolloutRequest,
@@ -15,8 +17,6 @@ from knitkit.integration.sglang import (
     parse_generate_output,
     placeholder_runs,
 )
-from sglang_fixtures import load
-
 from knitkit.storage import content_key
 
 IMAGE_PAD = 151655

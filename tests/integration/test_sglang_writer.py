@@ -6,6 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sglang_fixtures import load
+
+from knitkit.admission import AdmissionController, policy_config
 from knitkit.integration.sglang import (
     PayloadConfig,
     RolloutRequest,
@@ -13,9 +16,6 @@ from knitkit.integration.sglang import (
     StreamAccumulator,
     iter_sse_events,
 )
-from sglang_fixtures import load
-
-from knitkit.admission import AdmissionController, policy_config
 from knitkit.storage import MemoryBackend, SafetensorsBackend, TrajectoryStore
 from knitkit.types import UnitKey
 

@@ -18,7 +18,6 @@ from knitkit.integration.transferqueue.backend import (
     stop_transfer_queue,
 )
 from knitkit.integration.transferqueue.baseline import put_trajectories, read_share_tq
-
 from knitkit.storage.consumer import MicroBatchConsumer
 from knitkit.storage.memory import MemoryBackend
 from knitkit.storage.plan import Topology

@@ -10,13 +10,13 @@ import pytest
 import ray
 import torch
 import transfer_queue as tq
-from knitkit.integration.transferqueue import AdmissionSampler, sampler_conf, trajectory_tags
 from omegaconf import DictConfig
 from tensordict import TensorDict
 from transfer_queue import StreamingDataLoader, StreamingDataset
 from transfer_queue.controller import DataPartitionStatus
 
 from knitkit.admission import AdmissionController, SourceQuota, policy_config
+from knitkit.integration.transferqueue import AdmissionSampler, sampler_conf, trajectory_tags
 from knitkit.types import TrajectoryMeta
 
 SOURCES = ("math", "code", "chart", "ocr")

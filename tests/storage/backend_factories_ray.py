@@ -19,6 +19,7 @@ def make_backend(tmp: Path) -> UnitBackend:
     global _started
     try:
         import ray
+
         from knitkit.integration.ray import RayBackend
     except ImportError as error:
         pytest.skip(f"the Ray backend needs ray (pip install knitkit[ray]): {error}")
