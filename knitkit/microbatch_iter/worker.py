@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import queue
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -38,8 +40,14 @@ from knitkit.types import MicroBatchLayout
 #   running (it is a daemon and never blocks interpreter exit) and a warning names the cause.
 #   The source's close() is called only once the thread has exited (a generator cannot be
 #   closed while it runs). shutdown() is idempotent and does nothing at interpreter exit.
+# - Interpreter exit without close(): an atexit hook sets ``stop`` on every live thread and joins
+#   it briefly. A daemon thread still inside torch's C++ code when the interpreter finalizes is
+#   killed mid-frame, which aborts the process ("terminate called without an active exception");
+#   stopped threads finish their current step and return first. A thread blocked in the
+#   source's next() (pure Python) is left to die with the process as before.
 
 _POLL_S = 0.1
+_EXIT_JOIN_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +104,7 @@ class Prefetcher:
         self._teardown_in_worker = False
         name = f"knitkit-microbatch-prefetch-{next(self._ids)}"
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        _LIVE.add(self)
 
     def _run(self) -> None:
         try:
@@ -199,3 +208,17 @@ class Prefetcher:
 def _release(plan: StagingPlan) -> None:
     if plan.release is not None:
         plan.release()
+
+
+_LIVE: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live_threads() -> None:
+    """Stop every prefetch thread before interpreter finalization (see NOTE above)."""
+    live = list(_LIVE)
+    for prefetcher in live:
+        prefetcher.stop.set()
+    for prefetcher in live:
+        if prefetcher.thread.is_alive():
+            prefetcher.thread.join(min(prefetcher.join_timeout_s, _EXIT_JOIN_S))
