@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from knitkit.demo.pipeline import PipelineResult
+from knitkit.demo.pipeline import AdmissionRecord, PipelineResult
 
 
 def summarize(replay: dict[str, Any], live: PipelineResult) -> dict[str, Any]:
@@ -137,18 +137,18 @@ def plot_report(figures: dict[str, Any], live: PipelineResult, path: Path) -> No
     plt.close(fig)
 
 
-def _first_fraction(record: Any) -> float:
+def _first_fraction(record: AdmissionRecord) -> float:
     """Of the first train batch's admission interval, the fraction before its first mini-batch."""
     times = [t for t, b in zip(record.times_s, record.train_batch, strict=True) if b == 0]
     return times[0] / times[-1] if times and times[-1] > 0 else float("nan")
 
 
-def _complete_train_batches(record: Any, num_minibatches: int) -> set[int]:
+def _complete_train_batches(record: AdmissionRecord, num_minibatches: int) -> set[int]:
     """Train batches whose every mini-batch was admitted before the stream ended."""
     return {b for b in set(record.train_batch) if record.train_batch.count(b) == num_minibatches}
 
 
-def _quota_ok(record: Any, quotas: dict[str, int], complete: set[int]) -> int:
+def _quota_ok(record: AdmissionRecord, quotas: dict[str, int], complete: set[int]) -> int:
     """How many complete train batches hold at least each source's quota."""
     totals: dict[int, dict[str, int]] = {b: {} for b in complete}
     for batch, counts in zip(record.train_batch, record.composition, strict=True):
