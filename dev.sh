@@ -27,6 +27,20 @@ install_mooncake_libs() {
     fi
 }
 
+wheel_check() {
+    # Build the wheel and run both CLIs from a fresh virtual environment, outside the checkout,
+    # so a package missing from the wheel fails here rather than for a user.
+    local tmp
+    tmp=$(mktemp -d)
+    "$PYTHON" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation -w "$tmp/dist" .
+    "$PYTHON" -m venv "$tmp/venv"
+    "$tmp/venv/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+    "$tmp/venv/bin/python" -m pip install --quiet --disable-pip-version-check "$tmp"/dist/knitkit-*.whl
+    (cd "$tmp" && venv/bin/knitkit demo --help >/dev/null && venv/bin/knitkit replay --help >/dev/null)
+    rm -rf "$tmp"
+    echo "wheel check: knitkit demo --help and knitkit replay --help run from the installed wheel"
+}
+
 case "${1:-}" in
     demo)
         shift
@@ -39,6 +53,7 @@ case "${1:-}" in
         "$PYTHON" -m ruff check knitkit integration tests benchmarks examples
         "$PYTHON" -m ruff format --check knitkit integration tests benchmarks examples
         "$PYTHON" -m mypy knitkit integration
+        wheel_check
         # NOTE: pytest exits 5 when it collects nothing; that must fail, so its code passes through.
         exec "$PYTHON" -m pytest "$@"
         ;;

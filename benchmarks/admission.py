@@ -13,14 +13,8 @@ import time
 
 import numpy as np
 
-from knitkit.admission import (
-    POLICY_NAMES,
-    SourceQuota,
-    build_controller,
-    preset,
-    regret_study,
-    run_replay,
-)
+from knitkit.admission import POLICY_NAMES, SourceQuota, build_controller
+from knitkit.admission.replay import preset, regret_study, run_replay
 from knitkit.types import TrajectoryMeta
 
 

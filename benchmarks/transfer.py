@@ -45,13 +45,9 @@ from knitkit.storage import (
     TrajectoryStore,
     pack_layout,
     plan_minibatch,
-    planner_ms,
-    synthetic_trajectories,
 )
-from knitkit.storage.consumer import MicroBatchConsumer
-from knitkit.storage.publication import Publisher
-from knitkit.storage.reorganizer_process import ReorganizerProcess
-from knitkit.storage.sample_level import (
+from knitkit.storage.baselines.planner_timing import planner_ms
+from knitkit.storage.baselines.sample_level import (
     LocalTrajectories,
     RankPosition,
     pack_local,
@@ -59,7 +55,11 @@ from knitkit.storage.sample_level import (
     receive_multimodal,
     send_multimodal,
 )
-from knitkit.storage.slot_ring import RingSpec, SlotRing
+from knitkit.storage.baselines.synthetic import synthetic_trajectories
+from knitkit.storage.delivery.consumer import MicroBatchConsumer
+from knitkit.storage.delivery.publication import Publisher
+from knitkit.storage.delivery.reorganizer_process import ReorganizerProcess
+from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing
 from knitkit.types import UnitKey
 
 FIELDS = ("tokens", "logprobs", "loss_mask", "routing", "topp_mask")
@@ -392,7 +392,7 @@ def _raw_preads(
 ) -> tuple[Any, list[int]]:
     """Plain ``os.preadv`` of the same file ranges the disk backend reads (offsets from headers),
     and the file descriptors to close afterwards."""
-    from knitkit.storage.disk import read_header
+    from knitkit.storage.backends.disk import read_header
 
     entries = {}
     for shard in glob.glob(os.path.join(directory, "*.safetensors")):

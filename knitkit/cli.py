@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("knitkit.demo", "run the end-to-end pipeline on embedded defaults and print a report"),
-    "replay": ("knitkit.admission.replay_cli", "replay a rollout trace under admission policies"),
+    "replay": ("knitkit.admission.replay.cli", "replay a rollout trace under admission policies"),
 }
 """name -> (module, help). Each module defines ``add_arguments(parser)`` and ``run(args) -> int``."""
 

@@ -12,8 +12,7 @@ from typing import Any
 import numpy as np
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
-from knitkit.storage import UnitSpec
-from knitkit.storage.ranges import check_ranges, check_replacement, destination
+from knitkit.storage import UnitSpec, check_ranges, check_replacement, destination
 from knitkit.types import SeqRange, UnitKey
 
 from .master import MasterAddress

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from knitkit.storage import UnitSpec
-from knitkit.storage.ranges import (
+from knitkit.storage import (
+    UnitSpec,
     check_replacement,
     read_ranges,
     spec_of,

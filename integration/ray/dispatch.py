@@ -14,10 +14,11 @@ from knitkit.storage import (
     EncoderRankPlan,
     EncoderTopology,
     MiniBatchPlan,
+    RingSpec,
     Topology,
     UnitBackend,
+    unlink_ring,
 )
-from knitkit.storage.slot_ring import RingSpec, unlink_ring
 
 from .reorganizer import ReorganizerActor
 

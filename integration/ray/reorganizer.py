@@ -8,10 +8,16 @@ import traceback
 
 import ray
 
-from knitkit.storage import ConsumerPlan, EncoderRankPlan, UnitBackend
-from knitkit.storage.publication import Publisher
-from knitkit.storage.reorganizer import Reorganizer
-from knitkit.storage.slot_ring import FAILED, RingClosedError, RingSpec, SlotRing
+from knitkit.storage import (
+    ConsumerPlan,
+    EncoderRankPlan,
+    Publisher,
+    Reorganizer,
+    RingClosedError,
+    RingSpec,
+    SlotRing,
+    UnitBackend,
+)
 
 # NOTE [ Reorganizer actor lifetime ]
 #
@@ -74,7 +80,7 @@ class ReorganizerActor:
 
     def finish(self) -> None:
         """No more assignments: consumers stop after the last published micro-batch."""
-        if self.ring.state != FAILED:  # a failed deliver already told consumers why
+        if not self.ring.failed:  # a failed deliver already told consumers why
             self.publisher.finish()
 
     def bytes_read(self) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from knitkit.storage.backend import UnitSpec
+from knitkit.storage import UnitSpec
 from knitkit.types import SeqRange, UnitKey
 
 UNIT_FIELD = "unit"
@@ -115,7 +115,7 @@ class TransferQueueBackend:
         ranges: Sequence[SeqRange] | None = None,
         out: np.ndarray | None = None,
     ) -> np.ndarray:
-        from knitkit.storage.ranges import check_ranges, destination
+        from knitkit.storage import check_ranges, destination
 
         spec = self.spec(key)
         checked = check_ranges(key, spec, ranges)

@@ -7,9 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from knitkit.storage.payload import Trajectory
-from knitkit.storage.plan import MiniBatchPlan
-from knitkit.storage.sample_level import LocalTrajectories, RankPosition
+from knitkit.storage import MiniBatchPlan, Trajectory
+from knitkit.storage.baselines import LocalTrajectories, RankPosition
 from knitkit.types import UnitKey
 
 IMAGE_FIELD = "image"

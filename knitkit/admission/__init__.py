@@ -1,8 +1,7 @@
-"""Constraint-preserving mini-batch admission (paper 5.1) and the trace-replay simulator."""
+"""Constraint-preserving mini-batch admission (paper 5.1); the trace-replay simulator is ``knitkit.admission.replay``."""
 
 from knitkit.admission.config import AdmissionConfig
 from knitkit.admission.controller import AdmissionController, AdmissionStats, MiniBatch
-from knitkit.admission.oracle import BatchWindow, offline_optimum, online_finish, regret_study
 from knitkit.admission.policies import POLICY_NAMES, build_controller, describe, policy_config
 from knitkit.admission.predicates import (
     AdmissionView,
@@ -10,7 +9,6 @@ from knitkit.admission.predicates import (
     ReadinessPredicate,
     SourceQuota,
 )
-from knitkit.admission.replay import ProgressBar, replay_preset, run_replay
 from knitkit.admission.schedules import (
     BarrierSchedule,
     ExplicitSchedule,
@@ -25,25 +23,14 @@ from knitkit.admission.selection import (
     PacedSelection,
     SelectionPolicy,
 )
-from knitkit.admission.settings import PRESETS, Preset, ReplaySettings, preset
-from knitkit.admission.trace import (
-    SourceProfile,
-    Trace,
-    TraceRecord,
-    generate_trace,
-    read_jsonl,
-    write_jsonl,
-)
 
 __all__ = [
     "POLICY_NAMES",
-    "PRESETS",
     "AdmissionConfig",
     "AdmissionController",
     "AdmissionStats",
     "AdmissionView",
     "BarrierSchedule",
-    "BatchWindow",
     "CandidateRequest",
     "CompletionQuota",
     "ExplicitSchedule",
@@ -52,27 +39,12 @@ __all__ = [
     "MiniBatch",
     "OldestFirst",
     "PacedSelection",
-    "Preset",
-    "ProgressBar",
     "ReadinessPredicate",
     "RelaxedSchedule",
-    "ReplaySettings",
     "Schedule",
     "SelectionPolicy",
-    "SourceProfile",
     "SourceQuota",
-    "Trace",
-    "TraceRecord",
     "build_controller",
     "describe",
-    "generate_trace",
-    "offline_optimum",
-    "online_finish",
     "policy_config",
-    "preset",
-    "read_jsonl",
-    "regret_study",
-    "replay_preset",
-    "run_replay",
-    "write_jsonl",
 ]

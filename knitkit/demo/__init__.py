@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from knitkit.admission import ProgressBar, preset, run_replay
+from knitkit.admission.replay import ProgressBar, preset, run_replay
 from knitkit.demo.model import ModelSize
 from knitkit.demo.pipeline import PipelineConfig, run_pipeline
 from knitkit.demo.report import plot_report, print_report, summarize
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     print_report(figures, REPLAY_POLICIES)
     (args.out / "report.json").write_text(json.dumps(figures, indent=2))
     plot_report(figures, live, args.out / "demo.png")
-    from knitkit.admission.plot import plot_replay
+    from knitkit.admission.replay import plot_replay
 
     plot_replay(replay, args.out / "replay.png")
     print(

@@ -18,14 +18,14 @@ from knitkit.storage import (
     EncoderTopology,
     MiniBatchPlan,
     PlannerConfig,
+    ReorganizerProcess,
+    RingSpec,
     SharedMemoryBackend,
     Topology,
     TrajectoryStore,
     plan_minibatch,
 )
-from knitkit.storage.reorganizer_process import ReorganizerProcess
-from knitkit.storage.sample_level import RankPosition, share_reads
-from knitkit.storage.slot_ring import RingSpec
+from knitkit.storage.baselines import RankPosition, share_reads
 
 TOKEN_FIELDS = ("tokens", "labels", "old_logprobs", "loss_mask", "routing")
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from knitkit.admission import SourceProfile, generate_trace
+from knitkit.admission.replay import SourceProfile, generate_trace
 from knitkit.storage import MultimodalInput, Trajectory
 
 PROMPT_TOKENS = 6

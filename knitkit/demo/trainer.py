@@ -24,9 +24,7 @@ from knitkit.encoder_dedup import (
     row_slices,
 )
 from knitkit.microbatch_iter import MicroBatchIterator
-from knitkit.storage import MicroBatchPlan, MiniBatchPlan
-from knitkit.storage.consumer import MicroBatchConsumer
-from knitkit.storage.slot_ring import RingSpec
+from knitkit.storage import MicroBatchConsumer, MicroBatchPlan, MiniBatchPlan, RingSpec
 from knitkit.types import UnitKey
 
 

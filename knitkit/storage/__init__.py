@@ -1,20 +1,36 @@
 """knitkit.storage: atomic-unit trajectory storage, topology-aware planning and THD packing (paper 5.2)."""
 
-from knitkit.storage.backend import UnitBackend, UnitSpec
-from knitkit.storage.balance import CostModel, karmarkar_karp, pack_by_budget, pack_ranks_by_budget
-from knitkit.storage.consumer import (
+from knitkit.storage.backends.backend import UnitBackend, UnitSpec
+from knitkit.storage.backends.disk import SafetensorsBackend
+from knitkit.storage.backends.memory import MemoryBackend
+from knitkit.storage.backends.ranges import (
+    check_ranges,
+    check_replacement,
+    destination,
+    read_ranges,
+    rows_of,
+    spec_of,
+)
+from knitkit.storage.backends.shm import SharedMemoryBackend
+from knitkit.storage.delivery.consumer import (
     DeliveredMicroBatch,
     MicroBatchConsumer,
     ReorganizerDiedError,
     ReorganizerError,
 )
-from knitkit.storage.cp import cp_chunks, padded_lengths, rank_chunks
-from knitkit.storage.disk import SafetensorsBackend
-from knitkit.storage.index import HierarchicalIndex, IndexEntry
-from knitkit.storage.memory import MemoryBackend
-from knitkit.storage.packing import ReadInto, RowSpec, pack, pack_into, pack_layout
-from knitkit.storage.payload import MultimodalInput, Trajectory, content_key, video_groups
-from knitkit.storage.plan import (
+from knitkit.storage.delivery.publication import Publisher
+from knitkit.storage.delivery.reorganizer import Reorganizer
+from knitkit.storage.delivery.reorganizer_process import Assignment, ReorganizerProcess
+from knitkit.storage.delivery.slot_ring import RingClosedError, RingSpec, SlotRing, unlink_ring
+from knitkit.storage.planning.balance import (
+    CostModel,
+    karmarkar_karp,
+    pack_by_budget,
+    pack_ranks_by_budget,
+)
+from knitkit.storage.planning.cp import cp_chunks, padded_lengths, rank_chunks
+from knitkit.storage.planning.packing import ReadInto, RowSpec, pack, pack_into, pack_layout
+from knitkit.storage.planning.plan import (
     ConsumerPlan,
     EncoderPlan,
     EncoderRankPlan,
@@ -24,21 +40,10 @@ from knitkit.storage.plan import (
     SequenceSlice,
     Topology,
 )
-from knitkit.storage.planner import PlannerConfig, plan_encoder, plan_minibatch, planner_ms
-from knitkit.storage.publication import Publisher
-from knitkit.storage.reorganizer import Reorganizer
-from knitkit.storage.reorganizer_process import Assignment, ReorganizerProcess
-from knitkit.storage.sample_level import (
-    LocalTrajectories,
-    RankPosition,
-    pack_local,
-    read_share,
-    share_reads,
-)
-from knitkit.storage.shm import SharedMemoryBackend
-from knitkit.storage.slot_ring import RingClosedError, RingSpec, SlotRing
-from knitkit.storage.store import TrajectoryStore
-from knitkit.storage.synthetic import synthetic_metas, synthetic_trajectories
+from knitkit.storage.planning.planner import PlannerConfig, plan_encoder, plan_minibatch
+from knitkit.storage.units.index import HierarchicalIndex, IndexEntry
+from knitkit.storage.units.payload import MultimodalInput, Trajectory, content_key, video_groups
+from knitkit.storage.units.store import TrajectoryStore
 
 __all__ = [
     "Assignment",
@@ -50,7 +55,6 @@ __all__ = [
     "EncoderTopology",
     "HierarchicalIndex",
     "IndexEntry",
-    "LocalTrajectories",
     "MemoryBackend",
     "MicroBatchConsumer",
     "MicroBatchPlan",
@@ -58,7 +62,6 @@ __all__ = [
     "MultimodalInput",
     "PlannerConfig",
     "Publisher",
-    "RankPosition",
     "ReadInto",
     "Reorganizer",
     "ReorganizerDiedError",
@@ -76,23 +79,24 @@ __all__ = [
     "TrajectoryStore",
     "UnitBackend",
     "UnitSpec",
+    "check_ranges",
+    "check_replacement",
     "content_key",
     "cp_chunks",
+    "destination",
     "karmarkar_karp",
     "pack",
     "pack_by_budget",
     "pack_into",
     "pack_layout",
-    "pack_local",
     "pack_ranks_by_budget",
     "padded_lengths",
     "plan_encoder",
     "plan_minibatch",
-    "planner_ms",
     "rank_chunks",
-    "read_share",
-    "share_reads",
-    "synthetic_metas",
-    "synthetic_trajectories",
+    "read_ranges",
+    "rows_of",
+    "spec_of",
+    "unlink_ring",
     "video_groups",
 ]

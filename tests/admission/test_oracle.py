@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from knitkit.admission import BatchWindow, SourceQuota, offline_optimum, online_finish
-from knitkit.admission.oracle import random_window
+from knitkit.admission import SourceQuota
+from knitkit.admission.replay import BatchWindow, offline_optimum, online_finish
+from knitkit.admission.replay.oracle import random_window
 
 
 def test_small_exact_example() -> None:

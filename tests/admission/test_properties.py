@@ -8,11 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from knitkit.admission import (
+from knitkit.admission import SourceQuota, build_controller
+from knitkit.admission.replay import (
     ReplaySettings,
     SourceProfile,
-    SourceQuota,
-    build_controller,
     generate_trace,
     replay_preset,
     run_replay,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from knitkit.admission import ProgressBar, preset, write_jsonl
+from knitkit.admission.replay import ProgressBar, preset, write_jsonl
 from knitkit.cli import main
 
 

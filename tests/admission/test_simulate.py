@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from knitkit.admission import ReplaySettings, Trace, TraceRecord, preset, run_replay
-from knitkit.admission.rollout import EventQueue, RolloutPool
-from knitkit.admission.simulate import run_colocated
+from knitkit.admission.replay import ReplaySettings, Trace, TraceRecord, preset, run_replay
+from knitkit.admission.replay.rollout import EventQueue, RolloutPool
+from knitkit.admission.replay.simulate import run_colocated
 
 
 def constant_trace(per_source: int = 2000) -> Trace:

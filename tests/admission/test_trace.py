@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from knitkit.admission import SourceProfile, generate_trace, read_jsonl, write_jsonl
+from knitkit.admission.replay import SourceProfile, generate_trace, read_jsonl, write_jsonl
 
 PROFILES = (
     SourceProfile(name="A", median_s=10.0, sigma=0.5, cap_factor=3.0),

@@ -17,16 +17,11 @@ pytest.importorskip(
 )
 
 from knitkit.integration.mooncake import MasterAddress, MooncakeBackend, MooncakeMaster
-from knitkit.storage import (
-    PlannerConfig,
-    Topology,
-    TrajectoryStore,
-    plan_minibatch,
-    synthetic_trajectories,
-)
-from knitkit.storage.consumer import MicroBatchConsumer
-from knitkit.storage.reorganizer_process import ReorganizerProcess
-from knitkit.storage.slot_ring import RingSpec
+from knitkit.storage import PlannerConfig, Topology, TrajectoryStore, plan_minibatch
+from knitkit.storage.baselines.synthetic import synthetic_trajectories
+from knitkit.storage.delivery.consumer import MicroBatchConsumer
+from knitkit.storage.delivery.reorganizer_process import ReorganizerProcess
+from knitkit.storage.delivery.slot_ring import RingSpec
 from knitkit.types import UnitKey
 
 POSITION_MASK = (1 << 20) - 1

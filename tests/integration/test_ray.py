@@ -27,14 +27,14 @@ from knitkit.storage import (  # noqa: E402
     TrajectoryStore,
     pack,
     plan_minibatch,
-    synthetic_trajectories,
 )
-from knitkit.storage.consumer import (  # noqa: E402
+from knitkit.storage.baselines.synthetic import synthetic_trajectories  # noqa: E402
+from knitkit.storage.delivery.consumer import (  # noqa: E402
     MicroBatchConsumer,
     ReorganizerDiedError,
     ReorganizerError,
 )
-from knitkit.storage.slot_ring import RingSpec  # noqa: E402
+from knitkit.storage.delivery.slot_ring import RingSpec  # noqa: E402
 from knitkit.types import MicroBatchLayout, UnitKey  # noqa: E402
 
 # Ray workers cannot import this test module: ship its functions by value.

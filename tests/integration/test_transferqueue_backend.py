@@ -18,16 +18,16 @@ from knitkit.integration.transferqueue.backend import (
     stop_transfer_queue,
 )
 from knitkit.integration.transferqueue.baseline import put_trajectories, read_share_tq
-from knitkit.storage.consumer import MicroBatchConsumer
-from knitkit.storage.memory import MemoryBackend
-from knitkit.storage.plan import Topology
-from knitkit.storage.planner import PlannerConfig, plan_minibatch
-from knitkit.storage.publication import Publisher
-from knitkit.storage.reorganizer import Reorganizer
-from knitkit.storage.sample_level import RankPosition, pack_local, read_share
-from knitkit.storage.slot_ring import RingSpec, SlotRing
-from knitkit.storage.store import TrajectoryStore
-from knitkit.storage.synthetic import synthetic_trajectories
+from knitkit.storage.backends.memory import MemoryBackend
+from knitkit.storage.baselines.sample_level import RankPosition, pack_local, read_share
+from knitkit.storage.baselines.synthetic import synthetic_trajectories
+from knitkit.storage.delivery.consumer import MicroBatchConsumer
+from knitkit.storage.delivery.publication import Publisher
+from knitkit.storage.delivery.reorganizer import Reorganizer
+from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing
+from knitkit.storage.planning.plan import Topology
+from knitkit.storage.planning.planner import PlannerConfig, plan_minibatch
+from knitkit.storage.units.store import TrajectoryStore
 from knitkit.types import UnitKey
 
 pytestmark = pytest.mark.slow

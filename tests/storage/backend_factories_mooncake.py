@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from knitkit.storage.backend import UnitBackend
+from knitkit.storage.backends.backend import UnitBackend
 
 
 def make_backend(tmp: Path) -> UnitBackend:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from knitkit.storage.backend import UnitBackend
+from knitkit.storage.backends.backend import UnitBackend
 
 _started = False
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from knitkit.storage.backend import UnitBackend
-from knitkit.storage.disk import SafetensorsBackend
-from knitkit.storage.memory import MemoryBackend
-from knitkit.storage.shm import SharedMemoryBackend
+from knitkit.storage.backends.backend import UnitBackend
+from knitkit.storage.backends.disk import SafetensorsBackend
+from knitkit.storage.backends.memory import MemoryBackend
+from knitkit.storage.backends.shm import SharedMemoryBackend
 
 BackendFactory = Callable[[Path], UnitBackend]
 

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from knitkit.storage.backend import UnitBackend
-from knitkit.storage.plan import MiniBatchPlan, Topology
-from knitkit.storage.planner import PlannerConfig, plan_minibatch
+from knitkit.storage.backends.backend import UnitBackend
+from knitkit.storage.planning.plan import MiniBatchPlan, Topology
+from knitkit.storage.planning.planner import PlannerConfig, plan_minibatch
 from knitkit.types import TrajectoryMeta, UnitKey
 
 POSITION_BITS = 20

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from knitkit.storage.backend import UnitBackend, UnitSpec
+from knitkit.storage.backends.backend import UnitBackend, UnitSpec
 from knitkit.types import UnitKey
 
 _counter = itertools.count()

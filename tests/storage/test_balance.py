@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knitkit.storage.balance import CostModel, karmarkar_karp, pack_ranks_by_budget
+from knitkit.storage.planning.balance import CostModel, karmarkar_karp, pack_ranks_by_budget
 
 
 def test_cost_model_is_linear_plus_quadratic() -> None:

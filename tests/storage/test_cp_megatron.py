@@ -19,7 +19,7 @@ from knitkit.storage import (
     pack,
     plan_minibatch,
 )
-from knitkit.storage.payload import Trajectory
+from knitkit.storage.units.payload import Trajectory
 
 LENGTHS = (1, 5, 12, 37, 64, 101)
 FIELDS = ("tokens", "routing")

@@ -5,7 +5,7 @@ import pickle
 import struct
 from pathlib import Path
 
-from knitkit.storage.journal import UnitJournal
+from knitkit.storage.backends.journal import UnitJournal
 
 
 def test_readers_replay_new_complete_records_only(tmp_path: Path) -> None:

@@ -16,9 +16,9 @@ from knitkit.storage import (
     pack_into,
     pack_layout,
     plan_minibatch,
-    synthetic_trajectories,
 )
-from knitkit.storage.plan import MicroBatchPlan, SequenceSlice
+from knitkit.storage.baselines.synthetic import synthetic_trajectories
+from knitkit.storage.planning.plan import MicroBatchPlan, SequenceSlice
 
 FIELDS = ("tokens", "logprobs", "loss_mask", "routing", "topp_mask")
 

@@ -8,15 +8,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knitkit.storage import (
-    EncoderTopology,
-    MiniBatchPlan,
-    PlannerConfig,
-    Topology,
-    plan_minibatch,
-    planner_ms,
-    synthetic_metas,
-)
+from knitkit.storage import EncoderTopology, MiniBatchPlan, PlannerConfig, Topology, plan_minibatch
+from knitkit.storage.baselines.planner_timing import planner_ms
+from knitkit.storage.baselines.synthetic import synthetic_metas
 from knitkit.types import MultimodalRef, TrajectoryMeta, UnitKey
 
 

@@ -8,10 +8,14 @@ import time
 
 import pytest
 
-from knitkit.storage.consumer import MicroBatchConsumer, ReorganizerDiedError, ReorganizerError
-from knitkit.storage.liveness import pid_alive
-from knitkit.storage.publication import Publisher
-from knitkit.storage.slot_ring import RingClosedError, RingSpec, SlotRing
+from knitkit.storage.delivery.consumer import (
+    MicroBatchConsumer,
+    ReorganizerDiedError,
+    ReorganizerError,
+)
+from knitkit.storage.delivery.liveness import pid_alive
+from knitkit.storage.delivery.publication import Publisher
+from knitkit.storage.delivery.slot_ring import RingClosedError, RingSpec, SlotRing
 from knitkit.types import MicroBatchLayout
 
 

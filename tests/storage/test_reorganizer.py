@@ -12,16 +12,16 @@ from delivery_payloads import fill_backend, make_metas, plan_for, real_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knitkit.storage.backend import UnitBackend
-from knitkit.storage.consumer import MicroBatchConsumer
-from knitkit.storage.disk import SafetensorsBackend
-from knitkit.storage.memory import MemoryBackend
-from knitkit.storage.plan import Topology
-from knitkit.storage.publication import Publisher
-from knitkit.storage.reorganizer import Reorganizer
-from knitkit.storage.reorganizer_process import ReorganizerProcess
-from knitkit.storage.shm import SharedMemoryBackend
-from knitkit.storage.slot_ring import RingSpec, SlotRing
+from knitkit.storage.backends.backend import UnitBackend
+from knitkit.storage.backends.disk import SafetensorsBackend
+from knitkit.storage.backends.memory import MemoryBackend
+from knitkit.storage.backends.shm import SharedMemoryBackend
+from knitkit.storage.delivery.consumer import MicroBatchConsumer
+from knitkit.storage.delivery.publication import Publisher
+from knitkit.storage.delivery.reorganizer import Reorganizer
+from knitkit.storage.delivery.reorganizer_process import ReorganizerProcess
+from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing
+from knitkit.storage.planning.plan import Topology
 
 
 def _digest(buffer: memoryview) -> str:

@@ -14,12 +14,16 @@ import numpy as np
 import pytest
 from delivery_payloads import fill_backend, make_metas, plan_for
 
-from knitkit.storage.consumer import MicroBatchConsumer, ReorganizerDiedError, ReorganizerError
-from knitkit.storage.liveness import pid_alive
-from knitkit.storage.plan import Topology
-from knitkit.storage.reorganizer_process import ReorganizerProcess
-from knitkit.storage.shm import SharedMemoryBackend
-from knitkit.storage.slot_ring import RingSpec
+from knitkit.storage.backends.shm import SharedMemoryBackend
+from knitkit.storage.delivery.consumer import (
+    MicroBatchConsumer,
+    ReorganizerDiedError,
+    ReorganizerError,
+)
+from knitkit.storage.delivery.liveness import pid_alive
+from knitkit.storage.delivery.reorganizer_process import ReorganizerProcess
+from knitkit.storage.delivery.slot_ring import RingSpec
+from knitkit.storage.planning.plan import Topology
 from knitkit.types import UnitKey
 
 LIVENESS_S = 2.0
@@ -117,10 +121,10 @@ _OWNER = textwrap.dedent(
     import numpy as np
     sys.path.insert(0, {tests!r})
     from delivery_payloads import fill_backend, make_metas, plan_for
-    from knitkit.storage.plan import Topology
-    from knitkit.storage.reorganizer_process import ReorganizerProcess
-    from knitkit.storage.shm import SharedMemoryBackend
-    from knitkit.storage.slot_ring import RingSpec
+    from knitkit.storage.planning.plan import Topology
+    from knitkit.storage.delivery.reorganizer_process import ReorganizerProcess
+    from knitkit.storage.backends.shm import SharedMemoryBackend
+    from knitkit.storage.delivery.slot_ring import RingSpec
 
     metas = make_metas(np.full(8, 120).tolist())
     backend = SharedMemoryBackend(slab_bytes=2 << 20)

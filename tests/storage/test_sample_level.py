@@ -5,12 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from knitkit.storage.consumer import MicroBatchConsumer
-from knitkit.storage.plan import EncoderTopology, Topology
-from knitkit.storage.planner import PlannerConfig, plan_minibatch
-from knitkit.storage.publication import Publisher
-from knitkit.storage.reorganizer import Reorganizer
-from knitkit.storage.sample_level import (
+from knitkit.storage.backends.shm import SharedMemoryBackend
+from knitkit.storage.baselines.sample_level import (
     RankPosition,
     pack_local,
     read_share,
@@ -18,10 +14,14 @@ from knitkit.storage.sample_level import (
     send_multimodal,
     share_reads,
 )
-from knitkit.storage.shm import SharedMemoryBackend
-from knitkit.storage.slot_ring import RingSpec, SlotRing
-from knitkit.storage.store import TrajectoryStore
-from knitkit.storage.synthetic import synthetic_trajectories
+from knitkit.storage.baselines.synthetic import synthetic_trajectories
+from knitkit.storage.delivery.consumer import MicroBatchConsumer
+from knitkit.storage.delivery.publication import Publisher
+from knitkit.storage.delivery.reorganizer import Reorganizer
+from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing
+from knitkit.storage.planning.plan import EncoderTopology, Topology
+from knitkit.storage.planning.planner import PlannerConfig, plan_minibatch
+from knitkit.storage.units.store import TrajectoryStore
 
 FIELDS = ("tokens", "logprobs", "loss_mask", "routing", "topp_mask")
 

@@ -12,9 +12,9 @@ from knitkit.storage import (
     TrajectoryStore,
     UnitBackend,
     plan_minibatch,
-    synthetic_trajectories,
 )
-from knitkit.storage.payload import MultimodalInput, Trajectory, video_groups
+from knitkit.storage.baselines.synthetic import synthetic_trajectories
+from knitkit.storage.units.payload import MultimodalInput, Trajectory, video_groups
 from knitkit.types import UnitKey
 
 FIELDS = ("tokens", "logprobs", "loss_mask", "routing", "topp_mask")

@@ -10,14 +10,14 @@ from typing import Any
 
 import numpy as np
 
-from knitkit.storage.backend import UnitSpec
-from knitkit.storage.journal import UnitJournal
-from knitkit.storage.ranges import (
+from knitkit.storage.backends.backend import UnitSpec
+from knitkit.storage.backends.journal import UnitJournal
+from knitkit.storage.backends.ranges import (
     check_replacement,
     read_ranges,
     spec_of,
 )
-from knitkit.storage.slab import Slab, unlink_quietly
+from knitkit.storage.backends.slab import Slab, unlink_quietly
 from knitkit.types import SeqRange, UnitKey
 
 _Location = tuple[int, int, UnitSpec]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from knitkit.storage.backend import UnitBackend
-from knitkit.storage.packing import RowSpec, pack_into, pack_layout
-from knitkit.storage.plan import ConsumerPlan, EncoderRankPlan, MicroBatchPlan
-from knitkit.storage.publication import Publisher
+from knitkit.storage.backends.backend import UnitBackend
+from knitkit.storage.delivery.publication import Publisher
+from knitkit.storage.planning.packing import RowSpec, pack_into, pack_layout
+from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan, MicroBatchPlan
 from knitkit.types import MicroBatchLayout, UnitKey, UnitRead
 
 

@@ -136,6 +136,11 @@ class SlotRing:
         self.words[_STATE_W] = state
 
     @property
+    def failed(self) -> bool:
+        """True once the producer reported an error (``set_error``)."""
+        return self.state == FAILED
+
+    @property
     def producer_pid(self) -> int:
         return int(self.words[_PRODUCER_PID_W])
 

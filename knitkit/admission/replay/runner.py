@@ -8,11 +8,16 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from knitkit.admission.metrics import RunRecord, first_minibatch_fraction, mix_skew, violations
 from knitkit.admission.policies import POLICY_NAMES
-from knitkit.admission.settings import ReplaySettings, preset
-from knitkit.admission.simulate import run_colocated, run_disaggregated
-from knitkit.admission.trace import Trace
+from knitkit.admission.replay.metrics import (
+    RunRecord,
+    first_minibatch_fraction,
+    mix_skew,
+    violations,
+)
+from knitkit.admission.replay.settings import ReplaySettings, preset
+from knitkit.admission.replay.simulate import run_colocated, run_disaggregated
+from knitkit.admission.replay.trace import Trace
 
 Summary = dict[str, Any]
 

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from knitkit.storage.plan import MicroBatchPlan
+from knitkit.storage.planning.plan import MicroBatchPlan
 from knitkit.types import MicroBatchLayout, UnitKey, UnitRead
 
 RowSpec = tuple[str, tuple[int, ...]]

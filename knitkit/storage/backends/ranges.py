@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from knitkit.storage.backend import UnitSpec
+from knitkit.storage.backends.backend import UnitSpec
 from knitkit.types import SeqRange, UnitKey
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from knitkit.storage.plan import MiniBatchPlan
+from knitkit.storage.planning.plan import MiniBatchPlan
 from knitkit.types import UnitKey
 
 

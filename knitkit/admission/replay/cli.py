@@ -7,9 +7,9 @@ import json
 import sys
 
 from knitkit.admission.policies import POLICY_NAMES, describe
-from knitkit.admission.replay import ProgressBar, Summary, run_replay
-from knitkit.admission.settings import PRESETS, ReplaySettings, preset
-from knitkit.admission.trace import Trace, read_jsonl
+from knitkit.admission.replay.runner import ProgressBar, Summary, run_replay
+from knitkit.admission.replay.settings import PRESETS, ReplaySettings, preset
+from knitkit.admission.replay.trace import Trace, read_jsonl
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=1)
     if args.plot:
-        from knitkit.admission.plot import plot_replay
+        from knitkit.admission.replay.plot import plot_replay
 
         plot_replay(summary, args.plot)
     return 0

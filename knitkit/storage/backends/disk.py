@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-from knitkit.storage.backend import UnitSpec
-from knitkit.storage.ranges import check_ranges, check_replacement, destination
+from knitkit.storage.backends.backend import UnitSpec
+from knitkit.storage.backends.ranges import check_ranges, check_replacement, destination
 from knitkit.types import SeqRange, UnitKey
 
 _DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16"}

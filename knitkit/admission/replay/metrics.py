@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from knitkit.admission.rollout import Job
+from knitkit.admission.replay.rollout import Job
 
 
 @dataclass(slots=True)

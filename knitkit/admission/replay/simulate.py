@@ -7,11 +7,11 @@ from collections import deque
 from collections.abc import Callable
 
 from knitkit.admission.controller import AdmissionController, MiniBatch
-from knitkit.admission.metrics import RunRecord
 from knitkit.admission.policies import build_controller
-from knitkit.admission.rollout import EventQueue, Job, RolloutPool
-from knitkit.admission.settings import ReplaySettings
-from knitkit.admission.trace import Trace
+from knitkit.admission.replay.metrics import RunRecord
+from knitkit.admission.replay.rollout import EventQueue, Job, RolloutPool
+from knitkit.admission.replay.settings import ReplaySettings
+from knitkit.admission.replay.trace import Trace
 
 Progress = Callable[[], None]
 """Called once per train batch finished."""

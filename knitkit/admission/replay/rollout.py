@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from knitkit.admission.trace import Trace, TraceRecord
+from knitkit.admission.replay.trace import Trace, TraceRecord
 from knitkit.types import TrajectoryMeta
 
 

@@ -6,12 +6,12 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from knitkit.storage.backend import UnitBackend
-from knitkit.storage.index import HierarchicalIndex, IndexEntry, TrajectoryRecord
-from knitkit.storage.lifetime import ConsumerLedger
-from knitkit.storage.packing import RowSpec
-from knitkit.storage.payload import Trajectory
-from knitkit.storage.plan import MiniBatchPlan
+from knitkit.storage.backends.backend import UnitBackend
+from knitkit.storage.planning.packing import RowSpec
+from knitkit.storage.planning.plan import MiniBatchPlan
+from knitkit.storage.units.index import HierarchicalIndex, IndexEntry, TrajectoryRecord
+from knitkit.storage.units.lifetime import ConsumerLedger
+from knitkit.storage.units.payload import Trajectory
 from knitkit.types import SeqRange, TrajectoryMeta, UnitKey, UnitRead
 
 

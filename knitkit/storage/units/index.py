@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from knitkit.storage.backend import UnitSpec
+from knitkit.storage.backends.backend import UnitSpec
 from knitkit.types import TrajectoryMeta, UnitKey
 
 

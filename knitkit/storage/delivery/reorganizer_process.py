@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
-from knitkit.storage.backend import UnitBackend
-from knitkit.storage.liveness import pid_alive
-from knitkit.storage.plan import ConsumerPlan, EncoderRankPlan
-from knitkit.storage.publication import Publisher
-from knitkit.storage.reorganizer import Reorganizer
-from knitkit.storage.slot_ring import RingClosedError, RingSpec, SlotRing
+from knitkit.storage.backends.backend import UnitBackend
+from knitkit.storage.delivery.liveness import pid_alive
+from knitkit.storage.delivery.publication import Publisher
+from knitkit.storage.delivery.reorganizer import Reorganizer
+from knitkit.storage.delivery.slot_ring import RingClosedError, RingSpec, SlotRing
+from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan
 
 # NOTE [ Reorganizer process shutdown ]
 #

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from knitkit.admission.predicates import SourceQuota
-from knitkit.admission.trace import SourceProfile, Trace, generate_trace
+from knitkit.admission.replay.trace import SourceProfile, Trace, generate_trace
 
 PARTIAL_MODES = ("off", "drain", "abort_resume")
 

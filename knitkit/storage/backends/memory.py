@@ -6,8 +6,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from knitkit.storage.backend import UnitSpec
-from knitkit.storage.ranges import (
+from knitkit.storage.backends.backend import UnitSpec
+from knitkit.storage.backends.ranges import (
     check_replacement,
     read_ranges,
     spec_of,

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from knitkit.storage.backend import UnitBackend
-from knitkit.storage.consumer import MicroBatchConsumer
-from knitkit.storage.packing import RowSpec, pack
-from knitkit.storage.plan import ConsumerPlan, MicroBatchPlan, MiniBatchPlan
-from knitkit.storage.publication import Publisher
-from knitkit.storage.ranges import check_ranges, destination, spec_of
+from knitkit.storage.backends.backend import UnitBackend
+from knitkit.storage.backends.ranges import check_ranges, destination, spec_of
+from knitkit.storage.delivery.consumer import MicroBatchConsumer
+from knitkit.storage.delivery.publication import Publisher
+from knitkit.storage.planning.packing import RowSpec, pack
+from knitkit.storage.planning.plan import ConsumerPlan, MicroBatchPlan, MiniBatchPlan
 from knitkit.types import MicroBatchLayout, UnitKey, UnitRead
 
 MULTIMODAL_KINDS = ("image", "video")

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from knitkit.storage.liveness import Backoff, pid_alive
-from knitkit.storage.slot_ring import (
+from knitkit.storage.delivery.liveness import Backoff, pid_alive
+from knitkit.storage.delivery.slot_ring import (
     DONE,
     FAILED,
     STARTING,

@@ -6,7 +6,7 @@ import hashlib
 
 import numpy as np
 
-from knitkit.storage.payload import MultimodalInput, Trajectory
+from knitkit.storage.units.payload import MultimodalInput, Trajectory
 from knitkit.types import MultimodalRef, TrajectoryMeta, UnitKey
 
 

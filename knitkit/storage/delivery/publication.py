@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import threading
 
-from knitkit.storage.liveness import Backoff, pid_alive
-from knitkit.storage.slot_ring import (
+from knitkit.storage.delivery.liveness import Backoff, pid_alive
+from knitkit.storage.delivery.slot_ring import (
     DONE,
     FAILED,
     HEARTBEAT_S,

@@ -1,0 +1,22 @@
+"""Not part of the data path: the sample-level baseline, synthetic payloads and planner timing, for benchmarks and tests."""
+
+from knitkit.storage.baselines.planner_timing import planner_ms
+from knitkit.storage.baselines.sample_level import (
+    LocalTrajectories,
+    RankPosition,
+    pack_local,
+    read_share,
+    share_reads,
+)
+from knitkit.storage.baselines.synthetic import synthetic_metas, synthetic_trajectories
+
+__all__ = [
+    "LocalTrajectories",
+    "RankPosition",
+    "pack_local",
+    "planner_ms",
+    "read_share",
+    "share_reads",
+    "synthetic_metas",
+    "synthetic_trajectories",
+]

@@ -1,0 +1,1 @@
+"""Delivery: reorganizer processes, shared-memory publication, per-rank consumers (README steps 7-9)."""
