@@ -32,6 +32,7 @@ wheel_check() {
     # so a package missing from the wheel fails here rather than for a user.
     local tmp
     tmp=$(mktemp -d)
+    rm -rf build  # setuptools' scratch copy keeps modules that were moved or deleted since
     "$PYTHON" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation -w "$tmp/dist" .
     "$PYTHON" -m venv "$tmp/venv"
     "$tmp/venv/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"

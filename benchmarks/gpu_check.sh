@@ -81,6 +81,29 @@ if [ -f benchmarks/encoder_dedup.py ]; then
         --json "$OUT/encoder_dedup.json"
 fi
 
+# The Megatron VLM examples in their GPU form (NCCL, TE layer specs when TE is installed); their
+# TE equivalence tests (LLaVA and mRoPE at TP2 and CP2 x TP2) are among the cuda tests above.
+gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
+for example in megatron_llava megatron_mrope; do
+    if [ "$gpus" -ge 2 ]; then
+        run "example-$example" 300 "$PYTHON" -m torch.distributed.run --nproc-per-node 2 \
+            "examples/$example.py"
+    else
+        echo "gpu_check: NOTE: examples/$example.py needs 2 GPUs, found $gpus; skipped" >&2
+    fi
+done
+
+# Megatron correctness (issue 10): the NCCL variants in tests/integration/test_megatron_step.py
+# (*_nccl: TP2 and DP2 x TP2 replicated / TP-sharded vision, the sequence-parallel ViT with q/k
+# layernorm, DistributedOptimizer.step() with and without overlap_param_gather) and
+# tests/encoder_dedup (test_nccl_*) run with the cuda tests above; here the wrap example on NCCL.
+if [ "$gpus" -ge 2 ]; then
+    run example-megatron_wrap 300 "$PYTHON" -m torch.distributed.run --nproc-per-node 2 \
+        examples/megatron_wrap.py
+else
+    echo "gpu_check: NOTE: examples/megatron_wrap.py needs 2 GPUs, found $gpus; skipped" >&2
+fi
+
 echo "gpu_check: results in $OUT/ ($(ls "$OUT" | tr '\n' ' '))"
 [ "$status" -eq 0 ] && echo "gpu_check: OK" || echo "gpu_check: FAILED (see $OUT/*.txt)" >&2
 exit "$status"

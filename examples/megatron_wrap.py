@@ -12,6 +12,7 @@ On CPU the tests run ``train`` in a gloo world with a test-only CUDA shim
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from knitkit.integration.megatron import (
     DedupVLMStep,
     MegatronLayout,
+    layer_specs,
     megatron_batch,
     megatron_batches,
 )
@@ -61,11 +63,78 @@ class VisionPath(torch.nn.Module):
         return torch.cat([self.encode(patches)[a:b] for patches, a, b in images])
 
 
-def build_model(overlap_grad_reduce: bool, tp_sharded_projector: bool = False) -> Any:
+class VisionTransformer(torch.nn.Module):
+    """A TP-sharded vision path as in LLaVA: patch embedding, megatron transformer layers (q/k
+    layernorm; sequence parallel when the config says so) and megatron's ``MultimodalProjector``.
+
+    Under sequence parallelism the patch sequence is scattered over TP before the layers and
+    gathered after them, so layernorms and row-parallel biases see a slice of the sequence and
+    carry megatron's ``sequence_parallel`` tag: ``finalize_model_grads`` sums them over TP.
+    """
+
+    def __init__(self, config: Any, projector_config: Any, layer_spec: Any) -> None:
+        from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        from megatron.core.transformer.mlp import MLPSubmodules
+        from megatron.core.transformer.transformer_block import TransformerBlock
+
+        super().__init__()
+        self.config = config
+        self.patch_embed = torch.nn.Linear(PATCH_DIM, VISION_HIDDEN)
+        self.encoder = TransformerBlock(config, layer_spec, post_layer_norm=True)
+        self.projector = MultimodalProjector(
+            projector_config,
+            MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            "mlp",
+            VISION_HIDDEN,
+        )
+
+    def encode(self, patches: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import (
+            gather_from_sequence_parallel_region,
+            scatter_to_sequence_parallel_region,
+        )
+
+        rows = len(patches)
+        hidden = self.patch_embed(patches)
+        if self.config.sequence_parallel:  # the scatter needs a multiple of TP rows
+            pad = -rows % self.config.tensor_model_parallel_size
+            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
+        # Patches see each other, never the padding (True = masked).
+        padding = torch.arange(len(hidden), device=hidden.device) >= rows
+        mask = padding[None, None, None, :].expand(1, 1, len(hidden), len(hidden))
+        hidden = hidden[:, None]
+        if self.config.sequence_parallel:
+            hidden = scatter_to_sequence_parallel_region(hidden)
+        hidden = self.encoder(hidden, attention_mask=mask)
+        if self.config.sequence_parallel:  # every TP rank then uses all rows alike
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return self.projector(hidden[:rows, 0])
+
+    def forward(self, images: list[tuple[torch.Tensor, int, int]]) -> torch.Tensor:
+        return torch.cat([self.encode(patches)[a:b] for patches, a, b in images])
+
+
+def build_model(
+    overlap_grad_reduce: bool,
+    tp_sharded_projector: bool = False,
+    *,
+    vision_transformer: bool = False,
+    sequence_parallel: bool = False,
+    block_spec: Callable[[int], Any] | None = None,
+    distributed_optimizer: bool = False,
+    overlap_param_gather: bool = False,
+) -> Any:
     """GPTModel + vision path in one MegatronModule, wrapped in Megatron DDP (seeded: same on every call).
 
     ``tp_sharded_projector`` uses megatron's ``MultimodalProjector`` (column- then row-parallel,
-    as in LLaVA) instead of a replicated linear projector.
+    as in LLaVA) instead of a replicated linear projector; ``vision_transformer`` uses the
+    TP-sharded ``VisionTransformer`` (q/k layernorm in both models). ``sequence_parallel`` turns
+    on megatron's sequence parallelism (the forward injects image features, then scatters).
+    ``block_spec(num_layers)`` gives the transformer layers' spec (default: megatron's local
+    spec; pass norms that support sequence parallelism, e.g. TE's or apex's, with it).
+    ``distributed_optimizer`` shards the gradient buffers for megatron's ``DistributedOptimizer``
+    (``overlap_param_gather``: its parameter all-gather overlaps the next forward).
     """
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -77,35 +146,56 @@ def build_model(overlap_grad_reduce: bool, tp_sharded_projector: bool = False) -
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.vision.multimodal_projector import MultimodalProjector
     from megatron.core.parallel_state import get_tensor_model_parallel_world_size
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        scatter_to_sequence_parallel_region,
+    )
     from megatron.core.transformer import MegatronModule, TransformerConfig
     from megatron.core.transformer.mlp import MLPSubmodules
 
-    config = TransformerConfig(
-        num_layers=2,
-        hidden_size=HIDDEN,
-        num_attention_heads=4,
-        tensor_model_parallel_size=get_tensor_model_parallel_world_size(),
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    tp = get_tensor_model_parallel_world_size()
+    common: dict[str, Any] = {
+        "tensor_model_parallel_size": tp,
+        "sequence_parallel": sequence_parallel,
+        "qk_layernorm": vision_transformer,
+        "use_cpu_initialization": True,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+    }
+    config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, **common)
+    spec = block_spec or (lambda layers: get_gpt_layer_local_spec(qk_layernorm=vision_transformer))
 
     class TinyVLM(MegatronModule):
         def __init__(self) -> None:
             super().__init__(config)
             self.model_type = ModelType.encoder_or_decoder
-            projector = None
-            if tp_sharded_projector:
-                projector = MultimodalProjector(
-                    config,
-                    MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-                    "mlp",
-                    VISION_HIDDEN,
+            projector_config = dataclasses.replace(config, sequence_parallel=False)
+            self.vision: torch.nn.Module
+            if vision_transformer:
+                vision_config = TransformerConfig(
+                    num_layers=1, hidden_size=VISION_HIDDEN, num_attention_heads=4, **common
                 )
-            self.vision = VisionPath(projector)
+                self.vision = VisionTransformer(vision_config, projector_config, spec(1))
+            else:
+                projector = None
+                if tp_sharded_projector:
+                    projector = MultimodalProjector(
+                        projector_config,
+                        MLPSubmodules(
+                            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
+                        ),
+                        "mlp",
+                        VISION_HIDDEN,
+                    )
+                self.vision = VisionPath(projector)
             self.language_model = GPTModel(
-                config, get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, position_embedding_type="rope"
+                config,
+                spec(config.num_layers),
+                VOCAB,
+                MAX_SEQ,
+                position_embedding_type="rope",
+                scatter_embedding_sequence_parallel=False,  # inject features first (forward)
             )
 
         def set_input_tensor(self, tensor: torch.Tensor) -> None:
@@ -115,16 +205,27 @@ def build_model(overlap_grad_reduce: bool, tp_sharded_projector: bool = False) -
             self,
             tokens: torch.Tensor,
             position_ids: torch.Tensor,
-            attention_mask: torch.Tensor,
+            attention_mask: torch.Tensor | None,
             labels: torch.Tensor,
             images: list[tuple[torch.Tensor, int, int]] | None = None,
+            packed_seq_params: Any = None,
         ) -> torch.Tensor:
+            # The whole sequence's embeddings, image features injected, THEN the sequence-parallel
+            # scatter (as LLaVA, verl and slime do): injecting after a scatter would need every
+            # TP rank to find its own slice of the placeholders.
             embeddings = self.language_model.embedding(input_ids=tokens, position_ids=position_ids)
             features = self.vision(images)  # [image tokens, hidden], in placeholder order
             at_image = (tokens == IMAGE_TOKEN).t().unsqueeze(-1).expand_as(embeddings)
             embeddings = embeddings.masked_scatter(at_image, features.to(embeddings.dtype))
+            if config.sequence_parallel:
+                embeddings = scatter_to_sequence_parallel_region(embeddings)
             return self.language_model(
-                tokens, position_ids, attention_mask, decoder_input=embeddings, labels=labels
+                tokens,
+                position_ids,
+                attention_mask,
+                decoder_input=embeddings,
+                labels=labels,
+                packed_seq_params=packed_seq_params,
             )
 
     torch.manual_seed(1234)
@@ -132,7 +233,13 @@ def build_model(overlap_grad_reduce: bool, tp_sharded_projector: bool = False) -
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     ddp = DistributedDataParallel(
-        config, DistributedDataParallelConfig(overlap_grad_reduce=overlap_grad_reduce), model
+        config,
+        DistributedDataParallelConfig(
+            overlap_grad_reduce=overlap_grad_reduce,
+            use_distributed_optimizer=distributed_optimizer,
+            overlap_param_gather=overlap_param_gather,
+        ),
+        model,
     )
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
@@ -150,12 +257,14 @@ def forward_step(
     data_iterator: Iterator[Mapping[str, Any]], model: torch.nn.Module
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], object]]:
     batch = next(data_iterator)
+    thd = "attention_mask" not in batch  # THD attention (TE) takes the packed sequences instead
     output = model(
         batch["tokens"],
         batch["position_ids"],
-        batch["attention_mask"],
+        batch.get("attention_mask"),
         batch["labels"],
         images=batch.get("images"),
+        packed_seq_params=batch["packed_seq_params"] if thd else None,
     )
     return output, functools.partial(loss_func, batch["loss_mask"])
 
@@ -195,26 +304,36 @@ def plan_step(
 
 
 def knitkit_batches(
-    store: TrajectoryStore, plan: MiniBatchPlan, layout: MegatronLayout
+    store: TrajectoryStore, plan: MiniBatchPlan, layout: MegatronLayout, thd: bool = False
 ) -> tuple[MicroBatchIterator, Iterator[Mapping[str, object]]]:
-    """This rank's packed micro-batches through knitkit's prefetch iterator, as Megatron batches."""
+    """This rank's packed micro-batches through knitkit's prefetch iterator, as Megatron batches.
+
+    ``thd=True`` hands the model ``packed_seq_params`` (THD attention, TE's layer spec);
+    otherwise a block-causal attention mask for megatron's local attention (CP=1).
+    """
     dp, cp, _ = layout.coord
     consumer = plan.consumer(dp, cp)
     schema = store.schema(consumer.micro_batches[0].sequences[0].trajectory_id)
     packed = (PackedMicroBatch(*pack(mb, schema, store.read_into)) for mb in consumer.micro_batches)
     iterator = MicroBatchIterator(packed)
     return iterator, megatron_batches(
-        iterator, functools.partial(megatron_batch, attention_mask=True)
+        iterator,
+        functools.partial(megatron_batch, cp_size=layout.topology.cp, attention_mask=not thd),
     )
 
 
 # ----- the wrap -----------------------------------------------------------------------------------
 def train(
-    steps: int = 3, overlap_grad_reduce: bool = False, lr: float = 0.1
+    steps: int = 3, overlap_grad_reduce: bool = False, lr: float = 0.1, use_te: bool | None = None
 ) -> list[dict[str, float]]:
-    """Train the tiny VLM for ``steps`` mini-batches with deduplicated encoding; per-step figures."""
+    """Train the tiny VLM for ``steps`` mini-batches with deduplicated encoding; per-step figures.
+
+    With Transformer Engine (installed, or ``use_te=True``) the model gets TE's layer spec and
+    THD batches (``packed_seq_params``); without it megatron's local spec and a block-causal mask.
+    """
+    specs = layer_specs(use_te)
     layout = MegatronLayout.from_parallel_state()
-    model = build_model(overlap_grad_reduce)
+    model = build_model(overlap_grad_reduce, block_spec=lambda layers: specs.language)
     vision = model.module.vision
     store = TrajectoryStore(MemoryBackend())
     trajectories = grpo_trajectories(seed=0)
@@ -232,7 +351,7 @@ def train(
     for _ in range(steps):
         plan = plan_step(store, ids, layout)
         model.zero_grad_buffer()
-        iterator, data = knitkit_batches(store, plan, layout)
+        iterator, data = knitkit_batches(store, plan, layout, thd=specs.use_te)
         with iterator:
             losses: list[Any] = step.run(
                 forward_step_func=forward_step,

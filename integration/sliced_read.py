@@ -1,8 +1,10 @@
-"""Sliced-read throughput of the engine backends (Ray, Mooncake) against a memcpy of the same bytes.
+"""Sliced-read throughput of the engine backends (Ray, Mooncake) against a ceiling moving the same bytes.
 
 ``python -m knitkit.integration.sliced_read [--quick] [--json PATH]`` prints the table;
 ``benchmarks/transfer.py`` calls ``measure(engine, quick)`` for its
-``sliced_read.<engine>.fraction_of_ceiling`` keys (plus ``sliced_read.mooncake.fraction_of_transport``).
+``sliced_read.<engine>.fraction_of_ceiling`` keys (against a memcpy of the same bytes, as for
+every other backend; plus Mooncake's ``fraction_of_whole_unit_transport`` and
+``fraction_of_transport``).
 """
 
 from __future__ import annotations
@@ -17,26 +19,45 @@ from collections.abc import Callable
 import numpy as np
 
 from knitkit.storage import UnitBackend, cp_chunks
-from knitkit.types import UnitKey
+from knitkit.types import UnitKey, UnitRead
 
 ROUTING_ROW = (48, 8)
 """One token's MoE routing decisions: 48 layers x top-8 (uint8 expert ids)."""
 
 
 def fraction_of_ceiling(
-    backend: UnitBackend, *, num_units: int = 8, tokens: int = 16384, repeats: int = 7
+    backend: UnitBackend,
+    *,
+    num_units: int = 8,
+    tokens: int = 16384,
+    repeats: int = 7,
+    ceiling: str = "memcpy",
 ) -> float:
-    """Time of a memcpy of the same bytes / time of the backend's sliced reads (1.0 = at the ceiling).
+    """Time of the ceiling moving the same bytes / time of the backend's sliced reads (1.0 = at
+    the ceiling).
 
     Stores ``num_units`` routing units ``[tokens, 48, 8]`` and reads, as CP rank 0 of 2 does,
     two of each unit's four chunks into one pre-touched destination (registered with the backend
-    when it supports that, as a reorganizer's ring is); the ceiling copies the same row ranges
-    from in-memory arrays into the same destination. Medians over ``repeats`` passes.
+    when it supports that, as a reorganizer's ring is), all units in one ``read_many``. The
+    ceiling: ``"memcpy"`` copies the same row ranges from in-memory arrays into the same
+    destination; ``"whole_units"`` (a backend behind a transport) reads, in one ``read_many``
+    through the same backend, whole units holding exactly the bytes the sliced pass moves, so
+    the figure is what slicing costs on top of the transport's own rate. Medians over
+    ``repeats`` alternating passes.
     """
     keys, units = _store_units(backend, num_units, tokens)
     ranges = cp_chunks(tokens, 2, 0)
     rows = sum(stop - start for start, stop in ranges)
     dst = _destination(backend, keys, num_units * rows)
+    if ceiling == "whole_units":
+        compact, _ = _store_units(backend, num_units, rows, prefix="sliced-read-ceiling")
+        reads = [UnitRead(key) for key in compact]
+        outs = [dst[i * rows : (i + 1) * rows] for i in range(num_units)]
+        return time_ratio(
+            lambda: backend.read_many(reads, outs), _sliced_pass(backend, keys, dst), repeats
+        )
+    if ceiling != "memcpy":
+        raise ValueError(f"unknown ceiling {ceiling!r}; choose 'memcpy' or 'whole_units'")
 
     def memcpy_pass() -> None:
         for i, unit in enumerate(units):
@@ -45,7 +66,7 @@ def fraction_of_ceiling(
                 np.copyto(dst[at : at + stop - start], unit[start:stop])
                 at += stop - start
 
-    return _time_ratio(memcpy_pass, _sliced_pass(backend, keys, dst), repeats)
+    return time_ratio(memcpy_pass, _sliced_pass(backend, keys, dst), repeats)
 
 
 def fraction_of_transport(
@@ -65,24 +86,36 @@ def fraction_of_transport(
     dst = _destination(reader, keys, num_units * tokens)
     rows = sum(stop - start for start, stop in cp_chunks(tokens, 2, 0))
 
-    def whole_pass() -> None:
-        for i, key in enumerate(keys):
-            reader.read(key, out=dst[i * tokens : (i + 1) * tokens])
+    reads = [UnitRead(key) for key in keys]
+    outs = [dst[i * tokens : (i + 1) * tokens] for i in range(len(keys))]
 
-    return _time_ratio(whole_pass, _sliced_pass(reader, keys, dst), repeats) * rows / tokens
+    def whole_pass() -> None:
+        reader.read_many(reads, outs)
+
+    return time_ratio(whole_pass, _sliced_pass(reader, keys, dst), repeats) * rows / tokens
 
 
 def measure(engine: str, quick: bool = False) -> dict[str, float]:
     """The ``sliced_read.<engine>.*`` figures of ``engine`` ("ray" or "mooncake"), starting what it
-    needs locally: ``fraction_of_ceiling``, and for Mooncake ``fraction_of_transport``."""
-    sizes = {"num_units": 4, "tokens": 8192, "repeats": 5} if quick else {}
+    needs locally: ``fraction_of_ceiling`` (against a memcpy of the same bytes, the ceiling of
+    every backend), and for Mooncake ``fraction_of_whole_unit_transport`` (against whole-unit
+    reads of exactly the same bytes over its transport) and ``fraction_of_transport``."""
+    units, tokens, repeats = (4, 8192, 5) if quick else (8, 16384, 7)
+    sizes = {"num_units": units, "tokens": tokens, "repeats": repeats}
+
+    def ceiling(backend: UnitBackend, kind: str) -> float:
+        return fraction_of_ceiling(
+            backend, num_units=units, tokens=tokens, repeats=repeats, ceiling=kind
+        )
+
     prefix = f"sliced_read.{engine}"
     if engine == "ray":
-        return {f"{prefix}.fraction_of_ceiling": _on_ray(lambda b: fraction_of_ceiling(b, **sizes))}
+        return {f"{prefix}.fraction_of_ceiling": _on_ray(lambda b: ceiling(b, "memcpy"))}
     if engine == "mooncake":
         return {
-            f"{prefix}.fraction_of_ceiling": _on_mooncake(
-                lambda b, _: fraction_of_ceiling(b, **sizes)
+            f"{prefix}.fraction_of_ceiling": _on_mooncake(lambda b, _: ceiling(b, "memcpy")),
+            f"{prefix}.fraction_of_whole_unit_transport": _on_mooncake(
+                lambda b, _: ceiling(b, "whole_units")
             ),
             f"{prefix}.fraction_of_transport": _on_mooncake(
                 lambda b, reader: fraction_of_transport(b, reader, **sizes)
@@ -92,11 +125,11 @@ def measure(engine: str, quick: bool = False) -> dict[str, float]:
 
 
 def _store_units(
-    backend: UnitBackend, num_units: int, tokens: int
+    backend: UnitBackend, num_units: int, tokens: int, prefix: str = "sliced-read"
 ) -> tuple[list[UnitKey], list[np.ndarray]]:
     rng = np.random.default_rng(0)
     units = [rng.integers(0, 64, (tokens, *ROUTING_ROW), dtype=np.uint8) for _ in range(num_units)]
-    keys = [UnitKey(f"sliced-read-{i}", "routing") for i in range(num_units)]
+    keys = [UnitKey(f"{prefix}-{i}", "routing") for i in range(num_units)]
     for key, unit in zip(keys, units, strict=True):
         backend.put(key, unit)
     return keys, units
@@ -112,26 +145,24 @@ def _destination(backend: UnitBackend, keys: list[UnitKey], rows: int) -> np.nda
 
 
 def _sliced_pass(backend: UnitBackend, keys: list[UnitKey], dst: np.ndarray) -> Callable[[], None]:
-    """Read CP rank 0's two chunks (of 2 ranks) of every unit, back to back into ``dst``."""
+    """Read CP rank 0's two chunks (of 2 ranks) of every unit, back to back into ``dst``, in one
+    ``read_many`` call as a reorganizer reads a micro-batch."""
     tokens = backend.spec(keys[0]).shape[0]
     ranges = cp_chunks(tokens, 2, 0)
     rows = sum(stop - start for start, stop in ranges)
-
-    def run() -> None:
-        for i, key in enumerate(keys):
-            backend.read(key, ranges, out=dst[i * rows : (i + 1) * rows])
-
-    return run
+    reads = [UnitRead(key, ranges) for key in keys]
+    outs = [dst[i * rows : (i + 1) * rows] for i in range(len(keys))]
+    return lambda: backend.read_many(reads, outs)
 
 
 def _on_ray(run: Callable[[UnitBackend], float]) -> float:
     import ray
 
-    from knitkit.integration.ray import RayBackend
+    from knitkit.integration.ray import RayBackend, start_ray
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR)
+        start_ray(num_cpus=2, logging_level=logging.ERROR)
     backend = RayBackend()
     try:
         return run(backend)
@@ -156,7 +187,7 @@ def _on_mooncake(run: Callable[[UnitBackend, UnitBackend], float]) -> float:
             owner.close()
 
 
-def _time_ratio(baseline: Callable[[], None], measured: Callable[[], None], repeats: int) -> float:
+def time_ratio(baseline: Callable[[], None], measured: Callable[[], None], repeats: int) -> float:
     """Median time of ``baseline`` / median time of ``measured``, run alternately (after one
     warm-up each: first-touch faults, connections, lease lookups) so load drifts hit both."""
     times: tuple[list[float], list[float]] = ([], [])

@@ -10,6 +10,10 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("knitkit.demo", "run the end-to-end pipeline on embedded defaults and print a report"),
     "replay": ("knitkit.admission.replay.cli", "replay a rollout trace under admission policies"),
+    "shm-clean": (
+        "knitkit.storage.backends.shm_clean",
+        "remove /dev/shm segments left by dead knitkit processes",
+    ),
 }
 """name -> (module, help). Each module defines ``add_arguments(parser)`` and ``run(args) -> int``."""
 

@@ -1,4 +1,4 @@
-"""Types shared by every part of knitkit: trajectory metadata, atomic-unit keys, micro-batch layout.
+"""Types shared by every part of knitkit: trajectory metadata, atomic-unit keys, packed micro-batches.
 
 This is the only module the four parts (admission, storage, microbatch_iter, encoder_dedup)
 import from one another. Keep it small: add a type here only when two parts exchange it.
@@ -6,8 +6,10 @@ import from one another. Keep it small: add a type here only when two parts exch
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import numpy as np
 
@@ -101,7 +103,7 @@ class FieldView:
 
     @property
     def nbytes(self) -> int:
-        return int(np.dtype(self.dtype).itemsize * int(np.prod(self.shape, dtype=np.int64)))
+        return np.dtype(self.dtype).itemsize * math.prod(self.shape)
 
 
 LAYOUT_ALIGNMENT = 64
@@ -113,14 +115,20 @@ class MicroBatchLayout:
     """Layout of one packed (THD) micro-batch: named fields as views of one flat byte buffer.
 
     One flat buffer plus this layout lets every hop (shared memory, pinned memory, device)
-    move a micro-batch with a single copy and rebuild the field views afterwards.
+    move a micro-batch with a single copy and rebuild the field views afterwards. A backbone
+    micro-batch lists its sequences (``trajectory_ids``, ``cu_seqlens_padded``); an encoder
+    micro-batch lists the multimodal units it carries (``units``, built by ``of_units``).
     """
 
     fields: tuple[FieldView, ...]
     nbytes: int
-    cu_seqlens: tuple[int, ...] = ()
-    """Cumulative (padded) sequence lengths of the packed sequences, starting at 0."""
+    cu_seqlens_padded: tuple[int, ...] = ()
+    """Cumulative PADDED whole-sequence lengths of the packed sequences, starting at 0 (the
+    buffer's ``cu_seqlens_padded`` field; its ``cu_seqlens`` field holds the unpadded ones)."""
     trajectory_ids: tuple[str, ...] = ()
+    """The packed sequences' trajectories, in packing order."""
+    units: tuple[UnitKey, ...] = ()
+    """The atomic units carried whole, one field each, in field order (encoder micro-batches)."""
     extra: Mapping[str, int | float | str] = field(default_factory=dict)
     """Small scalars that travel with the micro-batch (mini-batch index, micro-batch index, ...)."""
 
@@ -129,18 +137,24 @@ class MicroBatchLayout:
         cls,
         specs: Mapping[str, tuple[str, tuple[int, ...]]],
         *,
-        cu_seqlens: tuple[int, ...] = (),
+        cu_seqlens_padded: tuple[int, ...] = (),
         trajectory_ids: tuple[str, ...] = (),
         extra: Mapping[str, int | float | str] | None = None,
     ) -> MicroBatchLayout:
         """Lay out ``{name: (dtype, shape)}`` back to back with ``LAYOUT_ALIGNMENT``-aligned offsets."""
-        views: list[FieldView] = []
-        offset = 0
-        for name, (dtype, shape) in specs.items():
-            view = FieldView(name, np.dtype(dtype).name, tuple(int(s) for s in shape), offset)
-            views.append(view)
-            offset += _align(view.nbytes)
-        return cls(tuple(views), offset, cu_seqlens, trajectory_ids, dict(extra or {}))
+        views, nbytes = _lay_out(specs)
+        return cls(views, nbytes, cu_seqlens_padded, trajectory_ids, (), dict(extra or {}))
+
+    @classmethod
+    def of_units(
+        cls,
+        specs: Mapping[UnitKey, tuple[str, tuple[int, ...]]],
+        *,
+        extra: Mapping[str, int | float | str] | None = None,
+    ) -> MicroBatchLayout:
+        """Lay out whole units ``{key: (dtype, shape)}``, one field each; ``unit_views`` reads them."""
+        views, nbytes = _lay_out({str(key): spec for key, spec in specs.items()})
+        return cls(views, nbytes, units=tuple(specs), extra=dict(extra or {}))
 
     def field(self, name: str) -> FieldView:
         for view in self.fields:
@@ -150,7 +164,7 @@ class MicroBatchLayout:
             f"micro-batch has no field {name!r}; fields: {[v.name for v in self.fields]}"
         )
 
-    def numpy_views(self, buffer: memoryview | bytearray | np.ndarray) -> dict[str, np.ndarray]:
+    def numpy_views(self, buffer: Buffer) -> dict[str, np.ndarray]:
         """Zero-copy numpy views of every field over ``buffer`` (at least ``nbytes`` long)."""
         flat = (
             np.frombuffer(buffer, dtype=np.uint8) if not isinstance(buffer, np.ndarray) else buffer
@@ -162,6 +176,61 @@ class MicroBatchLayout:
             v.name: flat[v.offset : v.offset + v.nbytes].view(v.dtype).reshape(v.shape)
             for v in self.fields
         }
+
+    def unit_views(self, buffer: Buffer) -> dict[UnitKey, np.ndarray]:
+        """Zero-copy views of the units of an ``of_units`` layout, by unit key."""
+        if len(self.units) != len(self.fields):
+            raise ValueError(
+                f"layout carries {len(self.units)} units but {len(self.fields)} fields; "
+                "unit_views reads layouts built with MicroBatchLayout.of_units"
+            )
+        views = self.numpy_views(buffer)
+        return {key: views[view.name] for key, view in zip(self.units, self.fields, strict=True)}
+
+
+Buffer: TypeAlias = memoryview | bytes | bytearray | np.ndarray
+"""A flat byte buffer holding a packed micro-batch (e.g. a view of a shared-memory slot)."""
+
+
+@dataclass(slots=True)
+class PackedMicroBatch:
+    """A packed micro-batch in hand: its layout and the flat buffer it describes.
+
+    ``on_release`` hands the buffer back to its producer (a ring slot, a staging slot); call
+    ``release()`` once done with the buffer: its views must not be used afterwards.
+    """
+
+    layout: MicroBatchLayout
+    buffer: Buffer
+    on_release: Callable[[], None] | None = field(default=None, repr=False)
+    seq: int = 0
+    """Position in the stream it was published to (a slot ring's sequence number)."""
+    released: bool = field(default=False, init=False)
+
+    @property
+    def fields(self) -> dict[str, np.ndarray]:
+        """Zero-copy views of every field over ``buffer``."""
+        return self.layout.numpy_views(self.buffer)
+
+    def release(self) -> None:
+        """Hand the buffer back (idempotent)."""
+        if not self.released:
+            self.released = True
+            if self.on_release is not None:
+                self.on_release()
+
+
+def _lay_out(
+    specs: Mapping[str, tuple[str, tuple[int, ...]]],
+) -> tuple[tuple[FieldView, ...], int]:
+    """Field views of ``{name: (dtype, shape)}`` back to back, and the total aligned size."""
+    views: list[FieldView] = []
+    offset = 0
+    for name, (dtype, shape) in specs.items():
+        view = FieldView(name, np.dtype(dtype).name, tuple(int(s) for s in shape), offset)
+        views.append(view)
+        offset += _align(view.nbytes)
+    return tuple(views), offset
 
 
 def _align(nbytes: int) -> int:

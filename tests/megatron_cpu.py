@@ -117,3 +117,131 @@ def install_schedule_shim() -> None:
 
     if not isinstance(schedules.torch, _SchedulesTorch):
         schedules.torch = _SchedulesTorch()  # type: ignore[assignment]
+
+
+class _CudaIsCpu(torch.Tensor):
+    """A tensor whose ``.cuda()`` stays on the CPU and returns a plain tensor."""
+
+    def cuda(self, *args: object, **kwargs: object) -> torch.Tensor:  # type: ignore[override]
+        return self.as_subclass(torch.Tensor)
+
+
+class _VisionTorch:
+    """Stands in for ``torch`` inside megatron's ``clip_vit_model.py``: ``arange(...).cuda()`` stays on the CPU."""
+
+    def __getattr__(self, name: str) -> object:
+        if name == "arange":
+            return _arange_on_cpu
+        return getattr(torch, name)
+
+
+def _arange_on_cpu(*args: object, **kwargs: object) -> torch.Tensor:
+    return torch.arange(*args, **kwargs).as_subclass(_CudaIsCpu)  # type: ignore[call-overload,no-any-return]
+
+
+def install_vision_shim() -> None:
+    """Let megatron's ``CLIPViTModel`` (and so ``LLaVAModel``) build on CPU (idempotent; no-op with CUDA).
+
+    ``CLIPViTModel.__init__`` moves its position ids with ``.cuda()`` (clip_vit_model.py L124 in
+    0.16.1); only that module's ``torch`` is proxied, so its ``arange`` results stay on the CPU.
+    The local ViT spec attends causally without a mask, and the softmax then builds its default
+    causal mask with ``device="cuda"`` (transformer/utils.py L35): ``fused_softmax``'s reference
+    to it is pointed at a CPU twin.
+    """
+    install()
+    if torch.cuda.is_available():
+        return
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.models.vision import clip_vit_model
+
+    if not isinstance(clip_vit_model.torch, _VisionTorch):
+        clip_vit_model.torch = _VisionTorch()  # type: ignore[assignment]
+    fused_softmax.get_default_causal_mask = _causal_mask_on_cpu
+
+
+def _causal_mask_on_cpu(sq: int) -> torch.Tensor:
+    return torch.ones(sq, sq, dtype=torch.bool).triu(diagonal=1)
+
+
+class SequenceParallelNorm(torch.nn.LayerNorm):
+    """torch ``LayerNorm`` built like megatron's norms, tagging its parameters as apex/TE norms do.
+
+    megatron-core's own torch norm refuses ``sequence_parallel`` (CPU CI has neither apex nor TE);
+    a norm is per token, so only the ``sequence_parallel`` tag is missing: with it,
+    ``finalize_model_grads`` sums the norm's gradients over TP, as in production.
+    """
+
+    def __init__(self, config: object, hidden_size: int, eps: float = 1e-5, **unused: object):
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            param.sequence_parallel = getattr(config, "sequence_parallel", False)  # type: ignore[attr-defined]
+
+
+def sequence_parallel_block_spec(qk_layernorm: bool = False) -> object:
+    """``block_spec(num_layers)`` for megatron's local layer spec with ``SequenceParallelNorm`` norms."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
+    attention = layer.submodules.self_attention
+    norm_or_identity = SequenceParallelNorm if qk_layernorm else IdentityOp
+    attention = dataclasses.replace(
+        attention,
+        submodules=dataclasses.replace(
+            attention.submodules, q_layernorm=norm_or_identity, k_layernorm=norm_or_identity
+        ),
+    )
+    layer = dataclasses.replace(
+        layer,
+        submodules=dataclasses.replace(
+            layer.submodules,
+            input_layernorm=SequenceParallelNorm,
+            pre_mlp_layernorm=SequenceParallelNorm,
+            self_attention=attention,
+        ),
+    )
+
+    def block(num_layers: int) -> object:
+        return TransformerBlockSubmodules(
+            layer_specs=[layer] * num_layers, layer_norm=SequenceParallelNorm
+        )
+
+    return block
+
+
+class _CpuCuda:
+    """``torch.cuda`` with ``synchronize`` as a no-op (gloo p2p on CPU has nothing to wait for)."""
+
+    def __getattr__(self, name: str) -> object:
+        if name == "synchronize":
+            return lambda *args, **kwargs: None
+        return getattr(torch.cuda, name)
+
+
+class _P2PTorch:
+    """Stands in for ``torch`` inside megatron's ``p2p_communication.py``: see ``_CpuCuda``."""
+
+    def __getattr__(self, name: str) -> object:
+        if name == "cuda":
+            return _CpuCuda()
+        return getattr(torch, name)
+
+
+def install_pipeline_shim() -> None:
+    """Let the pipeline schedules exchange variable-length activations on CPU (idempotent).
+
+    On top of ``install_schedule_shim()``: with ``variable_seq_lengths=True`` megatron's p2p
+    communicator exchanges shapes first and then calls ``torch.cuda.synchronize()``
+    unconditionally (p2p_communication.py L242 in 0.16.1); only that module's ``torch`` is
+    proxied. Use ``TransformerConfig(batch_p2p_comm=False)`` as well. No-op with CUDA.
+    """
+    install_schedule_shim()
+    if torch.cuda.is_available():
+        return
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    if not isinstance(p2p_communication.torch, _P2PTorch):
+        p2p_communication.torch = _P2PTorch()  # type: ignore[assignment]

@@ -60,9 +60,12 @@ def megatron_batch(
 ) -> Batch:
     """One packed micro-batch as Megatron tensors: ``[1, T]`` tokens, labels, loss mask, position ids.
 
-    ``labels`` is the stored ``labels`` field when present (required under CP, where a rank does
-    not hold each token's successor), else the tokens shifted left within each sequence with the
-    last position of every sequence masked out. ``attention_mask=True`` adds
+    Stored fields follow NOTE [ Next-token alignment ] (``knitkit/next_token.py``: position t
+    predicts token t+1) and pass through as they are: ``labels``, ``loss_mask`` and, when
+    ``logprobs`` was stored, ``rollout_log_probs`` (the rollout's log-prob of each position's
+    label, for a PPO ratio). Without a stored ``labels`` field (CP=1 only: under CP a rank does
+    not hold each token's successor) labels are the tokens shifted left within each sequence and
+    the last position of every sequence is masked out. ``attention_mask=True`` adds
     ``block_causal_mask`` for attention without THD support (CP=1 only).
     """
     tokens = micro_batch["tokens"].long()
@@ -91,6 +94,8 @@ def megatron_batch(
         "position_ids": micro_batch["position_ids"].long()[None],
         "packed_seq_params": packed_seq_params(cu_seqlens, cu_padded),
     }
+    if "logprobs" in micro_batch.tensors:
+        batch["rollout_log_probs"] = micro_batch["logprobs"].float()[None]
     if attention_mask:
         if cp_size > 1:
             raise ValueError("block_causal_mask covers CP=1 only; use THD attention (TE) under CP")
@@ -104,7 +109,7 @@ def megatron_batches(
 ) -> Iterator[Mapping[str, object]]:
     """The data iterator for ``get_forward_backward_func()``: knitkit's prefetch iterator, converted.
 
-    NOTE: a prefetched micro-batch's tensors live in a staging slot that is refilled once the ring
+    A prefetched micro-batch's tensors live in a staging slot that is refilled once the ring
     comes round; megatron's no-pipelining schedule finishes each micro-batch's backward before the
     next ``next()``, so views are safe there. Clone in ``to_batch`` when the schedule holds several
     micro-batches in flight (pipeline parallelism) or the prefetch depth is small.

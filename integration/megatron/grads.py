@@ -2,25 +2,35 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from knitkit.encoder_dedup import DedupEncoder
 
-# NOTE [vision gradients under Megatron DDP]: with a replicated vision path each unique input is
+# NOTE [ Vision gradients under Megatron DDP ]: with a replicated vision path each unique input is
 # encoded on ONE rank of the world, so an encoder replica's gradient covers only the inputs it
-# encoded. Megatron DDP averages over DP (x CP) but never reduces replicated parameters over TP;
-# the step therefore SUM-reduces the vision parameters' ``main_grad`` over the TP group right
-# after finalize. Both reductions are linear, so their order does not change the result, and
-# summing after finalize never races an in-flight bucket reduction of ``overlap_grad_reduce``.
+# encoded: the replicas' gradients must be SUMMED over TP, which Megatron DDP (DP x CP) never
+# reduces. The step joins megatron's own TP reduction in ``finalize_model_grads`` (the one
+# coalesced all-reduce it runs for q/k layernorms and TP-domain-averaged parameters) instead of
+# adding a collective: the deferred backward scales the routed feature gradients by ``tp`` and
+# the vision parameters carry ``average_gradients_across_tp_domain`` for the length of the step,
+# so finalize's TP average of ``tp * partial`` is the sum. Scaling the feature gradients before
+# the encoder backward, not ``main_grad`` after it, keeps clear of bucket reductions already in
+# flight under ``overlap_grad_reduce``. Parameters finalize already reduces over TP keep that:
+# SUMmed ones (``sequence_parallel``-tagged under SP, q/k layernorms under ``qk_layernorm``) end
+# with ``tp`` times the sum, which is what the unwrapped step's identical replicas add up to;
+# already-averaged ones end with the sum. It needs finalize to see the vision path (NOTE
+# [ Finalize sees the vision path ] in step.py).
 # A rank that encodes nothing back-propagates a zero through its vision parameters, so DDP sees
 # the same gradient-ready events on every rank and every mini-batch (with overlap on, a bucket
 # whose parameters never got a gradient fails "Communication call has not been issued").
 # A TP-sharded vision path is encoded by all TP peers together (each holds the full, identical
-# feature gradient), so it needs no sum.
+# feature gradient), so it needs neither the scale nor the tags.
+
+_AVERAGED = "average_gradients_across_tp_domain"
 
 
 @dataclass(slots=True)
@@ -29,36 +39,46 @@ class DeferredVisionBackward:
 
     dedup: DedupEncoder
     params: tuple[torch.nn.Parameter, ...]
+    scale: float = 1.0
+    """Multiplies the routed feature gradients (``tp`` for a replicated vision path; see
+    NOTE [ Vision gradients under Megatron DDP ])."""
 
     def backward(self) -> None:
-        self.dedup.backward()
+        self.dedup.backward(scale=self.scale)
         if self.dedup.encoded_units == 0 and self.params:
             torch.autograd.backward(torch.stack([p.sum() for p in self.params]).sum() * 0.0)
 
 
-def finalize_then_sum(
-    finalize: Callable[..., object],
-    params: tuple[torch.nn.Parameter, ...],
-    tp_group: dist.ProcessGroup | None,
-    *args: object,
-    **kwargs: object,
-) -> object:
-    """Megatron's finalize, then the vision gradients SUM-reduced over ``tp_group`` (NOTE above)."""
-    out = finalize(*args, **kwargs)
-    if params and tp_group is not None and dist.get_world_size(tp_group) > 1:
-        grads = [_grad_of(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=tp_group)
-        for grad, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            grad.copy_(piece.view_as(grad))
-    return out
+@contextlib.contextmanager
+def averaged_over_tp(
+    named_params: Iterable[tuple[str, torch.nn.Parameter]], config: object
+) -> Iterator[None]:
+    """Tag the parameters finalize would not reduce over TP ``average_gradients_across_tp_domain``
+    while the block runs (NOTE [ Vision gradients under Megatron DDP ]); untag them after."""
+    tagged = [
+        (param, param.__dict__.get(_AVERAGED, _ABSENT))
+        for name, param in named_params
+        if not getattr(param, _AVERAGED, False) and not _summed_over_tp(name, param, config)
+    ]
+    for param, _ in tagged:
+        setattr(param, _AVERAGED, True)
+    try:
+        yield
+    finally:
+        for param, before in tagged:
+            if before is _ABSENT:
+                delattr(param, _AVERAGED)
+            else:
+                setattr(param, _AVERAGED, before)
 
 
-def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:
-    """Where the parameter's gradient lives: Megatron DDP's ``main_grad`` buffer, else ``.grad``."""
-    grad = getattr(param, "main_grad", None)
-    if grad is None:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        grad = param.grad
-    return grad
+_ABSENT = object()
+
+
+def _summed_over_tp(name: str, param: torch.nn.Parameter, config: object) -> bool:
+    """Whether megatron's ``finalize_model_grads`` already SUMs this parameter over TP (0.16)."""
+    if getattr(config, "sequence_parallel", False) and getattr(param, "sequence_parallel", False):
+        return True
+    return bool(getattr(config, "qk_layernorm", False)) and (
+        "q_layernorm" in name or "k_layernorm" in name
+    )

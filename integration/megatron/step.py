@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -17,7 +16,12 @@ from knitkit.encoder_dedup import (
     ProcessGroupTransport,
     RankRoute,
 )
-from knitkit.integration.megatron.grads import DeferredVisionBackward, finalize_then_sum
+from knitkit.integration.megatron.grads import DeferredVisionBackward, averaged_over_tp
+from knitkit.integration.megatron.pipeline import (
+    PipelineStage,
+    check_microbatches_agree,
+    stage_group,
+)
 
 
 @dataclass(slots=True)
@@ -31,12 +35,15 @@ class DedupVLMStep:
     the one deferred encoder backward runs after the last micro-batch's backward and before
     Megatron finishes its gradient reduction, whatever ``overlap_grad_reduce`` is.
 
-    See NOTE [vision gradients under Megatron DDP] in ``grads.py`` for how encoder gradients
+    See NOTE [ Vision gradients under Megatron DDP ] in ``grads.py`` for how encoder gradients
     reach every replica.
     """
 
-    model: torch.nn.Module
-    """The (DDP-wrapped) model chunk handed to the schedule."""
+    model: torch.nn.Module | list[torch.nn.Module]
+    """The (DDP-wrapped) model chunk handed to the schedule, or this rank's virtual-pipeline
+    chunks in order (the vision path is in the first chunk of the first pipeline stage; pass
+    ``data_iterator`` as a list, one iterator per chunk, as megatron's interleaved schedule
+    takes it)."""
     vision: str = "vision"
     """Dotted path of the vision path inside the unwrapped model; its output rows must be the
     features of the micro-batch's placeholder tokens, in order."""
@@ -44,6 +51,14 @@ class DedupVLMStep:
     """True when the vision path is itself TP-sharded (e.g. megatron's ``MultimodalProjector``):
     TP peers then encode together, rows travel in megatron's DP x CP group and no TP sum is
     needed. Plan with ``MegatronLayout.encoder_topology(tp_sharded=True)`` to match."""
+    vision_extra: tuple[str, ...] = ()
+    """Dotted paths of further modules of the vision path whose parameters the deferred backward
+    reaches (e.g. LLaVA's ``vision_projection`` after its ``vision_model``); they join the zero
+    anchor and the TP sum but are not swapped."""
+    handshake_timeout_s: float = 600.0
+    """Bound on waiting for the other ranks at the encode and the deferred backward (a rank that
+    never gets there fails everyone with a knitkit error naming the phase, not a gloo/NCCL
+    timeout); it must cover the skew between ranks' backbone micro-batches."""
     last_encoded_units: int = field(default=0, init=False)
     """Unique units this rank encoded in the last ``run``."""
 
@@ -64,8 +79,11 @@ class DedupVLMStep:
         ``route`` is this rank's route (``MegatronLayout.route(plan)``) and
         ``encode_fn`` maps an encoder micro-batch of unit keys to its feature rows (it calls the
         vision path). Returns what the schedule returns (the loss dicts).
+
+        ``forward_only=True`` (old / reference log-prob passes; pass the reference model's own
+        step and ``encode_fn``) encodes each unique unit once without a graph and serves plain
+        rows: no encoder backward, no gradient return, ``finalize_model_grads_func`` untouched.
         """
-        from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.utils import get_model_config
 
         if len(route.micro_batch_index) != num_microbatches:
@@ -73,16 +91,26 @@ class DedupVLMStep:
                 f"route covers {len(route.micro_batch_index)} backbone micro-batches but "
                 f"num_microbatches={num_microbatches}; route and data must come from the same plan"
             )
-        config = get_model_config(self.model)
+        check_microbatches_agree(num_microbatches)
+        if not PipelineStage.current().encodes:
+            # A later stage holds no vision path: see NOTE [ Encoder under pipeline parallelism ]
+            # in pipeline.py.
+            self.last_encoded_units = 0
+            return self._schedule(
+                forward_step_func,
+                data_iterator,
+                num_microbatches,
+                schedule_kwargs,
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
+            )
+        config = get_model_config(self._chunks()[0])
         original = config.finalize_model_grads_func
-        if original is None:
+        forward_only = bool(schedule_kwargs.get("forward_only"))
+        if original is None and not forward_only:
             raise ValueError(
                 "config.finalize_model_grads_func is None; set it to "
                 "megatron.core.distributed.finalize_model_grads as megatron's training loop does"
-            )
-        if schedule_kwargs.get("forward_only"):
-            raise ValueError(
-                "DedupVLMStep runs training steps; for forward_only run the unwrapped step"
             )
         transport = ProcessGroupTransport(self._encoder_group())
         if len(route.forward.send_counts) != transport.world_size:
@@ -92,32 +120,40 @@ class DedupVLMStep:
                 f"{self.tp_sharded_vision}) to match DedupVLMStep(tp_sharded_vision=...)"
             )
         vision = self._vision_module()
-        params = tuple(p for p in vision.parameters() if p.requires_grad)
+        modules = (vision, *(self._module_at(path) for path in self.vision_extra))
+        named = [(n, p) for m in modules for n, p in m.named_parameters() if p.requires_grad]
+        params = tuple(p for _, p in named)
+        tp_sum = 1 if forward_only else self._replicas_to_sum()
         dedup = DedupEncoder(
             route,
             transport,
             hidden=config.hidden_size,
             dtype=config.params_dtype,
             device=_device(),
+            handshake_timeout_s=self.handshake_timeout_s,
         )
-        dedup.encode(encode_fn)
+        dedup.encode(encode_fn, keep_graph=not forward_only)
         self.last_encoded_units = dedup.encoded_units
-        hook = FinalizeWithDeferredBackward(
-            functools.partial(finalize_then_sum, original, params, self._sum_group())
-        )
-        hook.arm(DeferredVisionBackward(dedup, params))
-        feed = _CountingIterator(iter(data_iterator))
-        config.finalize_model_grads_func = hook
+        data, feed = self._feed(data_iterator)
+        if not forward_only:  # a forward-only pass has no encoder backward and no finalize
+            assert original is not None
+            hook = FinalizeWithDeferredBackward(original)
+            hook.arm(DeferredVisionBackward(dedup, params, scale=float(tp_sum)))
+            config.finalize_model_grads_func = hook
         try:
-            with self._serving(_CachedFeatures(dedup, feed)):
-                out = get_forward_backward_func()(
-                    forward_step_func=forward_step_func,
-                    data_iterator=feed,
-                    model=[self.model],
-                    num_microbatches=num_microbatches,
+            with (
+                self._serving(_CachedFeatures(dedup, feed)) as restore,
+                averaged_over_tp(named if tp_sum > 1 else (), config),
+            ):
+                if not forward_only:  # NOTE [ Finalize sees the vision path ]
+                    hook.before_finalize = restore
+                out = self._schedule(
+                    forward_step_func,
+                    data,
+                    num_microbatches,
+                    schedule_kwargs,
                     seq_length=seq_length,
                     micro_batch_size=micro_batch_size,
-                    **schedule_kwargs,
                 )
         finally:
             config.finalize_model_grads_func = original
@@ -126,56 +162,106 @@ class DedupVLMStep:
                 f"the forward step took {feed.count} micro-batches for num_microbatches="
                 f"{num_microbatches}; it must call next(data_iterator) exactly once per call"
             )
-        return list(out)
+        return out
+
+    def _schedule(
+        self,
+        forward_step_func: Callable[..., object],
+        data_iterator: Iterable[object],
+        num_microbatches: int,
+        schedule_kwargs: dict[str, object],
+        **shape: int,
+    ) -> list[object]:
+        """Megatron's ``get_forward_backward_func()`` over this rank's model chunks."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return list(
+            get_forward_backward_func()(
+                forward_step_func=forward_step_func,
+                data_iterator=data_iterator,
+                model=self._chunks(),
+                num_microbatches=num_microbatches,
+                **shape,
+                **schedule_kwargs,
+            )
+        )
+
+    def _chunks(self) -> list[torch.nn.Module]:
+        return list(self.model) if isinstance(self.model, list) else [self.model]
+
+    def _feed(self, data_iterator: Iterable[object]) -> tuple[Iterable[object], _CountingIterator]:
+        """The schedule's data iterator(s), the vision chunk's counted (it says which micro-batch runs)."""
+        if len(self._chunks()) == 1:
+            feed = _CountingIterator(iter(data_iterator))
+            return feed, feed
+        first, *rest = data_iterator  # one iterator per virtual-pipeline chunk
+        feed = _CountingIterator(iter(first))  # type: ignore[call-overload]
+        return [feed, *rest], feed
 
     def _vision_module(self) -> torch.nn.Module:
-        parent, name = self._vision_parent()
+        return self._module_at(self.vision)
+
+    def _module_at(self, dotted: str) -> torch.nn.Module:
+        parent, name = self._vision_parent(dotted)
         module = getattr(parent, name)
         if not isinstance(module, torch.nn.Module):
-            raise TypeError(
-                f"model attribute {self.vision!r} is {type(module).__name__}, not a module"
-            )
+            raise TypeError(f"model attribute {dotted!r} is {type(module).__name__}, not a module")
         return module
 
-    def _vision_parent(self) -> tuple[torch.nn.Module, str]:
+    def _vision_parent(self, dotted: str | None = None) -> tuple[torch.nn.Module, str]:
         from megatron.core.utils import unwrap_model
 
-        *path, name = self.vision.split(".")
-        parent = unwrap_model(self.model)
+        dotted = self.vision if dotted is None else dotted
+        *path, name = dotted.split(".")
+        parent = unwrap_model(self._chunks()[0])
         for part in path:
             parent = getattr(parent, part)
         if not hasattr(parent, name):
             raise AttributeError(
-                f"the unwrapped model has no attribute {self.vision!r}; pass DedupVLMStep(vision=...) "
-                "the dotted path of the module that turns images into features"
+                f"the unwrapped model has no attribute {dotted!r}; pass DedupVLMStep(vision=..., "
+                "vision_extra=...) the dotted paths of the modules that turn images into features"
             )
         return parent, name
 
     @contextlib.contextmanager
-    def _serving(self, lookup: torch.nn.Module) -> Iterator[None]:
+    def _serving(self, lookup: torch.nn.Module) -> Iterator[Callable[[], None]]:
+        """Swap the lookup in for the vision path; yields ``restore`` (idempotent) for finalize.
+
+        NOTE [ Finalize sees the vision path ]: the lookup serves the backbone's forward only.
+        Megatron's ``finalize_model_grads`` walks the model's ``named_parameters`` to reduce the
+        gradients DDP does not (over TP: params tagged ``sequence_parallel``, q/k layernorms,
+        ``average_gradients_across_tp_domain``); with the lookup still in place it would skip
+        every vision parameter. The finalize hook therefore restores the real vision path
+        after the last backward, before finalize runs.
+        """
         parent, name = self._vision_parent()
         original = getattr(parent, name)
         setattr(parent, name, lookup)
-        try:
-            yield
-        finally:
+
+        def restore() -> None:
             setattr(parent, name, original)
 
+        try:
+            yield restore
+        finally:
+            restore()
+
     def _encoder_group(self) -> dist.ProcessGroup | None:
-        """Where encoding rows travel: the world, or this TP rank's DP x CP group if TP-sharded."""
+        """Where encoding rows travel: the (first pipeline stage's) ranks, or this TP rank's DP x CP group if TP-sharded."""
         if not self.tp_sharded_vision:
-            return None
+            return stage_group()
         from megatron.core import parallel_state
 
         return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
-    def _sum_group(self) -> dist.ProcessGroup | None:
-        """Where vision gradients are summed after finalize: TP if replicas encoded different units."""
+    def _replicas_to_sum(self) -> int:
+        """TP replicas whose vision gradients finalize must sum: the TP size if they encoded
+        different units (replicated vision path), else 1 (NOTE [ Vision gradients under Megatron DDP ])."""
         if self.tp_sharded_vision:
-            return None
+            return 1
         from megatron.core import parallel_state
 
-        return parallel_state.get_tensor_model_parallel_group()
+        return parallel_state.get_tensor_model_parallel_world_size()
 
 
 @dataclass(slots=True)

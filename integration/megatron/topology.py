@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from knitkit.encoder_dedup import (
-    BackboneAssignment,
-    EncoderAssignment,
-    RankRoute,
-    RowSlice,
-    build_routing_plan,
-    row_slices,
-)
-from knitkit.storage import EncoderTopology, MicroBatchPlan, MiniBatchPlan, Topology
-from knitkit.types import UnitKey
+from knitkit.encoder_dedup import RankRoute, route_minibatch
+from knitkit.integration.megatron.pipeline import stage_group
+from knitkit.storage import EncoderTopology, MiniBatchPlan, Topology
 
 Coord = tuple[int, int, int]
 """A rank's place in Megatron's grid: ``(dp_rank, cp_rank, tp_rank)``."""
@@ -25,7 +17,7 @@ Coord = tuple[int, int, int]
 
 @dataclass(frozen=True, slots=True)
 class MegatronLayout:
-    """Where every rank of a PP=1 Megatron world sits in the DP x CP x TP grid, and what follows.
+    """Where every rank of a Megatron world (of one pipeline stage) sits in the DP x CP x TP grid.
 
     The backbone ``topology`` feeds knitkit's planner; the vision encoder gets its own topology
     (``encoder_topology``), and ``route`` turns a ``MiniBatchPlan`` into this rank's encoder-dedup
@@ -47,19 +39,17 @@ class MegatronLayout:
 
     @classmethod
     def from_parallel_state(cls, sequence_parallel: bool = False) -> MegatronLayout:
-        """Read the layout from an initialised ``parallel_state`` (a collective over the world)."""
+        """Read the layout from an initialised ``parallel_state`` (a collective over the world).
+
+        Under pipeline parallelism the layout is this stage's: ranks are ranks in the stage's
+        TP x DP x CP group, identical in shape on every stage (see ``pipeline.py``).
+        """
         from megatron.core import parallel_state as ps
 
         if not ps.model_parallel_is_initialized():
             raise RuntimeError(
                 "megatron parallel_state is not initialised; call "
                 "parallel_state.initialize_model_parallel(...) before MegatronLayout.from_parallel_state()"
-            )
-        if ps.get_pipeline_model_parallel_world_size() != 1:
-            raise ValueError(
-                f"pipeline_model_parallel_size={ps.get_pipeline_model_parallel_world_size()}; "
-                "the knitkit Megatron adapter supports PP=1 (put the encoder on the first stage "
-                "and route yourself for PP>1)"
             )
         topology = Topology(
             dp=ps.get_data_parallel_world_size(),
@@ -78,11 +68,12 @@ class MegatronLayout:
             dtype=torch.int64,
             device=device,
         )
-        world = dist.get_world_size()
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine)
+        # PP > 1: this stage's ranks (see NOTE [ Encoder under pipeline parallelism ] in pipeline.py)
+        group = stage_group()
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
         coords = tuple((int(t[0]), int(t[1]), int(t[2])) for t in gathered)
-        return cls(topology, coords, tuple(int(t[3]) for t in gathered), dist.get_rank())
+        return cls(topology, coords, tuple(int(t[3]) for t in gathered), dist.get_rank(group))
 
     @property
     def coord(self) -> Coord:
@@ -122,27 +113,6 @@ class MegatronLayout:
                 f"encoder {encoder!r} was planned over {len(encoder_plan.ranks)} ranks but routes "
                 f"over {len(members)}; plan it with MegatronLayout.encoder_topology(tp_sharded=...)"
             )
-        micro_batches: dict[int, list[tuple[RowSlice, ...]]] = {}
-        replicas: dict[tuple[int, int], list[int]] = defaultdict(list)
-        num_rows: dict[UnitKey, int] = {}
-        for rank in members:
-            dp, cp, _ = self.coords[rank]
-            consumer = plan.consumer(dp, cp)
-            micro_batches[index[rank]] = [feature_slices(mb) for mb in consumer.micro_batches]
-            replicas[(dp, cp)].append(index[rank])
-            for mb in consumer.micro_batches:
-                for seq in mb.sequences:
-                    num_rows.update({ref.key: ref.num_tokens for ref in seq.multimodal})
-        encoders = EncoderAssignment(  # a rank with nothing to encode gets no micro-batch at all
-            {r.dp_rank: [mb for mb in r.micro_batches if mb] for r in encoder_plan.ranks}, num_rows
-        )
-        backbone = BackboneAssignment(micro_batches, tuple(replicas.values()))
-        routing = build_routing_plan(encoders, backbone, len(members))
+        backbone = {index[r]: plan.consumer(*self.coords[r][:2]) for r in members}
+        routing = route_minibatch(backbone, encoder_plan.ranks, world_size=len(members))
         return routing.for_rank(index[self.rank])
-
-
-def feature_slices(micro_batch: MicroBatchPlan) -> tuple[RowSlice, ...]:
-    """Encoding rows a packed micro-batch consumes, in the order its placeholder tokens appear."""
-    return tuple(
-        piece for seq in micro_batch.sequences for piece in row_slices(seq.multimodal, seq.chunks)
-    )

@@ -12,8 +12,15 @@ from typing import Any
 import numpy as np
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
-from knitkit.storage import UnitSpec, check_ranges, check_replacement, destination
-from knitkit.types import SeqRange, UnitKey
+from knitkit.integration.loopback import is_loopback
+from knitkit.storage import (
+    ReadCounter,
+    UnitBackend,
+    UnitSpec,
+    check_replacement,
+    check_unit,
+)
+from knitkit.types import SeqRange, UnitKey, UnitRead
 
 from .master import MasterAddress
 
@@ -31,9 +38,10 @@ _ERRORS = {
 # `ns/s/key` its spec as JSON. The spec is written last and removed first, so a present spec
 # means a complete unit. A range read asks `get_into_ranges` for byte fragments
 # [start * row_nbytes, stop * row_nbytes) of `ns/u/key`, written back to back into the
-# destination: only those bytes cross the transport. Mooncake reads only into registered memory:
-# a read registers its destination for the call, unless it lies in a buffer `register`ed for
-# good (a reorganizer's shared-memory ring). Objects are hard-pinned so the master never evicts a
+# destination: only those bytes cross the transport; `read_many` asks for every unit of a
+# micro-batch in ONE such call (one round trip, not one per unit). Mooncake reads only into
+# registered memory: a read registers its destinations for the call (per allocation, the span
+# they touch), unless they lie in a buffer `register`ed for good (a reorganizer's ring). Objects are hard-pinned so the master never evicts a
 # unit that a consumer has yet to read; `delete` forces removal past the read lease (10 s by
 # default): the store deletes a unit only once every consumer has read it.
 #
@@ -43,7 +51,7 @@ _ERRORS = {
 # whole plan with `resolve()` (kept until `release()`, like `RayBackend`).
 
 
-class MooncakeBackend:
+class MooncakeBackend(UnitBackend):
     """``UnitBackend`` on a Mooncake store reached through the master at ``master``."""
 
     def __init__(
@@ -56,6 +64,12 @@ class MooncakeBackend:
         local_hostname: str = "127.0.0.1",
         protocol: str = "tcp",
     ) -> None:
+        master_host = master.rpc.rpartition(":")[0]
+        if is_loopback(local_hostname) and not is_loopback(master_host):
+            raise ValueError(
+                f"master {master.rpc} is on another host but local_hostname={local_hostname!r} "
+                "is loopback; pass local_hostname=<this node's address> for multi-node use"
+            )
         self.master = master
         self.namespace = namespace or f"knitkit-{uuid.uuid4().hex[:12]}"
         self.local_hostname = local_hostname
@@ -80,12 +94,12 @@ class MooncakeBackend:
         self._config.with_hard_pin = True
         self._specs: dict[UnitKey, UnitSpec] = {}
         self._pinned: list[tuple[int, int]] = []
-        self._bytes_read = 0
+        self._reads = ReadCounter()
 
     def put(self, key: UnitKey, array: np.ndarray) -> None:
+        array = np.asarray(check_unit(key, array), order="C")
         if self._store.is_exist(self._spec_key(key)) == 1:
             raise KeyError(f"unit {key} already exists; use replace() to update it")
-        array = np.asarray(array, order="C")
         # upsert: rows left behind by a put that failed before its spec must not survive
         self._write(key, array, self._store.upsert_from)
         spec = json.dumps({"dtype": array.dtype.name, "shape": list(array.shape)}).encode()
@@ -108,35 +122,52 @@ class MooncakeBackend:
         ranges: Sequence[SeqRange] | None = None,
         out: np.ndarray | None = None,
     ) -> np.ndarray:
-        spec = self.spec(key)
-        checked = check_ranges(key, spec, ranges)
-        dst = destination(key, spec, checked, out)
-        rows = ((0, spec.shape[0] if spec.shape else 1),) if checked is None else checked
-        row = spec.row_nbytes
-        dst_offsets, src_offsets, sizes, at = [], [], [], 0
-        for start, stop in rows:
-            if stop > start:
-                dst_offsets.append(at)
-                src_offsets.append(start * row)
-                sizes.append((stop - start) * row)
-                at += (stop - start) * row
-        if sizes:
-            with self._registered(dst):
-                done = self._store.get_into_ranges(
-                    [dst.ctypes.data],
-                    [[self._data_key(key)]],
-                    [[dst_offsets]],
-                    [[src_offsets]],
-                    [[sizes]],
-                )[0][0]
-            for size, got in zip(sizes, done, strict=True):
-                if got != size:
-                    raise RuntimeError(
-                        f"Mooncake ranged read of unit {key} moved {_name(got)} of {size} bytes; "
-                        "was the unit deleted meanwhile?"
-                    )
-        self._bytes_read += dst.nbytes
+        _, dst = self._reads.open(key, self.spec(key), ranges, out)
+        self.read_many([UnitRead(key, None if ranges is None else tuple(ranges))], [dst])
         return dst
+
+    def read_many(self, reads: Sequence[UnitRead], outs: Sequence[np.ndarray]) -> None:
+        """Every read in ONE ``get_into_ranges`` round trip (see NOTE [ Mooncake unit layout ]):
+        destination i gets the byte fragments of its unit's ranges, back to back."""
+        if len(reads) != len(outs):
+            raise ValueError(f"read_many got {len(reads)} reads but {len(outs)} outs; pair them")
+        missing = [k for k in dict.fromkeys(r.key for r in reads) if k not in self._specs]
+        specs = dict(zip(missing, self._fetch_specs(missing), strict=True)) if missing else {}
+        buffers: list[np.ndarray] = []
+        keys, dst_offsets, src_offsets, sizes = [], [], [], []
+        moved = 0
+        for unit, out in zip(reads, outs, strict=True):
+            spec = self._specs.get(unit.key) or specs[unit.key]
+            checked, dst = self._reads.open(unit.key, spec, unit.ranges, out)
+            rows = ((0, spec.shape[0] if spec.shape else 1),) if checked is None else checked
+            row, at = spec.row_nbytes, 0
+            fragments: tuple[list[int], list[int], list[int]] = ([], [], [])
+            for start, stop in rows:
+                if stop > start:
+                    fragments[0].append(at)
+                    fragments[1].append(start * row)
+                    fragments[2].append((stop - start) * row)
+                    at += (stop - start) * row
+            moved += dst.nbytes
+            if fragments[2]:
+                buffers.append(dst)
+                keys.append([self._data_key(unit.key)])
+                dst_offsets.append([fragments[0]])
+                src_offsets.append([fragments[1]])
+                sizes.append([fragments[2]])
+        if buffers:
+            with self._registered(*buffers):
+                done = self._store.get_into_ranges(
+                    [dst.ctypes.data for dst in buffers], keys, dst_offsets, src_offsets, sizes
+                )
+            for key, want, got in zip(keys, sizes, done, strict=True):
+                for size, moved_bytes in zip(want[0], got[0], strict=True):
+                    if moved_bytes != size:
+                        raise RuntimeError(
+                            f"Mooncake ranged read of {key[0]} moved {_name(moved_bytes)} of "
+                            f"{size} bytes; was the unit deleted meanwhile?"
+                        )
+        self._reads.bytes += moved
 
     def resolve(self, keys: Iterable[UnitKey]) -> None:
         """Fetch the specs of ``keys`` in one batch and keep them until ``release``."""
@@ -173,7 +204,7 @@ class MooncakeBackend:
 
     @property
     def bytes_read(self) -> int:
-        return self._bytes_read
+        return self._reads.bytes
 
     def close(self) -> None:
         """Disconnect; the owning instance first removes every unit of its namespace."""
@@ -207,16 +238,31 @@ class MooncakeBackend:
         return specs
 
     @contextmanager
-    def _registered(self, array: np.ndarray) -> Iterator[None]:
-        ptr, size = array.ctypes.data, array.nbytes
-        if any(base <= ptr and ptr + size <= base + n for base, n in self._pinned):
-            yield
-            return
-        _check(self._store.register_buffer(ptr, size), "register", None)
+    def _registered(self, *arrays: np.ndarray) -> Iterator[None]:
+        """Register the memory of ``arrays`` for one call: per underlying allocation, the span
+        from the first to the last byte they touch, unless a ``register``ed buffer holds it."""
+        spans: dict[int, tuple[int, int]] = {}
+        for array in arrays:
+            root = array
+            while isinstance(root.base, np.ndarray):
+                root = root.base
+            ptr, end = array.ctypes.data, array.ctypes.data + array.nbytes
+            low, high = spans.get(id(root), (ptr, end))
+            spans[id(root)] = (min(low, ptr), max(high, end))
+        todo = [
+            (ptr, end - ptr)
+            for ptr, end in spans.values()
+            if not any(base <= ptr and end <= base + n for base, n in self._pinned)
+        ]
+        done: list[int] = []
         try:
+            for ptr, size in todo:
+                _check(self._store.register_buffer(ptr, size), "register", None)
+                done.append(ptr)
             yield
         finally:
-            self._store.unregister_buffer(ptr)
+            for ptr in done:
+                self._store.unregister_buffer(ptr)
 
     def _data_key(self, key: UnitKey) -> str:
         return f"{self.namespace}/u/{key}"

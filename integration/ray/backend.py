@@ -8,11 +8,14 @@ from typing import Any
 
 import numpy as np
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from knitkit.storage import (
+    ReadCounter,
+    UnitBackend,
     UnitSpec,
     check_replacement,
-    read_ranges,
+    check_unit,
     spec_of,
 )
 from knitkit.types import SeqRange, UnitKey
@@ -34,6 +37,13 @@ _Boxed = list[ray.ObjectRef]
 # read, unless they `resolve()`d it: then they keep its zero-copy view until `release()`. A
 # reorganizer resolves all keys of an assignment in one call when it starts it (the mini-batch
 # is admitted, its units are final); a `replace` after that is not seen until it resolves again.
+#
+# Placement and loss. The directory actor is pinned to the node of the process that creates the
+# backend (the driver, normally), so it shares the driver's fate and losing a worker node never
+# takes the lookup of every unit down with it. A unit whose object is lost (its owner process or
+# its node died: Ray's ObjectLostError family, e.g. OwnerDiedError naming only an object id) is
+# dropped from the directory by the reader that finds it, which raises UnitsLostError naming the
+# unit keys, so a trainer can drop or regenerate exactly those trajectories.
 #
 # On the node that holds an object, `ray.get` maps it: no copy. A reader on another node makes
 # Ray pull the WHOLE object to its node first (Ray transfers objects, not byte ranges); sliced
@@ -67,11 +77,32 @@ class UnitDirectory:
     def remove(self, key: str) -> bool:
         return self._units.pop(key, None) is not None
 
+    def drop(self, keys: list[str]) -> None:
+        """Forget units whose objects were lost."""
+        for key in keys:
+            self._units.pop(key, None)
+
+    def where(self) -> str:
+        """Ray node id of this directory."""
+        return ray.get_runtime_context().get_node_id()
+
     def keys(self) -> list[str]:
         return list(self._units)
 
 
-class RayBackend:
+class UnitsLostError(LookupError):
+    """Units whose objects Ray lost; they are gone from the directory (see NOTE [ Ray unit directory ])."""
+
+    def __init__(self, keys: Sequence[UnitKey], directory: str, cause: BaseException) -> None:
+        self.keys = tuple(keys)
+        super().__init__(
+            f"lost units {[str(k) for k in self.keys]} of Ray unit directory {directory!r}: "
+            f"their objects' owner process or node died ({type(cause).__name__}); they were "
+            "removed from the directory: drop or regenerate these trajectories"
+        )
+
+
+class RayBackend(UnitBackend):
     """``UnitBackend`` over Ray's object store; every instance naming one directory shares its units.
 
     ``RayBackend()`` creates a fresh directory (this instance owns it: ``close()`` frees every
@@ -83,7 +114,12 @@ class RayBackend:
         self.name = name or f"knitkit-units-{uuid.uuid4().hex[:12]}"
         actor_name = f"knitkit-directory/{self.name}"
         if create:
-            self._directory = UnitDirectory.options(name=actor_name).remote()  # type: ignore[attr-defined]
+            here = NodeAffinitySchedulingStrategy(
+                ray.get_runtime_context().get_node_id(), soft=False
+            )
+            self._directory = UnitDirectory.options(  # type: ignore[attr-defined]
+                name=actor_name, scheduling_strategy=here
+            ).remote()
         else:
             try:
                 self._directory = ray.get_actor(actor_name)
@@ -93,10 +129,10 @@ class RayBackend:
                 ) from None
         self._owner = create
         self._resolved: dict[UnitKey, np.ndarray] = {}
-        self._bytes_read = 0
+        self._reads = ReadCounter()
 
     def put(self, key: UnitKey, array: np.ndarray) -> None:
-        array = np.asarray(array, order="C")
+        array = np.asarray(check_unit(key, array), order="C")
         ref = ray.put(array)
         if not ray.get(self._directory.add.remote(str(key), [ref], spec_of(array))):
             raise KeyError(f"unit {key} already exists; use replace() to update it")
@@ -122,9 +158,7 @@ class RayBackend:
         ranges: Sequence[SeqRange] | None = None,
         out: np.ndarray | None = None,
     ) -> np.ndarray:
-        dst = read_ranges(key, self.view(key), ranges, out)
-        self._bytes_read += dst.nbytes
-        return dst
+        return self._reads.copy_rows(key, self.view(key), ranges, out)
 
     def view(self, key: UnitKey) -> np.ndarray:
         """Read-only zero-copy view of a whole unit (mapped from this node's object store)."""
@@ -132,7 +166,7 @@ class RayBackend:
         if resolved is not None:
             return resolved
         boxed, _ = self._lookup([key])[0]
-        return ray.get(boxed[0])
+        return self._get([key], [boxed[0]])[0]
 
     def resolve(self, keys: Iterable[UnitKey]) -> None:
         """Look ``keys`` up in one directory call and keep their views until ``release``."""
@@ -140,7 +174,7 @@ class RayBackend:
         if not wanted:
             return
         entries = self._lookup(wanted)
-        views = ray.get([boxed[0] for boxed, _ in entries])
+        views = self._get(wanted, [boxed[0] for boxed, _ in entries])
         self._resolved.update(zip(wanted, views, strict=True))
 
     def release(self, keys: Iterable[UnitKey] | None = None) -> None:
@@ -160,7 +194,7 @@ class RayBackend:
 
     @property
     def bytes_read(self) -> int:
-        return self._bytes_read
+        return self._reads.bytes
 
     def close(self) -> None:
         """Drop this instance's views; the owning instance also kills the directory (and units)."""
@@ -171,6 +205,27 @@ class RayBackend:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_attach, (self.name,))
+
+    def directory_node(self) -> str:
+        """Ray node id where this backend's unit directory lives."""
+        return str(ray.get(self._directory.where.remote()))
+
+    def _get(self, keys: list[UnitKey], refs: list[ray.ObjectRef]) -> list[np.ndarray]:
+        """``ray.get(refs)``; lost objects are dropped from the directory and named by key."""
+        try:
+            return list(ray.get(refs))
+        except ray.exceptions.ObjectLostError as error:
+            lost = []
+            for key, ref in zip(keys, refs, strict=True):
+                try:
+                    ray.get(ref)
+                except ray.exceptions.ObjectLostError:
+                    lost.append(key)
+            lost = lost or keys
+            for key in lost:
+                self._resolved.pop(key, None)
+            ray.get(self._directory.drop.remote([str(k) for k in lost]))
+            raise UnitsLostError(lost, self.name, error) from error
 
     def _lookup(self, keys: list[UnitKey]) -> list[tuple[_Boxed, UnitSpec]]:
         entries = ray.get(self._directory.lookup.remote([str(k) for k in keys]))

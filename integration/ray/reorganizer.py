@@ -22,9 +22,9 @@ from knitkit.storage import (
 # NOTE [ Reorganizer actor lifetime ]
 #
 # The actor is both the OWNER and the PRODUCER of its ring (see NOTE [ Micro-batch publication
-# protocol ] in knitkit/storage/publication.py): it creates the /dev/shm segment on its node in
-# __init__ and unlinks it in close(). Consumers are the group's TP ranks on the same node; they
-# attach with `MicroBatchConsumer(spec, tp_rank)`.
+# protocol ] in knitkit/storage/delivery/publication.py): it creates the /dev/shm segment on its
+# node in __init__ and unlinks it in close(). Consumers are the group's TP ranks on the same
+# node; they attach with `MicroBatchConsumer(spec, tp_rank)`.
 # `deliver` calls run one after another in submission order (the default concurrency group has
 # one thread), so mini-batches queue up behind each other. `stop` and `close` run in a separate
 # "control" group, so they get through while `deliver` waits on a full ring: `stop` sets the
@@ -37,7 +37,11 @@ from knitkit.storage import (
 
 @ray.remote(num_cpus=0, concurrency_groups={"control": 1})  # type: ignore[call-overload]
 class ReorganizerActor:
-    """One reorganizer (a backbone (DP, CP) group or an encoder rank) living in a Ray actor."""
+    """One reorganizer (a backbone (DP, CP) group or an encoder rank) living in a Ray actor.
+
+    Who creates, fills and unlinks its ring, and how it stops: see
+    NOTE [ Reorganizer actor lifetime ].
+    """
 
     def __init__(self, backend: UnitBackend, spec: RingSpec) -> None:
         self.backend = backend
@@ -64,9 +68,10 @@ class ReorganizerActor:
         resolve = getattr(self.backend, "resolve", None)
         keys = [read.key for read in plan.reads()]
         try:
-            if resolve is not None:
-                resolve(keys)  # one directory round trip for the whole assignment
-            return self.reorganizer.deliver(minibatch_id, plan)
+            with self.publisher.busy():  # liveness = progress: see NOTE [ Micro-batch publication protocol ] in publication.py
+                if resolve is not None:
+                    resolve(keys)  # one directory round trip for the whole assignment
+                return self.reorganizer.deliver(minibatch_id, plan)
         except RingClosedError as error:
             self.publisher.fail(str(error))
             raise

@@ -9,17 +9,22 @@ from .response import (
 )
 from .stream import StreamAccumulator, fold_stream, iter_sse_events
 from .trajectory import (
+    DecodedImage,
+    ImageInput,
     PayloadConfig,
     RolloutRequest,
     build_trajectory,
+    image_array,
     image_bytes,
     placeholder_runs,
 )
 from .writer import RolloutWriter
 
 __all__ = [
+    "DecodedImage",
     "FinishReason",
     "GenerateOutput",
+    "ImageInput",
     "PayloadConfig",
     "RolloutRequest",
     "RolloutWriter",
@@ -27,6 +32,7 @@ __all__ = [
     "build_trajectory",
     "decode_routed_experts",
     "fold_stream",
+    "image_array",
     "image_bytes",
     "iter_sse_events",
     "parse_generate_output",

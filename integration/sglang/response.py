@@ -9,6 +9,10 @@ from typing import Any
 
 import numpy as np
 
+ROUTED_EXPERTS_WIRE = {"int32": "<i4", "uint16": "<u2", "uint8": "u1"}
+"""``meta_info["routed_experts_dtype"]`` -> numpy dtype of the base64 payload (little-endian, C order);
+absent means int32 (SGLang before its narrow wire encodings, PR 31219)."""
+
 FINISH_KINDS = ("stop", "length", "abort")
 """``meta_info["finish_reason"]["type"]`` values (``FINISH_*.to_json`` in SGLang's ``schedule_batch.py``)."""
 
@@ -95,7 +99,13 @@ def parse_generate_output(
     routed_experts = None
     if routed is not None:
         rows = prompt_tokens + len(output_ids) - 1 - routed_experts_start
-        routed_experts = decode_routed_experts(routed, rows, routing_shape, rid=rid)
+        routed_experts = decode_routed_experts(
+            routed,
+            rows,
+            routing_shape,
+            dtype=str(meta.get("routed_experts_dtype", "int32")),
+            rid=rid,
+        )
     finish_json = meta.get("finish_reason")
     version = str(meta.get("weight_version", "default"))
     latency = meta.get("e2e_latency")
@@ -114,10 +124,29 @@ def parse_generate_output(
 
 
 def decode_routed_experts(
-    text: str, rows: int, routing_shape: tuple[int, int] | None = None, *, rid: str = ""
+    value: object,
+    rows: int,
+    routing_shape: tuple[int, int] | None = None,
+    *,
+    dtype: str = "int32",
+    rid: str = "",
 ) -> np.ndarray:
-    """Decode ``meta_info["routed_experts"]``: base64 of a C-order int32 ``[rows, layers, topk]``."""
-    flat = np.frombuffer(base64.b64decode(text), dtype="<i4").astype(np.int32)
+    """Decode ``meta_info["routed_experts"]`` into int32 ``[rows, layers, topk]``.
+
+    Over the wire it is base64 of a C-order ``[rows, layers, topk]`` array of ``dtype`` (the
+    server's ``routed_experts_dtype``: int32, uint16 or uint8); with ``skip_tokenizer_init`` the
+    tokenizer manager passes the array through unencoded (an array in-process, lists in JSON).
+    """
+    if isinstance(value, str):
+        if dtype not in ROUTED_EXPERTS_WIRE:
+            raise ValueError(
+                f"request {rid!r}: routed_experts_dtype {dtype!r} is not one of "
+                f"{sorted(ROUTED_EXPERTS_WIRE)}; decode it yourself with decode_routed_experts"
+            )
+        wire = ROUTED_EXPERTS_WIRE[dtype]
+        flat = np.frombuffer(base64.b64decode(value), dtype=wire).astype(np.int32)
+    else:
+        flat = np.asarray(value).reshape(-1).astype(np.int32)
     if rows <= 0 or flat.size % rows:
         raise ValueError(
             f"request {rid!r}: routed_experts holds {flat.size} ids, not a multiple of {rows} rows "

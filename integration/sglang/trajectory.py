@@ -6,15 +6,28 @@ import base64
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from knitkit.integration.megatron import MROPE_FIELD, mrope_positions
 from knitkit.storage import MultimodalInput, Trajectory
 
 from .response import GenerateOutput, parse_weight_version
 
-ImageInput = bytes | str
-"""An image as the request sent it: raw bytes, a ``data:`` URI, a file path, a URL or base64 text."""
+
+@runtime_checkable
+class DecodedImage(Protocol):
+    """A decoded image such as ``PIL.Image.Image`` (what verl's in-process loop passes): anything
+    ``np.asarray`` turns into pixels through ``__array_interface__``."""
+
+    @property
+    def __array_interface__(self) -> dict[str, object]: ...
+
+
+ImageInput = bytes | str | np.ndarray | DecodedImage
+"""An image as the request sent it: raw bytes, a ``data:`` URI, a file path, a URL, base64 text,
+a numpy pixel array or a decoded image (PIL)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +45,10 @@ class RolloutRequest:
     """The request's ``image_data``, in the order of their placeholder runs in ``input_ids``."""
     issued_version: int | None = None
     """Policy version when the request was issued; lowers ``min_version`` if older than the output's."""
+    image_grid_thw: tuple[tuple[int, int, int], ...] = ()
+    """Qwen-VL: the processor's ``image_grid_thw`` (in patches), one per image. With it the
+    trajectory stores ``mrope_position_ids`` ``[T, 3]`` over prompt and generated tokens, and each
+    image's run must hold ``t * h * w / spatial_merge_size**2`` placeholders."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,8 +63,11 @@ class PayloadConfig:
     """Stored dtype of the routing field; -1 marks positions SGLang did not route."""
     version_of: Callable[[str], int] = parse_weight_version
     """Maps ``meta_info["weight_version"]`` to an integer policy version."""
-    encode_image: Callable[[bytes], np.ndarray] | None = None
-    """Turns image bytes into the stored unit (e.g. patches); default: the bytes as uint8."""
+    spatial_merge_size: int = 2
+    """Qwen-VL's ``spatial_merge_size``: patches merged per image token along each side."""
+    encode_image: Callable[[bytes | np.ndarray], np.ndarray] | None = None
+    """Turns an image into the stored unit (e.g. patches): it gets the bytes of an encoded image
+    and the pixel array of a decoded one (PIL, numpy); default: ``image_array``."""
 
 
 def build_trajectory(
@@ -58,7 +78,9 @@ def build_trajectory(
     A continued segment's prompt is the request's prompt plus every earlier segment's output
     (how slime and verl resume a partial rollout after a weight update). Per-token fields:
     ``tokens`` int32, ``loss_mask`` uint8 (1 on generated tokens), ``logprobs`` float32 (0 on the
-    prompt) and, for MoE models, ``routing`` ``[seq, layers, topk]``.
+    prompt), for MoE models ``routing`` ``[seq, layers, topk]`` and, for Qwen-VL requests with
+    ``image_grid_thw``, ``mrope_position_ids`` ``[seq, 3]`` (``knitkit.integration.megatron``'s
+    ``mrope_positions``, computed once here and never on the trainer).
     """
     tid = request.trajectory_id
     if not segments:
@@ -93,6 +115,8 @@ def build_trajectory(
     routing = _routing(tid, len(tokens), segments, config.routing_dtype)
     if routing is not None:
         fields["routing"] = routing
+    if request.image_grid_thw:
+        fields[MROPE_FIELD] = _mrope(request, fields["tokens"], config)
     versions = [config.version_of(v) for s in segments for v in (s.first_version, s.weight_version)]
     if request.issued_version is not None:
         versions.append(request.issued_version)
@@ -108,8 +132,19 @@ def build_trajectory(
     )
 
 
-def image_bytes(image: ImageInput) -> bytes:
-    """The bytes that identify an image: decoded ``data:`` URIs, file contents, else the text itself."""
+def image_array(image: ImageInput) -> np.ndarray:
+    """The stored unit of an image: the pixels of a decoded image (PIL, numpy), else its bytes as uint8.
+
+    Units are content-addressed (bytes, dtype and shape), so equal pixels give one unit whether
+    they came as a PIL image or an array; an encoded image and its decoded pixels are two units.
+    """
+    if isinstance(image, bytes | str):
+        return np.frombuffer(image_bytes(image), dtype=np.uint8)
+    return np.ascontiguousarray(np.asarray(image))
+
+
+def image_bytes(image: bytes | str) -> bytes:
+    """The bytes that identify an encoded image: decoded ``data:`` URIs, file contents, else the text."""
     if isinstance(image, bytes):
         return image
     if image.startswith("data:"):
@@ -163,6 +198,31 @@ def _routing(
     return out
 
 
+def _mrope(request: RolloutRequest, tokens: np.ndarray, config: PayloadConfig) -> np.ndarray:
+    """``[T, 3]`` mRoPE positions of the whole sequence; each image's grid checked against its run."""
+    tid, grids = request.trajectory_id, request.image_grid_thw
+    if config.image_token_id is None:
+        raise ValueError(f"trajectory {tid!r} has image_grid_thw; set PayloadConfig.image_token_id")
+    runs = placeholder_runs(request.input_ids, config.image_token_id)
+    if len(grids) != len(runs):
+        raise ValueError(
+            f"trajectory {tid!r}: {len(grids)} image_grid_thw for {len(runs)} images; "
+            "pass the processor's image_grid_thw, one (t, h, w) per image"
+        )
+    merge = config.spatial_merge_size
+    for i, ((t, h, w), (_, count)) in enumerate(zip(grids, runs, strict=True)):
+        if t * h * w != count * merge**2:
+            raise ValueError(
+                f"trajectory {tid!r}, image {i}: grid {(t, h, w)} makes {t * h * w // merge**2} "
+                f"tokens at spatial_merge_size={merge} but its placeholder run has {count}; "
+                "send the processor-expanded input_ids with the same processor's image_grid_thw"
+            )
+    positions = mrope_positions(
+        tokens, grids, image_token_id=config.image_token_id, spatial_merge_size=merge
+    )
+    return np.ascontiguousarray(positions.T)
+
+
 def _images(request: RolloutRequest, config: PayloadConfig) -> tuple[MultimodalInput, ...]:
     """One unit per image, at its placeholder run; equal images give equal (content) keys."""
     if not request.images:
@@ -180,7 +240,7 @@ def _images(request: RolloutRequest, config: PayloadConfig) -> tuple[MultimodalI
     encode = config.encode_image
     inputs = []
     for image, (start, count) in zip(request.images, runs, strict=True):
-        data = image_bytes(image)
-        array = np.frombuffer(data, dtype=np.uint8) if encode is None else encode(data)
+        raw = image_bytes(image) if isinstance(image, bytes | str) else image_array(image)
+        array = image_array(raw) if encode is None else encode(raw)
         inputs.append(MultimodalInput("image", array, start, count, cost=float(count)))
     return tuple(inputs)

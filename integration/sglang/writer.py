@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from knitkit.next_token import next_token_fields
 from knitkit.storage import TrajectoryStore
 from knitkit.types import TrajectoryMeta
 
@@ -14,6 +15,10 @@ from .trajectory import PayloadConfig, RolloutRequest, build_trajectory
 
 class RolloutWriter:
     """Writes each finished trajectory to the store as it completes and returns its admission metadata.
+
+    Stored fields follow the next-token convention (``knitkit.next_token``): ``tokens`` and
+    ``routing`` at their token; ``labels``, ``loss_mask`` and ``logprobs`` at the position that
+    predicts the token (position t predicts token t+1), ready for a CP split.
 
     An aborted output (a partial rollout, e.g. paused for a weight update) is kept until the
     request is continued with ``continuation_ids(request)`` and finishes; the trajectory then
@@ -55,9 +60,11 @@ class RolloutWriter:
             self._partial[request.trajectory_id] = segments
             return None
         trajectory = build_trajectory(request, segments, self.config)
-        self.store.write(trajectory)
+        # See NOTE [ Next-token alignment ] (knitkit/next_token.py): stored once, shifted once.
+        trajectory.token_fields = next_token_fields(trajectory.token_fields)
+        meta = self.store.write(trajectory)
         self._partial.pop(request.trajectory_id, None)
-        return self.store.meta(request.trajectory_id)
+        return meta
 
     def add_batch(
         self, requests: Sequence[RolloutRequest], outputs: Sequence[Mapping[str, Any]]

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from knitkit.storage import UnitSpec
+from knitkit.storage import ReadCounter, UnitBackend, UnitSpec, check_unit, copy_ranges
 from knitkit.types import SeqRange, UnitKey
 
 UNIT_FIELD = "unit"
@@ -48,23 +48,29 @@ class TransferQueueConnection:
         return client
 
 
-def start_transfer_queue(num_cpus: int = 4) -> TransferQueueConnection:
-    """Start Ray (if needed) and TQ with one SimpleStorage unit, sized for a small CPU host.
+def start_transfer_queue(num_cpus: int = 4, sampler: Any = None) -> TransferQueueConnection:
+    """Start Ray (if needed) and TQ with its default storage (two SimpleStorage units), in
+    polling mode, with ``sampler`` (a TQ sampler class or instance, e.g. ``RankAwareSampler``
+    for its ``StreamingDataLoader``) or TQ's default one.
 
-    NOTE: TQ's defaults (controller + 2 storage units, one CPU each) hang on a 2-core Ray;
-    ``num_cpus`` over-subscribes logical CPUs and one storage unit keeps start-up short.
+    TQ's controller and two storage units take one logical CPU each and hang a 2-core Ray;
+    ``num_cpus`` over-subscribes logical CPUs. A Ray runtime started here listens on loopback
+    only (``knitkit.integration.ray.start_ray``); across nodes, start Ray first with
+    ``start_ray(node_ip_address=...)`` or join one with ``ray.init(address=...)``.
     """
     import ray
     import transfer_queue as tq
     from omegaconf import OmegaConf
 
+    from knitkit.integration.ray import start_ray
+
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-    overrides = {
-        "controller": {"polling_mode": True},
-        "backend": {"SimpleStorage": {"num_data_storage_units": 1}},
-    }
-    return TransferQueueConnection(tq.init(OmegaConf.create(overrides)))
+        start_ray(num_cpus=num_cpus)  # loopback only: TQ unpickles what its sockets receive
+    controller: dict[str, Any] = {"polling_mode": True}
+    if sampler is not None:
+        controller["sampler"] = sampler
+    conf = OmegaConf.create({"controller": controller}, flags={"allow_objects": True})
+    return TransferQueueConnection(tq.init(conf))
 
 
 def stop_transfer_queue() -> None:
@@ -76,20 +82,21 @@ def stop_transfer_queue() -> None:
     ray.shutdown()
 
 
-class TransferQueueBackend:
-    """``UnitBackend`` over TransferQueue's KV rows (see NOTE above); pickles to a reader elsewhere."""
+class TransferQueueBackend(UnitBackend):
+    """``UnitBackend`` over TransferQueue's KV rows (see NOTE [ One TransferQueue row per atomic
+    unit ]); pickles to a reader elsewhere."""
 
     def __init__(self, connection: TransferQueueConnection, partition_id: str = "knitkit-units"):
         self.connection = connection
         self.partition_id = partition_id
         self._client: Any = None
         self._specs: dict[UnitKey, UnitSpec] = {}
-        self._bytes_read = 0
+        self._reads = ReadCounter()
 
     def put(self, key: UnitKey, array: np.ndarray) -> None:
         if self._row(key).size:
             raise KeyError(f"unit {key} already exists in TQ partition {self.partition_id!r}")
-        self._write(key, np.asarray(array, order="C"))
+        self._write(key, np.asarray(check_unit(key, array), order="C"))
 
     def replace(self, key: UnitKey, array: np.ndarray) -> None:
         spec = self.spec(key)
@@ -115,24 +122,17 @@ class TransferQueueBackend:
         ranges: Sequence[SeqRange] | None = None,
         out: np.ndarray | None = None,
     ) -> np.ndarray:
-        from knitkit.storage import check_ranges, destination
-
         spec = self.spec(key)
-        checked = check_ranges(key, spec, ranges)
-        dst = destination(key, spec, checked, out)
-        row = self._row(key).select_fields([UNIT_FIELD])
-        column = self._client_or_new().get_data(row)[UNIT_FIELD]
-        raw = column.unbind()[0] if column.is_nested else column[0]
-        unit = raw.numpy().view(spec.dtype).reshape(spec.shape)
-        self._bytes_read += unit.nbytes
-        if checked is None:
-            np.copyto(dst, unit)
-        else:
-            offset = 0
-            for start, stop in checked:
-                dst[offset : offset + stop - start] = unit[start:stop]
-                offset += stop - start
-        return dst
+
+        def fill(checked: tuple[SeqRange, ...] | None, dst: np.ndarray) -> int:
+            row = self._row(key).select_fields([UNIT_FIELD])
+            column = self._client_or_new().get_data(row)[UNIT_FIELD]
+            raw = column.unbind()[0] if column.is_nested else column[0]
+            unit = raw.numpy().view(spec.dtype).reshape(spec.shape)
+            copy_ranges(unit, checked, dst)
+            return int(unit.nbytes)  # TQ moves whole units
+
+        return self._reads.read(key, spec, ranges, out, fill)
 
     def delete(self, key: UnitKey) -> None:
         row = self._row(key)
@@ -147,7 +147,7 @@ class TransferQueueBackend:
 
     @property
     def bytes_read(self) -> int:
-        return self._bytes_read
+        return self._reads.bytes
 
     def close(self) -> None:
         if self._client is not None:

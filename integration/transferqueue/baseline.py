@@ -1,4 +1,4 @@
-"""TransferQueue sample-level baseline: one TQ row per trajectory, each rank reads its DP share."""
+"""TransferQueue sample-level baseline: one TQ row per trajectory, read per rank by KV or by TQ's StreamingDataLoader."""
 
 from __future__ import annotations
 
@@ -7,9 +7,21 @@ from typing import Any
 
 import numpy as np
 
-from knitkit.storage import MiniBatchPlan, Trajectory
-from knitkit.storage.baselines import LocalTrajectories, RankPosition
-from knitkit.types import UnitKey
+from knitkit.storage import (
+    MicroBatchPlan,
+    MiniBatchPlan,
+    SequenceSlice,
+    Topology,
+    Trajectory,
+    cp_chunks,
+    pack_into,
+    pack_layout,
+    padded_lengths,
+)
+from knitkit.storage.baselines import Arena, LocalTrajectories, RankPosition
+from knitkit.types import MicroBatchLayout, UnitKey
+
+from .backend import TransferQueueConnection
 
 IMAGE_FIELD = "image"
 """TQ column holding a trajectory's (first) multimodal input, copied per trajectory."""
@@ -70,3 +82,70 @@ def read_share_tq(
             else:
                 units[UnitKey(seq.trajectory_id, name)] = array
     return LocalTrajectories(units), moved
+
+
+def streaming_loader(
+    connection: TransferQueueConnection,
+    rank: RankPosition,
+    fields: Sequence[str],
+    rows_per_step: int,
+    partition_id: str,
+    task_name: str,
+    prefetch: int = 0,
+) -> Any:
+    """TQ's own training path for one rank: a ``StreamingDataLoader`` over a ``StreamingDataset``
+    (its ``RankAwareSampler`` gives the TP/CP peers of a DP rank the same rows), one trajectory
+    per micro-batch; ``prefetch`` > 0 adds one loader worker fetching that many micro-batches
+    ahead (TQ's look-ahead), 0 fetches in the training loop. Needs TQ started with
+    ``sampler=RankAwareSampler``."""
+    from transfer_queue.dataloader import StreamingDataLoader, StreamingDataset
+
+    dataset = StreamingDataset(
+        config=connection.config,
+        batch_size=rows_per_step,
+        micro_batch_size=1,
+        data_fields=list(fields),
+        partition_id=partition_id,
+        task_name=task_name,
+        dp_rank=rank.dp,
+    )
+    if not prefetch:
+        return StreamingDataLoader(dataset)
+    return StreamingDataLoader(dataset, num_workers=1, prefetch_factor=prefetch)
+
+
+def pack_streamed(
+    batch: Any,
+    rank: RankPosition,
+    topology: Topology,
+    token_fields: Sequence[str],
+    scalar_fields: Sequence[str],
+    buffer: Arena,
+    index: int = 0,
+) -> tuple[MicroBatchLayout, np.ndarray, dict[str, int]]:
+    """Pack one ``StreamingDataLoader`` micro-batch (rows of whole trajectories) for this rank's CP
+    share, as ``pack_local`` does, into ``buffer`` (reset first); returns the layout, the packed
+    bytes and the payload bytes TQ delivered per column."""
+    units: dict[UnitKey, np.ndarray] = {}
+    moved: dict[str, int] = {}
+    sequences = []
+    for name in batch.keys():  # noqa: SIM118 (iterating a TensorDict yields its rows)
+        column = batch[name]
+        rows = column.unbind() if column.is_nested else list(column)
+        moved[name] = 0
+        for i, row in enumerate(rows):
+            array = row.numpy()
+            moved[name] += array.nbytes
+            units[UnitKey(f"row{i}", name)] = array
+    for i in range(batch.batch_size[0]):
+        length = int(units[UnitKey(f"row{i}", token_fields[0])].shape[0])
+        padded = int(padded_lengths(np.array([length]), topology.pad_multiple)[0])
+        chunks = cp_chunks(padded, topology.cp, rank.cp)
+        sequences.append(SequenceSlice(f"row{i}", length, padded, chunks))
+    micro_batch = MicroBatchPlan(index, tuple(sequences), tuple(token_fields), tuple(scalar_fields))
+    local = LocalTrajectories(units)
+    buffer.reset()
+    layout = pack_layout(micro_batch, local.schema(micro_batch))
+    packed = buffer.take(layout.nbytes)
+    pack_into(micro_batch, layout, packed, local.read_into)
+    return layout, packed, moved

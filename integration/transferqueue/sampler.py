@@ -67,7 +67,7 @@ class AdmissionSampler(BaseSampler):
     admission, not by ``batch_size``: ask with a small one (1) so admission sees every completion
     early. Needs ``polling_mode=True`` (``sampler_conf``): "not yet" is an empty result.
 
-    NOTE [tags arrive after production]: ``TransferQueueClient.put`` flips the samples'
+    NOTE [ Tags arrive after production ]: ``TransferQueueClient.put`` flips the samples'
     production bits before it sends their ``custom_meta``, so a ready sample may have no tags
     yet. Such samples are left unreported and picked up by a later call, never guessed.
     """
@@ -134,7 +134,7 @@ class AdmissionSampler(BaseSampler):
         for index in new:
             meta = _meta_from_tags(index, tags.get(index, {}), keys.get(index))
             if meta is None:
-                continue  # tags not set yet; see NOTE [tags arrive after production]
+                continue  # tags not set yet; see NOTE [ Tags arrive after production ]
             state.controller.report(meta)
             state.reported.add(index)
             state.index_of[meta.trajectory_id] = index

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from knitkit.admission.config import AdmissionConfig, resolve
 from knitkit.admission.guards import candidate_admissible, guard_coverable
@@ -46,7 +47,7 @@ class AdmissionController:
     holds on it (eq. 4); admission is irrevocable (eq. 5). Reports and readiness checks cost
     O(#sources): the ready pool keeps per-source queues and counters.
 
-    NOTE [single writer]: the controller holds no lock. Call ``report``, ``issued`` and
+    The controller holds no lock: Call ``report``, ``issued`` and
     ``next_minibatch`` from one thread (the trainer's rollout loop, or one actor that owns it);
     a failed call raises before changing state, so the caller may log and continue.
     """
@@ -54,7 +55,7 @@ class AdmissionController:
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
         self._quotas, self.minibatch_sizes = resolve(config)
-        # NOTE: with atomic GRPO groups a lower bound is only met in whole groups, so the guards
+        # With atomic GRPO groups a lower bound is only met in whole groups, so the guards
         # count deficits rounded up to the group size (else a guard could pass on 1 + 1 <= 4
         # free slots when two whole groups, 8 slots, are needed).
         g = config.group_size
@@ -80,7 +81,11 @@ class AdmissionController:
         self._admitted: dict[str, int] = dict.fromkeys(config.sources, 0)
         self._admitted_total = 0
         self._quota_targets: list[list[tuple[str, int]]] = []
-        self._predicate_start: list[float] = []
+        self._predicate_alphas = [
+            p.schedule.alphas(config.num_minibatches) for p in config.predicates
+        ]
+        self._open_view: AdmissionView
+        """Counts when the open train batch opened (issues live); set when predicates exist."""
         self._open_train_batch()
 
     @property
@@ -132,7 +137,7 @@ class AdmissionController:
 
     def discard_pending(self) -> int:
         """Drop every pending trajectory (counted in ``stats.discarded``); returns how many."""
-        dropped = self._pool.drop_where(lambda unit: True)
+        dropped = self._pool.clear()
         count = sum(u.size for u in dropped) + sum(len(g) for g in self._open_groups.values())
         self._open_groups.clear()
         self.stats.discarded += count
@@ -189,8 +194,9 @@ class AdmissionController:
             self._admitted = dict.fromkeys(self.config.sources, 0)
             self._admitted_total = 0
             if self.config.max_staleness is not None:
+                oldest = self.training_version - self.config.max_staleness
                 self.stats.stale_dropped += sum(
-                    u.size for u in self._pool.drop_where(self._is_stale)
+                    u.size for u in self._pool.expire_older_than(oldest)
                 )
             self._open_train_batch()
         return batch
@@ -207,17 +213,23 @@ class AdmissionController:
             for t in range(n)
         ]
         if self.config.predicates:
-            view = self._view(0)
-            self._predicate_start = [p.progress(view) for p in self.config.predicates]
+            self._open_view = AdmissionView(
+                self.train_batch,
+                1,
+                dict(self._pool.ready),
+                dict(self._admitted),
+                dict(self._completed_by_step),
+                MappingProxyType(self._issued_by_step),
+            )
 
     def _view(self, t: int) -> AdmissionView:
         return AdmissionView(
             self.train_batch,
             t + 1,
-            dict(self._pool.ready),
-            dict(self._admitted),
-            dict(self._completed_by_step),
-            dict(self._issued_by_step),
+            MappingProxyType(self._pool.ready),
+            MappingProxyType(self._admitted),
+            MappingProxyType(self._completed_by_step),
+            MappingProxyType(self._issued_by_step),
         )
 
     def _ready(self, t: int) -> bool:
@@ -231,10 +243,16 @@ class AdmissionController:
                     return False
         if self.config.predicates:
             view = self._view(t)
-            for predicate, start in zip(self.config.predicates, self._predicate_start, strict=True):
-                alpha = predicate.schedule.alphas(self.config.num_minibatches)[t]
-                goal = start + alpha * (predicate.target(view) - start)
-                if predicate.progress(view) < goal - 1e-9:
+            for predicate, alphas in zip(
+                self.config.predicates, self._predicate_alphas, strict=True
+            ):
+                # s_{i,0} is the progress at train-batch open measured
+                # against what the predicate measures now (counts at open, issues now): a
+                # completion quota's step issued mid-batch starts from its own progress at open
+                # (0), not the previous step's. A start past the target is the target.
+                goal = predicate.target(view)
+                start = min(predicate.progress(self._open_view), goal)
+                if predicate.progress(view) < start + alphas[t] * (goal - start) - 1e-9:
                     return False
         return True
 

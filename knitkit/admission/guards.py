@@ -43,7 +43,7 @@ def candidate_admissible(
     for source, count in counts.items():
         if count < 0 or count > pool.units(source):
             return False
-        taken[source] = sum(pool.peek(source, k).size for k in range(count))
+        taken[source] = pool.prefix_size(source, count)
     if sum(taken.values()) != request.size:
         return False
     if any(taken.get(s, 0) > room for s, room in request.room.items()):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from knitkit.admission.pool import ReadyPool
+from knitkit.admission.pool import ReadyPool, Unit
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,34 +54,32 @@ class PacedSelection:
     as they complete keeps later mini-batches from waiting on them (and keeps mixes balanced).
     """
 
-    stalest_first: bool = True
-    """Fill the rest by oldest generating version first (then completion order)."""
-
     def propose(self, request: CandidateRequest, pool: ReadyPool) -> dict[str, int] | None:
         share = request.size / (request.size + request.slots_after)
         start: dict[str, int] = {}
         for source, deficit in request.deficits.items():
             want = min(math.ceil(deficit * share), request.room.get(source, deficit))
             taken = units = 0
-            while units < pool.units(source) and taken + pool.peek(source, units).size <= want:
-                taken += pool.peek(source, units).size
+            for unit in pool.head(source):
+                if taken + unit.size > want:
+                    break
+                taken += unit.size
                 units += 1
             if units:
                 start[source] = units
         if sum(_sizes(pool, start).values()) > request.size:
             start = {}
-        return fill_oldest_first(request, pool, start, self.stalest_first)
+        return fill_oldest_first(request, pool, start)
 
 
 def _sizes(pool: ReadyPool, counts: Mapping[str, int]) -> dict[str, int]:
-    return {s: sum(pool.peek(s, k).size for k in range(c)) for s, c in counts.items()}
+    return {s: pool.prefix_size(s, c) for s, c in counts.items()}
 
 
 def fill_oldest_first(
     request: CandidateRequest,
     pool: ReadyPool,
     start: Mapping[str, int],
-    stalest_first: bool = False,
 ) -> dict[str, int] | None:
     """Extend ``start`` (units per source) oldest-first to ``request.size`` trajectories.
 
@@ -97,12 +96,15 @@ def fill_oldest_first(
     must_total = sum(must.values()) if request.guarded else 0
     total = sum(taken.values())
 
-    def head(source: str) -> tuple[int, int, str] | None:
-        index = counts.get(source, 0)
-        if index >= pool.units(source):
+    cursors = {s: itertools.islice(pool.head(s), counts.get(s, 0), None) for s in pool.ready}
+    current: dict[str, Unit] = {}
+
+    def head(source: str) -> tuple[int, str] | None:
+        unit = next(cursors[source], None)
+        if unit is None:
             return None
-        unit = pool.peek(source, index)
-        return (unit.version_sum if stalest_first else 0, unit.seq, source)
+        current[source] = unit
+        return (unit.seq, source)
 
     heap = [h for h in map(head, pool.ready) if h is not None]
     heapq.heapify(heap)
@@ -110,8 +112,8 @@ def fill_oldest_first(
         free = request.size - total
         if must_total > free or not heap:
             return None
-        source = heapq.heappop(heap)[2]
-        unit = pool.peek(source, counts.get(source, 0))
+        source = heapq.heappop(heap)[1]
+        unit = current[source]
         room = request.room.get(source)
         if unit.size > free or (room is not None and taken.get(source, 0) + unit.size > room):
             continue

@@ -151,8 +151,7 @@ def run_pipeline(config: PipelineConfig, progress: Callable[[str], None]) -> Pip
         pending: list[MiniBatchPlan] = []
         for completion in stream_completions(config.rollout):
             trajectory = completion.trajectory
-            store.write(trajectory)
-            meta = store.meta(trajectory.trajectory_id)
+            meta = store.write(trajectory)
             for name, controller in controllers.items():
                 controller.report(meta)
                 while (mb := controller.next_minibatch()) is not None:
@@ -165,7 +164,7 @@ def run_pipeline(config: PipelineConfig, progress: Callable[[str], None]) -> Pip
                             (EncoderTopology("vision", dp=config.encoder_dp),),
                             f"tb{mb.train_batch}-mb{mb.index}",
                         )
-                        store.register(plan)
+                        plan = store.register(plan)
                         _account(result, store, plan)
                         for reorganizer, consumer in zip(backbone, plan.consumers, strict=True):
                             reorganizer.submit(plan.minibatch_id, consumer)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from knitkit.admission.replay import SourceProfile, generate_trace
+from knitkit.next_token import next_token_fields
 from knitkit.storage import MultimodalInput, Trajectory
 
 PROMPT_TOKENS = 6
@@ -113,22 +114,22 @@ def _trajectory(
     is_noise = rng.random(length) < noise
     for t in range(1, length):
         tokens[t] = random_tokens[t] if is_noise[t] else (tokens[t - 1] * 5 + 3) % config.vocab
-    labels = np.append(tokens[1:], 0)
-    loss_mask = np.zeros(length, np.float32)
-    loss_mask[prompt - 1 : length - 1] = 1.0
+    generated = np.zeros(length, np.float32)
+    generated[prompt:] = 1.0
     routing = rng.integers(0, 64, (length, config.routing_layers, config.routing_topk)).astype(
         np.uint8
     )
+    token_aligned: dict[str, np.ndarray] = {
+        "tokens": tokens,
+        "old_logprobs": np.full(length, -np.log(config.vocab), np.float32),
+        "loss_mask": generated,
+        "routing": routing,
+    }
     return Trajectory(
         trajectory_id=trajectory_id,
         sample_id=sample_id,
-        token_fields={
-            "tokens": tokens,
-            "labels": labels,
-            "old_logprobs": np.full(length, -np.log(config.vocab), np.float32),
-            "loss_mask": loss_mask,
-            "routing": routing,
-        },
+        # see NOTE [ Next-token alignment ]: labels, mask and old log-probs at the predicting position
+        token_fields=next_token_fields(token_aligned, ("loss_mask", "old_logprobs")),
         scalars={"advantage": advantage},
         multimodal=(MultimodalInput("image", image, PROMPT_TOKENS, patches),),
         source=source,

@@ -15,12 +15,10 @@ import torch.nn.functional as F
 
 from knitkit.demo.model import Backbone, ModelSize, VisionEncoder
 from knitkit.encoder_dedup import (
-    BackboneAssignment,
     DedupEncoder,
-    EncoderAssignment,
     ProcessGroupTransport,
     RoutingPlan,
-    build_routing_plan,
+    route_minibatch,
     row_slices,
 )
 from knitkit.microbatch_iter import MicroBatchIterator
@@ -67,22 +65,9 @@ class StepResult:
 
 def routing_plan(plan: MiniBatchPlan, encoder_ranks: Sequence[int], world: int) -> RoutingPlan:
     """The dedup routing plan of a mini-batch: encoder ranks' units -> every backbone rank's rows."""
-    rows: dict[UnitKey, int] = {}
-    backbone: dict[int, list[list]] = {}
-    for consumer in plan.consumers:
-        micro = []
-        for mb in consumer.micro_batches:
-            for seq in mb.sequences:
-                rows.update((ref.key, ref.num_tokens) for ref in seq.multimodal)
-            micro.append(
-                [s for seq in mb.sequences for s in row_slices(seq.multimodal, seq.chunks)]
-            )
-        backbone[consumer.dp_rank * plan.topology.cp + consumer.cp_rank] = micro
-    encoder = plan.encoders[0]
-    assignment = EncoderAssignment(
-        {encoder_ranks[r.dp_rank]: r.micro_batches for r in encoder.ranks}, rows
-    )
-    return build_routing_plan(assignment, BackboneAssignment(backbone), world_size=world)
+    backbone = {c.dp_rank * plan.topology.cp + c.cp_rank: c for c in plan.consumers}
+    encoder = plan.encoders[0].ranks
+    return route_minibatch(backbone, encoder, world_size=world, encoder_ranks=encoder_ranks)
 
 
 def feature_positions(mb: MicroBatchPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -149,20 +134,25 @@ class DemoRank:
         if self.units_in is not None:
             self.units_in.close()
 
+    def _encoder_inputs(self, plan: MiniBatchPlan) -> dict[UnitKey, torch.Tensor]:
+        """The unique units this rank encodes, pulled from its encoder ring (one micro-batch per
+        encoder micro-batch of its plan, as its reorganizer publishes them)."""
+        if self.units_in is None:
+            return {}
+        encoder_rank = self.setup.encoder_ranks.index(self.rank)
+        pixels: dict[UnitKey, torch.Tensor] = {}
+        for _ in plan.encoders[0].ranks[encoder_rank].micro_batches:
+            delivered = self.units_in.next_micro_batch()
+            units = delivered.layout.unit_views(delivered.buffer)
+            pixels.update((key, torch.from_numpy(view.copy())) for key, view in units.items())
+            delivered.release()
+        return pixels
+
     def step(self, plan: MiniBatchPlan) -> StepResult:
         """Encode the mini-batch's unique images, train its micro-batches, run one optimizer step."""
         start = time.perf_counter()
         route = routing_plan(plan, self.setup.encoder_ranks, self.setup.world).for_rank(self.rank)
-        pixels: dict[UnitKey, torch.Tensor] = {}
-        for _ in route.encoder_micro_batches:
-            assert self.units_in is not None, (
-                f"rank {self.rank} has encoder work but no encoder ring"
-            )
-            delivered = self.units_in.next_micro_batch()
-            pixels.update(
-                (UnitKey.parse(k), torch.from_numpy(v.copy())) for k, v in delivered.fields.items()
-            )
-            delivered.release()
+        pixels = self._encoder_inputs(plan)
         dup_s, dup_units = _time_duplicate_encoding(plan, self.encoder, pixels)
         dedup = DedupEncoder(route, ProcessGroupTransport(), hidden=self.setup.size.hidden)
         forward_s = 0.0
@@ -209,7 +199,7 @@ class DemoRank:
             loss = -(ratio * advantage * mb["loss_mask"]).sum() / norm
             loss.backward()
             total_loss += float((-(logp * mb["loss_mask"]).sum() / norm).detach())
-        # NOTE: the barrier keeps waiting for slower ranks' backbone work out of the timed backward,
+        # The barrier keeps waiting for slower ranks' backbone work out of the timed backward,
         # which is the gradient return plus the one deferred encoder backward.
         dist.barrier()
         t0 = time.perf_counter()

@@ -2,12 +2,14 @@
 route detached rows to every consumer, return owned gradient rows, run one deferred encoder backward.
 """
 
+from knitkit.encoder_dedup.agreement import RouteMismatch
 from knitkit.encoder_dedup.assignment import (
     BackboneAssignment,
     EncoderAssignment,
     RowSlice,
     row_slices,
 )
+from knitkit.encoder_dedup.bridge import feature_slices, route_minibatch
 from knitkit.encoder_dedup.dedup import DedupEncoder, EncodeFn, Phase
 from knitkit.encoder_dedup.grad_sync import sync_encoder_grads
 from knitkit.encoder_dedup.minibatch import BackboneStep, train_minibatch
@@ -28,10 +30,13 @@ __all__ = [
     "Phase",
     "ProcessGroupTransport",
     "RankRoute",
+    "RouteMismatch",
     "RoutingPlan",
     "RowSlice",
     "RowTransport",
     "build_routing_plan",
+    "feature_slices",
+    "route_minibatch",
     "row_slices",
     "sync_encoder_grads",
     "train_minibatch",

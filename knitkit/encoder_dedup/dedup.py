@@ -8,6 +8,7 @@ from functools import partial
 
 import torch
 
+from knitkit.encoder_dedup.agreement import agree
 from knitkit.encoder_dedup.plan import Exchange, RankRoute
 from knitkit.encoder_dedup.transport import RowTransport
 from knitkit.types import UnitKey
@@ -27,13 +28,15 @@ class Phase(enum.Enum):
 class DedupEncoder:
     """One mini-batch of deduplicated encoding on one rank (see README: encode -> features -> backward).
 
-    NOTE [graph lifetime]: the encoder outputs of ``encode`` keep their autograd graphs until
+    NOTE [ Graph lifetime ]: the encoder outputs of ``encode`` keep their autograd graphs until
     ``backward``; backbone micro-batches see only ``detach().requires_grad_()`` gathers of the local
     cache, so their backward stops at that leaf. A post-accumulate hook adds each leaf's gradient
     into ``cache_grad`` by cache row (``index_add_``) and drops the leaf's ``.grad``, so a finished
     micro-batch holds nothing once the caller drops its features. ``backward`` returns each rank's
     owned gradient rows to the encoding ranks, sums them there and runs ONE backward through the
-    retained graphs. Every rank of the transport must call ``encode`` and ``backward`` (collectives).
+    retained graphs. Every rank of the transport must call ``encode`` and ``backward`` (collectives);
+    each starts with a bounded handshake that checks the ranks agree (NOTE [ Handshake before rows
+    move ] in ``agreement.py``).
     """
 
     def __init__(
@@ -44,8 +47,14 @@ class DedupEncoder:
         hidden: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        grad_dtype: torch.dtype = torch.float32,
+        grad_dtype: torch.dtype | None = None,
+        handshake_timeout_s: float = 600.0,
     ) -> None:
+        """``grad_dtype`` is where feature gradients accumulate across micro-batches; by default
+        ``dtype`` widened to at least float32 (float64 stays float64, bfloat16 sums in float32).
+        ``handshake_timeout_s`` bounds the wait for peers at the start of ``encode`` and
+        ``backward`` (NOTE [ Handshake before rows move ] in ``agreement.py``); it must cover the
+        skew between ranks, e.g. one rank still running backbone micro-batches."""
         if transport.rank != route.rank:
             raise ValueError(
                 f"route is for rank {route.rank} but the transport is rank {transport.rank}"
@@ -53,21 +62,31 @@ class DedupEncoder:
         self.route = route
         self.transport = transport
         self.hidden, self.dtype, self.device = hidden, dtype, torch.device(device)
-        self.grad_dtype = grad_dtype
+        self.grad_dtype = grad_dtype or torch.promote_types(dtype, torch.float32)
+        self.handshake_timeout_s = handshake_timeout_s
         self.phase = Phase.READY
+        self.keep_graph = True
         self.encoded_units = 0
         self._outputs: list[torch.Tensor] = []
         self._cache = torch.empty(0, hidden, dtype=dtype, device=self.device)
-        self._cache_grad = torch.empty(0, hidden, dtype=grad_dtype, device=self.device)
+        self._cache_grad = torch.empty(0, hidden, dtype=self.grad_dtype, device=self.device)
         self._index = [ix.to(self.device) for ix in route.micro_batch_index]
 
-    def encode(self, encode_fn: EncodeFn) -> None:
-        """Run this rank's encoder micro-batches (graphs kept) and route detached rows to consumers."""
+    def encode(self, encode_fn: EncodeFn, *, keep_graph: bool = True) -> None:
+        """Run this rank's encoder micro-batches (graphs kept) and route detached rows to consumers.
+
+        ``keep_graph=False`` is for forward-only passes (old / reference log-probs): the encoder
+        runs under ``torch.no_grad()``, no outputs or gradient buffer are kept, ``features``
+        returns plain gathers and ``backward`` is refused.
+        """
         self._expect(Phase.READY, "encode")
+        self._agree("encode")
+        self.keep_graph = keep_graph
         for keys, rows in zip(
             self.route.encoder_micro_batches, self.route.encoder_rows, strict=True
         ):
-            out = encode_fn(keys)
+            with torch.set_grad_enabled(keep_graph and torch.is_grad_enabled()):
+                out = encode_fn(keys)
             if tuple(out.shape) != (rows, self.hidden):
                 raise ValueError(
                     f"encode_fn({[str(k) for k in keys]}) returned shape {tuple(out.shape)}; "
@@ -79,6 +98,10 @@ class DedupEncoder:
         received = self._exchange(table, self.route.forward)
         self._cache = table.new_empty(self.route.cache_rows, self.hidden)
         self._cache.index_copy_(0, self.route.forward.recv_index.to(self.device), received)
+        if not keep_graph:
+            self._outputs = []
+            self.phase = Phase.ENCODED
+            return
         self._cache_grad = torch.zeros(
             self.route.cache_rows, self.hidden, dtype=self.grad_dtype, device=self.device
         )
@@ -88,18 +111,34 @@ class DedupEncoder:
         """Features of backbone micro-batch ``micro_batch``: a fresh leaf gathered from the cache."""
         self._expect(Phase.ENCODED, "features")
         index = self._index[micro_batch]
+        if not self.keep_graph:
+            return self._cache.index_select(0, index)
         leaf = self._cache.index_select(0, index).detach().requires_grad_()
+        # see NOTE [ Graph lifetime ]: the backbone's backward stops at this leaf
         leaf.register_post_accumulate_grad_hook(partial(self._accumulate, index))
         return leaf
 
-    def backward(self) -> None:
-        """Return owned gradient rows to the encoding ranks and run the one deferred encoder backward."""
+    def backward(self, *, scale: float = 1.0) -> None:
+        """Return owned gradient rows to the encoding ranks and run the one deferred encoder backward.
+
+        ``scale`` multiplies the summed feature gradients before the encoder backward (a trainer
+        that averages encoder gradients over more replicas than encoded, e.g. Megatron's TP
+        average: see ``integration/megatron/grads.py``).
+        """
         self._expect(Phase.ENCODED, "backward")
+        self._agree("backward")
+        if not self.keep_graph:
+            raise RuntimeError(
+                "DedupEncoder.backward() after encode(keep_graph=False): a forward-only pass "
+                "has no encoder backward; encode with keep_graph=True for a training step"
+            )
         received = self._exchange(self._cache_grad, self.route.backward)
         grad = torch.zeros(
             self.route.table_rows, self.hidden, dtype=self.grad_dtype, device=self.device
         )
         grad.index_add_(0, self.route.backward.recv_index.to(self.device), received)
+        if scale != 1.0:
+            grad.mul_(scale)
         self._cache = self._cache.new_empty(0, self.hidden)  # a [:0] view would keep the storage
         self._cache_grad = self._cache_grad.new_empty(0, self.hidden)
         outputs, self._outputs = self._outputs, []
@@ -121,6 +160,16 @@ class DedupEncoder:
         assert leaf.grad is not None
         self._cache_grad.index_add_(0, index, leaf.grad.to(self.grad_dtype))
         leaf.grad = None
+
+    def _agree(self, phase: str) -> None:
+        if self.transport.world_size > 1:
+            agree(
+                self.route,
+                self.transport,
+                phase,
+                device=self.device,
+                timeout_s=self.handshake_timeout_s,
+            )
 
     def _exchange(self, rows: torch.Tensor, step: Exchange) -> torch.Tensor:
         send = rows.index_select(0, step.send_index.to(self.device))

@@ -21,18 +21,23 @@ def sync_encoder_grads(
     data-parallel consumers. ``group`` must span every rank holding an encoder replica that the
     trainer does not reduce itself, and ``scale`` turns the sum into the trainer's convention
     (``1 / (dp * cp)`` for a trainer that averages; ``1`` for one that sums). Parameters without a
-    gradient take part as zeros and end with one, so every replica steps identically.
+    gradient take part as zeros and end with one, so every replica steps identically. Gradients
+    keep their parameter's dtype (one collective per dtype).
 
     With Megatron DDP owning the encoder parameters, see the README ("Megatron") instead.
     """
     params = [p for p in params if p.requires_grad]
     if not params:
         return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(flat, group=group)
-    if scale != 1.0:
-        flat.mul_(scale)
-    for param, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
-        param.grad = piece.view_as(param).to(param.dtype)
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for param in params:  # one flat collective per dtype: nothing is rounded through another dtype
+        by_dtype.setdefault(param.dtype, []).append(param)
+    for same in by_dtype.values():
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(flat, group=group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        for param, piece in zip(same, flat.split([p.numel() for p in same]), strict=True):
+            param.grad = piece.view_as(param)

@@ -17,7 +17,7 @@ class DeferredBackward(Protocol):
 class FinalizeWithDeferredBackward:
     """Drop-in ``config.finalize_model_grads_func`` that first runs the armed deferred encoder backward.
 
-    NOTE [why before finalize]: Megatron's schedule calls ``finalize_model_grads`` itself, after
+    NOTE [ Why before finalize ]: Megatron's schedule calls ``finalize_model_grads`` itself, after
     the last micro-batch. It finishes the DP gradient reduction (``finish_grad_sync``); with
     ``overlap_grad_reduce`` it asserts that every bucket's parameters got their gradients, so an
     encoder backward run after it is an error, and without overlap its gradients are simply never
@@ -47,7 +47,7 @@ class FinalizeWithDeferredBackward:
         self._pending = deferred
 
     def __call__(self, *args: object, **kwargs: object) -> object:
-        pending, self._pending = self._pending, None
+        pending, self._pending = self._pending, None  # see NOTE [ Why before finalize ]
         if pending is not None:
             pending.backward()
             if self.before_finalize is not None:

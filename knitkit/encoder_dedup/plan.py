@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ class RankRoute:
     """Encoding table rows -> cache rows (detached values)."""
     backward: Exchange
     """Owned cache-gradient rows -> encoding table rows (summed with ``index_add_``)."""
+    plan_fingerprint: bytes = b""
+    """Digest of the whole plan's inputs; ranks compare it before rows move (``agreement.py``)."""
 
     @property
     def table_rows(self) -> int:
@@ -67,6 +70,7 @@ def build_routing_plan(
     encoder: EncoderAssignment, backbone: BackboneAssignment, world_size: int
 ) -> RoutingPlan:
     """Route every consumed row from its encoding rank and every owned gradient row back (pure)."""
+    _check_backbone(backbone, world_size)
     owner, table_offset, encoder_rows = _encoder_layout(encoder, world_size)
     encoded_rows = {key: encoder.num_rows[key] for key in owner}
     segments = {
@@ -84,6 +88,7 @@ def build_routing_plan(
             src, dst = bwd[(consumer, owner[key])]
             src.append((cache_at, stop - start))
             dst.append((table_offset[key] + start, stop - start))
+    fingerprint = plan_fingerprint(encoder, backbone, world_size)
     routes = []
     for rank in range(world_size):
         segs = segments.get(rank, [])
@@ -100,9 +105,50 @@ def build_routing_plan(
                 ),
                 forward=_exchange(rank, world_size, fwd),
                 backward=_exchange(rank, world_size, bwd),
+                plan_fingerprint=fingerprint,
             )
         )
     return RoutingPlan(tuple(routes))
+
+
+def plan_fingerprint(
+    encoder: EncoderAssignment, backbone: BackboneAssignment, world_size: int
+) -> bytes:
+    """A 16-byte digest of everything a routing plan is built from (equal inputs, equal digest)."""
+    text = repr(
+        (
+            world_size,
+            sorted((r, [list(mb) for mb in mbs]) for r, mbs in encoder.micro_batches.items()),
+            sorted(encoder.num_rows.items()),
+            sorted((r, [list(mb) for mb in mbs]) for r, mbs in backbone.micro_batches.items()),
+            [list(group) for group in backbone.tp_groups],
+        )
+    )
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def _check_backbone(backbone: BackboneAssignment, world_size: int) -> None:
+    """Every consumer and TP member is a rank of the world; no rank is in two TP groups."""
+    for rank in backbone.micro_batches:
+        if not 0 <= rank < world_size:
+            raise ValueError(
+                f"consumer rank {rank} outside the world of {world_size} ranks; plan ranks are "
+                "ranks of the transport's group (pass group ranks, not global ranks, for a subgroup)"
+            )
+    group_of: dict[int, tuple[int, ...]] = {}
+    for group in backbone.tp_groups:
+        members = tuple(group)
+        for member in members:
+            if not 0 <= member < world_size:
+                raise ValueError(
+                    f"TP group {members} names rank {member}, outside the world of {world_size} ranks"
+                )
+            if member in group_of:
+                raise ValueError(
+                    f"rank {member} is in TP groups {group_of[member]} and {members}; "
+                    "each rank belongs to exactly one TP group"
+                )
+            group_of[member] = members
 
 
 def _encoder_layout(

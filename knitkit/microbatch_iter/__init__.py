@@ -2,9 +2,10 @@
 
 from knitkit.microbatch_iter.batch import IterStats, MicroBatch, MicroBatchStats, field_tensors
 from knitkit.microbatch_iter.iterator import MicroBatchIterator
-from knitkit.microbatch_iter.pool import SlotRing, StagingSlot
-from knitkit.microbatch_iter.source import PackedItem, PackedMicroBatch, SourceItem, plan_staging
+from knitkit.microbatch_iter.pool import StagingRing, StagingSlot
+from knitkit.microbatch_iter.source import PackedItem, SourceItem, plan_staging
 from knitkit.microbatch_iter.transport import CpuTransport, CudaTransport, Transport, make_transport
+from knitkit.types import PackedMicroBatch
 
 __all__ = [
     "CpuTransport",
@@ -15,8 +16,8 @@ __all__ = [
     "MicroBatchStats",
     "PackedItem",
     "PackedMicroBatch",
-    "SlotRing",
     "SourceItem",
+    "StagingRing",
     "StagingSlot",
     "Transport",
     "field_tensors",

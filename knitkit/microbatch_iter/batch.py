@@ -59,8 +59,10 @@ class IterStats:
 class MicroBatch:
     """One delivered micro-batch: field tensors viewing one flat staged buffer.
 
-    The tensors live in a staging slot that is refilled once the ring comes round again:
-    they stay valid until the next ``next()`` call; ``clone()`` what must live longer.
+    The tensors live in a staging slot that is refilled once the ring comes round again, or
+    on CPU in the source's published slot itself (NOTE [ Zero-copy hand-off ] in worker.py):
+    they stay valid until the next ``next()`` call and must not be written into; ``clone()``
+    what must live longer or be modified.
     """
 
     index: int

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator
@@ -11,8 +12,9 @@ from types import TracebackType
 import torch
 
 from knitkit.microbatch_iter.batch import IterStats, MicroBatch, MicroBatchStats
-from knitkit.microbatch_iter.pool import SlotRing
-from knitkit.microbatch_iter.source import SourceItem
+from knitkit.microbatch_iter.exit_guard import note_exit
+from knitkit.microbatch_iter.pool import StagingRing
+from knitkit.microbatch_iter.source import SourceItem, source_items
 from knitkit.microbatch_iter.transport import make_transport
 from knitkit.microbatch_iter.worker import End, Failure, Prefetcher
 
@@ -42,6 +44,9 @@ class MicroBatchIterator(Iterator[MicroBatch]):
         starts as soon as ``next()`` hands the current one over."""
         join_timeout_s: float = 5.0
         """How long ``close()`` waits for the thread; a source blocked longer is abandoned."""
+        next_timeout_s: float = 600.0
+        """How long ``next()`` waits for the source's next micro-batch before ``TimeoutError``
+        (no wait is unbounded by default; ``math.inf`` waits as long as the source takes)."""
         time_h2d: bool = False
         """CUDA: time every host-to-device copy with events (``stats.h2d_s``, after close)."""
 
@@ -63,9 +68,9 @@ class MicroBatchIterator(Iterator[MicroBatch]):
         self.device = _resolve(device)
         slots = config.depth + 1
         transport = make_transport(self.device, slots, time_h2d=config.time_h2d)
-        ring = SlotRing(slots, transport, config.slot_nbytes)
+        ring = StagingRing(slots, transport, config.slot_nbytes)
         self._prefetcher = Prefetcher(
-            iter(source),
+            source_items(source),
             ring,
             transport,
             depth=config.depth,
@@ -74,28 +79,30 @@ class MicroBatchIterator(Iterator[MicroBatch]):
         self._stats = IterStats()
         self._launch_pending = False
         self._finished = False
+        self._consumer: int | None = None
+        self._claim = threading.Lock()
         self._finalizer = weakref.finalize(self, self._prefetcher.shutdown)
         self._finalizer.atexit = False
         self._prefetcher.thread.start()
 
     def __next__(self) -> MicroBatch:
         start = time.perf_counter()
+        self._check_consumer()
         if self._finished:
             raise StopIteration
         prefetcher = self._prefetcher
-        if prefetcher.held is not None:
-            prefetcher.transport.release(prefetcher.held)
-            prefetcher.held = None
+        prefetcher.release_held()  # see NOTE [ Zero-copy hand-off ] in worker.py
         self.launched()
-        record = prefetcher.take()
+        record = prefetcher.take(self.config.next_timeout_s)
         if isinstance(record, End):
             self.close()
             raise StopIteration
         if isinstance(record, Failure):
             self.close()
             raise record.error
-        prefetcher.transport.hand_over(record.slot)
-        prefetcher.held = record.slot
+        if record.slot is not None:
+            prefetcher.transport.hand_over(record.slot)
+        prefetcher.held = record
         self._launch_pending = True
         stats = MicroBatchStats(
             record.index,
@@ -109,6 +116,20 @@ class MicroBatchIterator(Iterator[MicroBatch]):
             self.launched()
         return MicroBatch(record.index, record.layout, record.flat, record.tensors, stats)
 
+    def _check_consumer(self) -> None:
+        """One consumer thread per iterator: the first to call ``next()`` owns it."""
+        me = threading.get_ident()
+        if self._consumer != me:
+            with self._claim:
+                if self._consumer is None:
+                    self._consumer = me
+            if self._consumer != me:
+                raise RuntimeError(
+                    f"MicroBatchIterator is consumed by thread {self._consumer}; next() from "
+                    f"thread {me} would tear or drop micro-batches. Use one consumer thread per "
+                    "iterator (one iterator per consumer)"
+                )
+
     def launched(self) -> None:
         """Tell the iterator the held micro-batch's first kernel is launched; staging may go on.
 
@@ -119,7 +140,7 @@ class MicroBatchIterator(Iterator[MicroBatch]):
             self._prefetcher.credits.release()
 
     @property
-    def pool(self) -> SlotRing:
+    def pool(self) -> StagingRing:
         """The staging ring, for inspection (``allocations``, ``held_bytes``)."""
         return self._prefetcher.ring
 
@@ -143,6 +164,7 @@ class MicroBatchIterator(Iterator[MicroBatch]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        note_exit(exc)
         self.close()
 
 

@@ -22,8 +22,9 @@ class StagingSlot:
         return 0 if self.host is None else self.host.numel()
 
 
-class SlotRing:
-    """``count`` slots used round robin: micro-batch ``j`` is staged in slot ``j % count``.
+class StagingRing:
+    """The iterator's staging buffers: ``count`` slots used round robin, micro-batch ``j`` in
+    slot ``j % count`` (not the shared-memory ``knitkit.storage.SlotRing`` it may read from).
 
     A slot grows to the next power of two when a larger micro-batch arrives and is otherwise
     reused as is, so variable-size micro-batches allocate (and pin) at most about
@@ -48,7 +49,7 @@ class SlotRing:
 
     def ensure(self, slot: StagingSlot, nbytes: int) -> None:
         """Grow ``slot`` to hold ``nbytes``; call only once the slot may be refilled."""
-        if slot.capacity >= nbytes:
+        if slot.host is not None and slot.capacity >= nbytes:
             return
         size = 1 << max(nbytes - 1, 0).bit_length()
         slot.host = None

@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 import torch
 
-from knitkit.types import MicroBatchLayout
-
-Buffer: TypeAlias = memoryview | bytes | bytearray | np.ndarray
-"""A flat byte buffer holding a packed micro-batch (e.g. a view of a shared-memory slot)."""
+from knitkit.microbatch_iter.batch import torch_dtype
+from knitkit.types import Buffer, MicroBatchLayout
 
 
 @runtime_checkable
 class PackedItem(Protocol):
     """A packed micro-batch: a layout and the flat buffer it describes.
 
-    The item may also have a ``release()`` method: the iterator calls it once its copy of
-    ``buffer`` is complete, so the producer (the reorganizer) may reuse the buffer's slot.
+    The item may also have a ``release()`` method: the iterator calls it once it no longer
+    reads ``buffer`` (after its copy, or on CPU once the consumer moved past the micro-batch;
+    see NOTE [ Zero-copy hand-off ] in worker.py), so the producer may reuse the buffer's slot.
+    Until then the producer must leave the buffer unchanged.
     """
 
     @property
@@ -30,22 +31,45 @@ class PackedItem(Protocol):
     def buffer(self) -> Buffer: ...
 
 
+@runtime_checkable
+class PublishedSource(Protocol):
+    """A source of packed micro-batches valid until each one's ``release()``
+    (``knitkit.storage.MicroBatchConsumer``). Its own ``__next__`` releases the previous item,
+    which the consumer may still read (NOTE [ Zero-copy hand-off ] in worker.py); the iterator
+    pulls with ``next_micro_batch()`` instead and releases each item itself."""
+
+    def next_micro_batch(self, timeout_s: float | None = None) -> PackedItem: ...
+
+    def close(self) -> None: ...
+
+
+class _Pull:
+    """Iterates a ``PublishedSource`` without its auto-release; ``close()`` closes the source."""
+
+    def __init__(self, source: PublishedSource) -> None:
+        self.source = source
+
+    def __iter__(self) -> _Pull:
+        return self
+
+    def __next__(self) -> PackedItem:
+        return self.source.next_micro_batch()
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def source_items(source: Iterable[SourceItem]) -> Iterator[SourceItem]:
+    """The iterator the prefetch thread pulls from: ``iter(source)``, or a ``PublishedSource``
+    pulled by ``next_micro_batch()`` so that only the iterator releases its items."""
+    if isinstance(source, PublishedSource):
+        return _Pull(source)
+    return iter(source)
+
+
 FieldArray: TypeAlias = np.ndarray | torch.Tensor
 SourceItem: TypeAlias = PackedItem | tuple[MicroBatchLayout, Buffer] | Mapping[str, FieldArray]
 """One item of a source: a packed micro-batch, a ``(layout, buffer)`` pair, or ``{field: array}``."""
-
-
-@dataclass(frozen=True, slots=True)
-class PackedMicroBatch:
-    """A ready-made ``PackedItem`` with an optional release callback."""
-
-    layout: MicroBatchLayout
-    buffer: Buffer
-    on_release: Callable[[], None] | None = None
-
-    def release(self) -> None:
-        if self.on_release is not None:
-            self.on_release()
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,26 +80,34 @@ class StagingPlan:
     copies: tuple[tuple[int, np.ndarray], ...]
     """``(byte offset, array)`` pairs; a packed item is one pair covering the whole buffer."""
     torch_dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
-    """Overrides of the layout's numpy dtypes (bfloat16 travels as "uint16")."""
+    """Overrides of the layout's numpy dtypes (bfloat16 travels as "uint16", float8 as "uint8")."""
     release: Callable[[], None] | None = None
+    view: np.ndarray | None = None
+    """The whole packed buffer (flat uint8) when the item stays valid until
+    ``release``: a CPU iterator hands it over without a copy (NOTE [ Zero-copy hand-off ])."""
 
     def copy_into(self, dst: np.ndarray) -> None:
-        """Copy every array into the flat uint8 buffer ``dst``, one strided copy per array."""
+        """Copy every array into the flat uint8 buffer ``dst``, one strided copy per array, in
+        native byte order (the order the layout's dtype names and the device reads)."""
         for offset, array in self.copies:
-            target = dst[offset : offset + array.nbytes].view(array.dtype).reshape(array.shape)
-            np.copyto(target, array, casting="no")
+            native = array.dtype.newbyteorder("=")
+            target = dst[offset : offset + array.nbytes].view(native).reshape(array.shape)
+            np.copyto(target, array, casting="equiv")
 
 
 def plan_staging(item: SourceItem) -> StagingPlan:
     """Describe how to copy ``item`` into a flat staging buffer; raises on malformed items."""
     if isinstance(item, PackedItem):
         release = getattr(item, "release", None)
+        _check_layout(item.layout)
         flat = _flat_bytes(item.buffer, item.layout)
-        return StagingPlan(item.layout, ((0, flat),), release=release)
+        view = flat if callable(release) else None
+        return StagingPlan(item.layout, ((0, flat),), release=release, view=view)
     if isinstance(item, Mapping):
         return _plan_fields(item)
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], MicroBatchLayout):
         layout, buffer = item
+        _check_layout(layout)
         return StagingPlan(layout, ((0, _flat_bytes(buffer, layout)),))
     raise TypeError(
         f"source item of type {type(item).__name__} is not a packed micro-batch (.layout and "
@@ -108,12 +140,57 @@ def _plan_fields(item: Mapping[str, FieldArray]) -> StagingPlan:
                     "so pass CPU tensors or numpy arrays"
                 )
             value = value.detach()
-            if value.dtype == torch.bfloat16:
-                overrides[name] = torch.bfloat16
-                value = value.view(torch.uint16)
+            stand_in = _numpy_stand_in(value.dtype)
+            if stand_in is not None:
+                overrides[name] = value.dtype
+                value = value.view(stand_in)
             arrays[name] = value.numpy()
         else:
             arrays[name] = np.asarray(value)
+        check_dtype(name, arrays[name].dtype)
     layout = MicroBatchLayout.build({n: (a.dtype.name, a.shape) for n, a in arrays.items()})
     copies = tuple((layout.field(n).offset, a) for n, a in arrays.items())
     return StagingPlan(layout, copies, overrides)
+
+
+_KINDS = {"U": "str", "S": "bytes", "O": "object", "M": "datetime64", "m": "timedelta64"}
+
+
+def check_dtype(name: str, dtype: np.dtype) -> None:
+    """Raise ``ValueError`` naming field ``name`` unless ``dtype`` can be staged as a tensor."""
+    if dtype.kind in "biufc" and dtype.fields is None:
+        try:
+            torch_dtype(dtype.newbyteorder("=").name)
+            return
+        except TypeError:
+            pass
+    kind = "structured" if dtype.fields is not None else _KINDS.get(dtype.kind, "unsupported")
+    raise ValueError(
+        f"field {name!r} has dtype {dtype} ({kind}), which cannot be staged as a tensor; stage "
+        "numbers only (text as token ids, datetimes as int64 epochs) or leave the field out"
+    )
+
+
+def _check_layout(layout: MicroBatchLayout) -> None:
+    for view in layout.fields:
+        try:
+            dtype = np.dtype(view.dtype)
+        except TypeError:
+            raise ValueError(f"field {view.name!r} has unknown dtype {view.dtype!r}") from None
+        check_dtype(view.name, dtype)
+
+
+@lru_cache(maxsize=32)
+def _numpy_stand_in(dtype: torch.dtype) -> torch.dtype | None:
+    """An unsigned integer dtype of the same width for torch dtypes numpy lacks (bfloat16,
+    float8): the bits travel unchanged and the tensor views get ``dtype`` back."""
+    try:
+        torch.empty(0, dtype=dtype).numpy()
+        return None
+    except TypeError:
+        pass
+    width = torch.empty(0, dtype=dtype).element_size()
+    stand_ins = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
+    if width not in stand_ins:
+        raise ValueError(f"torch dtype {dtype} ({width} bytes) cannot be staged")
+    return stand_ins[width]

@@ -93,7 +93,7 @@ class CpuTransport:
 
 
 class CudaTransport:
-    """Pinned host slots copied by one ``non_blocking`` copy on a side stream; see NOTE above."""
+    """Pinned host slots copied by one ``non_blocking`` copy on a side stream; see NOTE [ Stream/event hand-off ]."""
 
     def __init__(self, device: torch.device, slots: int, *, time_h2d: bool = False) -> None:
         self.device = device

@@ -9,13 +9,15 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from knitkit.microbatch_iter.batch import field_tensors
-from knitkit.microbatch_iter.pool import SlotRing
+from knitkit.microbatch_iter.exit_guard import exit_now
+from knitkit.microbatch_iter.pool import StagingRing
 from knitkit.microbatch_iter.source import SourceItem, StagingPlan, plan_staging
 from knitkit.microbatch_iter.transport import Transport
 from knitkit.types import MicroBatchLayout
@@ -40,28 +42,51 @@ from knitkit.types import MicroBatchLayout
 #   running (it is a daemon and never blocks interpreter exit) and a warning names the cause.
 #   The source's close() is called only once the thread has exited (a generator cannot be
 #   closed while it runs). shutdown() is idempotent and does nothing at interpreter exit.
-# - Interpreter exit without close(): an atexit hook sets ``stop`` on every live thread and joins
-#   it briefly. A daemon thread still inside torch's C++ code when the interpreter finalizes is
-#   killed mid-frame, which aborts the process ("terminate called without an active exception");
-#   stopped threads finish their current step and return first. A thread blocked in the
-#   source's next() (pure Python) is left to die with the process as before.
+# - Interpreter exit (with or without close()): an atexit hook sets ``stop`` on every live
+#   thread and joins it for its join_timeout_s, so it finishes its current step and returns
+#   before finalization. A thread still alive then (a long or stuck next(source), in torch or in
+#   Python) would be killed mid-frame by finalization; the hook ends the process with the
+#   training loop's own status instead: NOTE [ Exit with a thread inside the source ].
+
+# NOTE [ Zero-copy hand-off ]
+# On CPU, a packed item that stays valid until its release() (plan.view: a /dev/shm slot of a
+# MicroBatchConsumer, say) is handed to the consumer as tensors over the published buffer itself,
+# with no staging copy. Lifetime rule: the yielded tensors are valid until the consumer's next
+# next() or close(), exactly as for a staging slot.
+# - The Staged record carries the item's release. The consumer's next next() (or close())
+#   retires the held record into ``retired`` (release_held); only retired records are released,
+#   so no slot goes back to the producer while the consumer may still read it.
+# - Retired records are released by the thread right after its next credit (off the consumer's
+#   critical path: the release callback costs about as much as the rest of the hand-over), or
+#   by the consumer itself when it finds ``ready`` empty, since the thread may then be blocked
+#   in next(source) waiting for exactly those slots: a producer with fewer free slots than
+#   ``depth + 1`` only limits how far ahead the thread gets; it never deadlocks.
+#   ``release_lock`` serialises the callbacks (a MicroBatchConsumer's release is not
+#   thread-safe); each record is taken from ``retired`` once, so it is released once.
+# - Nothing is leaked: teardown (under ``lock``, after the thread stopped) releases the held
+#   record, the retired ones and every record still queued in ``ready``.
+# - The tensors view the producer's memory: the consumer must not write into them (the other TP
+#   ranks of the group read the same slot); clone() what must be modified or kept longer.
+# Items without a release (tuples, dicts) and CUDA keep the staging copy.
 
 _POLL_S = 0.1
-_EXIT_JOIN_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
 class Staged:
-    """A micro-batch staged into slot ``slot`` and ready to hand over."""
+    """A micro-batch staged into slot ``slot``, ready to hand over; ``slot`` is None when
+    ``flat`` views the source's buffer (see NOTE [ Zero-copy hand-off ])."""
 
     index: int
-    slot: int
+    slot: int | None
     layout: MicroBatchLayout
     flat: torch.Tensor
     tensors: Mapping[str, torch.Tensor]
     """Field views over ``flat``, built here so the consumer's hand-over stays short."""
     fetch_s: float
     stage_s: float
+    release: Callable[[], None] | None = None
+    """Hands the source's buffer back; set when ``flat`` views it (NOTE [ Zero-copy hand-off ])."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +108,7 @@ class Prefetcher:
     def __init__(
         self,
         source: Iterator[SourceItem],
-        ring: SlotRing,
+        ring: StagingRing,
         transport: Transport,
         *,
         depth: int,
@@ -95,10 +120,13 @@ class Prefetcher:
         self.join_timeout_s = join_timeout_s
         self.credits = threading.BoundedSemaphore(depth)
         self.ready: queue.SimpleQueue[Staged | Failure | End] = queue.SimpleQueue()
+        self.retired: queue.SimpleQueue[Staged] = queue.SimpleQueue()
+        """Records the consumer moved past, still to release (NOTE [ Zero-copy hand-off ])."""
+        self.release_lock = threading.Lock()
         self.stop = threading.Event()
         self.lock = threading.Lock()
-        self.held: int | None = None
-        """Slot of the micro-batch the consumer holds; written by the consumer thread only."""
+        self.held: Staged | None = None
+        """The micro-batch the consumer holds; written by the consumer thread (or teardown)."""
         self._closed = False
         self._torn_down = False
         self._teardown_in_worker = False
@@ -112,6 +140,7 @@ class Prefetcher:
             for index in itertools.count():
                 if not self._acquire_credit():
                     return
+                self.release_retired()
                 start = time.perf_counter()
                 try:
                     item = next(self.source)
@@ -123,9 +152,9 @@ class Prefetcher:
                     if self.stop.is_set():
                         _release(plan_staging(item))
                         return
-                    staged = self._stage(index, item, fetch_s=fetched - start)
-                del item  # the source's buffer is released; hold no view of it while waiting
-                self.ready.put(staged)
+                    # Queued under ``lock``: teardown drains (and releases) every record.
+                    self.ready.put(self._stage(index, item, fetch_s=fetched - start))
+                del item  # hold no view of the source's buffer while waiting
         except BaseException as error:
             self.ready.put(Failure(error))
         finally:
@@ -141,6 +170,12 @@ class Prefetcher:
     def _stage(self, index: int, item: SourceItem, *, fetch_s: float) -> Staged:
         start = time.perf_counter()
         plan = plan_staging(item)
+        if plan.view is not None and self.transport.device.type == "cpu":
+            # See NOTE [ Zero-copy hand-off ]: no copy, the record releases the item later.
+            flat = _tensor_over(plan.view)
+            tensors = field_tensors(flat, plan.layout, plan.torch_dtypes)
+            stage_s = time.perf_counter() - start
+            return Staged(index, None, plan.layout, flat, tensors, fetch_s, stage_s, plan.release)
         slot = self.ring.slot_for(index)
         self.transport.before_refill(slot.index)
         self.ring.ensure(slot, plan.layout.nbytes)
@@ -155,14 +190,46 @@ class Prefetcher:
         # The record keeps no reference to the source's buffer: its slot may be reused now.
         return Staged(index, slot.index, layout, flat, tensors, fetch_s, stage_s)
 
-    def take(self) -> Staged | Failure | End:
-        """Consumer side: the next record, in order; raises if the thread died without one."""
+    def take(self, timeout_s: float) -> Staged | Failure | End:
+        """Consumer side: the next record, in order; raises if the thread died without one, or
+        ``TimeoutError`` after ``timeout_s`` (the source is slow or stuck)."""
+        try:
+            return self.ready.get_nowait()
+        except queue.Empty:
+            self.release_retired()  # the source may wait for these slots (NOTE [ Zero-copy hand-off ])
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
                 return self.ready.get(timeout=_POLL_S)
             except queue.Empty:
                 if not self.thread.is_alive() and self.ready.empty():
                     raise RuntimeError("the prefetch thread exited without a result") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"no micro-batch from the source within next_timeout_s={timeout_s} s; "
+                        "raise MicroBatchIterator.Config.next_timeout_s for a slower source"
+                    ) from None
+
+    def release_held(self) -> None:
+        """Consumer side: the held micro-batch is done; recycle its staging slot, retire its
+        source item (NOTE [ Zero-copy hand-off ])."""
+        held, self.held = self.held, None
+        if held is not None:
+            if held.slot is not None:
+                self.transport.release(held.slot)
+            if held.release is not None:
+                self.retired.put(held)
+
+    def release_retired(self) -> None:
+        """Hand every retired source item back to the producer (either thread)."""
+        with self.release_lock:
+            while True:
+                try:
+                    record = self.retired.get_nowait()
+                except queue.Empty:
+                    return
+                assert record.release is not None
+                record.release()
 
     def shutdown(self) -> None:
         """Stop the thread and free the ring; idempotent. See NOTE [ Prefetch thread shutdown ]."""
@@ -196,13 +263,35 @@ class Prefetcher:
             if self._torn_down:
                 return
             self._torn_down = True
-            if self.held is not None:
-                self.transport.release(self.held)
-                self.held = None
+            self.release_held()
+            self.release_retired()
             self.transport.close()
             self.ring.clear()
             while not self.ready.empty():  # staged records hold views of the slots
-                self.ready.get_nowait()
+                record = self.ready.get_nowait()
+                if isinstance(record, Staged) and record.release is not None:
+                    record.release()  # see NOTE [ Zero-copy hand-off ]
+
+
+class _Exposed:
+    """``view``'s memory under the array interface, marked writable (keeps ``view`` alive)."""
+
+    __slots__ = ("__array_interface__", "view")
+
+    def __init__(self, view: np.ndarray) -> None:
+        self.view = view
+        interface = dict(view.__array_interface__)
+        interface["data"] = (interface["data"][0], False)
+        self.__array_interface__ = interface
+
+
+def _tensor_over(view: np.ndarray) -> torch.Tensor:
+    """A tensor over ``view``'s bytes, no copy. torch has no read-only tensors (and warns on a
+    read-only array), so a published slot's read-only view is exposed as is: the consumer must
+    not write into it (other TP ranks read the same slot; NOTE [ Zero-copy hand-off ])."""
+    if view.flags.writeable:
+        return torch.from_numpy(view)
+    return torch.from_numpy(np.asarray(_Exposed(view)))
 
 
 def _release(plan: StagingPlan) -> None:
@@ -215,10 +304,13 @@ _LIVE: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
 
 @atexit.register
 def _stop_live_threads() -> None:
-    """Stop every prefetch thread before interpreter finalization (see NOTE above)."""
+    """Stop every prefetch thread before interpreter finalization (see NOTE [ Prefetch thread
+    shutdown ])."""
     live = list(_LIVE)
     for prefetcher in live:
         prefetcher.stop.set()
     for prefetcher in live:
         if prefetcher.thread.is_alive():
-            prefetcher.thread.join(min(prefetcher.join_timeout_s, _EXIT_JOIN_S))
+            prefetcher.thread.join(prefetcher.join_timeout_s)
+    if any(prefetcher.thread.is_alive() for prefetcher in live):
+        exit_now()

@@ -4,16 +4,19 @@ from knitkit.storage.backends.backend import UnitBackend, UnitSpec
 from knitkit.storage.backends.disk import SafetensorsBackend
 from knitkit.storage.backends.memory import MemoryBackend
 from knitkit.storage.backends.ranges import (
+    ReadCounter,
     check_ranges,
     check_replacement,
+    copy_ranges,
     destination,
-    read_ranges,
     rows_of,
     spec_of,
 )
+from knitkit.storage.backends.segments import sweep_dead_segments
+from knitkit.storage.backends.shard_header import CorruptShardError
 from knitkit.storage.backends.shm import SharedMemoryBackend
+from knitkit.storage.backends.validate import SUPPORTED_DTYPES, check_unit
 from knitkit.storage.delivery.consumer import (
-    DeliveredMicroBatch,
     MicroBatchConsumer,
     ReorganizerDiedError,
     ReorganizerError,
@@ -29,12 +32,21 @@ from knitkit.storage.planning.balance import (
     pack_ranks_by_budget,
 )
 from knitkit.storage.planning.cp import cp_chunks, padded_lengths, rank_chunks
-from knitkit.storage.planning.packing import ReadInto, RowSpec, pack, pack_into, pack_layout
+from knitkit.storage.planning.packing import (
+    ReadInto,
+    ReadMany,
+    RowSpec,
+    pack,
+    pack_into,
+    pack_into_batched,
+    pack_layout,
+)
 from knitkit.storage.planning.plan import (
     ConsumerPlan,
     EncoderPlan,
     EncoderRankPlan,
     EncoderTopology,
+    FieldSchema,
     MicroBatchPlan,
     MiniBatchPlan,
     SequenceSlice,
@@ -46,13 +58,15 @@ from knitkit.storage.units.payload import MultimodalInput, Trajectory, content_k
 from knitkit.storage.units.store import TrajectoryStore
 
 __all__ = [
+    "SUPPORTED_DTYPES",
     "Assignment",
     "ConsumerPlan",
+    "CorruptShardError",
     "CostModel",
-    "DeliveredMicroBatch",
     "EncoderPlan",
     "EncoderRankPlan",
     "EncoderTopology",
+    "FieldSchema",
     "HierarchicalIndex",
     "IndexEntry",
     "MemoryBackend",
@@ -62,7 +76,9 @@ __all__ = [
     "MultimodalInput",
     "PlannerConfig",
     "Publisher",
+    "ReadCounter",
     "ReadInto",
+    "ReadMany",
     "Reorganizer",
     "ReorganizerDiedError",
     "ReorganizerError",
@@ -81,22 +97,25 @@ __all__ = [
     "UnitSpec",
     "check_ranges",
     "check_replacement",
+    "check_unit",
     "content_key",
+    "copy_ranges",
     "cp_chunks",
     "destination",
     "karmarkar_karp",
     "pack",
     "pack_by_budget",
     "pack_into",
+    "pack_into_batched",
     "pack_layout",
     "pack_ranks_by_budget",
     "padded_lengths",
     "plan_encoder",
     "plan_minibatch",
     "rank_chunks",
-    "read_ranges",
     "rows_of",
     "spec_of",
+    "sweep_dead_segments",
     "unlink_ring",
     "video_groups",
 ]

@@ -272,3 +272,48 @@ def test_guard_rejects_a_user_selection_that_breaks_feasibility() -> None:
     ready = ctl.ready_counts()
     assert ctl.next_minibatch() is None  # a third all-A mini-batch would leave B unreachable
     assert ctl.ready_counts() == ready and ctl.stats.admitted == 50
+
+
+def test_completion_quota_of_a_step_issued_mid_batch_does_not_deadlock() -> None:
+    """A completion quota's progress is measured against the step it belongs to: a step issued
+    while a train batch is open starts from its own progress (0), not the previous step's."""
+    ctl = build_controller(
+        "knittrans",
+        train_batch_size=8,
+        num_minibatches=4,
+        sources=["A"],
+        predicates=(CompletionQuota(0.6),),
+    )
+    ctl.issued(0, 100)
+    for i in range(100):
+        ctl.report(meta(i, "A"))
+    assert len(drain(ctl)) == 50  # 12 train batches plus two mini-batches of the 13th
+    ctl.issued(1, 10)
+    for i in range(100, 110):
+        ctl.report(dataclasses.replace(meta(i, "A"), rollout_step=1))
+    admitted = [(mb.train_batch, mb.index) for mb in drain(ctl)]
+    assert admitted == [(12, 2), (12, 3), (13, 0), (13, 1), (13, 2)]  # all 10 of step 1
+
+
+def test_max_staleness_expires_exactly_the_stale_units_at_each_boundary() -> None:
+    """When a train batch opens, exactly the pending units older than the bound leave the pool
+    (counted), wherever they sit in their source's queue; fresher ones stay, in order."""
+    ctl = build_controller(
+        "knittrans",
+        train_batch_size=2,
+        num_minibatches=1,
+        sources=["A", "B"],
+        quotas=[SourceQuota(source="B", min_count=1)],
+        max_staleness=1,
+    )
+    for i, version in enumerate([0, 1, 0, 1, 0]):
+        ctl.report(meta(i, "A", version=version))
+    ids = []
+    for b in range(3):
+        ctl.report(meta(100 + b, "B", version=b))
+        mb = ctl.next_minibatch()
+        assert mb is not None
+        ids.append([t.trajectory_id for t in mb.trajectories])
+        assert ctl.stats.stale_dropped == (0 if b == 0 else 2)
+    assert ids == [["t0", "t100"], ["t1", "t101"], ["t3", "t102"]]
+    assert ctl.ready_counts() == {"A": 0, "B": 0} and ctl.pending == 0

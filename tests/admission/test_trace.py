@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,38 @@ def test_bad_trace_lines_name_the_line(tmp_path: Path) -> None:
     path.write_text('{"source": "A", "sample_id": "x", "duration_s": 3}\n{"source": "A"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not a trace record"):
         read_jsonl(path)
-    path.write_text('{"source": "A", "sample_id": "x", "duration_s": -3}\n')
-    with pytest.raises(ValueError, match=r":1: negative duration_s"):
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ('{"source": "A", "sample_id": "x", "duration_s": NaN}', "duration_s=nan"),
+        ('{"source": "A", "sample_id": "x", "duration_s": Infinity}', "duration_s=inf"),
+        ('{"source": "A", "sample_id": "x", "duration_s": -1.5}', "duration_s=-1.5"),
+        ('{"source": "A", "sample_id": "x", "duration_s": "3"}', "duration_s='3'"),
+        ('{"source": "A", "sample_id": "x", "duration_s": 3, "tokens": 12.5}', "tokens=12.5"),
+        ('{"source": "A", "sample_id": "x", "duration_s": 3, "tokens": -2}', "tokens=-2"),
+        ('{"source": "A", "sample_id": "x", "duration_s": 3, "accepted": "no"}', "accepted='no'"),
+        ('{"source": "", "sample_id": "x", "duration_s": 3}', "source=''"),
+        ('{"sample_id": "x", "duration_s": 3}', "missing field source"),
+    ],
+)
+def test_invalid_records_are_rejected_naming_file_line_and_field(
+    tmp_path: Path, line: str, field: str
+) -> None:
+    """NaN, infinite, negative or non-numeric durations, fractional or negative token counts,
+    non-boolean acceptance and missing fields are refused with the file, line and field."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"source": "A", "sample_id": "ok", "duration_s": 3, "tokens": 7.0}\n' + line)
+    with pytest.raises(ValueError, match=rf"bad.jsonl:2: .*{re.escape(field)}"):
+        read_jsonl(path)
+
+
+def test_a_trace_of_zero_length_trajectories_is_rejected(tmp_path: Path) -> None:
+    """A trace with no rollout time at all is refused (it used to replay to NaN figures)."""
+    path = tmp_path / "zero.jsonl"
+    path.write_text(
+        "".join(f'{{"source": "A", "sample_id": "s{k}", "duration_s": 0}}\n' for k in range(5))
+    )
+    with pytest.raises(ValueError, match=r"zero.jsonl:1-5: field duration_s is 0 in every record"):
         read_jsonl(path)

@@ -35,9 +35,20 @@ STEPS, LR = 2, 0.5
 
 
 def _equivalence(
-    rank: int, tensor_parallel: int, overlap: bool, sharded: bool, samples: int = 4
+    rank: int,
+    tensor_parallel: int,
+    overlap: bool,
+    sharded: bool,
+    samples: int = 4,
+    options: dict[str, bool] | None = None,
 ) -> dict[str, object]:
-    """One rank: reference and wrapped steps on twin models; per-parameter gradient differences."""
+    """One rank: reference and wrapped steps on twin models; per-parameter gradient differences.
+
+    ``options`` go to ``build_model`` (``vision_transformer``, ``sequence_parallel``, ...);
+    ``megatron_optimizer`` steps both models with megatron's optimizer (SGD; the
+    ``DistributedOptimizer`` with ``distributed_optimizer``; needs CUDA) and compares the
+    parameters after every step too.
+    """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from knitkit.integration.megatron import DedupVLMStep, MegatronLayout, feature_slices
@@ -46,10 +57,18 @@ def _equivalence(
     megatron_cpu.initialize_model_parallel(tensor_parallel=tensor_parallel)
     megatron_cpu.install_schedule_shim()
     try:
-        layout = MegatronLayout.from_parallel_state()
-        reference = user.build_model(overlap, tp_sharded_projector=sharded)
-        wrapped = user.build_model(overlap, tp_sharded_projector=sharded)
+        options = dict(options or {})
+        use_optimizer = bool(options.pop("megatron_optimizer", False))
+        sequence_parallel = options.get("sequence_parallel", False)
+        if sequence_parallel:
+            options["block_spec"] = megatron_cpu.sequence_parallel_block_spec(
+                qk_layernorm=options.get("vision_transformer", False)
+            )
+        layout = MegatronLayout.from_parallel_state(sequence_parallel=sequence_parallel)
+        reference = user.build_model(overlap, tp_sharded_projector=sharded, **options)
+        wrapped = user.build_model(overlap, tp_sharded_projector=sharded, **options)
         step = DedupVLMStep(wrapped, vision="vision", tp_sharded_vision=sharded)
+        optimizers = [_optimizer(m, options) for m in (reference, wrapped)] if use_optimizer else []
         store = TrajectoryStore(MemoryBackend())
         device = user._device()
 
@@ -60,6 +79,7 @@ def _equivalence(
             return torch.cat([wrapped.module.vision.encode(pixels(k)) for k in keys])
 
         worst: dict[str, float] = {}
+        worst_rel = 0.0
         references = encoded = 0
         for mini_batch in range(STEPS):
             trajectories = user.grpo_trajectories(seed=mini_batch, samples=samples)
@@ -101,20 +121,41 @@ def _equivalence(
                 )
             encoded += step.last_encoded_units
 
+            sharded_grads = options.get("distributed_optimizer", False)
             for (name, ref), mine in zip(
                 reference.module.named_parameters(), wrapped.module.parameters(), strict=True
             ):
-                excess = (
-                    mine.main_grad - ref.main_grad
-                ).abs().max() - RTOL * ref.main_grad.abs().max()
+                ref_grad, my_grad = _owned(reference, ref), _owned(wrapped, mine)
+                if not sharded_grads:
+                    assert ref_grad.numel() == ref.numel()
+                if ref_grad.numel() == 0:
+                    continue  # no element of this parameter is in this rank's shard
+                excess = (my_grad - ref_grad).abs().max() - RTOL * ref_grad.abs().max()
                 worst[name] = max(worst.get(name, -1.0), float(excess))
-                for param in (ref, mine):
-                    param.data.add_(param.main_grad, alpha=-LR)
-        restored = type(wrapped.module.vision) is user.VisionPath and (
+                scale = float(ref_grad.abs().max())
+                if scale > ATOL:  # below it only the absolute tolerance means anything
+                    diff = float((my_grad - ref_grad).abs().max())
+                    worst_rel = max(worst_rel, diff / scale)
+                if not sharded_grads and not optimizers:  # manual SGD on whole gradients
+                    for param in (ref, mine):
+                        param.data.add_(param.main_grad, alpha=-LR)
+            for optimizer in optimizers:
+                assert optimizer.step()[0], "megatron's optimizer skipped the step"
+            for model in (reference, wrapped) if optimizers else ():
+                if model.ddp_config.overlap_param_gather:  # otherwise the next forward gathers
+                    model.start_param_sync(force_sync=True)
+            for (name, ref), mine in zip(
+                reference.module.named_parameters(), wrapped.module.parameters(), strict=True
+            ):
+                if optimizers:  # the stepped (and gathered) parameters agree as well
+                    excess = (mine - ref).abs().max() - RTOL * ref.abs().max()
+                    worst["param:" + name] = max(worst.get("param:" + name, -1.0), float(excess))
+        restored = type(wrapped.module.vision) is type(reference.module.vision) and (
             wrapped.config.finalize_model_grads_func is reference.config.finalize_model_grads_func
         )
         return {
             "worst_excess": worst,
+            "worst_rel": worst_rel,
             "references": references,
             "encoded": encoded,
             "restored": restored,
@@ -123,12 +164,56 @@ def _equivalence(
         megatron_cpu.destroy_model_parallel()
 
 
+def _optimizer(model: object, options: dict[str, object]) -> object:
+    """Megatron's optimizer for ``model``: SGD, distributed when the model's buffers are sharded."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer="sgd",
+        lr=LR,
+        sgd_momentum=0.0,
+        weight_decay=0.0,
+        clip_grad=0.0,
+        use_distributed_optimizer=bool(options.get("distributed_optimizer", False)),
+        overlap_param_gather=bool(options.get("overlap_param_gather", False)),
+    )
+    return get_megatron_optimizer(config, [model])
+
+
+def _owned(ddp: object, param: torch.nn.Parameter) -> torch.Tensor:
+    """The part of ``param.main_grad`` whose reduction this rank owns.
+
+    All of it with a plain DDP all-reduce; with ``use_distributed_optimizer`` the elements in
+    this DP rank's shard of the parameter's bucket (megatron's ``shard_buffer``), the only ones
+    the reduce-scatter makes valid and the only ones this rank's optimizer steps.
+    """
+    from megatron.core import parallel_state
+
+    flat = param.main_grad.view(-1)
+    if not ddp.ddp_config.use_distributed_optimizer:  # type: ignore[attr-defined]
+        return flat
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    for buffer in ddp.buffers:  # type: ignore[attr-defined]
+        if param in buffer.param_index_map:
+            start, end, bucket_id = buffer.param_index_map[param]
+            bucket = buffer.buckets[bucket_id]
+            shard = bucket.grad_data.numel() // size
+            lo = max(start, bucket.offset + rank * shard)
+            hi = min(end, bucket.offset + (rank + 1) * shard)
+            return flat[max(lo - start, 0) : max(hi - start, 0)]
+    raise AssertionError("parameter is in none of megatron DDP's buffers")
+
+
 def _check(
     results: list[dict[str, object]], tensor_parallel: int, sharded: bool, samples: int = 4
-) -> None:
+) -> float:
+    """Assert equivalence and dedup on every rank; returns the worst relative gradient error."""
+    compared = {name for r in results for name in r["worst_excess"]}  # type: ignore[attr-defined]
+    assert any(n.startswith("vision.") for n in compared), "no vision gradient was compared"
     for rank, result in enumerate(results):
         worst = result["worst_excess"]
-        assert isinstance(worst, dict) and any(n.startswith("vision.") for n in worst)
+        assert isinstance(worst, dict)
         assert result["restored"], f"rank {rank}: vision path or finalize func not restored"
         bad = {name: excess for name, excess in worst.items() if excess > ATOL}
         assert not bad, f"rank {rank}: gradients beyond {ATOL} + {RTOL}*max|g_ref|: {bad}"
@@ -142,6 +227,9 @@ def _check(
     ]
     assert encoded == sum(unique_per_step) * (tensor_parallel if sharded else 1)
     assert references > encoded
+    worst = max(float(r["worst_rel"]) for r in results)  # type: ignore[arg-type]
+    print(f"worst relative gradient error: {worst:.2e}")
+    return worst
 
 
 def _mismatched_route(rank: int) -> str:
@@ -275,6 +363,42 @@ def test_dp2_tp2_wrapped_step_matches_unwrapped(
     _check(world4.run(_equivalence, 2, overlap, sharded), 2, sharded)
 
 
+VIT_SP = {"vision_transformer": True, "sequence_parallel": True}
+
+
+@pytest.mark.slow
+def test_tp2_sharded_vision_transformer_sequence_parallel(world2: World) -> None:
+    """TP=2, sequence parallel: a TP-sharded ViT with q/k layernorm and SP-tagged norms and
+    row-parallel biases gets megatron's TP reduction in finalize, so every gradient (those
+    included) equals the unwrapped step's, and both TP ranks hold the same replicated gradients."""
+    _check(world2.run(_equivalence, 2, False, True, 4, VIT_SP), 2, True)
+
+
+@pytest.mark.slow
+def test_dp2_tp2_sharded_vision_transformer_sequence_parallel(world4: World) -> None:
+    """DP=2 x TP=2, sequence parallel, overlapped grad reduce: the same equivalence as at TP=2."""
+    _check(world4.run(_equivalence, 2, True, True, 4, VIT_SP), 2, True)
+
+
+DIST_OPT = {"distributed_optimizer": True}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("overlap", "sharded"),
+    [(False, False), (True, True)],
+    ids=["overlap_off-replicated", "overlap_on-tp_sharded"],
+)
+def test_dp2_tp2_distributed_optimizer_shards_match_unwrapped(
+    world4: World, overlap: bool, sharded: bool
+) -> None:
+    """DP=2 x TP=2, DDP(use_distributed_optimizer=True): after the reduce-scatter every rank's
+    gradient shard (what its DistributedOptimizer steps) equals the unwrapped step's, for two
+    consecutive mini-batches. DistributedOptimizer.step() and overlap_param_gather need CUDA
+    (megatron's optimizer checks ``torch.cuda.FloatTensor``): ``*_nccl`` variants below."""
+    _check(world4.run(_equivalence, 2, overlap, sharded, 4, DIST_OPT), 2, sharded)
+
+
 def test_route_and_step_must_agree_on_the_vision_layout(world2: World) -> None:
     """A route planned for a replicated vision path fails fast under tp_sharded_vision=True (no hang)."""
     for message in world2.run(_mismatched_route):
@@ -308,6 +432,33 @@ def test_dp2_tp2_wrapped_step_matches_unwrapped_nccl(overlap: bool, sharded: boo
     """DP=2 x TP=2 on GPUs with NCCL: the same equivalence as on CPU."""
     with World(4, backend="nccl", timeout_s=300) as world:
         _check(world.run(_equivalence, 2, overlap, sharded), 2, sharded)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_cuda_devices() < 4, reason="needs CUDA: 4 GPUs for a 4-rank NCCL world")
+@pytest.mark.parametrize("param_gather", [False, True], ids=["gather_sync", "overlap_param_gather"])
+@OVERLAP
+@VISION
+def test_dp2_tp2_distributed_optimizer_step_nccl(
+    overlap: bool, sharded: bool, param_gather: bool
+) -> None:
+    """DP=2 x TP=2 on GPUs: DistributedOptimizer.step() on both models, two consecutive
+    mini-batches; every rank's gradient shard and every stepped parameter match the unwrapped step."""
+    options = {
+        "distributed_optimizer": True,
+        "overlap_param_gather": param_gather,
+        "megatron_optimizer": True,
+    }
+    with World(4, backend="nccl", timeout_s=300) as world:
+        _check(world.run(_equivalence, 2, overlap, sharded, 4, options), 2, sharded)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_cuda_devices() < 2, reason="needs CUDA: 2 GPUs for a 2-rank NCCL world")
+def test_tp2_sharded_vision_transformer_sequence_parallel_nccl() -> None:
+    """TP=2 on GPUs with NCCL: the sequence-parallel ViT equivalence as on CPU."""
+    with World(2, backend="nccl", timeout_s=300) as world:
+        _check(world.run(_equivalence, 2, True, True, 4, VIT_SP), 2, True)
 
 
 def test_example_trains_with_dedup(world2: World) -> None:

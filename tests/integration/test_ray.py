@@ -17,7 +17,13 @@ ray = pytest.importorskip("ray", reason="the Ray integration needs ray (pip inst
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-from knitkit.integration.ray import RayBackend, RayDispatcher, RingConfig  # noqa: E402
+from knitkit.integration.ray import (  # noqa: E402
+    RayBackend,
+    RayDispatcher,
+    RingConfig,
+    UnitsLostError,
+    loopback_only,
+)
 from knitkit.storage import (  # noqa: E402
     EncoderTopology,
     MemoryBackend,
@@ -44,22 +50,30 @@ TOKEN_FIELDS = ("tokens", "logprobs", "loss_mask", "routing", "topp_mask")
 POSITION_MASK = (1 << 20) - 1
 
 
+_CLUSTERS: list[Cluster] = []
+"""The module's running cluster, for tests that add and remove a node."""
+
+
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[tuple[str, str]]:
     """A head and a worker node (two raylets, two object stores) on this machine: (head, worker)."""
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
-    )
+    with loopback_only():  # two nodes on this machine, every listener on loopback
+        cluster = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
+        )
     try:
-        cluster.add_node(num_cpus=2)
-        ray.init(address=cluster.address, logging_level="ERROR")
+        with loopback_only():
+            cluster.add_node(num_cpus=2)
+            ray.init(address=cluster.address, logging_level="ERROR")
         cluster.wait_for_nodes()
         head = ray.get_runtime_context().get_node_id()
         worker = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)
+        _CLUSTERS.append(cluster)
         yield head, worker
     finally:
+        _CLUSTERS.clear()
         ray.shutdown()
         cluster.shutdown()
 
@@ -345,4 +359,33 @@ def test_a_failing_reorganizer_actor_reports_its_error(nodes: tuple[str, str]) -
             ray.get(list(done.values()))
     finally:
         dispatcher.close()
+        backend.close()
+
+
+def test_lost_units_are_named_and_dropped_and_lookups_survive_a_node_loss(
+    nodes: tuple[str, str],
+) -> None:
+    """A node dies with the process that owns some units: the directory (placed with the driver)
+    still serves every other unit; reading a lost unit raises UnitsLostError naming its key (not
+    Ray's OwnerDiedError with an object id), and the listing no longer shows it."""
+    head, _ = nodes
+    cluster = _CLUSTERS[0]
+    with loopback_only():
+        extra = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    backend = RayBackend()
+    try:
+        assert backend.directory_node() == head
+        lost, kept = UnitKey("t-remote", "tokens"), UnitKey("t-local", "tokens")
+        writer = _Writer.options(scheduling_strategy=_on(extra.node_id)).remote(backend)
+        assert ray.get(writer.put.remote(lost, np.arange(10, dtype=np.int32))) == "ok"
+        backend.put(kept, np.arange(5, dtype=np.int32))
+        cluster.remove_node(extra)
+        np.testing.assert_array_equal(backend.read(kept), np.arange(5))
+        with pytest.raises(UnitsLostError, match="t-remote/tokens") as raised:
+            backend.read(lost)
+        assert raised.value.keys == (lost,)
+        assert set(backend.keys()) == {kept}
+        np.testing.assert_array_equal(backend.read(kept, [(1, 3)]), [1, 2])
+    finally:
         backend.close()

@@ -92,3 +92,52 @@ def test_weight_version_mapping() -> None:
     assert parse_weight_version("12") == 12
     with pytest.raises(ValueError, match="version_of"):
         parse_weight_version("ckpt-a")
+
+
+def _moe_with_routing(value: object, dtype: str | None) -> tuple[dict, np.ndarray, tuple[int, int]]:
+    """The recorded MoE output with its routings re-sent as ``value`` (and ``routed_experts_dtype``)."""
+    record = load("moe_routed_experts.json")
+    shape = (record["num_hidden_layers"], record["num_experts_per_tok"])
+    expected = parse_generate_output(record["response"], routing_shape=shape).routed_experts
+    assert expected is not None
+    response = copy.deepcopy(record["response"])
+    response["meta_info"]["routed_experts"] = value(expected) if callable(value) else value
+    if dtype is not None:
+        response["meta_info"]["routed_experts_dtype"] = dtype
+    return response, expected, shape
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
+def test_routed_experts_follow_the_reported_wire_dtype(dtype: str) -> None:
+    """``meta_info.routed_experts_dtype`` (sglang PR 31219: uint8 / uint16 / int32 wire encodings)
+    decides how the base64 payload is read; the ids come out equal and int32."""
+    wire = {"uint8": "u1", "uint16": "<u2", "int32": "<i4"}[dtype]
+
+    def encode(ids: np.ndarray) -> str:
+        return base64.b64encode(ids.astype(wire).tobytes()).decode()
+
+    response, expected, shape = _moe_with_routing(encode, dtype)
+    out = parse_generate_output(response, routing_shape=shape)
+    assert out.routed_experts is not None and out.routed_experts.dtype == np.int32
+    assert np.array_equal(out.routed_experts, expected)
+
+
+@pytest.mark.parametrize("form", ["numpy", "list"])
+def test_routed_experts_as_raw_arrays_with_skip_tokenizer_init(form: str) -> None:
+    """With ``skip_tokenizer_init`` the tokenizer manager passes the routings through unencoded
+    (sglang PR 24263): an array (in-process engine) or nested lists (JSON) decode alike."""
+
+    def raw(ids: np.ndarray) -> object:
+        return ids.astype(np.int32) if form == "numpy" else ids.tolist()
+
+    response, expected, shape = _moe_with_routing(raw, None)
+    out = parse_generate_output(response, routing_shape=shape)
+    assert out.routed_experts is not None and out.routed_experts.dtype == np.int32
+    assert np.array_equal(out.routed_experts, expected)
+
+
+def test_unknown_routed_experts_dtype_is_named() -> None:
+    """A wire dtype the adapter does not know fails with the value and the known ones."""
+    response, _, shape = _moe_with_routing(lambda ids: "", "int4")
+    with pytest.raises(ValueError, match=r"'int4'.*uint8"):
+        parse_generate_output(response, routing_shape=shape)

@@ -13,6 +13,7 @@ from knitkit.integration.sglang import (
     PayloadConfig,
     RolloutRequest,
     build_trajectory,
+    image_array,
     image_bytes,
     parse_generate_output,
     placeholder_runs,
@@ -167,3 +168,118 @@ def test_image_encoder_and_version_hooks() -> None:
     assert all(unit.shape == (16, 4) for unit in units.values())
     assert [ref.key for ref in trajectory.meta().multimodal] == list(units)
     assert (trajectory.min_version, trajectory.max_version) == (70, 70)
+
+
+def _decoded_requests(kind: str) -> tuple[list[RolloutRequest], list[dict]]:
+    """The recorded GRPO batch with its PNGs passed decoded, as verl's in-process loop does (PIL)."""
+    import io
+
+    from PIL import Image
+
+    requests, outputs = _grpo_requests()
+    pngs = [base64.b64decode(image.split(",")[1]) for image in requests[0].images]
+    decoded = []
+    for png in pngs:
+        image = Image.open(io.BytesIO(png))
+        image.load()
+        decoded.append(image if kind == "pil" else np.asarray(image.convert("RGB")))
+    return [dataclasses.replace(r, images=tuple(decoded)) for r in requests], outputs
+
+
+@pytest.mark.parametrize("kind", ["pil", "numpy"])
+def test_decoded_images_are_stored_as_pixels(kind: str) -> None:
+    """PIL images and numpy arrays (not only bytes/strings) become pixel units: equal pixels, equal
+    keys across the group; the stored unit is the ``[H, W, C]`` uint8 array."""
+    requests, outputs = _decoded_requests(kind)
+    config = PayloadConfig(image_token_id=IMAGE_PAD)
+    trajectories = [
+        build_trajectory(r, [parse_generate_output(o)], config)
+        for r, o in zip(requests, outputs, strict=True)
+    ]
+    metas = [t.meta() for t in trajectories]
+    assert len({ref.key for m in metas for ref in m.multimodal}) == 2
+    units = trajectories[0].inputs()
+    for image, ref in zip(requests[0].images, metas[0].multimodal, strict=True):
+        pixels = np.asarray(image)
+        assert units[ref.key].dtype == np.uint8 and units[ref.key].shape == pixels.shape
+        assert np.array_equal(units[ref.key], pixels)
+        assert ref.key == content_key("image", pixels)
+    # The same pixels passed as PIL or as an array are the same image.
+    pil, _ = _decoded_requests("pil")
+    arrays, _ = _decoded_requests("numpy")
+    assert [image_array(i).shape for i in pil[0].images] == [
+        image_array(i).shape for i in arrays[0].images
+    ]
+
+
+def test_decoded_images_reach_encode_image_as_pixels() -> None:
+    """``encode_image`` gets the pixel array of a decoded image (e.g. a processor making patches)."""
+    requests, outputs = _decoded_requests("pil")
+    seen: list[tuple[int, ...]] = []
+
+    def encode(data: bytes | np.ndarray) -> np.ndarray:
+        assert isinstance(data, np.ndarray)
+        seen.append(data.shape)
+        return data.reshape(-1, data.shape[-1])[:4].astype(np.float32)
+
+    config = PayloadConfig(image_token_id=IMAGE_PAD, encode_image=encode)
+    trajectory = build_trajectory(requests[0], [parse_generate_output(outputs[0])], config)
+    assert seen == [np.asarray(i).shape for i in requests[0].images]
+    assert all(u.dtype == np.float32 for u in trajectory.inputs().values())
+
+
+PATCH, MERGE = 14, 2
+"""Qwen2.5-VL's vision patch size and spatial merge: ``h/14 * w/14 / 4`` image tokens per image."""
+
+
+def _qwen_pixel_values(pixels: bytes | np.ndarray) -> np.ndarray:
+    """A stand-in for the Qwen-VL processor's ``pixel_values`` of one image: ``[t*h*w, 3*14*14]``."""
+    assert isinstance(pixels, np.ndarray)
+    height, width, channels = pixels.shape
+    grid = pixels.reshape(height // PATCH, PATCH, width // PATCH, PATCH, channels)
+    return grid.transpose(0, 2, 4, 1, 3).reshape(-1, channels * PATCH * PATCH).astype(np.float32)
+
+
+def test_qwen_vl_request_stores_pixel_values_and_mrope_positions() -> None:
+    """A Qwen-VL request with ``image_grid_thw``: the processor-expanded ids, the images' pixel
+    values and the whole sequence's ``mrope_position_ids`` ``[T, 3]`` (prompt and generated
+    tokens) equal to Qwen2.5-VL's ``get_rope_index`` land in the store."""
+    import torch
+    from test_megatron_mrope import _get_rope_index
+
+    from knitkit.integration.megatron import MROPE_FIELD
+    from knitkit.storage import MemoryBackend, TrajectoryStore
+    from knitkit.types import UnitKey
+
+    requests, outputs = _decoded_requests("numpy")
+    grids = tuple((1, im.shape[0] // PATCH, im.shape[1] // PATCH) for im in requests[0].images)
+    config = PayloadConfig(image_token_id=IMAGE_PAD, encode_image=_qwen_pixel_values)
+    store = TrajectoryStore(MemoryBackend())
+    for request, output in zip(requests, outputs, strict=True):
+        request = dataclasses.replace(request, image_grid_thw=grids)
+        trajectory = build_trajectory(request, [parse_generate_output(output)], config)
+        store.write(trajectory)
+        tokens = store.read(UnitKey(request.trajectory_id, "tokens"))
+        assert tokens.tolist() == [*request.input_ids, *output["output_ids"]]
+        positions = store.read(UnitKey(request.trajectory_id, MROPE_FIELD))
+        reference = _get_rope_index(torch.tensor(tokens), torch.tensor(grids), IMAGE_PAD, MERGE)
+        assert positions.shape == (len(tokens), 3)
+        assert np.array_equal(positions, reference.t().numpy())
+        for ref, (t, h, w) in zip(trajectory.meta().multimodal, grids, strict=True):
+            assert store.read(ref.key).shape == (t * h * w, 3 * PATCH * PATCH)
+            assert ref.num_tokens == t * h * w // MERGE**2
+
+
+def test_qwen_vl_grid_must_match_the_placeholder_runs() -> None:
+    """A grid whose merged size differs from its placeholder run is an error naming the image."""
+    requests, outputs = _decoded_requests("numpy")
+    bad = dataclasses.replace(requests[0], image_grid_thw=((1, 4, 4), (1, 4, 4)))
+    with pytest.raises(ValueError, match=r"image 1: grid \(1, 4, 4\) makes 4 tokens"):
+        build_trajectory(
+            bad, [parse_generate_output(outputs[0])], PayloadConfig(image_token_id=IMAGE_PAD)
+        )
+    short = dataclasses.replace(requests[0], image_grid_thw=((1, 4, 4),))
+    with pytest.raises(ValueError, match="1 image_grid_thw for 2 images"):
+        build_trajectory(
+            short, [parse_generate_output(outputs[0])], PayloadConfig(image_token_id=IMAGE_PAD)
+        )

@@ -48,13 +48,15 @@ def test_grpo_batch_is_stored_once_per_image_and_admitted(store: TrajectoryStore
     assert all(m is not None for m in metas)
     stored = list(store.backend.keys())
     assert len([k for k in stored if k.field == "image"]) == 2
-    assert len(stored) == 4 * 3 + 2  # tokens, loss_mask, logprobs each, plus 2 images
+    assert len(stored) == 4 * 4 + 2  # tokens, labels, loss_mask, logprobs each, plus 2 images
     assert [store.meta(r.trajectory_id) for r in requests] == metas
     for request, raw in zip(requests, record["response"], strict=True):
         prompt = len(request.input_ids)
         generated = store.read(UnitKey(request.trajectory_id, "tokens"), [(prompt, prompt + 5)])
         assert generated.tolist() == raw["output_ids"][:5]
-        logprobs = store.read(UnitKey(request.trajectory_id, "logprobs"), [(prompt, prompt + 1)])
+        # next-token convention (knitkit/next_token.py): the prompt's last position predicts
+        # the first generated token and holds its log-prob
+        logprobs = store.read(UnitKey(request.trajectory_id, "logprobs"), [(prompt - 1, prompt)])
         assert logprobs[0] == pytest.approx(raw["meta_info"]["output_token_logprobs"][0][0])
     controller = AdmissionController(
         policy_config(

@@ -16,6 +16,7 @@ from transfer_queue import StreamingDataLoader, StreamingDataset
 from transfer_queue.controller import DataPartitionStatus
 
 from knitkit.admission import AdmissionController, SourceQuota, policy_config
+from knitkit.integration.ray import start_ray
 from knitkit.integration.transferqueue import AdmissionSampler, sampler_conf, trajectory_tags
 from knitkit.types import TrajectoryMeta
 
@@ -75,7 +76,7 @@ def transfer_queue() -> Iterator[DictConfig]:
     """A real TransferQueue (controller + one SimpleStorage unit) on a fresh 2-CPU local Ray."""
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=2)
     conf = sampler_conf(
         AdmissionSampler(_config(), dp_size=DP),
         backend={"SimpleStorage": {"num_data_storage_units": 1}},

@@ -55,10 +55,11 @@ def test_yields_every_micro_batch_in_order_with_its_content(
     assert it.stats.count == 40
 
 
-def test_packed_items_from_a_reused_shared_memory_slot_are_copied_before_release(
+def test_packed_items_from_a_reused_shared_memory_slot_are_released_only_after_use(
     shm_reorganizer, expected_fields
 ):
-    """One copy per micro-batch happens before release(): the reused /dev/shm slot never leaks through."""
+    """A packed item is released only once the consumer moved past it (CPU: zero copy): the
+    reused /dev/shm slot is never refilled under a micro-batch the consumer reads."""
     reorganizer = shm_reorganizer(30, tokens=128)
     config = MicroBatchIterator.Config(depth=3)
     with MicroBatchIterator(reorganizer, config, device="cpu") as it:
@@ -256,3 +257,25 @@ def test_config_build_and_invalid_depth():
         assert it.device == torch.device("cpu") and next(it)["x"].sum() == 2
     with pytest.raises(ValueError, match="depth=0"):
         MicroBatchIterator([], MicroBatchIterator.Config(depth=0), device="cpu")
+
+
+def test_next_waits_are_bounded_by_default():
+    """No public wait is unbounded by default: next() over a source that never yields raises
+    TimeoutError after next_timeout_s (finite by default) instead of hanging the trainer."""
+    assert MicroBatchIterator.Config().next_timeout_s < float("inf")
+    gate = threading.Event()
+
+    def stuck():
+        gate.wait()
+        yield {"x": np.zeros(1)}
+
+    config = MicroBatchIterator.Config(next_timeout_s=0.3, join_timeout_s=0.2)
+    it = MicroBatchIterator(stuck(), config, device="cpu")
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"next_timeout_s=0\.3"):
+            next(it)
+        assert time.monotonic() - start < 30
+    finally:
+        gate.set()
+        it.close()

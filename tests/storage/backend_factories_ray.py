@@ -20,11 +20,11 @@ def make_backend(tmp: Path) -> UnitBackend:
     try:
         import ray
 
-        from knitkit.integration.ray import RayBackend
+        from knitkit.integration.ray import RayBackend, start_ray
     except ImportError as error:
         pytest.skip(f"the Ray backend needs ray (pip install knitkit[ray]): {error}")
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+        start_ray(num_cpus=2, logging_level="ERROR")
         _started = True
     return RayBackend()
 

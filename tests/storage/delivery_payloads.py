@@ -9,6 +9,7 @@ import numpy as np
 from knitkit.storage.backends.backend import UnitBackend
 from knitkit.storage.planning.plan import MiniBatchPlan, Topology
 from knitkit.storage.planning.planner import PlannerConfig, plan_minibatch
+from knitkit.storage.units.payload import Trajectory
 from knitkit.types import TrajectoryMeta, UnitKey
 
 POSITION_BITS = 20
@@ -23,28 +24,53 @@ def make_metas(lengths: Sequence[int], group_size: int = 2) -> list[TrajectoryMe
     ]
 
 
+def payload(index: int, num_tokens: int) -> dict[str, np.ndarray]:
+    """tokens / logprobs / routing / reward of trajectory ``index``: every token id encodes
+    (trajectory, position)."""
+    tokens = (index << POSITION_BITS) + np.arange(num_tokens, dtype=np.int32)
+    routing = np.broadcast_to(
+        (tokens % 251).astype(np.uint8)[:, None, None], (len(tokens), *ROUTING_ROW)
+    )
+    return {
+        "tokens": tokens,
+        "logprobs": -tokens.astype(np.float32),
+        "routing": np.ascontiguousarray(routing),
+        "reward": np.asarray(np.float32(index)),
+    }
+
+
 def fill_backend(backend: UnitBackend, metas: Sequence[TrajectoryMeta]) -> int:
     """Put tokens / logprobs / routing / reward of every trajectory; returns total tokens."""
     for index, meta in enumerate(metas):
-        tokens = (index << POSITION_BITS) + np.arange(meta.num_tokens, dtype=np.int32)
-        backend.put(UnitKey(meta.trajectory_id, "tokens"), tokens)
-        backend.put(UnitKey(meta.trajectory_id, "logprobs"), -tokens.astype(np.float32))
-        routing = np.broadcast_to(
-            (tokens % 251).astype(np.uint8)[:, None, None], (len(tokens), *ROUTING_ROW)
-        )
-        backend.put(UnitKey(meta.trajectory_id, "routing"), np.ascontiguousarray(routing))
-        backend.put(UnitKey(meta.trajectory_id, "reward"), np.float32(index))
+        for name, array in payload(index, meta.num_tokens).items():
+            backend.put(UnitKey(meta.trajectory_id, name), array)
     return sum(m.num_tokens for m in metas)
 
 
+def trajectories(metas: Sequence[TrajectoryMeta]) -> list[Trajectory]:
+    """The same payloads as ``fill_backend``, as trajectories for ``TrajectoryStore.write``."""
+    out = []
+    for index, meta in enumerate(metas):
+        fields = payload(index, meta.num_tokens)
+        reward = fields.pop("reward")
+        out.append(Trajectory(meta.trajectory_id, meta.sample_id, fields, {"reward": reward}))
+    return out
+
+
 def plan_for(
-    metas: Sequence[TrajectoryMeta], topology: Topology, budget: int | None, name: str
+    metas: Sequence[TrajectoryMeta],
+    topology: Topology,
+    budget: int | None,
+    name: str,
+    *,
+    keep_groups: bool = False,
 ) -> MiniBatchPlan:
     config = PlannerConfig(
         token_fields=TOKEN_FIELDS,
         scalar_fields=("reward",),
         max_tokens_per_micro_batch=budget,
         min_micro_batches=2,
+        keep_groups=keep_groups,
     )
     return plan_minibatch(metas, topology, config, minibatch_id=name)
 

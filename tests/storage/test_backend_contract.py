@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,9 +28,9 @@ def unit_and_ranges(draw: st.DrawFn) -> tuple[np.ndarray, list[tuple[int, int]]]
     array = (
         rng.integers(0, 250, size=(length, *trailing)) % (2 if dtype == "bool" else 250)
     ).astype(dtype)
-    bounds = st.integers(0, length)
-    pairs = draw(st.lists(st.tuples(bounds, bounds), max_size=4))
-    return array, [(min(a, b), max(a, b)) for a, b in pairs]
+    cuts = sorted(draw(st.lists(st.integers(0, length), max_size=8)))
+    ranges = [(cuts[i], cuts[i + 1]) for i in range(0, len(cuts) - 1, 2)]
+    return array, draw(st.permutations(ranges))  # disjoint, in any order
 
 
 @settings(
@@ -95,6 +97,9 @@ def test_bad_inputs_name_the_key_and_leave_the_backend_unchanged(backend: UnitBa
         (IndexError, lambda: backend.read(key, [(0, 11)])),
         (IndexError, lambda: backend.read(key, [(5, 3)])),
         (IndexError, lambda: backend.read(key, [(-1, 3)])),
+        (IndexError, lambda: backend.read(key, [(0, 4), (3, 6)])),
+        (TypeError, lambda: backend.read(key, [(0.0, 4)])),
+        (TypeError, lambda: backend.read(key, [(0, 4.5)])),
         (ValueError, lambda: backend.replace(key, np.arange(10, dtype=np.int64))),
         (ValueError, lambda: backend.replace(key, np.arange(11, dtype=np.int32))),
         (KeyError, lambda: backend.put(key, np.zeros(3, dtype=np.int32))),
@@ -118,3 +123,54 @@ def test_delete_removes_the_unit(backend: UnitBackend) -> None:
         backend.read(key)
     backend.put(key, np.arange(6, dtype=np.int32))
     assert backend.spec(key).shape == (6,)
+
+
+BAD_UNITS = [
+    (UnitKey("", "tokens"), np.zeros(3, np.int32), ValueError),
+    (UnitKey("t-w", ""), np.zeros(3, np.int32), ValueError),
+    (UnitKey("t-w", "tökens"), np.zeros(3, np.int32), ValueError),
+    (UnitKey("t/w", "tokens"), np.zeros(3, np.int32), ValueError),
+    (UnitKey("t-w", "tokens"), np.zeros(3, np.complex64), TypeError),
+    (UnitKey("t-w", "tokens"), np.array([1, "a"], dtype=object), TypeError),
+    (UnitKey("t-w", "tokens"), np.array(["ab", "c"]), TypeError),
+    (UnitKey("t-w", "tokens"), np.zeros(3, dtype=[("a", "i4"), ("b", "f4")]), TypeError),
+    (UnitKey("t-w", "tokens"), np.zeros(3, dtype="datetime64[s]"), TypeError),
+]
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_every_backend_rejects_an_invalid_unit_unchanged(
+    backend: UnitBackend, tmp_path: Path
+) -> None:
+    """Empty or non-ASCII names, an owner with '/', and complex / object / unicode / structured /
+    datetime dtypes raise at ``put`` naming the unit; nothing is stored (no shm block, no disk
+    file), and later writes, reads and ``close`` work."""
+    good = UnitKey("t-ok", "tokens")
+    backend.put(good, np.arange(4, dtype=np.int32))
+    flush = getattr(backend, "flush", None)
+    if flush is not None:
+        flush()
+    used = getattr(backend, "used_bytes", None)
+    files = _files(tmp_path)
+    for key, array, error in BAD_UNITS:
+        with pytest.raises(error, match=re.escape(str(key))):
+            backend.put(key, array)
+    assert sorted(backend.keys()) == [good]
+    assert getattr(backend, "used_bytes", None) == used
+    if flush is not None:
+        flush()
+    assert _files(tmp_path) == files
+    after = UnitKey("t-after", "tokens")
+    backend.put(after, np.arange(5, dtype=np.int32))
+    np.testing.assert_array_equal(backend.read(after, [(1, 3)]), [1, 2])
+
+
+def test_big_endian_units_read_back_their_values(backend: UnitBackend) -> None:
+    """A non-native byte order is converted at the boundary, never stored with its order dropped."""
+    key = UnitKey("t-be", "tokens")
+    backend.put(key, np.arange(4, dtype=">i4"))
+    assert backend.spec(key).dtype == "int32"
+    np.testing.assert_array_equal(backend.read(key), [0, 1, 2, 3])

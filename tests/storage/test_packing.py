@@ -79,7 +79,11 @@ def test_every_token_reaches_exactly_one_consumer_once(
                 seen.append(views["tokens"][offset : offset + seq.local_length][real])
                 offset += seq.local_length
             padded = np.cumsum([0, *(s.padded_length for s in mb.sequences)])
-            assert views["cu_seqlens_padded"].tolist() == padded.tolist() == list(layout.cu_seqlens)
+            assert (
+                views["cu_seqlens_padded"].tolist()
+                == padded.tolist()
+                == list(layout.cu_seqlens_padded)
+            )
             assert (
                 views["cu_seqlens"].tolist()
                 == np.cumsum([0, *(s.num_tokens for s in mb.sequences)]).tolist()
@@ -109,7 +113,7 @@ def test_layout_matches_megatron_thd_conventions() -> None:
     views = layout.numpy_views(buffer)
     assert views["position_ids"].tolist() == list(range(size, 3 * size))
     assert views["loss_mask"].tolist() == [1.0 if p < n else 0.0 for p in range(size, 3 * size)]
-    assert layout.cu_seqlens == (0, padded) and layout.trajectory_ids == (tid,)
+    assert layout.cu_seqlens_padded == (0, padded) and layout.trajectory_ids == (tid,)
     assert layout.extra["micro_batch"] == 3 and layout.extra["num_tokens"] == 2 * size
     assert views["routing"].shape == (2 * size, 4, 2) and views["reward"].shape == (1,)
 

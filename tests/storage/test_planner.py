@@ -11,6 +11,9 @@ from hypothesis import strategies as st
 from knitkit.storage import EncoderTopology, MiniBatchPlan, PlannerConfig, Topology, plan_minibatch
 from knitkit.storage.baselines.planner_timing import planner_ms
 from knitkit.storage.baselines.synthetic import synthetic_metas
+from knitkit.storage.planning.balance import karmarkar_karp, pack_ranks_by_budget
+from knitkit.storage.planning.cp import cp_chunks
+from knitkit.storage.planning.plan import SequenceSlice
 from knitkit.types import MultimodalRef, TrajectoryMeta, UnitKey
 
 
@@ -143,3 +146,45 @@ def test_dp_balance_evens_out_quadratic_cost() -> None:
 def test_planner_ms_measures_the_contract_topology() -> None:
     """planner_ms plans DP32 x CP2 x TP4 for 4096 trajectories and returns a positive time."""
     assert planner_ms(repeats=1) > 0.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=minibatches(), encoder_dp=st.integers(1, 4))
+def test_planner_fast_paths_equal_a_plain_reference(case, encoder_dp: int) -> None:
+    """The planner's vectorised and fast-constructed parts equal a straightforward reference: every
+    slice equals ``SequenceSlice(...)`` built from its trajectory's metadata and ``cp_chunks``, and
+    the encoder plan equals one keyed by ``UnitKey`` itself, sorted by its order, costs rounded
+    up with ``np.ceil``."""
+    metas, topology, config = case
+    encoder = EncoderTopology("vision", dp=encoder_dp)
+    plan = plan_minibatch(metas, topology, config, (encoder,))
+    by_id = {m.trajectory_id: m for m in metas}
+    multiple = topology.pad_multiple * config.pad_multiple
+    for consumer in plan.consumers:
+        for mb in consumer.micro_batches:
+            for seq in mb.sequences:
+                meta = by_id[seq.trajectory_id]
+                padded = -(-meta.num_tokens // multiple) * multiple
+                chunks = cp_chunks(padded, topology.cp, consumer.cp_rank)
+                want = SequenceSlice(
+                    meta.trajectory_id, meta.num_tokens, padded, chunks, meta.multimodal
+                )
+                assert seq == want and type(seq) is SequenceSlice
+    accepted = [m for m in metas if m.accepted]
+    costs: dict[UnitKey, float] = {}
+    for meta in accepted:
+        for ref in meta.multimodal:
+            if ref.key.field in encoder.kinds:
+                costs.setdefault(ref.key, ref.cost or float(ref.num_tokens))
+    keys = sorted(costs)
+    per_rank = karmarkar_karp([costs[k] for k in keys], encoder_dp)
+    budget = config.encoder_max_cost_per_micro_batch
+    micro = pack_ranks_by_budget(
+        [[int(np.ceil(costs[keys[i]])) for i in items] for items in per_rank],
+        None if budget is None else int(np.ceil(budget)),
+    )
+    want_ranks = [
+        tuple(tuple(keys[items[j]] for j in bin_) for bin_ in micro[r])
+        for r, items in enumerate(per_rank)
+    ]
+    assert [r.micro_batches for r in plan.encoder("vision").ranks] == want_ranks

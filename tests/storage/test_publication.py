@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from knitkit.storage.delivery.atomic_words import AtomicWords, _libatomic
 from knitkit.storage.delivery.consumer import (
     MicroBatchConsumer,
     ReorganizerDiedError,
@@ -15,7 +16,13 @@ from knitkit.storage.delivery.consumer import (
 )
 from knitkit.storage.delivery.liveness import pid_alive
 from knitkit.storage.delivery.publication import Publisher
-from knitkit.storage.delivery.slot_ring import RingClosedError, RingSpec, SlotRing
+from knitkit.storage.delivery.slot_ring import (
+    _PUBLISHED_W,
+    _RELEASED_W,
+    RingClosedError,
+    RingSpec,
+    SlotRing,
+)
 from knitkit.types import MicroBatchLayout
 
 
@@ -146,3 +153,83 @@ def test_attach_errors_name_the_ring():
         MicroBatchConsumer(spec, 0)
     with pytest.raises(ValueError, match="consumer_index"):
         MicroBatchConsumer(spec, 3)
+
+
+class _RecordingWords(AtomicWords):
+    """AtomicWords that log every release store and acquire load, with a probe at each store."""
+
+    def __init__(self, words, log, probe=None):
+        super().__init__(words)
+        self.log = log
+        self.probe = probe
+
+    def load_acquire(self, index: int) -> int:
+        value = super().load_acquire(index)
+        self.log.append(("acquire", index, value))
+        return value
+
+    def store_release(self, index: int, value: int) -> None:
+        if self.probe is not None:
+            self.probe(index, value)
+        self.log.append(("release", index, value))
+        super().store_release(index, value)
+
+
+def test_publication_ordering_contract(ring):
+    """The ordering contract of NOTE [ Publication ordering ]: PUBLISHED = seq + 1 is stored with
+    a release store only once the slot's payload and metadata are complete; a consumer reads a
+    slot only after an acquire load saw it published, and hands it back with a release store of
+    RELEASED after its reads; the producer reuses a slot only after an acquire load of RELEASED."""
+    assert _libatomic() is not None or os.uname().machine == "x86_64"
+    spec, _, publisher = ring
+    log: list[tuple] = []
+
+    def probe(index: int, value: int) -> None:
+        if index == _PUBLISHED_W:  # the instant before PUBLISHED becomes visible
+            seq = value - 1
+            layout = publisher.ring.read_meta(seq)
+            data = layout.numpy_views(publisher.ring.slot(seq, layout.nbytes))["x"]
+            log.append(("complete-at-publish", seq, int(data[0]), layout.extra["value"]))
+
+    publisher.ring._atomic = _RecordingWords(publisher.ring.words, log, probe)
+    consumer = MicroBatchConsumer(spec, 0)
+    consumer._ring._atomic = _RecordingWords(consumer._ring.words, log)
+    original_read_meta = consumer._ring.read_meta
+
+    def read_meta(seq: int) -> MicroBatchLayout:
+        log.append(("consumer-read", seq))
+        return original_read_meta(seq)
+
+    consumer._ring.read_meta = read_meta  # type: ignore[method-assign]
+    for value in range(spec.num_slots):  # consumer 1 never reads: no slot is reused
+        _publish(publisher, 10 + value)
+        batch = consumer.next_micro_batch(timeout_s=10)
+        assert int(batch.fields["x"][0]) == 10 + value
+        batch.release()
+    consumer.close()
+
+    assert [e for e in log if e[0] == "complete-at-publish"] == [
+        ("complete-at-publish", s, 10 + s, 10 + s) for s in range(spec.num_slots)
+    ]
+    for seq in range(spec.num_slots):
+        read_at = log.index(("consumer-read", seq))
+        seen = [e for e in log[:read_at] if e[:2] == ("acquire", _PUBLISHED_W) and e[2] > seq]
+        assert seen, f"micro-batch {seq} read before an acquire load saw it published"
+        released_at = log.index(("release", _RELEASED_W + 0, seq + 1))
+        assert released_at > read_at
+    assert any(e[:2] == ("acquire", _RELEASED_W) for e in log)  # the producer's side of reuse
+
+
+def test_atomic_words_are_shared_between_mappings():
+    """Release stores through one mapping are seen by acquire loads through another."""
+    spec = RingSpec.new(num_slots=1, slot_bytes=64, num_consumers=1)
+    owner = SlotRing.create(spec)
+    try:
+        other = SlotRing.attach(spec)
+        owner.set_published(7)
+        other.set_released(0, 5)
+        assert (other.published, owner.released(0), owner.min_released()) == (7, 5, 5)
+        other.close()
+    finally:
+        owner.close()
+        owner.unlink()

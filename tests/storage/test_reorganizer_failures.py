@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import inspect
+import math
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from delivery_payloads import fill_backend, make_metas, plan_for
+from stalling_backend import StallingBackend
 
 from knitkit.storage.backends.shm import SharedMemoryBackend
 from knitkit.storage.delivery.consumer import (
@@ -21,16 +25,29 @@ from knitkit.storage.delivery.consumer import (
     ReorganizerError,
 )
 from knitkit.storage.delivery.liveness import pid_alive
+from knitkit.storage.delivery.publication import Publisher
 from knitkit.storage.delivery.reorganizer_process import ReorganizerProcess
-from knitkit.storage.delivery.slot_ring import RingSpec
+from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing
 from knitkit.storage.planning.plan import Topology
 from knitkit.types import UnitKey
 
 LIVENESS_S = 2.0
+WAIT_S = 120.0
+"""Bound of every wait on another process: generous, so a loaded machine passes too."""
 
 
 def _segments(*names: str) -> list[str]:
     return [f for f in os.listdir("/dev/shm") if any(n in f for n in names)]
+
+
+def _poll(condition: Callable[[], bool], timeout_s: float) -> bool:
+    """True as soon as ``condition()`` holds; False after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 @pytest.fixture
@@ -154,15 +171,143 @@ def test_owner_interrupt_unlinks_everything(signum):
         assert owner.stdout is not None
         ring_name, child_pid, *slabs = owner.stdout.readline().split()
         assert _segments(ring_name)
-        time.sleep(0.5)  # let the reorganizer fill the ring and block
+        # The reorganizer has filled the ring (its one slot) and blocks: poll, never a fixed sleep.
+        ring = SlotRing.attach(
+            RingSpec(ring_name, num_slots=1, slot_bytes=1 << 18, num_consumers=1)
+        )
+        try:
+            assert _poll(lambda: ring.published >= 1, WAIT_S)
+        finally:
+            ring.close()
         owner.send_signal(signum)
-        owner.wait(timeout=30)
+        owner.wait(timeout=WAIT_S)
     finally:
         if owner.poll() is None:
             owner.kill()
-    deadline = time.monotonic() + 10
-    while pid_alive(int(child_pid)) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert _poll(lambda: not pid_alive(int(child_pid)), WAIT_S)
     assert not pid_alive(int(child_pid))
     assert _segments(ring_name) == []
     assert [p for p in slabs if os.path.exists(p)] == []
+
+
+def test_stuck_read_is_reported_by_liveness(loaded):
+    """Liveness measures progress: a reorganizer whose read blocks forever (its process alive,
+    its threads running) is reported to every consumer as ReorganizerDiedError within the
+    liveness timeout, instead of a wait that only a caller's timeout ends."""
+    backend, group, spec = loaded
+    victim = group.micro_batches[1].sequences[0].trajectory_id
+    stalling = StallingBackend(backend, UnitKey(victim, "tokens"))
+    with ReorganizerProcess(stalling, spec, join_timeout_s=1.0) as reorganizer:
+        reorganizer.submit("mb0", group)
+        consumers = [MicroBatchConsumer(spec, r, liveness_timeout_s=LIVENESS_S) for r in range(2)]
+        for consumer in consumers:
+            consumer.next_micro_batch(timeout_s=WAIT_S).release()
+        for consumer in consumers:
+            start = time.monotonic()
+            with pytest.raises(ReorganizerDiedError, match="no progress"):
+                consumer.next_micro_batch(timeout_s=WAIT_S)
+            assert time.monotonic() - start < WAIT_S / 2
+            consumer.close()
+        assert reorganizer.pid is not None and pid_alive(reorganizer.pid)
+
+
+def test_stopped_reorganizer_is_reported_by_liveness(loaded):
+    """A SIGSTOPped reorganizer (alive, making no progress) is reported within the liveness
+    timeout; close() then still ends it and unlinks its ring."""
+    backend, group, spec = loaded
+    with ReorganizerProcess(backend, spec, join_timeout_s=1.0) as reorganizer:
+        reorganizer.submit("mb0", group)
+        consumer = MicroBatchConsumer(spec, 0, liveness_timeout_s=LIVENESS_S)
+        consumer.next_micro_batch(timeout_s=WAIT_S)
+        assert reorganizer.pid is not None
+        os.kill(reorganizer.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(ReorganizerDiedError, match="no progress"):
+                consumer.next_micro_batch(timeout_s=WAIT_S)
+        finally:
+            os.kill(reorganizer.pid, signal.SIGCONT)
+        consumer.close()
+    assert _segments(spec.name) == []
+
+
+_CONSUMER = textwrap.dedent(
+    """
+    import sys
+    from knitkit.storage.delivery.consumer import MicroBatchConsumer
+    from knitkit.storage.delivery.slot_ring import RingSpec
+    spec = RingSpec({name!r}, num_slots=1, slot_bytes={slot_bytes}, num_consumers=2)
+    consumer = MicroBatchConsumer(spec, 1)
+    batch = consumer.next_micro_batch(timeout_s=120)
+    print(batch.layout.extra["micro_batch"], flush=True)
+    sys.stdin.read()  # hold the slot until killed
+    """
+)
+
+
+def test_consumer_killed_holding_a_slot_is_reported_to_peers_and_reorganizer(loaded):
+    """A TP consumer SIGKILLed while it holds the ring's only slot: its reorganizer detects the
+    dead pid, stops with an error naming that consumer, and the other TP rank raises
+    ReorganizerError with that message instead of waiting forever."""
+    backend, group, spec = loaded
+    with ReorganizerProcess(backend, spec) as reorganizer:
+        reorganizer.submit("mb0", group)
+        script = _CONSUMER.format(name=spec.name, slot_bytes=spec.slot_bytes)
+        peer = subprocess.Popen(
+            [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert peer.stdout is not None and peer.stdout.readline().strip() == "0"
+            peer.kill()
+            peer.wait(timeout=WAIT_S)
+        finally:
+            if peer.poll() is None:
+                peer.kill()
+        with MicroBatchConsumer(spec, 0, liveness_timeout_s=WAIT_S) as consumer:
+            consumer.next_micro_batch(timeout_s=WAIT_S).release()
+            with pytest.raises(ReorganizerError, match=rf"consumer 1 \(pid {peer.pid}\).*died"):
+                consumer.next_micro_batch(timeout_s=WAIT_S)
+        assert "consumer 1" in reorganizer.ring.error()
+        assert reorganizer.finish(timeout_s=WAIT_S)  # the reorganizer stopped on its own
+
+
+def test_waits_are_bounded_by_default(loaded):
+    """No public wait is unbounded by default: a consumer of a live producer that publishes
+    nothing raises TimeoutError after its wait_timeout_s, and the default bound is finite."""
+    _, _, spec = loaded
+    assert inspect.signature(MicroBatchConsumer).parameters["wait_timeout_s"].default < math.inf
+    assert inspect.signature(ReorganizerProcess.finish).parameters["timeout_s"].default < math.inf
+    owner = SlotRing.create(spec)
+    publisher = Publisher(SlotRing.attach(spec))
+    publisher.start()
+    try:
+        with (
+            MicroBatchConsumer(spec, 0, wait_timeout_s=0.5) as consumer,
+            pytest.raises(TimeoutError, match="micro-batch 0"),
+        ):
+            consumer.next_micro_batch()
+    finally:
+        publisher.close()
+        owner.close()
+        owner.unlink()
+
+
+def test_one_attachment_per_consumer_index(loaded):
+    """Two live processes cannot attach as the same TP consumer index (they would release each
+    other's slots): the second attach raises naming the index and the holder's pid."""
+    _, _, spec = loaded
+    owner = SlotRing.create(spec)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _CONSUMER.format(name=spec.name, slot_bytes=spec.slot_bytes)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert _poll(lambda: owner.consumer_pid(1) == holder.pid, WAIT_S)
+        with pytest.raises(ValueError, match=rf"consumer_index=1 .* pid {holder.pid}"):
+            MicroBatchConsumer(spec, 1)
+    finally:
+        holder.kill()
+        holder.wait(timeout=WAIT_S)
+        owner.close()
+        owner.unlink()

@@ -72,7 +72,7 @@ def test_same_micro_batches_and_redundant_reads(store, dp, cp, tp):
                 pack_local(group, local), published, strict=True
             ):
                 assert layout.fields == expected_layout.fields
-                assert layout.cu_seqlens == expected_layout.cu_seqlens
+                assert layout.cu_seqlens_padded == expected_layout.cu_seqlens_padded
                 views = layout.numpy_views(buffer)
                 assert all(np.array_equal(views[k], v) for k, v in expected.items())
         publisher.close()
@@ -113,6 +113,68 @@ def test_images_redistributed_from_tp0_cp0(store):
                 receive_multimodal(consumer, local)
             for key, array in images.items():
                 assert np.array_equal(local.units[key], array)
+    finally:
+        publisher.close()
+        owner.close()
+        owner.unlink()
+
+
+# Encoder inputs (reorganizer encoder ranks, sample-level redistribution) travel as unit layouts.
+
+
+def _unit_ring(num_slots: int, num_consumers: int = 1) -> tuple[SlotRing, Publisher, RingSpec]:
+    spec = RingSpec.new(num_slots=num_slots, slot_bytes=1 << 20, num_consumers=num_consumers)
+    owner = SlotRing.create(spec)
+    publisher = Publisher(SlotRing.attach(spec))
+    publisher.start()
+    return owner, publisher, spec
+
+
+def test_reorganizer_encoder_micro_batches_list_their_units(store):
+    """Each encoder micro-batch names exactly its planned units, in plan order, in
+    ``layout.units`` (no unit keys posing as trajectory ids), and ``unit_views`` gives each
+    unit's stored bytes under its key."""
+    config = PlannerConfig(token_fields=("tokens",), max_tokens_per_micro_batch=256)
+    encoder = EncoderTopology("vision", dp=1, kinds=("image",))
+    plan = plan_minibatch(store.metas(), Topology(1), config, (encoder,))
+    rank = plan.encoder("vision").ranks[0]
+    assert sum(len(mb) for mb in rank.micro_batches) > 1
+    owner, publisher, spec = _unit_ring(len(rank.micro_batches))
+    try:
+        Reorganizer(store.backend, publisher).deliver("mb", rank)
+        publisher.finish()
+        with MicroBatchConsumer(spec, 0) as consumer:
+            for units, batch in zip(rank.micro_batches, consumer, strict=True):
+                assert batch.layout.units == units
+                assert batch.layout.trajectory_ids == ()
+                arrays = batch.layout.unit_views(batch.buffer)
+                assert list(arrays) == list(units)
+                for key, array in arrays.items():
+                    np.testing.assert_array_equal(array, store.backend.read(key))
+    finally:
+        publisher.close()
+        owner.close()
+        owner.unlink()
+
+
+def test_sample_level_redistribution_lists_its_units(store):
+    """The images TP0/CP0 redistributes travel as a unit layout: the peer learns every key from
+    ``layout.units`` and gets the leader's arrays."""
+    config = PlannerConfig(token_fields=("tokens",), max_tokens_per_micro_batch=256)
+    plan = plan_minibatch(store.metas(), Topology(1, 1, 2), config)
+    leader = read_share(store.backend, plan, RankPosition(0, 0, 0))
+    images = {k: a for k, a in leader.units.items() if k.field == "image"}
+    owner, publisher, spec = _unit_ring(1, num_consumers=2)
+    try:
+        send_multimodal(publisher, leader)
+        peer = read_share(store.backend, plan, RankPosition(0, 0, 1))
+        with MicroBatchConsumer(spec, 0) as consumer:
+            receive_multimodal(consumer, peer)
+        with MicroBatchConsumer(spec, 1) as onlooker:
+            layout = onlooker.next_micro_batch(timeout_s=30).layout
+        assert layout.units == tuple(images) and layout.trajectory_ids == ()
+        for key, array in images.items():
+            np.testing.assert_array_equal(peer.units[key], array)
     finally:
         publisher.close()
         owner.close()

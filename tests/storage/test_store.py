@@ -27,7 +27,9 @@ def test_write_splits_fields_into_units_and_stores_a_shared_image_once(
     backend = local_backend
     store = TrajectoryStore(backend)
     group = synthetic_trajectories(1, group_size=4, seed=1)
-    entries = [store.write(t) for t in group]
+    metas = [store.write(t) for t in group]
+    assert metas == [store.meta(t.trajectory_id) for t in group]
+    entries = [store.entries(t.trajectory_id) for t in group]
     image_keys = {e.key for es in entries for e in es if e.key.field == "image"}
     assert len(image_keys) == 1
     image = next(iter(image_keys))

@@ -1,7 +1,9 @@
 """Trace-replay simulator: replays a rollout trace under admission policies and measures staleness (paper 7)."""
 
+from knitkit.admission.replay.families import FAMILIES
 from knitkit.admission.replay.oracle import (
     BatchWindow,
+    family_regret,
     offline_optimum,
     online_finish,
     regret_study,
@@ -19,6 +21,7 @@ from knitkit.admission.replay.trace import (
 )
 
 __all__ = [
+    "FAMILIES",
     "PRESETS",
     "BatchWindow",
     "Preset",
@@ -27,6 +30,7 @@ __all__ = [
     "SourceProfile",
     "Trace",
     "TraceRecord",
+    "family_regret",
     "generate_trace",
     "offline_optimum",
     "online_finish",

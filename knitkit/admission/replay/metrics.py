@@ -23,6 +23,8 @@ class RunRecord:
     """Per train batch: staleness of each trajectory's oldest token."""
     token_staleness: dict[int, list[tuple[float, int]]] = field(default_factory=dict)
     """Per train batch: (token-mean staleness, tokens) of each trajectory."""
+    source_staleness: dict[str, list[tuple[int, float, int]]] = field(default_factory=dict)
+    """Per source: (train batch, token-mean staleness, tokens) of each trajectory."""
     busy_s: dict[int, float] = field(default_factory=dict)
     """Per train batch: trainer busy seconds."""
     train_end: dict[int, float] = field(default_factory=dict)
@@ -46,6 +48,9 @@ class RunRecord:
                 sum((train_batch - v) * s for v, s in job.segments) / work if job.segments else 0.0
             )
             tokens.append((mean, job.record.tokens or 1))
+            self.source_staleness.setdefault(job.record.source, []).append(
+                (train_batch, mean, job.record.tokens or 1)
+            )
 
     def per_step(self, token_weighted: bool) -> dict[int, float]:
         if not token_weighted:
@@ -54,6 +59,16 @@ class RunRecord:
         for k, pairs in sorted(self.token_staleness.items()):
             weights = np.array([w for _, w in pairs], dtype=float)
             out[k] = float(np.dot([m for m, _ in pairs], weights) / weights.sum())
+        return out
+
+    def per_source(self, batches: range) -> dict[str, float]:
+        """Token-weighted mean staleness per source over the train batches in ``batches``."""
+        out = {}
+        for source, rows in sorted(self.source_staleness.items()):
+            kept = [(m, w) for k, m, w in rows if k in batches]
+            if kept:
+                weight = sum(w for _, w in kept)
+                out[source] = sum(m * w for m, w in kept) / weight
         return out
 
     def batch_counts(self, train_batch: int, num_minibatches: int) -> Counter[str]:

@@ -17,7 +17,8 @@ def plot_replay(summary: dict[str, Any], path: str | Path) -> None:
         raise RuntimeError("--plot needs matplotlib: pip install 'knitkit[plot]'") from exc
     policies = summary["policies"]
     names = list(policies)
-    ratios = summary["settings"]["quota_ratios"]
+    batch = summary["settings"]["train_batch_size"]
+    lowers = {q["lower"] / batch for q in summary["settings"]["quotas"].values() if q["lower"]}
     cols = max(2, len(names))
     fig = plt.figure(figsize=(3.2 * cols, 7.5))
     grid = fig.add_gridspec(2, cols)
@@ -26,7 +27,7 @@ def plot_replay(summary: dict[str, Any], path: str | Path) -> None:
         steps = policies[name]["composition_per_step"]
         for source in summary["settings"]["sources"]:
             ax.plot([c.get(source, 0.0) for c in steps], label=source)
-        for ratio in set(ratios.values()):
+        for ratio in lowers:
             ax.axhline(ratio, color="black", linestyle="--", linewidth=0.8)
         ax.set_title(f"{name} ({policies[name]['violations']} violations)", fontsize=9)
         ax.set_xlabel("step (after warm-up)")
@@ -38,7 +39,7 @@ def plot_replay(summary: dict[str, Any], path: str | Path) -> None:
     ax.bar(names, values, color="tab:blue")
     for x, v in enumerate(values):
         ax.text(x, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("architectural staleness (versions)")
+    ax.set_ylabel("architectural staleness\n(versions)")
     ax.set_title(f"Architectural staleness, {summary['settings']['num_minibatches']} mini-batches")
     ax = fig.add_subplot(grid[1, cols // 2 :])
     step_s = summary["rollout_step_s"]
@@ -50,10 +51,10 @@ def plot_replay(summary: dict[str, Any], path: str | Path) -> None:
             ax.scatter(
                 xs, [t + 1] * len(xs), s=10, alpha=0.5, color=color, label=None if t else name
             )
-    ax.set_xlabel("admission time since rollout-step start (x colocated step length)")
+    ax.set_xlabel("admission time since rollout-step start\n(x colocated step length)")
     ax.set_ylabel("mini-batch")
     ax.set_title("Admission timeline (Figure 3(b))")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # no axis label cut off at the edge
     plt.close(fig)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
@@ -9,6 +10,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from knitkit.admission.policies import POLICY_NAMES
+from knitkit.admission.predicates import SourceQuota
 from knitkit.admission.replay.metrics import (
     RunRecord,
     first_minibatch_fraction,
@@ -48,6 +50,12 @@ def rollout_step_length(colocated: RunRecord, settings: ReplaySettings) -> float
     return float(np.mean([colocated.train_end[k] - colocated.step_start[k] for k in steps]))
 
 
+def staleness_drift(series: Sequence[float]) -> float:
+    """Mean of the last third minus mean of the first third: ~0 when staleness is stationary."""
+    third = max(1, len(series) // 3)
+    return float(np.mean(series[-third:]) - np.mean(series[:third]))
+
+
 def run_replay(
     trace: Trace,
     settings: ReplaySettings,
@@ -58,7 +66,8 @@ def run_replay(
 
     ``summary["policies"][name]`` holds ``architectural_staleness`` (token-weighted, disaggregated
     minus colocated, mean over the steps after warm-up), ``architectural_staleness_start``
-    (oldest-token), ``violations`` (train batches missing a quota), ``shortfall_per_step``
+    (oldest-token), ``drift`` (last third minus first third of the per-step series: a steady
+    state has ~0), ``violations`` (train batches missing a quota), ``shortfall_per_step``
     (trajectories short of the quotas per train batch), ``steps``, per-step series,
     ``mix_skew``, ``first_minibatch_fraction`` and ``trainer_idle_fraction``.
     """
@@ -71,6 +80,7 @@ def run_replay(
     train_time = settings.rho * step_length
     steps = range(settings.warmup, settings.train_batches)
     base_tok, base_start = colocated.per_step(True), colocated.per_step(False)
+    base_source = colocated.per_source(steps)
     bounds = {q.source: q.bounds(settings.train_batch_size) for q in settings.quotas()}
     lower_total = sum(lo for lo, _ in bounds.values()) or 1
     target_mix = {s: lo / lower_total for s, (lo, _) in bounds.items()}
@@ -82,15 +92,20 @@ def run_replay(
         shortfall = violations(run, steps, n, bounds)
         span = run.train_end[steps[-1]] - run.train_end[steps[0] - 1]
         busy = sum(run.busy_s[k] for k in steps)
+        series = [tok[k] - base_tok[k] for k in steps]
         out[policy] = {
-            "architectural_staleness": float(np.mean([tok[k] - base_tok[k] for k in steps])),
+            "architectural_staleness": float(np.mean(series)),
+            "drift": staleness_drift(series),
+            "staleness_per_source": {
+                s: v - base_source.get(s, 0.0) for s, v in run.per_source(steps).items()
+            },
             "architectural_staleness_start": float(
                 np.mean([start[k] - base_start[k] for k in steps])
             ),
             "violations": sum(1 for v in shortfall if v),
             "shortfall_per_step": shortfall,
             "steps": len(steps),
-            "staleness_per_step": [tok[k] - base_tok[k] for k in steps],
+            "staleness_per_step": series,
             "mix_skew": mix_skew(run, steps, n, target_mix),
             "first_minibatch_fraction": first_minibatch_fraction(run, steps, n),
             "trainer_idle_fraction": max(0.0, 1.0 - busy / span) if span > 0 else 0.0,
@@ -113,16 +128,39 @@ def run_replay(
         "rollout_step_s": step_length,
         "colocated_staleness": float(np.mean([base_tok[k] for k in steps])),
         "colocated_dropped": colocated.dropped,
-        "settings": {
-            "train_batch_size": settings.train_batch_size,
-            "num_minibatches": n,
-            "train_batches": settings.train_batches,
-            "warmup": settings.warmup,
-            "partial_rollout": settings.partial_rollout,
-            "seed": settings.seed,
-            "sources": list(trace.sources),
-            "quota_ratios": dict(settings.quota_ratios),
-        },
+        "settings": settings_block(settings, trace),
+    }
+
+
+def settings_block(settings: ReplaySettings, trace: Trace) -> dict[str, Any]:
+    """Every replay setting (JSON-ready), enough with the trace to reproduce the run."""
+    block: dict[str, Any] = {
+        f.name: getattr(settings, f.name) for f in dataclasses.fields(ReplaySettings)
+    }
+    block["quota_ratios"] = dict(settings.quota_ratios)
+    block["quota_max_ratios"] = dict(settings.quota_max_ratios)
+    block["issue_shares"] = None if settings.issue_shares is None else dict(settings.issue_shares)
+    block["quota_specs"] = [
+        {k: v for k, v in quota_fields(q).items() if v is not None} for q in settings.quota_specs
+    ]
+    block["quotas"] = {
+        q.source: dict(zip(("lower", "upper"), q.bounds(settings.train_batch_size), strict=True))
+        for q in settings.quotas()
+    }
+    block["num_minibatches"] = settings.num_minibatches
+    block["sources"] = list(trace.sources)
+    block["group_size"] = trace.group_size
+    return block
+
+
+def quota_fields(quota: SourceQuota) -> dict[str, Any]:
+    """A quota as the plain fields ``--quotas-file`` takes (its schedule left out)."""
+    return {
+        "min_count": quota.min_count,
+        "min_ratio": quota.min_ratio,
+        "max_count": quota.max_count,
+        "max_ratio": quota.max_ratio,
+        "group": quota.group,
     }
 
 

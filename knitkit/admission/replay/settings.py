@@ -20,6 +20,8 @@ class ReplaySettings:
     quota_ratios: Mapping[str, float] = field(default_factory=dict)
     """Lower-bound share of the train batch per source (e.g. 0.24 each in ``paper4``)."""
     quota_max_ratios: Mapping[str, float] = field(default_factory=dict)
+    quota_specs: tuple[SourceQuota, ...] = ()
+    """Full quotas (counts, ratios, groups); when given they replace the two ratio maps."""
     issue_shares: Mapping[str, float] | None = None
     """Share of each rollout step's prompts per source; ``None`` issues sources equally."""
     oversample: float = 0.25
@@ -27,7 +29,10 @@ class ReplaySettings:
     issue_order: str = "round_robin"
     """'round_robin' interleaves sources in the issue queue; 'slow_first' queues the slowest first."""
     source_cap: float = 2.0
-    """Per-source outstanding cap (queued + running + ready) in multiples of its per-step issue."""
+    """Per-source outstanding cap (queued + running + ready) in multiples of its per-step issue.
+
+    A rollout step tops each source up to one step's issue (in-flight and ready leftovers
+    count), so the pipeline stays stationary; a cap only binds below 1."""
     rollout_slots: int = 256
     """Trajectories generated concurrently; the rest wait in the issue queue."""
     rho: float = 0.8
@@ -37,6 +42,12 @@ class ReplaySettings:
     """'off' (colocated drops unfinished work), 'drain' (in-flight keeps its version), 'abort_resume'."""
     resume_penalty_s: float = 0.0
     max_ahead: int = 1
+    trainer_lookahead: int = 1
+    """Train batch k opens once the trainer started train batch k - trainer_lookahead (pull)."""
+    max_staleness: int | None = None
+    """Admission drops trajectories older than this many versions (``AdmissionConfig``)."""
+    completion_quota: float | None = None
+    """Partial-rollout completion quota: share of the newest rollout step completed (readiness)."""
     """Rollout step r starts only once the rollout runs version >= r - max_ahead."""
     group_atomic: bool = False
     """Admit whole GRPO groups atomically."""
@@ -59,8 +70,12 @@ class ReplaySettings:
             )
         if self.rho <= 0 or self.rollout_slots < 1 or self.oversample < 0:
             raise ValueError("rho must be > 0, rollout_slots >= 1 and oversample >= 0")
+        if self.trainer_lookahead < 0:
+            raise ValueError(f"trainer_lookahead={self.trainer_lookahead}: must be >= 0")
 
     def quotas(self) -> tuple[SourceQuota, ...]:
+        if self.quota_specs:
+            return self.quota_specs
         names = dict.fromkeys([*self.quota_ratios, *self.quota_max_ratios])
         return tuple(
             SourceQuota(
@@ -87,14 +102,15 @@ class Preset:
     def trace(self, settings: ReplaySettings | None = None) -> Trace:
         """A trace long enough for ``settings`` (default: the preset's), seeded by ``settings.seed``."""
         s = settings or self.settings
-        prompts = s.train_batch_size * (1 + s.oversample) / self.group_size / len(self.profiles)
+        share = max((s.issue_shares or {}).values(), default=1.0 / len(self.profiles))
+        prompts = s.train_batch_size * (1 + s.oversample) / self.group_size * share
         per_source = int(prompts * (s.train_batches + 4) * (1 + s.source_cap)) + 8
         return generate_trace(
             self.profiles, samples_per_source=per_source, group_size=self.group_size, seed=s.seed
         )
 
 
-# NOTE [paper4 calibration]: four sources, 24% of the train batch each (lower bounds, 4% slack),
+# paper4 calibration: four sources, 24% of the train batch each (lower bounds, 4% slack),
 # means spread about 10x like the paper's Figure 3(a) (A ~0.3 ks ... D ~3 ks). Each rollout step
 # issues 1.15x a train batch (GRPO groups of 8, trajectories admitted one by one), slowest source
 # first, into 104 rollout slots; partial rollouts abort and resume at each sync. These free knobs

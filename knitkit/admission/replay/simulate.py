@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from knitkit.admission.controller import AdmissionController, MiniBatch
 from knitkit.admission.policies import build_controller
+from knitkit.admission.predicates import CompletionQuota
 from knitkit.admission.replay.metrics import RunRecord
 from knitkit.admission.replay.rollout import EventQueue, Job, RolloutPool
 from knitkit.admission.replay.settings import ReplaySettings
@@ -25,6 +26,10 @@ def _controller(policy: str, trace: Trace, settings: ReplaySettings) -> Admissio
         sources=trace.sources,
         quotas=settings.quotas(),
         group_size=trace.group_size if settings.group_atomic else 1,
+        max_staleness=settings.max_staleness,
+        predicates=()
+        if settings.completion_quota is None
+        else (CompletionQuota(settings.completion_quota),),
     )
 
 
@@ -45,7 +50,11 @@ def _prompts(
         )
         cap = math.ceil(settings.source_cap * want) * g
         room = -(-(cap - pool.outstanding(source) - ready.get(source, 0)) // g)
-        prompts[source] = max(0, min(want, room))
+        # A step tops a source up to its per-step issue, counting the ready
+        # leftovers of earlier steps; adding a full step on top of them lets the ready pool
+        # (and staleness) grow with run length whenever the cap is looser than one step.
+        top_up = want - (pool.outstanding(source) + ready.get(source, 0)) // g
+        prompts[source] = max(0, min(top_up, room))
     if settings.issue_order == "slow_first":
         prompts = dict(sorted(prompts.items(), key=lambda kv: -trace.mean_duration(kv[0])))
     return prompts
@@ -70,7 +79,7 @@ def run_disaggregated(
     ctl = _controller(policy, trace, settings)
     jobs: dict[str, Job] = {}
     trainer: deque[MiniBatch] = deque()
-    state = {"busy": False, "steps": 0, "closed": 0, "trained": 0}
+    state = {"busy": False, "steps": 0, "closed": 0, "trained": 0, "started": -1}
     n = settings.num_minibatches
     minibatch_s = train_time_s / n
 
@@ -95,7 +104,16 @@ def run_disaggregated(
             pool.fill(settings.resume_penalty_s)
 
     def admit() -> None:
-        while (mb := ctl.next_minibatch()) is not None:
+        # Train batch k opens (its first mini-batch is admitted) only once
+        # its rollout step k has started and the trainer has started train batch
+        # k - trainer_lookahead, as a trainer that pulls its next batch does; within an open
+        # batch admission is eager. Opening batches earlier lets them pile up admitted but
+        # untrained, and their staleness grow with run length.
+        while (
+            ctl.train_batch < state["steps"]
+            and ctl.train_batch <= state["started"] + settings.trainer_lookahead
+            and (mb := ctl.next_minibatch())
+        ):
             record.admit(mb.train_batch, mb.index, events.now, [t.source for t in mb.trajectories])
             trainer.append(mb)
             if mb.index == n - 1:
@@ -108,6 +126,9 @@ def run_disaggregated(
             return
         mb = trainer.popleft()
         state["busy"] = True
+        if state["started"] < mb.train_batch:
+            state["started"] = mb.train_batch
+            events.at(events.now, admit)  # the next train batch may open now
         record.busy_s[mb.train_batch] = record.busy_s.get(mb.train_batch, 0.0) + minibatch_s
         events.at(events.now + minibatch_s, lambda: trained(mb))
 
@@ -127,13 +148,15 @@ def run_disaggregated(
         if settings.partial_rollout == "abort_resume":
             pool.resume_at_new_version(settings.resume_penalty_s)
         start_steps()
+        admit()  # a step started here may open a train batch whose units are all ready
 
     start_steps()
     events.run_until(lambda: state["trained"] >= settings.train_batches)
     if state["trained"] < settings.train_batches:
         raise RuntimeError(
             f"policy {policy!r} stalled after {state['trained']} train batches: the trace or the "
-            f"source caps cannot feed the quotas; raise source_cap or oversample"
+            f"issue cannot feed the quotas; raise oversample (--oversample) or the short source's "
+            f"issue share (--issue-shares), or source_cap (--source-cap) if it is below 1"
         )
     return record
 
@@ -169,7 +192,9 @@ def run_colocated(
         events.run_until(lambda: len(closed) == settings.num_minibatches)
         if len(closed) < settings.num_minibatches:
             raise RuntimeError(
-                f"colocated replay stalled at train batch {k}; raise source_cap or oversample"
+                f"colocated replay stalled at train batch {k}: one rollout step cannot feed the "
+                f"quotas; raise oversample (--oversample) or the short source's issue share "
+                f"(--issue-shares)"
             )
         record.train_end[k] = events.now
         for mb in closed:

@@ -23,6 +23,24 @@ class TraceRecord:
     tokens: int | None = None
     accepted: bool = True
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str) or not self.source:
+            raise ValueError(f"field source={self.source!r}: give a non-empty string")
+        if not isinstance(self.sample_id, str):
+            raise ValueError(f"field sample_id={self.sample_id!r}: give a string")
+        if isinstance(self.duration_s, bool) or not isinstance(self.duration_s, int | float):
+            raise ValueError(f"field duration_s={self.duration_s!r}: give a number of seconds")
+        if not math.isfinite(self.duration_s) or self.duration_s < 0:
+            raise ValueError(
+                f"field duration_s={self.duration_s!r}: must be finite and >= 0 (seconds)"
+            )
+        if self.tokens is not None and (
+            isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 0
+        ):
+            raise ValueError(f"field tokens={self.tokens!r}: give a whole count >= 0, or omit it")
+        if not isinstance(self.accepted, bool):
+            raise ValueError(f"field accepted={self.accepted!r}: give true or false")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SourceProfile:
@@ -46,6 +64,14 @@ class Trace:
 
     records: dict[str, tuple[TraceRecord, ...]]
     group_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not any(self.records.values()):
+            raise ValueError("empty trace: give at least one record")
+        if all(r.duration_s == 0 for recs in self.records.values() for r in recs):
+            raise ValueError(
+                "field duration_s is 0 in every record: a trace needs some rollout time"
+            )
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -99,33 +125,43 @@ def write_jsonl(trace: Trace, path: str | Path) -> None:
 
 
 def read_jsonl(path: str | Path) -> Trace:
-    """Read a JSONL trace; records keep file order per source; the group size is inferred."""
+    """Read a JSONL trace; records keep file order per source; the group size is inferred.
+
+    A bad record raises ValueError naming the file, the line and the field.
+    """
     by_source: dict[str, list[TraceRecord]] = {}
+    line_no = 0
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
+                if not isinstance(obj, dict):
+                    raise ValueError("a line must be one JSON object")
+                missing = [k for k in ("source", "sample_id", "duration_s") if k not in obj]
+                if missing:
+                    raise ValueError(f"missing field {missing[0]}")
+                tokens = obj.get("tokens")
+                if isinstance(tokens, float) and tokens.is_integer():
+                    tokens = int(tokens)  # 120.0 is a whole count; 120.5 is refused
                 rec = TraceRecord(
-                    str(obj["source"]),
+                    obj["source"],
                     str(obj["sample_id"]),
-                    float(obj["duration_s"]),
-                    None if obj.get("tokens") is None else int(obj["tokens"]),
-                    bool(obj.get("accepted", True)),
+                    obj["duration_s"],
+                    tokens,
+                    obj.get("accepted", True),
                 )
-            except (KeyError, TypeError, ValueError) as exc:
+            except ValueError as exc:  # json.JSONDecodeError is a ValueError
                 raise ValueError(
-                    f"{path}:{line_no}: not a trace record ({exc}); need source, sample_id, duration_s"
+                    f"{path}:{line_no}: not a trace record: {exc} (need source, sample_id, "
+                    f"duration_s; optional tokens, accepted)"
                 ) from exc
-            if rec.duration_s < 0 or (rec.tokens is not None and rec.tokens < 0):
-                raise ValueError(
-                    f"{path}:{line_no}: negative duration_s or tokens in {line.strip()}"
-                )
             by_source.setdefault(rec.source, []).append(rec)
-    if not by_source:
-        raise ValueError(f"{path}: empty trace")
-    return Trace({s: tuple(r) for s, r in by_source.items()}, _group_size(by_source.values()))
+    try:
+        return Trace({s: tuple(r) for s, r in by_source.items()}, _group_size(by_source.values()))
+    except ValueError as exc:
+        raise ValueError(f"{path}:1-{line_no}: {exc}") from exc
 
 
 def _group_size(per_source: Iterable[list[TraceRecord]]) -> int:

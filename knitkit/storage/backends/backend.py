@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from knitkit.types import SeqRange, UnitKey
+from knitkit.types import SeqRange, UnitKey, UnitRead
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +22,7 @@ class UnitSpec:
     @property
     def row_nbytes(self) -> int:
         """Bytes of one sequence position (one row along axis 0)."""
-        return int(np.dtype(self.dtype).itemsize * int(np.prod(self.shape[1:], dtype=np.int64)))
+        return np.dtype(self.dtype).itemsize * math.prod(self.shape[1:])
 
     @property
     def nbytes(self) -> int:
@@ -53,6 +54,16 @@ class UnitBackend(Protocol):
         ranges: Sequence[SeqRange] | None = None,
         out: np.ndarray | None = None,
     ) -> np.ndarray: ...
+
+    def read_many(self, reads: Sequence[UnitRead], outs: Sequence[np.ndarray]) -> None:
+        """Fill ``outs[i]`` with ``reads[i]`` for every i: the contract (and errors) of ``read``
+        with ``out``, one call for a whole micro-batch. This default reads unit by unit; a backend
+        that can move many units per call (one Mooncake round trip, one batch of ``preadv``)
+        overrides it. ``ValueError`` when the two lengths differ."""
+        if len(reads) != len(outs):
+            raise ValueError(f"read_many got {len(reads)} reads but {len(outs)} outs; pair them")
+        for unit, out in zip(reads, outs, strict=True):
+            self.read(unit.key, unit.ranges, out=out)
 
     def delete(self, key: UnitKey) -> None: ...
 

@@ -4,91 +4,91 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import os
-import struct
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from safetensors.numpy import save_file
 
-from knitkit.storage.backends.backend import UnitSpec
-from knitkit.storage.backends.ranges import check_ranges, check_replacement, destination
-from knitkit.types import SeqRange, UnitKey
-
-_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16"}
-_DTYPES |= {"F16": "float16", "U32": "uint32", "I32": "int32", "F32": "float32"}
-_DTYPES |= {"U64": "uint64", "I64": "int64", "F64": "float64"}
-
-
-@dataclass(frozen=True, slots=True)
-class ShardEntry:
-    """Where one unit lies in a shard file: absolute byte offset of its first row, and its spec."""
-
-    shard: str
-    offset: int
-    spec: UnitSpec
+from knitkit.storage.backends.backend import UnitBackend, UnitSpec
+from knitkit.storage.backends.ranges import ReadCounter, check_replacement
+from knitkit.storage.backends.shard_files import OpenShards
+from knitkit.storage.backends.shard_header import CorruptShardError, ShardEntry, read_header
+from knitkit.storage.backends.validate import check_unit
+from knitkit.types import SeqRange, UnitKey, UnitRead
 
 
-def read_header(path: str) -> dict[UnitKey, ShardEntry]:
-    """Parse a safetensors header once (8-byte length, JSON; offsets relative to the data start)."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    base = 8 + length
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        spec = UnitSpec(_DTYPES[info["dtype"]], tuple(info["shape"]))
-        entries[UnitKey.parse(name)] = ShardEntry(path, base + info["data_offsets"][0], spec)
-    return entries
-
-
-class SafetensorsBackend:
-    """``UnitBackend`` over safetensors shard files in one directory.
+class SafetensorsBackend(UnitBackend):
+    """``UnitBackend`` over safetensors shard files in one directory (created owner-only, 0700).
 
     ``put`` buffers units in memory until ``shard_bytes`` accumulate (or ``flush``), then writes one
-    shard; reads and specs of buffered units flush first. ``replace`` rewrites the unit's bytes in
+    shard (0600, under a temporary name renamed into place, so a reader never sees half a shard);
+    reads and specs of buffered units flush first. ``replace`` rewrites the unit's bytes in
     place (same dtype and shape, so same size). A shard file is removed once all its units are
-    deleted. Pickling hands another process a reader of the same files; a reader indexes shards
-    flushed after it was made when it meets a key it does not know.
+    deleted. At most ``max_open_shards`` files are open at once (NOTE [ Open shards ]). Pickling
+    hands another process a reader of the same files; a reader indexes shards flushed after it
+    was made when it meets a key it does not know. A corrupt or truncated shard fails only the
+    units it holds, with errors naming the file (``shard_header.py``).
     """
 
-    def __init__(self, directory: str, shard_bytes: int = 256 << 20) -> None:
-        os.makedirs(directory, exist_ok=True)
+    def __init__(
+        self, directory: str, shard_bytes: int = 256 << 20, *, max_open_shards: int = 64
+    ) -> None:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        os.chmod(directory, 0o700)
         self.directory = directory
         self.shard_bytes = shard_bytes
         self._entries: dict[UnitKey, ShardEntry] = {}
         self._pending: dict[UnitKey, np.ndarray] = {}
-        self._fds: dict[str, int] = {}
-        self._writable: set[str] = set()
-        self._bytes_read = 0
+        self._files = OpenShards(max_open_shards)
+        self._reads = ReadCounter()
+        self._bad_units: dict[UnitKey, str] = {}
+        """Units listed by a shard whose entry for them is invalid: the reason, naming the file."""
+        self._corrupt: dict[str, str] = {}
+        """Shards whose header cannot be read at all: the reason."""
+
+    @property
+    def open_files(self) -> int:
+        """Shard files open now (bounded by ``max_open_shards``)."""
+        return len(self._files)
 
     def put(self, key: UnitKey, array: np.ndarray) -> None:
+        value = check_unit(key, array)
         if key in self._entries or key in self._pending:
             raise KeyError(f"unit {key} already exists; use replace() to update it")
-        self._pending[key] = np.array(array, order="C", copy=True)
+        self._pending[key] = np.array(value, order="C", copy=True)
         if sum(a.nbytes for a in self._pending.values()) >= self.shard_bytes:
             self.flush()
 
     def flush(self) -> None:
-        """Write buffered units as one new shard."""
+        """Write buffered units as one new shard; on failure nothing is left on disk."""
         if not self._pending:
             return
-        path = os.path.join(self.directory, f"shard-{uuid.uuid4().hex[:12]}.safetensors")
-        save_file({str(k): v for k, v in self._pending.items()}, path)
-        self._entries.update(read_header(path))
+        name = f"shard-{uuid.uuid4().hex[:12]}.safetensors"
+        path = os.path.join(self.directory, name)
+        partial = os.path.join(self.directory, f".{name}.partial")
+        try:
+            save_file({str(k): v for k, v in self._pending.items()}, partial)
+            os.chmod(partial, 0o600)
+            os.rename(partial, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)
+            raise
+        entries, bad = read_header(path)
+        if bad:
+            raise CorruptShardError(f"shard {path} was written with invalid entries: {bad}")
+        self._entries.update(entries)
         self._pending.clear()
 
     def replace(self, key: UnitKey, array: np.ndarray) -> None:
         entry = self._entry(key)
         check_replacement(key, entry.spec, array)
         data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        written = os.pwritev(self._fd(entry.shard, write=True), [data.data], entry.offset)
+        with self._files.use(entry.shard, write=True) as fd:
+            written = os.pwritev(fd, [data.data], entry.offset)
         if written != data.nbytes:
             raise OSError(f"short write replacing unit {key} in {entry.shard}")
 
@@ -102,22 +102,30 @@ class SafetensorsBackend:
         out: np.ndarray | None = None,
     ) -> np.ndarray:
         entry = self._entry(key)
-        checked = check_ranges(key, entry.spec, ranges)
-        dst = destination(key, entry.spec, checked, out)
-        row_nbytes = entry.spec.row_nbytes
-        flat = dst.reshape(-1).view(np.uint8)
-        fd = self._fd(entry.shard)
-        spans = (
-            [(0, dst.nbytes)]
-            if checked is None
-            else [(a * row_nbytes, b * row_nbytes) for a, b in checked]
-        )
-        pos = 0
-        for begin, end in spans:
-            _pread_exact(fd, flat[pos : pos + end - begin], entry.offset + begin, key)
-            pos += end - begin
-        self._bytes_read += dst.nbytes
-        return dst
+
+        def fill(checked: tuple[SeqRange, ...] | None, dst: np.ndarray) -> None:
+            with self._files.use(entry.shard) as fd:
+                _read_runs(fd, entry.shard, [(key, *p) for p in _pieces(entry, checked, dst)])
+
+        return self._reads.read(key, entry.spec, ranges, out, fill)
+
+    def read_many(self, reads: Sequence[UnitRead], outs: Sequence[np.ndarray]) -> None:
+        """``read`` for every pair, opening each shard once per call and reading every run of
+        file-contiguous pieces with one ``preadv`` (see NOTE [ Batched disk reads ])."""
+        if len(reads) != len(outs):
+            raise ValueError(f"read_many got {len(reads)} reads but {len(outs)} outs; pair them")
+        by_shard: dict[str, list[_Piece]] = {}
+        moved = 0
+        for unit, out in zip(reads, outs, strict=True):
+            entry = self._entry(unit.key)
+            checked, dst = self._reads.open(unit.key, entry.spec, unit.ranges, out)
+            pieces = by_shard.setdefault(entry.shard, [])
+            pieces.extend((unit.key, *p) for p in _pieces(entry, checked, dst))
+            moved += dst.nbytes
+        for shard, pieces in by_shard.items():
+            with self._files.use(shard) as fd:
+                _read_runs(fd, shard, pieces)
+        self._reads.bytes += moved
 
     def delete(self, key: UnitKey) -> None:
         if self._pending.pop(key, None) is not None:
@@ -125,10 +133,7 @@ class SafetensorsBackend:
         shard = self._entry(key).shard
         del self._entries[key]
         if all(e.shard != shard for e in self._entries.values()):
-            fd = self._fds.pop(shard, None)
-            self._writable.discard(shard)
-            if fd is not None:
-                os.close(fd)
+            self._files.discard(shard)
             os.unlink(shard)
 
     def keys(self) -> Iterator[UnitKey]:
@@ -136,20 +141,18 @@ class SafetensorsBackend:
 
     @property
     def bytes_read(self) -> int:
-        return self._bytes_read
+        return self._reads.bytes
 
     def close(self) -> None:
         self.flush()
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-        self._writable.clear()
+        self._files.close()
 
     def __getstate__(self) -> dict[str, Any]:
         self.flush()
         return {
             "directory": self.directory,
             "shard_bytes": self.shard_bytes,
+            "max_open_shards": self._files.capacity,
             "entries": dict(self._entries),
         }
 
@@ -158,49 +161,111 @@ class SafetensorsBackend:
         self.shard_bytes = state["shard_bytes"]
         self._entries = state["entries"]
         self._pending = {}
-        self._fds = {}
-        self._writable = set()
-        self._bytes_read = 0
+        self._files = OpenShards(state["max_open_shards"])
+        self._reads = ReadCounter()
+        self._bad_units = {}
+        self._corrupt = {}
 
     def _entry(self, key: UnitKey) -> ShardEntry:
         if key in self._pending:
             self.flush()
-        if key not in self._entries:
+        if key not in self._entries and key not in self._bad_units:
             self._scan_new_shards()
+        if key in self._bad_units:
+            raise CorruptShardError(f"unit {key} cannot be read: {self._bad_units[key]}")
         try:
             return self._entries[key]
         except KeyError:
+            corrupt = "".join(
+                f"; corrupt shard {p} ({why}) may have held it" for p, why in self._corrupt.items()
+            )
             raise KeyError(
                 f"unknown unit {key}; it was never put, was already released, or sits unflushed "
-                "in another process's backend (call flush() there before sending the plan)"
+                f"in another process's backend (call flush() there before sending the plan){corrupt}"
             ) from None
 
     def _scan_new_shards(self) -> None:
-        """Index shards written since this instance last looked (another process's flushes)."""
+        """Index shards written since this instance last looked (another process's flushes), and
+        forget shards deleted since (closing their files, which would otherwise hold their disk
+        space and a descriptor each)."""
         known = {entry.shard for entry in self._entries.values()}
-        for path in glob.glob(os.path.join(self.directory, "*.safetensors")):
-            if path not in known:
-                with contextlib.suppress(FileNotFoundError):
-                    self._entries.update(read_header(path))
+        present = set(glob.glob(os.path.join(self.directory, "shard-*.safetensors")))
+        gone = known - present
+        if gone:
+            self._entries = {k: e for k, e in self._entries.items() if e.shard not in gone}
+            for path in gone:
+                self._files.discard(path)
+        for path in present:
+            if path in known or path in self._corrupt:
+                continue
+            try:
+                entries, bad = read_header(path)
+            except FileNotFoundError:
+                continue
+            except CorruptShardError as exc:
+                self._corrupt[path] = str(exc)
+                continue
+            self._entries.update(entries)
+            self._bad_units.update(bad)
 
-    def _fd(self, shard: str, write: bool = False) -> int:
-        # NOTE: one fd per shard, reopened read-write once on the first replace; preadv and
-        # pwritev take explicit offsets, so threads may share it without a seek lock.
-        fd = self._fds.get(shard)
-        if fd is None or (write and shard not in self._writable):
-            if fd is not None:
-                os.close(fd)
-            fd = os.open(shard, os.O_RDWR if write else os.O_RDONLY)
-            self._fds[shard] = fd
-            if write:
-                self._writable.add(shard)
-        return fd
+
+_Piece = tuple[UnitKey, int, memoryview]
+"""(unit, absolute file offset, destination bytes) of one contiguous piece of a read."""
+
+_IOV_MAX = 1024
+"""Linux's limit on buffers per ``preadv`` call."""
 
 
-def _pread_exact(fd: int, dst: np.ndarray, offset: int, key: UnitKey) -> None:
-    view = dst.data
-    while view.nbytes:
-        n = os.preadv(fd, [view], offset)
+def _pieces(
+    entry: ShardEntry, checked: tuple[SeqRange, ...] | None, dst: np.ndarray
+) -> list[tuple[int, memoryview]]:
+    """The file offsets and destination bytes of one read's ranges (whole unit for ``None``)."""
+    flat = dst.reshape(-1).view(np.uint8).data
+    if checked is None:
+        return [(entry.offset, flat)] if flat.nbytes else []
+    row, pos, out = entry.spec.row_nbytes, 0, []
+    for start, stop in checked:
+        size = (stop - start) * row
+        if size:
+            out.append((entry.offset + start * row, flat[pos : pos + size]))
+            pos += size
+    return out
+
+
+def _read_runs(fd: int, shard: str, pieces: list[_Piece]) -> None:
+    """Fill every piece from ``fd``, one ``preadv`` per run of file-contiguous pieces.
+
+    NOTE [ Batched disk reads ]: pieces stay in the caller's order (a micro-batch's reads), and
+    consecutive pieces whose file bytes follow each other (whole units stored back to back, the
+    two CP chunks of a unit that meet) become one ``preadv`` with several destination buffers:
+    one system call per contiguous run of the file, not per range.
+    """
+    i = 0
+    while i < len(pieces):
+        key, offset, view = pieces[i]
+        views, end = [view], offset + view.nbytes
+        i += 1
+        while i < len(pieces) and pieces[i][1] == end and len(views) < _IOV_MAX:
+            views.append(pieces[i][2])
+            end += pieces[i][2].nbytes
+            i += 1
+        _preadv_exact(fd, views, offset, shard, key)
+
+
+def _preadv_exact(fd: int, views: list[memoryview], offset: int, shard: str, key: UnitKey) -> None:
+    """Fill ``views`` in order from ``offset``, retrying short reads; a truncated file is a
+    ``CorruptShardError`` naming the shard and the unit."""
+    while views:
+        n = os.preadv(fd, views, offset)
         if n == 0:
-            raise OSError(f"unexpected end of shard reading unit {key} at byte {offset}")
-        view, offset = view[n:], offset + n
+            raise CorruptShardError(
+                f"shard {shard} ends at byte {offset} while reading unit {key}; "
+                "the file was truncated"
+            )
+        offset += n
+        while n:
+            if n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views = views[1:]
+            else:
+                views[0], n = views[0][n:], 0

@@ -6,26 +6,24 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from knitkit.storage.backends.backend import UnitSpec
-from knitkit.storage.backends.ranges import (
-    check_replacement,
-    read_ranges,
-    spec_of,
-)
+from knitkit.storage.backends.backend import UnitBackend, UnitSpec
+from knitkit.storage.backends.ranges import ReadCounter, check_replacement, spec_of
+from knitkit.storage.backends.validate import check_unit
 from knitkit.types import SeqRange, UnitKey
 
 
-class MemoryBackend:
+class MemoryBackend(UnitBackend):
     """``UnitBackend`` over a dict of arrays; pickling copies the units (use it within one process)."""
 
     def __init__(self) -> None:
         self._units: dict[UnitKey, np.ndarray] = {}
-        self._bytes_read = 0
+        self._reads = ReadCounter()
 
     def put(self, key: UnitKey, array: np.ndarray) -> None:
+        value = check_unit(key, array)
         if key in self._units:
             raise KeyError(f"unit {key} already exists; use replace() to update it")
-        self._units[key] = np.array(array, order="C", copy=True)
+        self._units[key] = np.array(value, order="C", copy=True)
 
     def replace(self, key: UnitKey, array: np.ndarray) -> None:
         check_replacement(key, self.spec(key), array)
@@ -40,9 +38,7 @@ class MemoryBackend:
         ranges: Sequence[SeqRange] | None = None,
         out: np.ndarray | None = None,
     ) -> np.ndarray:
-        dst = read_ranges(key, self._unit(key), ranges, out)
-        self._bytes_read += dst.nbytes
-        return dst
+        return self._reads.copy_rows(key, self._unit(key), ranges, out)
 
     def view(self, key: UnitKey) -> np.ndarray:
         """Read-only zero-copy view of a whole unit."""
@@ -59,7 +55,7 @@ class MemoryBackend:
 
     @property
     def bytes_read(self) -> int:
-        return self._bytes_read
+        return self._reads.bytes
 
     def close(self) -> None:
         self._units.clear()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -16,21 +17,35 @@ def check_ranges(
     """Validate ``ranges`` against the unit's sequence axis; ``None`` means the whole unit.
 
     Raises ``IndexError`` naming the key for a range outside ``[0, shape[0]]``, a reversed
-    range, or any range on a 0-d (scalar) unit.
+    range, ranges that overlap (they would duplicate rows), or any range on a 0-d (scalar) unit;
+    ``TypeError`` for bounds that are not integers (``1.5``, ``True``).
     """
     if ranges is None:
         return None
     if not spec.shape:
         raise IndexError(f"unit {key} is a scalar; read it whole (ranges=None), not {list(ranges)}")
     length = spec.shape[0]
-    out = tuple((int(a), int(b)) for a, b in ranges)
+    out = tuple((_bound(key, a), _bound(key, b)) for a, b in ranges)
     for start, stop in out:
         if not 0 <= start <= stop <= length:
             raise IndexError(
                 f"range [{start}, {stop}) is outside unit {key} of length {length}; "
                 "ranges must satisfy 0 <= start <= stop <= length"
             )
+    spans = sorted(r for r in out if r[0] < r[1])
+    for (a, b), (c, d) in itertools.pairwise(spans):
+        if c < b:
+            raise IndexError(
+                f"ranges [{a}, {b}) and [{c}, {d}) of unit {key} overlap; "
+                "each row may be read once per read"
+            )
     return out
+
+
+def _bound(key: UnitKey, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"range bound {value!r} of unit {key} is not an integer")
+    return int(value)
 
 
 def rows_of(spec: UnitSpec, ranges: tuple[SeqRange, ...] | None) -> int:
@@ -56,22 +71,67 @@ def destination(
     return out
 
 
-def read_ranges(
-    key: UnitKey, unit: np.ndarray, ranges: Sequence[SeqRange] | None, out: np.ndarray | None
-) -> np.ndarray:
-    """A read of an in-memory unit view: the checked ``ranges`` copied, in order, into ``out``
-    (or a fresh array); the whole unit when ``ranges`` is ``None``."""
-    spec = spec_of(unit)
-    checked = check_ranges(key, spec, ranges)
-    dst = destination(key, spec, checked, out)
-    if checked is None:
-        np.copyto(dst, unit)
+Fill = Callable[[tuple[SeqRange, ...] | None, np.ndarray], int | None]
+"""Copies the checked ranges (``None``: the whole unit) of one unit, in order, into the array;
+returns the bytes it moved when that is not the destination's size (a transport that fetches
+whole units), else ``None``."""
+
+
+class ReadCounter:
+    """The body every backend's ``read`` shares: check ranges, open the destination, fill, count.
+
+    A backend supplies only how its bytes reach the destination (``fill``); the contract's
+    errors (``check_ranges``, ``destination``) and ``bytes_read`` come from here.
+    """
+
+    __slots__ = ("bytes",)
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        """Payload bytes moved by reads so far."""
+
+    def read(
+        self,
+        key: UnitKey,
+        spec: UnitSpec,
+        ranges: Sequence[SeqRange] | None,
+        out: np.ndarray | None,
+        fill: Fill,
+    ) -> np.ndarray:
+        checked, dst = self.open(key, spec, ranges, out)
+        moved = fill(checked, dst)
+        self.bytes += dst.nbytes if moved is None else moved
         return dst
+
+    @staticmethod
+    def open(
+        key: UnitKey, spec: UnitSpec, ranges: Sequence[SeqRange] | None, out: np.ndarray | None
+    ) -> tuple[tuple[SeqRange, ...] | None, np.ndarray]:
+        """The checked ranges and the destination of one read (for batched reads that fill many
+        destinations at once and add their bytes to ``bytes`` themselves)."""
+        checked = check_ranges(key, spec, ranges)
+        return checked, destination(key, spec, checked, out)
+
+    def copy_rows(
+        self,
+        key: UnitKey,
+        unit: np.ndarray,
+        ranges: Sequence[SeqRange] | None,
+        out: np.ndarray | None,
+    ) -> np.ndarray:
+        """A read of a unit already in (local or shared) memory."""
+        return self.read(key, spec_of(unit), ranges, out, lambda c, dst: copy_ranges(unit, c, dst))
+
+
+def copy_ranges(unit: np.ndarray, ranges: tuple[SeqRange, ...] | None, dst: np.ndarray) -> None:
+    """Copy ``ranges`` of ``unit`` (all of it for ``None``) back to back into ``dst``."""
+    if ranges is None:
+        np.copyto(dst, unit)
+        return
     row = 0
-    for start, stop in checked:
+    for start, stop in ranges:
         dst[row : row + stop - start] = unit[start:stop]
         row += stop - start
-    return dst
 
 
 def check_replacement(key: UnitKey, spec: UnitSpec, array: np.ndarray) -> None:

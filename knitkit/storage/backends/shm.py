@@ -10,55 +10,76 @@ from typing import Any
 
 import numpy as np
 
-from knitkit.storage.backends.backend import UnitSpec
-from knitkit.storage.backends.journal import UnitJournal
-from knitkit.storage.backends.ranges import (
-    check_replacement,
-    read_ranges,
-    spec_of,
-)
+from knitkit.storage.backends.backend import UnitBackend, UnitSpec
+from knitkit.storage.backends.journal import RESET, Record, UnitJournal
+from knitkit.storage.backends.ranges import ReadCounter, check_replacement, copy_ranges, spec_of
+from knitkit.storage.backends.segments import check_segment_name, sweep_dead_segments
 from knitkit.storage.backends.slab import Slab, unlink_quietly
-from knitkit.types import SeqRange, UnitKey
+from knitkit.storage.backends.validate import SUPPORTED_DTYPES, check_unit
+from knitkit.types import SeqRange, UnitKey, UnitRead
 
 _Location = tuple[int, int, UnitSpec]
 """(slab index, byte offset, spec) of one unit."""
 
+_COMPACT_MIN_BYTES = 64 << 10
+"""Dead journal bytes tolerated while units are live (compaction then costs a full snapshot)."""
 
-class SharedMemoryBackend:
+
+class SharedMemoryBackend(UnitBackend):
     """``UnitBackend`` over /dev/shm slabs; pickle it to hand another process a zero-copy reader.
 
-    The creating process owns the slabs (see NOTE [slab lifetime] in ``slab.py``). A pickled copy
+    The creating process owns the slabs (see NOTE [ Slab lifetime ] in ``slab.py``). A pickled copy
     is a read-only reader attached to the same slabs; it also sees units put after it was pickled
-    (see NOTE [unit journal] in ``journal.py``); ``view`` there returns arrays over the shared
-    pages, no copy.
+    (see NOTE [ Unit journal ] in ``journal.py``); ``view`` there returns arrays over the shared
+    pages, no copy. The owner compacts the journal once its dead records outweigh the live ones,
+    so it follows what is stored, not how long the backend has run. At start-up the owner
+    removes segments left in ``directory`` by owners that died (NOTE [ Segment names ]).
     """
 
-    def __init__(self, slab_bytes: int = 256 << 20, directory: str = "/dev/shm") -> None:
+    def __init__(
+        self, slab_bytes: int = 256 << 20, directory: str = "/dev/shm", *, sweep: bool = True
+    ) -> None:
+        if slab_bytes < 1:
+            raise ValueError(f"slab_bytes={slab_bytes} must be >= 1")
         self.slab_bytes = slab_bytes
         self.directory = directory
+        if sweep:
+            sweep_dead_segments(directory, rings=False)
         self._prefix = f"knitkit-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._slabs: list[Slab] = []
         self._paths: list[str] = []
         self._units: dict[UnitKey, _Location] = {}
         self._owner = True
-        self._bytes_read = 0
+        self._reads = ReadCounter()
+        self._created = 0
         self._journal = UnitJournal(os.path.join(directory, f"{self._prefix}-journal"), owner=True)
-        self._finalizer = weakref.finalize(self, _unlink_all, self._paths, self._journal.path)
+        self._live_bytes = 0
+        """Journal bytes a snapshot of the live state takes (slab and put records)."""
+        self._put_bytes: dict[UnitKey, int] = {}
+        self._finalizer = weakref.finalize(self, _unlink_all, self._paths, self._journal)
 
     @property
     def paths(self) -> tuple[str, ...]:
         """The slab files (for tests and leak checks)."""
         return tuple(self._paths)
 
+    @property
+    def journal_bytes(self) -> int:
+        """Size of the unit journal now (it follows the live units, see ``_maybe_compact``)."""
+        return self._journal.size
+
     def put(self, key: UnitKey, array: np.ndarray) -> None:
         self._require_owner("put")
+        value = check_unit(key, array)
         if key in self._units:
             raise KeyError(f"unit {key} already exists; use replace() to update it")
-        spec = spec_of(array)
+        spec = spec_of(value)
         slab_index, offset = self._alloc(spec.nbytes)
-        np.copyto(self._slabs[slab_index].array(offset, spec.dtype, spec.shape), array)
+        np.copyto(self._slabs[slab_index].array(offset, spec.dtype, spec.shape), value)
         self._units[key] = (slab_index, offset, spec)
-        self._journal.append(("put", key, slab_index, offset, spec))
+        size = self._journal.append(_put_record(key, (slab_index, offset, spec)))
+        self._put_bytes[key] = size
+        self._live_bytes += size
 
     def replace(self, key: UnitKey, array: np.ndarray) -> None:
         self._require_owner("replace")
@@ -74,9 +95,21 @@ class SharedMemoryBackend:
         ranges: Sequence[SeqRange] | None = None,
         out: np.ndarray | None = None,
     ) -> np.ndarray:
-        dst = read_ranges(key, self._view(key), ranges, out)
-        self._bytes_read += dst.nbytes
-        return dst
+        return self._reads.copy_rows(key, self._view(key), ranges, out)
+
+    def read_many(self, reads: Sequence[UnitRead], outs: Sequence[np.ndarray]) -> None:
+        """``read`` for every pair, following a reader's journal once per call (not per unit)
+        and reusing each unit's stored spec: a micro-batch's dozen reads cost one lookup each."""
+        if len(reads) != len(outs):
+            raise ValueError(f"read_many got {len(reads)} reads but {len(outs)} outs; pair them")
+        if not self._owner:
+            self._follow_journal()
+        counter, slabs = self._reads, self._slabs
+        for unit, out in zip(reads, outs, strict=True):
+            slab_index, offset, spec = self._lookup(unit.key)
+            checked, dst = counter.open(unit.key, spec, unit.ranges, out)
+            copy_ranges(slabs[slab_index].array(offset, spec.dtype, spec.shape), checked, dst)
+            counter.bytes += dst.nbytes
 
     def view(self, key: UnitKey) -> np.ndarray:
         """Zero-copy view of a whole unit over the shared pages (read-only in readers)."""
@@ -87,14 +120,16 @@ class SharedMemoryBackend:
         slab_index, offset, _ = self._locate(key)
         self._slabs[slab_index].free(offset)
         del self._units[key]
-        self._journal.append(("delete", key))
+        self._live_bytes -= self._put_bytes.pop(key)
+        self._journal.append(("delete", str(key)))
+        self._maybe_compact()
 
     def keys(self) -> Iterator[UnitKey]:
         return iter(list(self._units))
 
     @property
     def bytes_read(self) -> int:
-        return self._bytes_read
+        return self._reads.bytes
 
     @property
     def used_bytes(self) -> int:
@@ -105,17 +140,17 @@ class SharedMemoryBackend:
             slab.close()
         self._slabs.clear()
         self._units.clear()
-        self._journal.close()
         if self._owner:
             self._finalizer()
+        self._journal.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        sizes = [s.size for s in self._slabs]
         return {
             "paths": list(self._paths),
-            "sizes": sizes,
+            "sizes": [s.size for s in self._slabs],
             "units": dict(self._units),
-            "journal": self._journal.path,
+            "journal": self._journal.stem,
+            "generation": self._journal.generation,
             "journal_offset": self._journal.size,
         }
 
@@ -125,28 +160,57 @@ class SharedMemoryBackend:
             Slab(p, n, owner=False) for p, n in zip(self._paths, state["sizes"], strict=True)
         ]
         self._units = state["units"]
-        self._journal = UnitJournal(state["journal"], owner=False, offset=state["journal_offset"])
+        self._journal = UnitJournal(
+            state["journal"],
+            owner=False,
+            generation=state["generation"],
+            offset=state["journal_offset"],
+        )
         self._owner = False
-        self._bytes_read = 0
+        self._reads = ReadCounter()
         self.slab_bytes = 0
-        self.directory = os.path.dirname(self._paths[0]) if self._paths else "/dev/shm"
+        self.directory = os.path.dirname(state["journal"])
+        self._prefix = os.path.basename(state["journal"]).removesuffix("-journal")
 
     def _alloc(self, nbytes: int) -> tuple[int, int]:
         for index, slab in enumerate(self._slabs):
             offset = slab.alloc(nbytes)
             if offset is not None:
                 return index, offset
-        path = os.path.join(self.directory, f"{self._prefix}-{len(self._slabs)}")
+        # A fresh name per attempt, so a failed creation never blocks the next
+        # (NOTE [ Segment names ]).
+        path = os.path.join(self.directory, f"{self._prefix}-slab{self._created}")
+        self._created += 1
+        slab = Slab(path, max(self.slab_bytes, nbytes + 64), owner=True)
         self._paths.append(path)
-        self._slabs.append(Slab(path, max(self.slab_bytes, nbytes + 64), owner=True))
-        self._journal.append(("slab", path, self._slabs[-1].size))
-        offset = self._slabs[-1].alloc(nbytes)
+        self._slabs.append(slab)
+        self._live_bytes += self._journal.append(_slab_record(slab))
+        offset = slab.alloc(nbytes)
         assert offset is not None
         return len(self._slabs) - 1, offset
+
+    def _maybe_compact(self) -> None:
+        """Rewrite the journal as a snapshot once dead records outweigh live ones (64 KiB at least)."""
+        # Once nothing is live a snapshot is just the slab records: compact right away, so an
+        # idle store's journal has the same size after every cycle of a run.
+        dead = self._journal.size - self._live_bytes
+        if dead <= (max(self._live_bytes, _COMPACT_MIN_BYTES) if self._units else 0):
+            return
+        self._journal.rewrite(
+            [
+                *(_slab_record(s) for s in self._slabs),
+                *(_put_record(k, loc) for k, loc in self._units.items()),
+            ]
+        )
+        self._live_bytes = self._journal.size
 
     def _locate(self, key: UnitKey) -> _Location:
         if not self._owner:
             self._follow_journal()
+        return self._lookup(key)
+
+    def _lookup(self, key: UnitKey) -> _Location:
+        """The unit's location as this process knows it now (``_locate`` follows the journal)."""
         try:
             return self._units[key]
         except KeyError:
@@ -156,14 +220,61 @@ class SharedMemoryBackend:
 
     def _follow_journal(self) -> None:
         """Apply the owner's slabs, puts and deletes recorded since this reader last looked."""
+        slab_index = len(self._slabs)
         for record in self._journal.new_records():
-            if record[0] == "slab":
-                self._paths.append(record[1])
-                self._slabs.append(Slab(record[1], record[2], owner=False))
-            elif record[0] == "put":
-                self._units[record[1]] = record[2:]
+            op = record[0]
+            if op == RESET:
+                self._units.clear()
+                slab_index = 0
+            elif op == "slab":
+                self._attach_slab(record, slab_index)
+                slab_index += 1
+            elif op == "put":
+                key, location = self._check_put(record)
+                self._units[key] = location
+            elif op == "delete":
+                self._units.pop(UnitKey.parse(str(record[1])), None)
             else:
-                self._units.pop(record[1], None)
+                raise ValueError(f"journal {self._journal.path}: unknown record {record!r}")
+
+    def _attach_slab(self, record: Record, index: int) -> None:
+        """Map the ``index``-th slab named by the journal (a snapshot re-lists known slabs)."""
+        name, size = str(record[1]), _int(record[2])
+        try:
+            check_segment_name(name)
+        except ValueError as exc:
+            raise ValueError(f"journal {self._journal.path}: {exc}") from None
+        if not name.startswith(f"{self._prefix}-"):
+            raise ValueError(f"journal {self._journal.path} names foreign segment {name!r}")
+        path = os.path.join(self.directory, name)
+        if index < len(self._paths):
+            if self._paths[index] != path:
+                raise ValueError(f"journal {self._journal.path}: slab {index} is {path}")
+            return
+        self._slabs.append(Slab(path, size, owner=False))
+        self._paths.append(path)
+
+    def _check_put(self, record: Record) -> tuple[UnitKey, _Location]:
+        """A put record's location must lie inside a known slab (never trust offsets blindly)."""
+        try:
+            _, raw_key, raw_slab, raw_offset, dtype, shape = record
+            key = UnitKey.parse(str(raw_key))
+            if not isinstance(shape, list):
+                raise TypeError("shape is not a list")
+            spec = UnitSpec(str(dtype), tuple(_int(n) for n in shape))
+            slab, offset = _int(raw_slab), _int(raw_offset)
+            ok = (
+                spec.dtype in SUPPORTED_DTYPES
+                and all(n >= 0 for n in spec.shape)
+                and 0 <= slab < len(self._slabs)
+                and offset >= 0
+                and offset + spec.nbytes <= self._slabs[slab].size
+            )
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"journal {self._journal.path}: invalid put record {record!r}")
+        return key, (slab, offset, spec)
 
     def _view(self, key: UnitKey) -> np.ndarray:
         slab_index, offset, spec = self._locate(key)
@@ -176,6 +287,22 @@ class SharedMemoryBackend:
             )
 
 
-def _unlink_all(paths: list[str], journal: str) -> None:
-    for path in (*paths, journal):
+def _int(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{value!r} is not an integer")
+    return value
+
+
+def _slab_record(slab: Slab) -> Record:
+    return ("slab", os.path.basename(slab.path), slab.size)
+
+
+def _put_record(key: UnitKey, location: _Location) -> Record:
+    slab, offset, spec = location
+    return ("put", str(key), slab, offset, spec.dtype, list(spec.shape))
+
+
+def _unlink_all(paths: list[str], journal: UnitJournal) -> None:
+    for path in paths:
         unlink_quietly(path)
+    journal.unlink()

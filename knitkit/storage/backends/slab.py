@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import errno
+import math
 import mmap
 import os
 
 import numpy as np
 
+from knitkit.storage.backends.segments import check_segment_name
 from knitkit.types import LAYOUT_ALIGNMENT
 
 
@@ -19,25 +22,36 @@ def _aligned(nbytes: int) -> int:
 class Slab:
     """One shared-memory file with a first-fit allocator; other processes map it by path.
 
-    NOTE [slab lifetime]: slabs are plain ``/dev/shm`` files, not ``multiprocessing.shared_memory``,
+    NOTE [ Slab lifetime ]: slabs are plain ``/dev/shm`` files, not ``multiprocessing.shared_memory``,
     so Python 3.11's resource tracker never sees them and cannot unlink them when a reader exits.
     Only the creating process (``owner=True``) unlinks, in ``close``; its owner also registers a
     ``weakref.finalize`` so an interpreter exit without ``close`` still unlinks. Readers map the
     file read-only and never unlink. A reader that maps after the owner unlinked gets
-    ``FileNotFoundError``.
+    ``FileNotFoundError``. The owner reserves every page at creation (``reserve``), so a full
+    /dev/shm is an ``OSError`` there, never a SIGBUS on a later write; a failed creation leaves no
+    file behind (and names are never reused, see NOTE [ Segment names ] in ``segments.py``).
     """
 
     def __init__(self, path: str, size: int, *, owner: bool) -> None:
         self.path = path
         self.size = size
         self.owner = owner
+        check_segment_name(os.path.basename(path))
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if owner else os.O_RDONLY
         fd = os.open(path, flags, 0o600)
         try:
             if owner:
-                os.ftruncate(fd, size)
+                reserve(fd, path, size)
+            elif os.fstat(fd).st_size < size:
+                raise ValueError(
+                    f"slab {path} holds {os.fstat(fd).st_size} bytes, its journal says {size}"
+                )
             access = mmap.ACCESS_WRITE if owner else mmap.ACCESS_READ
             self._map: mmap.mmap | None = mmap.mmap(fd, size, access=access)
+        except BaseException:
+            if owner:
+                unlink_quietly(path)
+            raise
         finally:
             os.close(fd)
         self.bytes = np.frombuffer(self._map, dtype=np.uint8)
@@ -74,7 +88,7 @@ class Slab:
 
     def array(self, offset: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
         """Zero-copy view of a block (read-only in readers)."""
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         nbytes = count * np.dtype(dtype).itemsize
         return self.bytes[offset : offset + nbytes].view(dtype).reshape(shape)
 
@@ -88,6 +102,28 @@ class Slab:
             with contextlib.suppress(BufferError):
                 self._map.close()
             self._map = None
+
+
+def reserve(fd: int, path: str, size: int) -> None:
+    """Size a new segment and allocate all its pages now; ``OSError`` naming it if they do not fit.
+
+    ``ftruncate`` alone makes a sparse file whose pages are allocated on first touch: on a full
+    tmpfs that touch is a SIGBUS. ``posix_fallocate`` fails up front with ENOSPC instead.
+    """
+    os.ftruncate(fd, size)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return  # no fallocate on this file system: pages are allocated on first use
+        stat = os.statvfs(os.path.dirname(path) or ".")
+        raise OSError(
+            exc.errno,
+            f"cannot reserve {size} bytes for shared-memory segment {path}: "
+            f"{os.strerror(exc.errno or 0)}; {stat.f_bavail * stat.f_frsize} bytes free in "
+            f"{os.path.dirname(path)}; free memory there (release trajectories, run "
+            "`knitkit shm-clean`) or use smaller slabs",
+        ) from None
 
 
 def unlink_quietly(path: str) -> None:

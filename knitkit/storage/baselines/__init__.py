@@ -1,5 +1,6 @@
 """Not part of the data path: the sample-level baseline, synthetic payloads and planner timing, for benchmarks and tests."""
 
+from knitkit.storage.baselines.arena import Arena
 from knitkit.storage.baselines.planner_timing import planner_ms
 from knitkit.storage.baselines.sample_level import (
     LocalTrajectories,
@@ -11,6 +12,7 @@ from knitkit.storage.baselines.sample_level import (
 from knitkit.storage.baselines.synthetic import synthetic_metas, synthetic_trajectories
 
 __all__ = [
+    "Arena",
     "LocalTrajectories",
     "RankPosition",
     "pack_local",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 
 from knitkit.storage.delivery.liveness import Backoff, pid_alive
 from knitkit.storage.delivery.slot_ring import (
@@ -11,6 +13,7 @@ from knitkit.storage.delivery.slot_ring import (
     FAILED,
     HEARTBEAT_S,
     RUNNING,
+    ConsumerDiedError,
     RingClosedError,
     SlotRing,
 )
@@ -32,24 +35,41 @@ from knitkit.types import MicroBatchLayout
 #
 # Single writer per word. Producer: STATE, PRODUCER_PID, HEARTBEAT, PUBLISHED, BYTES_READ,
 # ERROR_*, slot data and slot metadata. Owner: OWNER_PID, STOP (and PRODUCER_PID once, before the
-# producer starts, with the same value: the spawned child's pid). Consumer c: RELEASED[c].
+# producer starts, with the same value: the spawned child's pid). Consumer c: RELEASED[c] and
+# CONSUMER_PID[c].
 #
 # Publication of micro-batch `seq` (0, 1, 2, ... across mini-batches) into slot `seq % num_slots`:
 #   1. producer waits until min_c RELEASED[c] > seq - num_slots (every consumer released the
-#      slot's previous occupant), or STOP is set / the owner died (then it gives up);
-#   2. writes the payload into the slot, then the slot metadata (seq, pickled layout);
+#      slot's previous occupant), or STOP is set / the owner died / a holding consumer died (then
+#      it gives up);
+#   2. writes the payload into the slot, then the slot metadata (seq, layout as JSON: data only);
 #   3. stores PUBLISHED = seq + 1 last.
 # Consumer c wanting `seq` waits until PUBLISHED > seq, checks the slot's seq, and hands out
 # read-only zero-copy views; it stores RELEASED[c] = s + 1 for the highest s such that it has
 # released s and every micro-batch before it (releases may come in any order).
-# Ordering relies on aligned 8-byte stores becoming visible in program order (x86-64 TSO), which
-# plain numpy stores give us; the slot seq check catches a stale slot.
+# PUBLISHED, RELEASED[c], STATE and ERROR_LEN are written with release stores and read with
+# acquire loads, which makes steps 2 -> 3 (and a consumer's reads -> its RELEASED store) hold on
+# weak memory models too: see NOTE [ Publication ordering ] in atomic_words.py. The slot seq
+# check catches a stale slot.
 #
 # Termination. The producer sets STATE=DONE after its last micro-batch, or STATE=FAILED with the
 # error text. A consumer that finds no new micro-batch raises if STATE is FAILED, stops if DONE,
-# and declares the producer dead if its pid is gone (or a zombie) or HEARTBEAT (written every
-# HEARTBEAT_S by a producer thread, CLOCK_MONOTONIC is node-wide) is older than the liveness
-# timeout. The owner sets STOP to make a producer blocked on a full ring give up.
+# and declares the producer dead if its pid is gone (or a zombie) or HEARTBEAT (CLOCK_MONOTONIC,
+# node-wide) is older than the liveness timeout. The owner sets STOP to make a producer blocked
+# on a full ring give up.
+#
+# Liveness is progress, not thread life. HEARTBEAT is written by a producer thread every
+# HEARTBEAT_S only while the producer is IDLE (waiting for its next assignment); while it is BUSY
+# (`with publisher.busy():` around an assignment) only the producer's own loop writes it: at every
+# slot acquired, every poll of a full ring and every publication. A read that blocks therefore
+# stops the heartbeat and consumers raise ReorganizerDiedError after the liveness timeout, while
+# a producer waiting for work or for its consumers stays alive.
+#
+# Dead consumers. Consumer c writes its pid into CONSUMER_PID[c] when it attaches. A producer
+# waiting for a slot checks the pids of the consumers that still hold it: if one is gone, it
+# raises ConsumerDiedError naming that consumer and the micro-batch it held; its process wrapper
+# (or Ray actor) then writes FAILED with that message, so the other TP ranks raise
+# ReorganizerError instead of waiting on a ring that will never move again.
 
 
 class Publisher:
@@ -61,9 +81,11 @@ class Publisher:
         self._acquired: int | None = None
         self._stop_beat = threading.Event()
         self._beat_thread: threading.Thread | None = None
+        self._busy = 0
 
     def start(self) -> None:
-        """Mark the producer running and start its heartbeat (see the NOTE)."""
+        """Mark the producer running and start its idle heartbeat (see NOTE [ Micro-batch
+        publication protocol ])."""
         self.ring.set_producer_pid(os.getpid())
         self.ring.beat()
         self.ring.set_state(RUNNING)
@@ -82,11 +104,17 @@ class Publisher:
             )
         backoff = Backoff()
         while self.ring.min_released() <= self._next - spec.num_slots:
+            self.ring.beat()
             if self.ring.stop_requested:
                 raise RingClosedError(f"ring {spec.name!r}: its owner asked the producer to stop")
-            if not pid_alive(self.ring.owner_pid):
-                raise RingClosedError(f"ring {spec.name!r}: owner pid {self.ring.owner_pid} died")
+            if backoff.check_due():  # see NOTE [ Liveness checks off the poll path ] in liveness.py
+                if not pid_alive(self.ring.owner_pid):
+                    raise RingClosedError(
+                        f"ring {spec.name!r}: owner pid {self.ring.owner_pid} died"
+                    )
+                self._check_consumers()
             backoff.wait()
+        self.ring.beat()
         self._acquired = self._next
         return self.ring.slot(self._next, nbytes)
 
@@ -97,6 +125,7 @@ class Publisher:
             raise RuntimeError("publish() without acquire(): acquire a slot and fill it first")
         self.ring.write_meta(seq, layout)
         self.ring.set_published(seq + 1)
+        self.ring.beat()
         self._acquired = None
         self._next = seq + 1
         return seq
@@ -116,9 +145,36 @@ class Publisher:
         self._stop_heartbeat()
         self.ring.close()
 
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Mark an assignment in progress: only progress beats the heartbeat (see NOTE [ Micro-batch
+        publication protocol ])."""
+        self.ring.beat()
+        self._busy += 1
+        try:
+            yield
+        finally:
+            self._busy -= 1
+            self.ring.beat()
+
+    def _check_consumers(self) -> None:
+        """Raise ``ConsumerDiedError`` if a consumer holding the slot we wait for is gone."""
+        ring = self.ring
+        for consumer in range(ring.spec.num_consumers):
+            held = ring.released(consumer)
+            if held > self._next - ring.spec.num_slots:
+                continue
+            pid = ring.consumer_pid(consumer)
+            if pid and not pid_alive(pid):
+                raise ConsumerDiedError(
+                    f"consumer {consumer} (pid {pid}) of ring {ring.spec.name!r} died holding "
+                    f"micro-batch {held}; restart its TP group (every TP rank of the ring)"
+                )
+
     def _beat(self) -> None:
         while not self._stop_beat.wait(HEARTBEAT_S):
-            self.ring.beat()
+            if not self._busy:
+                self.ring.beat()
 
     def _stop_heartbeat(self) -> None:
         self._stop_beat.set()

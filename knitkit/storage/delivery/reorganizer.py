@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from knitkit.storage.backends.backend import UnitBackend
 from knitkit.storage.delivery.publication import Publisher
-from knitkit.storage.planning.packing import RowSpec, pack_into, pack_layout
+from knitkit.storage.planning.packing import RowSpec, pack_into_batched, pack_layout
 from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan, MicroBatchPlan
 from knitkit.types import MicroBatchLayout, UnitKey, UnitRead
 
@@ -50,35 +48,41 @@ class Reorganizer:
     ) -> None:
         layout = pack_layout(micro_batch, self._schema, extra)
         slot = self.publisher.acquire(layout.nbytes)
-        pack_into(micro_batch, layout, slot, self._read_into)
+        pack_into_batched(micro_batch, layout, slot, self.backend.read_many)
         self.publisher.publish(layout)
 
     def _publish_encoder(
         self, units: tuple[UnitKey, ...], extra: dict[str, int | float | str]
     ) -> None:
-        """An encoder micro-batch: each unique multimodal unit whole, as a field named by its key."""
-        specs = {str(k): (self.backend.spec(k).dtype, self.backend.spec(k).shape) for k in units}
-        layout = MicroBatchLayout.build(
-            specs, trajectory_ids=tuple(str(k) for k in units), extra=extra
-        )
+        """An encoder micro-batch: each unique multimodal unit whole (``MicroBatchLayout.of_units``)."""
+        specs = {k: (self.backend.spec(k).dtype, self.backend.spec(k).shape) for k in units}
+        layout = MicroBatchLayout.of_units(specs, extra=extra)
         slot = self.publisher.acquire(layout.nbytes)
-        views = layout.numpy_views(slot)
-        for key in units:
-            self.backend.read(key, None, out=views[str(key)])
+        views = layout.unit_views(slot)
+        self.backend.read_many([UnitRead(key) for key in views], list(views.values()))
         self.publisher.publish(layout)
 
-    def _read_into(self, read: UnitRead, out: np.ndarray) -> None:
-        self.backend.read(read.key, read.ranges, out=out)
-
     def _learn_schema(self, plan: ConsumerPlan) -> None:
-        """dtype and row shape of every field, from the first trajectory that has it (so an
-        empty micro-batch still gets a layout)."""
+        """dtype and row shape of every field the plan packs.
+
+        From the plan's own schema (``TrajectoryStore.register`` fills it in), else from the
+        first of this consumer's trajectories that has the field, else from an earlier
+        mini-batch. An idle DP rank has no trajectories to learn from, so without a schema its
+        (empty) micro-batches cannot be laid out: that is an error naming the fields.
+        """
+        self._schema.update(plan.row_specs)
         for micro_batch in plan.micro_batches:
-            fields = (*micro_batch.token_fields, *micro_batch.scalar_fields)
-            for seq in micro_batch.sequences:
-                for name in fields:
-                    if name not in self._schema:
-                        spec = self.backend.spec(UnitKey(seq.trajectory_id, name))
-                        row = spec.shape[1:] if name in micro_batch.token_fields else spec.shape
-                        self._schema[name] = (spec.dtype, row)
-                return
+            for name in (*micro_batch.token_fields, *micro_batch.scalar_fields):
+                if name in self._schema or not micro_batch.sequences:
+                    continue
+                spec = self.backend.spec(UnitKey(micro_batch.sequences[0].trajectory_id, name))
+                row = spec.shape[1:] if name in micro_batch.token_fields else spec.shape
+                self._schema[name] = (spec.dtype, row)
+        needed = {f for mb in plan.micro_batches for f in (*mb.token_fields, *mb.scalar_fields)}
+        missing = sorted(needed - set(self._schema))
+        if missing:
+            raise KeyError(
+                f"consumer {plan.name}: no dtype/shape for fields {missing} and no trajectory to "
+                "learn them from; submit the plan returned by TrajectoryStore.register (it "
+                "carries every field's schema)"
+            )

@@ -17,7 +17,12 @@ from knitkit.storage.backends.backend import UnitBackend
 from knitkit.storage.delivery.liveness import pid_alive
 from knitkit.storage.delivery.publication import Publisher
 from knitkit.storage.delivery.reorganizer import Reorganizer
-from knitkit.storage.delivery.slot_ring import RingClosedError, RingSpec, SlotRing
+from knitkit.storage.delivery.slot_ring import (
+    ConsumerDiedError,
+    RingClosedError,
+    RingSpec,
+    SlotRing,
+)
 from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan
 
 # NOTE [ Reorganizer process shutdown ]
@@ -32,7 +37,8 @@ from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan
 # The child ignores SIGINT (the launcher decides), polls its assignment queue with a timeout and
 # exits when STOP is set or the launcher's pid is gone, so it never outlives its owner for long.
 # Whatever ends the child's loop is written to the ring (DONE or FAILED + traceback), so consumers
-# raise instead of waiting; a killed child is caught by the consumers' liveness check.
+# raise instead of waiting; a killed child is caught by the consumers' liveness check. A consumer
+# that died holding a slot ends the child's loop the same way (FAILED, naming the consumer).
 
 _POLL_S = 0.2
 
@@ -89,13 +95,21 @@ class ReorganizerProcess:
             raise RuntimeError(f"reorganizer {self.spec.name!r} is closed; start a new one")
         self._assignments.put(Assignment(minibatch_id, plan))
 
-    def finish(self, timeout_s: float | None = None) -> None:
-        """No more assignments: let the child publish what it has, mark DONE and exit."""
+    def finish(self, timeout_s: float = 60.0) -> bool:
+        """No more assignments: the child publishes what it has, marks DONE and exits.
+
+        Waits up to ``timeout_s`` for that (its consumers must read everything first); returns
+        whether the child has exited. ``close()`` stops it either way.
+        """
         self._assignments.put(None)
         self._process.join(timeout_s)
+        return not self._process.is_alive()
 
     def close(self) -> None:
-        """Stop the child (if still running) and unlink the ring; idempotent."""
+        """Stop the child (if still running) and unlink the ring; idempotent.
+
+        See NOTE [ Reorganizer process shutdown ] for the order and every path that runs it.
+        """
         self._finalizer()
 
     def __enter__(self) -> ReorganizerProcess:
@@ -124,7 +138,7 @@ def _shutdown(
 
 
 def _serve(backend: UnitBackend, spec: RingSpec, assignments: mp.Queue[Assignment | None]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # see NOTE [ Reorganizer process shutdown ]
     publisher = Publisher(SlotRing.attach(spec))
     publisher.start()
     reorganizer = Reorganizer(backend, publisher)
@@ -138,9 +152,10 @@ def _serve(backend: UnitBackend, spec: RingSpec, assignments: mp.Queue[Assignmen
                 continue
             if item is None:
                 break
-            reorganizer.deliver(item.minibatch_id, item.plan)
+            with publisher.busy():  # NOTE [ Micro-batch publication protocol ]: liveness
+                reorganizer.deliver(item.minibatch_id, item.plan)
         publisher.finish()
-    except RingClosedError as exc:
+    except (RingClosedError, ConsumerDiedError) as exc:
         publisher.fail(str(exc))
     except BaseException:
         publisher.fail(f"reorganizer pid {os.getpid()} failed:\n{traceback.format_exc()}")

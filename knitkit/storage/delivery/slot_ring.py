@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import mmap
 import os
-import pickle
 import secrets
 import time
 from dataclasses import dataclass
@@ -13,7 +14,10 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from knitkit.types import MicroBatchLayout
+from knitkit.storage.backends.segments import check_segment_name
+from knitkit.storage.backends.slab import reserve
+from knitkit.storage.delivery.atomic_words import AtomicWords
+from knitkit.types import FieldView, MicroBatchLayout, UnitKey
 
 # Segment layout and word ownership: see NOTE [ Micro-batch publication protocol ] in publication.py.
 
@@ -22,14 +26,19 @@ _MAGIC = 0x4B4E4954_52494E47
 _MAGIC_W, _STATE_W, _PRODUCER_PID_W, _OWNER_PID_W = 0, 1, 2, 3
 _PUBLISHED_W, _BYTES_READ_W, _STOP_W, _ERROR_LEN_W, _HEARTBEAT_W = 4, 5, 6, 7, 8
 _RELEASED_W = 16
+"""RELEASED[c] is word ``_RELEASED_W + c``; CONSUMER_PID[c] follows the RELEASED words."""
 _ERROR_BYTES = 4096
 _PAGE = 4096
 HEARTBEAT_S = 0.05
-"""How often a running producer refreshes its heartbeat."""
+"""How often an idle producer refreshes its heartbeat (a busy one beats on progress)."""
 
 
 class RingClosedError(RuntimeError):
     """The ring's owner asked the producer to stop, or the owner is gone."""
+
+
+class ConsumerDiedError(RuntimeError):
+    """A consumer died holding a slot the producer waits for; the ring can never move again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +54,10 @@ class RingSpec:
     num_consumers: int
     """TP ranks that read every micro-batch."""
     meta_bytes: int = 64 * 1024
-    """Capacity of one slot's pickled layout (trajectory ids, cu_seqlens, field views)."""
+    """Capacity of one slot's layout as JSON (trajectory ids, cu_seqlens_padded, field views)."""
+
+    def __post_init__(self) -> None:
+        check_segment_name(self.name)
 
     @classmethod
     def new(
@@ -60,8 +72,12 @@ class RingSpec:
         return cls(name, num_slots, _round_up(slot_bytes, _PAGE), num_consumers)
 
     @property
+    def _num_words(self) -> int:
+        return _RELEASED_W + 2 * self.num_consumers
+
+    @property
     def _error_offset(self) -> int:
-        return _round_up(8 * (_RELEASED_W + self.num_consumers), 64)
+        return _round_up(8 * self._num_words, 64)
 
     @property
     def _meta_offset(self) -> int:
@@ -84,7 +100,8 @@ class SlotRing:
         self._buf = buf
         self._owner = owner
         self._mmap: mmap.mmap | None = None
-        self.words = np.frombuffer(buf, np.int64, _RELEASED_W + spec.num_consumers)
+        self.words = np.frombuffer(buf, np.int64, spec._num_words)
+        self._atomic = AtomicWords(self.words)
         self._heartbeat = np.frombuffer(buf, np.float64, 1, 8 * _HEARTBEAT_W)
 
     @classmethod
@@ -93,9 +110,11 @@ class SlotRing:
         shm = shared_memory.SharedMemory(spec.name, create=True, size=spec.segment_bytes)
         fd = os.open(f"/dev/shm/{spec.name}", os.O_RDWR)
         try:
-            os.posix_fallocate(fd, 0, spec.segment_bytes)  # allocate every page now, once
-        except OSError:
-            pass  # no fallocate here: pages get allocated on first use instead
+            reserve(fd, f"/dev/shm/{spec.name}", spec.segment_bytes)  # every page now, or OSError
+        except BaseException:
+            shm.close()
+            shm.unlink()
+            raise
         finally:
             os.close(fd)
         assert shm.buf is not None
@@ -107,7 +126,8 @@ class SlotRing:
 
     @classmethod
     def attach(cls, spec: RingSpec) -> SlotRing:
-        """Map an existing ring by file (no resource-tracker registration: see the NOTE)."""
+        """Map an existing ring by file (no resource-tracker registration: see
+        NOTE [ Micro-batch publication protocol ] in publication.py)."""
         path = f"/dev/shm/{spec.name}"
         try:
             fd = os.open(path, os.O_RDWR)
@@ -127,13 +147,13 @@ class SlotRing:
             raise ValueError(f"/dev/shm/{spec.name} is not a knitkit slot ring")
         return ring
 
-    # -- control words (each has a single writer; see the NOTE) --
+    # -- control words (each has a single writer; see NOTE [ Micro-batch publication protocol ]) --
     @property
     def state(self) -> int:
-        return int(self.words[_STATE_W])
+        return self._atomic.load_acquire(_STATE_W)
 
     def set_state(self, state: int) -> None:
-        self.words[_STATE_W] = state
+        self._atomic.store_release(_STATE_W, state)
 
     @property
     def failed(self) -> bool:
@@ -153,10 +173,12 @@ class SlotRing:
 
     @property
     def published(self) -> int:
-        return int(self.words[_PUBLISHED_W])
+        """Micro-batches published so far (acquire: their slots and metadata are visible)."""
+        return self._atomic.load_acquire(_PUBLISHED_W)
 
     def set_published(self, count: int) -> None:
-        self.words[_PUBLISHED_W] = count
+        """Release store: the slots and metadata written before become visible with it."""
+        self._atomic.store_release(_PUBLISHED_W, count)
 
     @property
     def bytes_read(self) -> int:
@@ -174,13 +196,21 @@ class SlotRing:
         self.words[_STOP_W] = 1
 
     def min_released(self) -> int:
-        return int(self.words[_RELEASED_W:].min())
+        return min(self.released(c) for c in range(self.spec.num_consumers))
 
     def released(self, consumer: int) -> int:
-        return int(self.words[_RELEASED_W + consumer])
+        """Consumer's release count (acquire: its reads of released slots are finished)."""
+        return self._atomic.load_acquire(_RELEASED_W + consumer)
 
     def set_released(self, consumer: int, count: int) -> None:
-        self.words[_RELEASED_W + consumer] = count
+        self._atomic.store_release(_RELEASED_W + consumer, count)
+
+    def consumer_pid(self, consumer: int) -> int:
+        """Pid of the process attached as ``consumer`` (0: none attached yet)."""
+        return int(self.words[_RELEASED_W + self.spec.num_consumers + consumer])
+
+    def set_consumer_pid(self, consumer: int, pid: int) -> None:
+        self.words[_RELEASED_W + self.spec.num_consumers + consumer] = pid
 
     # -- slots --
     def slot(self, seq: int, nbytes: int) -> memoryview:
@@ -188,7 +218,7 @@ class SlotRing:
         return self._buf[start : start + nbytes]
 
     def write_meta(self, seq: int, layout: MicroBatchLayout) -> None:
-        blob = pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = encode_layout(layout)
         if len(blob) + 16 > self.spec.meta_bytes:
             raise ValueError(
                 f"micro-batch {seq}: layout metadata takes {len(blob)} bytes, more than the "
@@ -205,8 +235,11 @@ class SlotRing:
         stored_seq, length = np.frombuffer(self._buf, np.int64, 2, start).tolist()
         if stored_seq != seq:
             raise RuntimeError(f"slot ring {self.spec.name!r}: slot holds {stored_seq}, not {seq}")
-        layout: MicroBatchLayout = pickle.loads(self._buf[start + 16 : start + 16 + length])
-        return layout
+        if not 0 <= length <= self.spec.meta_bytes - 16:
+            raise RuntimeError(
+                f"slot ring {self.spec.name!r}: slot {seq} claims {length} metadata bytes"
+            )
+        return decode_layout(bytes(self._buf[start + 16 : start + 16 + length]), self.spec.name)
 
     @property
     def heartbeat(self) -> float:
@@ -219,17 +252,17 @@ class SlotRing:
         blob = message.encode()[:_ERROR_BYTES]
         start = self.spec._error_offset
         self._buf[start : start + len(blob)] = blob
-        self.words[_ERROR_LEN_W] = len(blob)
+        self._atomic.store_release(_ERROR_LEN_W, len(blob))
 
     def error(self) -> str:
         start = self.spec._error_offset
-        return bytes(self._buf[start : start + int(self.words[_ERROR_LEN_W])]).decode(
-            errors="replace"
-        )
+        length = min(self._atomic.load_acquire(_ERROR_LEN_W), _ERROR_BYTES)
+        return bytes(self._buf[start : start + length]).decode(errors="replace")
 
     def close(self) -> None:
         """Unmap; views still held elsewhere keep the mapping alive until they are dropped."""
-        self.words = np.zeros(_RELEASED_W + self.spec.num_consumers, np.int64)
+        self.words = np.zeros(self.spec._num_words, np.int64)
+        self._atomic = AtomicWords(self.words)
         self._heartbeat = np.zeros(1, np.float64)
         try:
             if self._owner is not None:
@@ -248,8 +281,53 @@ class SlotRing:
             self._owner.unlink()
 
 
+def encode_layout(layout: MicroBatchLayout) -> bytes:
+    """A layout as JSON: data only, so a reader never runs code another process wrote."""
+    record: dict[str, object] = {}
+    for item in dataclasses.fields(MicroBatchLayout):
+        value = getattr(layout, item.name)
+        if item.name == "fields":
+            value = [[v.name, v.dtype, list(v.shape), v.offset] for v in value]
+        elif item.name == "units":
+            value = [str(key) for key in value]
+        elif isinstance(value, tuple):
+            value = list(value)
+        elif item.name == "extra":
+            value = dict(value)
+        record[item.name] = value
+    return json.dumps(record, separators=(",", ":")).encode()
+
+
+def decode_layout(blob: bytes, ring: str) -> MicroBatchLayout:
+    """Inverse of ``encode_layout``; rejects malformed records and dtypes holding objects."""
+    try:
+        record = json.loads(blob)
+        values: dict[str, object] = {}
+        for name, value in record.items():
+            if name == "fields":
+                value = tuple(
+                    FieldView(str(n), str(dtype), tuple(int(d) for d in shape), int(offset))
+                    for n, dtype, shape, offset in value
+                )
+            elif name == "units":
+                value = tuple(UnitKey.parse(key) for key in value)
+            elif isinstance(value, list):
+                value = tuple(value)
+            elif name == "extra" and not isinstance(value, dict):
+                raise TypeError(f"extra is a {type(value).__name__}")
+            values[name] = value
+        layout = MicroBatchLayout(**values)  # type: ignore[arg-type]
+        for view in layout.fields:
+            if np.dtype(view.dtype).hasobject or view.offset < 0:
+                raise ValueError(f"field {view.name!r} has dtype {view.dtype}")
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise RuntimeError(f"slot ring {ring!r}: malformed micro-batch metadata ({exc})") from None
+    return layout
+
+
 def unlink_ring(name: str) -> bool:
     """Remove a ring's /dev/shm name without mapping it; True if it existed."""
+    check_segment_name(name)
     try:
         os.unlink(f"/dev/shm/{name}")
     except FileNotFoundError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,32 +35,59 @@ def karmarkar_karp(costs: Sequence[float], k: int, *, equal_size: bool = False) 
     if k < 1:
         raise ValueError(f"karmarkar_karp needs k >= 1, got {k}")
     n = len(costs)
-    heap: list[tuple[float, int, list[float], list[list[int]]]] = []
+    # A set is a tree of its merges (a list of items at a leaf, a pair of subtrees above),
+    # flattened once at the end: merging is O(k) per step instead of copying every member.
+    heap: list[tuple[float, int, list[float], list[_Members]]] = []
     if equal_size:
         order = np.argsort(np.asarray(costs, dtype=np.float64), kind="stable").tolist()
         order = [-1] * (-n % k) + order  # zero-cost placeholders, dropped at the end
         for start in range(0, len(order), k):
             chunk = order[start : start + k][::-1]
             sums = [float(costs[i]) if i >= 0 else 0.0 for i in chunk]
-            heapq.heappush(heap, (sums[-1] - sums[0], start, sums, [[i] for i in chunk]))
+            seeded: list[_Members] = [[i] for i in chunk]
+            heapq.heappush(heap, (sums[-1] - sums[0], start, sums, seeded))
     else:
-        for i in range(n):
-            sums = [float(costs[i])] + [0.0] * (k - 1)
-            heapq.heappush(heap, (-sums[0], i, sums, [[i]] + [[] for _ in range(k - 1)]))
+        empty: list[_Members] = [[] for _ in range(k - 1)]
+        zeros = [0.0] * (k - 1)
+        for i, cost in enumerate(map(float, costs)):
+            heap.append((-cost, i, [cost, *zeros], [[i], *empty]))
+        heapq.heapify(heap)  # keys are unique (index tiebreak): same pops as pushing one by one
     tiebreak = n + len(heap)
+    ranks = range(k)
     while len(heap) > 1:
         _, _, sums_a, sets_a = heapq.heappop(heap)
-        _, _, sums_b, sets_b = heapq.heappop(heap)
-        sums = [sums_a[j] + sums_b[k - 1 - j] for j in range(k)]
-        sets = [sets_a[j] + sets_b[k - 1 - j] for j in range(k)]
-        order = sorted(range(k), key=sums.__getitem__, reverse=True)
-        sums = [sums[j] for j in order]
-        sets = [sets[j] for j in order]
+        _, _, sums_b, sets_b = heap[0]
+        sums = list(map(operator.add, sums_a, reversed(sums_b)))
+        order = sorted(ranks, key=sums.__getitem__, reverse=True)
+        sets_b = sets_b[::-1]
+        merged: list[_Members] = [_join(sets_a[j], sets_b[j]) for j in order]
+        sums = list(map(sums.__getitem__, order))
         tiebreak += 1
-        heapq.heappush(heap, (sums[-1] - sums[0], tiebreak, sums, sets))
+        heapq.heapreplace(heap, (sums[-1] - sums[0], tiebreak, sums, merged))
     if not heap:
         return [[] for _ in range(k)]
-    return [sorted(i for i in s if i >= 0) for s in heap[0][3]]
+    return [sorted(i for i in _flatten(s) if i >= 0) for s in heap[0][3]]
+
+
+_Members = list[int] | tuple["_Members", "_Members"]
+"""One set of a partial Karmarkar-Karp solution: items at a leaf, merged sets as pairs."""
+
+
+def _join(a: _Members, b: _Members) -> _Members:
+    """The union of two sets; an empty side is dropped, so trees only hold real members."""
+    return (a, b) if a and b else a or b
+
+
+def _flatten(members: _Members) -> list[int]:
+    out: list[int] = []
+    stack = [members]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, tuple):
+            stack.extend(node)
+        else:
+            out.extend(node)
+    return out
 
 
 def pack_by_budget(tokens: Sequence[int], count: int, budget: int | None) -> list[list[int]] | None:
@@ -71,12 +99,13 @@ def pack_by_budget(tokens: Sequence[int], count: int, budget: int | None) -> lis
     """
     bins: list[list[int]] = [[] for _ in range(count)]
     loads = [(0, b) for b in range(count)]
-    for i in sorted(range(len(tokens)), key=lambda j: -tokens[j]):
-        load, b = heapq.heappop(loads)
-        if budget is not None and load > 0 and load + tokens[i] > budget:
+    for i in sorted(range(len(tokens)), key=tokens.__getitem__, reverse=True):
+        load, b = loads[0]
+        size = tokens[i]
+        if budget is not None and load > 0 and load + size > budget:
             return None
         bins[b].append(i)
-        heapq.heappush(loads, (load + tokens[i], b))
+        heapq.heapreplace(loads, (load + size, b))
     return [sorted(b) for b in bins]
 
 

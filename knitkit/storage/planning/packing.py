@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from itertools import accumulate
 
 import numpy as np
 
 from knitkit.storage.planning.plan import MicroBatchPlan
-from knitkit.types import MicroBatchLayout, UnitKey, UnitRead
+from knitkit.types import MicroBatchLayout, SeqRange, UnitKey, UnitRead
 
 RowSpec = tuple[str, tuple[int, ...]]
 """A field's numpy dtype name and the shape of one row (per-token) or of the value (scalar)."""
@@ -15,6 +16,9 @@ RowSpec = tuple[str, tuple[int, ...]]
 ReadInto = Callable[[UnitRead, np.ndarray], object]
 """Fills the given C-contiguous array with one unit read, e.g.
 ``lambda r, out: backend.read(r.key, r.ranges, out=out)``."""
+
+ReadMany = Callable[[Sequence[UnitRead], Sequence[np.ndarray]], object]
+"""Fills ``outs[i]`` with ``reads[i]`` for every i in one call, e.g. ``backend.read_many``."""
 
 POSITION_IDS = "position_ids"
 LOSS_MASK = "loss_mask"
@@ -34,7 +38,7 @@ def pack_layout(
     tokens/padding unless stored as a per-token field, then sliced like the others), every scalar
     field ``[n, *shape]``, and ``cu_seqlens`` / ``cu_seqlens_padded`` int32 ``[n + 1]`` over the
     WHOLE sequences (what Megatron's ``PackedSeqParams`` expects under CP; this rank's packed
-    offsets are ``cu_seqlens_padded // cp``). ``layout.cu_seqlens`` is ``cu_seqlens_padded``.
+    offsets are ``cu_seqlens_padded // cp``), the latter also as ``layout.cu_seqlens_padded``.
     """
     missing = [
         f for f in (*micro_batch.token_fields, *micro_batch.scalar_fields) if f not in schema
@@ -54,15 +58,80 @@ def pack_layout(
         specs[name] = (dtype, (count, *shape))
     specs[CU_SEQLENS] = ("int32", (count + 1,))
     specs[CU_SEQLENS_PADDED] = ("int32", (count + 1,))
-    padded = np.cumsum([0, *(s.padded_length for s in micro_batch.sequences)])
+    padded = accumulate((s.padded_length for s in micro_batch.sequences), initial=0)
     info: dict[str, int | float | str] = {"micro_batch": micro_batch.index, "num_tokens": total}
     info.update(extra or {})
     return MicroBatchLayout.build(
         specs,
-        cu_seqlens=tuple(int(x) for x in padded),
+        cu_seqlens_padded=tuple(padded),
         trajectory_ids=tuple(s.trajectory_id for s in micro_batch.sequences),
         extra=info,
     )
+
+
+def unit_reads(
+    micro_batch: MicroBatchPlan, views: Mapping[str, np.ndarray]
+) -> tuple[list[UnitRead], list[np.ndarray]]:
+    """Every unit read of ``micro_batch`` with the slice of ``views`` it lands in, in packing order.
+
+    Adjacent ranges are merged (CP rank ``cp - 1`` reads its two chunks as one run), so a backend
+    moves each contiguous run with one copy.
+    """
+    reads: list[UnitRead] = []
+    outs: list[np.ndarray] = []
+    token_views = [(name, views[name]) for name in micro_batch.token_fields]
+    scalar_views = [(name, views[name]) for name in micro_batch.scalar_fields]
+    offset = 0
+    for i, seq in enumerate(micro_batch.sequences):
+        ranges = _merge_adjacent(seq.read_ranges)
+        real = sum(b - a for a, b in ranges)
+        for name, view in token_views:
+            reads.append(UnitRead(UnitKey(seq.trajectory_id, name), ranges))
+            outs.append(view[offset : offset + real])
+        for name, view in scalar_views:
+            reads.append(UnitRead(UnitKey(seq.trajectory_id, name)))
+            outs.append(view[i : i + 1].reshape(view.shape[1:]))
+        offset += seq.local_length
+    return reads, outs
+
+
+def fill_generated(
+    micro_batch: MicroBatchPlan, layout: MicroBatchLayout, views: Mapping[str, np.ndarray]
+) -> None:
+    """Everything but the unit reads, a few array operations per micro-batch (not per token):
+    padding rows of per-token fields zeroed (one slice per padded sequence), ``position_ids``
+    (one arange plus a step function), the generated ``loss_mask`` and both ``cu_seqlens``."""
+    sequences = micro_batch.sequences
+    pads = []  # (first, stop) of each sequence's padding rows; few per micro-batch
+    offset = 0
+    for seq in sequences:
+        end = offset + seq.local_length
+        first = offset + sum(b - a for a, b in seq.read_ranges)
+        if first < end:
+            pads.append((first, end))
+        offset = end
+    for name in micro_batch.token_fields:
+        view = views[name]
+        for first, end in pads:
+            view[first:end] = 0
+    chunks = [c for s in sequences for c in s.chunks]
+    if chunks:
+        # position ids: chunk start + offset within the chunk, as one arange minus a step function
+        begin = np.array([a for a, _ in chunks], dtype=np.int64)
+        size = np.array([b - a for a, b in chunks], dtype=np.int64)
+        views[POSITION_IDS][:] = np.arange(int(size.sum())) + np.repeat(
+            begin - (np.cumsum(size) - size), size
+        )
+    if LOSS_MASK not in micro_batch.token_fields:
+        mask = views[LOSS_MASK]
+        mask.fill(1.0)
+        for first, end in pads:
+            mask[first:end] = 0.0
+    lengths = np.array([s.num_tokens for s in sequences], dtype=np.int64)
+    cu = views[CU_SEQLENS]
+    cu[0] = 0
+    np.cumsum(lengths, out=cu[1:])
+    views[CU_SEQLENS_PADDED][:] = layout.cu_seqlens_padded
 
 
 def pack_into(
@@ -76,35 +145,40 @@ def pack_into(
     Every unit read lands straight in its place in ``buffer``; padding rows are zeroed, so a
     reused buffer carries nothing over from the previous micro-batch.
     """
+    return pack_into_batched(
+        micro_batch,
+        layout,
+        buffer,
+        lambda reads, outs: [read(r, out) for r, out in zip(reads, outs, strict=True)],
+    )
+
+
+def pack_into_batched(
+    micro_batch: MicroBatchPlan,
+    layout: MicroBatchLayout,
+    buffer: memoryview | bytearray | np.ndarray,
+    read_many: ReadMany,
+) -> dict[str, np.ndarray]:
+    """``pack_into`` with every unit read of the micro-batch in ONE ``read_many`` call (e.g.
+    ``backend.read_many``: one batched round trip or ``preadv`` where the backend can)."""
     views = layout.numpy_views(buffer)
-    generated_mask = LOSS_MASK not in micro_batch.token_fields
-    offset = 0
-    for i, seq in enumerate(micro_batch.sequences):
-        ranges = seq.read_ranges
-        real = sum(b - a for a, b in ranges)
-        end = offset + seq.local_length
-        for name in micro_batch.token_fields:
-            read(
-                UnitRead(UnitKey(seq.trajectory_id, name), ranges),
-                views[name][offset : offset + real],
-            )
-            views[name][offset + real : end] = 0
-        for name in micro_batch.scalar_fields:
-            target = views[name][i : i + 1].reshape(views[name].shape[1:])
-            read(UnitRead(UnitKey(seq.trajectory_id, name)), target)
-        positions = views[POSITION_IDS]
-        pos = offset
-        for start, stop in seq.chunks:
-            positions[pos : pos + stop - start] = np.arange(start, stop)
-            pos += stop - start
-        if generated_mask:
-            views[LOSS_MASK][offset : offset + real] = 1.0
-            views[LOSS_MASK][offset + real : end] = 0.0
-        offset = end
-    lengths = [s.num_tokens for s in micro_batch.sequences]
-    views[CU_SEQLENS][:] = np.cumsum([0, *lengths])
-    views[CU_SEQLENS_PADDED][:] = layout.cu_seqlens
+    reads, outs = unit_reads(micro_batch, views)
+    read_many(reads, outs)
+    fill_generated(micro_batch, layout, views)
     return views
+
+
+def _merge_adjacent(ranges: tuple[SeqRange, ...]) -> tuple[SeqRange, ...]:
+    """``ranges`` with each range that starts where the previous one stops joined to it."""
+    if len(ranges) < 2:
+        return ranges
+    merged = [ranges[0]]
+    for start, stop in ranges[1:]:
+        if start == merged[-1][1]:
+            merged[-1] = (merged[-1][0], stop)
+        else:
+            merged.append((start, stop))
+    return tuple(merged)
 
 
 def pack(

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
-from knitkit.types import MultimodalRef, SeqRange, UnitKey, UnitRead
+from knitkit.types import MultimodalRef, SeqRange, TrajectoryMeta, UnitKey, UnitRead
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,35 @@ class SequenceSlice:
         return tuple((start, stop) for start, stop in clipped if stop > start)
 
 
+def make_slices(
+    items: Sequence[int],
+    trajectory_ids: Sequence[str],
+    num_tokens: Sequence[int],
+    padded_lengths: Sequence[int],
+    chunks: Sequence[tuple[SeqRange, ...]],
+    multimodal: Sequence[tuple[MultimodalRef, ...]],
+) -> list[SequenceSlice]:
+    """``SequenceSlice(trajectory_ids[i], num_tokens[i], ...)`` for every index ``i`` in ``items``.
+
+    Equal to calling the class, two to three times as fast: it sets the slots directly instead of
+    through the frozen dataclass's per-field ``object.__setattr__``, one field at a time over all
+    slices so every loop runs in C. The planner builds one slice per (trajectory, CP rank), 32k
+    of them at DP128 x CP2 with 16k trajectories.
+    """
+    out = list(map(object.__new__, itertools.repeat(SequenceSlice, len(items))))
+    columns = (trajectory_ids, num_tokens, padded_lengths, chunks, multimodal)
+    for setter, column in zip(_SLICE_SETTERS, columns, strict=True):
+        collections.deque(map(setter, out, map(column.__getitem__, items)), maxlen=0)
+    return out
+
+
+_SLICE_SETTERS = tuple(
+    getattr(SequenceSlice, name).__set__
+    for name in ("trajectory_id", "num_tokens", "padded_length", "chunks", "multimodal")
+)
+"""The slot setters of ``SequenceSlice``'s fields, in ``make_slices``'s column order."""
+
+
 @dataclass(frozen=True, slots=True)
 class MicroBatchPlan:
     """One micro-batch of one (DP, CP) consumer: its sequences in packing order and fields to read."""
@@ -99,16 +131,33 @@ class MicroBatchPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class FieldSchema:
+    """dtype and row shape (per-token field) or value shape (scalar) of one field, for packing."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ConsumerPlan:
     """Everything one backbone (DP, CP) consumer group (shared by its TP ranks) reads, in order."""
 
     dp_rank: int
     cp_rank: int
     micro_batches: tuple[MicroBatchPlan, ...]
+    schema: tuple[FieldSchema, ...] = ()
+    """Every field's dtype and row shape (``TrajectoryStore.register`` fills it in), so a consumer
+    with no trajectories (an idle DP rank) still gets a valid empty layout."""
 
     @property
     def name(self) -> str:
         return f"backbone/dp{self.dp_rank}/cp{self.cp_rank}"
+
+    @property
+    def row_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """``schema`` as ``{name: (dtype, row shape)}`` (``packing.RowSpec`` values)."""
+        return {f.name: (f.dtype, f.shape) for f in self.schema}
 
     def reads(self) -> tuple[UnitRead, ...]:
         return tuple(r for mb in self.micro_batches for r in mb.reads())
@@ -173,12 +222,68 @@ class MiniBatchPlan:
         out.update({r.name: r.reads() for e in self.encoders for r in e.ranks})
         return out
 
+    def with_schema(self, schema: Mapping[str, tuple[str, tuple[int, ...]]]) -> MiniBatchPlan:
+        """This plan with ``schema`` (``{field: (dtype, row shape)}``) given to every consumer."""
+        fields = tuple(FieldSchema(n, d, tuple(s)) for n, (d, s) in sorted(schema.items()))
+        consumers = tuple(replace(c, schema=fields) for c in self.consumers)
+        return replace(self, consumers=consumers)
+
+    def check(self) -> None:
+        """Each trajectory belongs to one DP rank and appears once in its consumers' micro-batches.
+
+        Raises ``ValueError`` naming the trajectory: planned twice, its tokens would be
+        delivered (and trained on) twice.
+        """
+        owner: dict[str, int] = {}
+        for consumer in self.consumers:
+            seen: set[str] = set()
+            for micro_batch in consumer.micro_batches:
+                for seq in micro_batch.sequences:
+                    tid = seq.trajectory_id
+                    if tid in seen:
+                        raise ValueError(
+                            f"plan {self.minibatch_id!r}: trajectory {tid!r} appears twice "
+                            f"in consumer {consumer.name}; plan each trajectory once"
+                        )
+                    seen.add(tid)
+                    if owner.setdefault(tid, consumer.dp_rank) != consumer.dp_rank:
+                        raise ValueError(
+                            f"plan {self.minibatch_id!r}: trajectory {tid!r} is planned on DP "
+                            f"ranks {owner[tid]} and {consumer.dp_rank}; plan each trajectory once"
+                        )
+
     def to_json(self) -> str:
         return json.dumps(_encode(self), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> MiniBatchPlan:
         return _decode_plan(json.loads(text))
+
+
+def check_metas(metas: Iterable[TrajectoryMeta]) -> None:
+    """Planner input: every trajectory once, each multimodal input inside its trajectory's tokens.
+
+    Raises ``ValueError`` naming the trajectory (and the input) otherwise.
+    """
+    metas = list(metas)
+    ids = [meta.trajectory_id for meta in metas]
+    if len(set(ids)) != len(ids):
+        seen: set[str] = set()
+        for tid in ids:
+            if tid in seen:
+                raise ValueError(
+                    f"trajectory {tid!r} is given twice; pass each trajectory's "
+                    "metadata once (its tokens would be delivered twice)"
+                )
+            seen.add(tid)
+    for meta in metas:
+        for ref in meta.multimodal:
+            end = ref.token_start + ref.num_tokens
+            if ref.token_start < 0 or ref.num_tokens < 0 or end > meta.num_tokens:
+                raise ValueError(
+                    f"trajectory {meta.trajectory_id!r}: multimodal input {ref.key} covers "
+                    f"tokens [{ref.token_start}, {end}) outside its {meta.num_tokens} tokens"
+                )
 
 
 def _encode(value: Any) -> Any:
@@ -205,6 +310,9 @@ def _decode_plan(raw: dict[str, Any]) -> MiniBatchPlan:
             s["trajectory_id"], s["num_tokens"], s["padded_length"], _ranges(s["chunks"]), refs
         )
 
+    def field(f: dict[str, Any]) -> FieldSchema:
+        return FieldSchema(f["name"], f["dtype"], tuple(f["shape"]))
+
     def micro(m: dict[str, Any]) -> MicroBatchPlan:
         seqs = tuple(sequence(s) for s in m["sequences"])
         return MicroBatchPlan(m["index"], seqs, tuple(m["token_fields"]), tuple(m["scalar_fields"]))
@@ -223,7 +331,12 @@ def _decode_plan(raw: dict[str, Any]) -> MiniBatchPlan:
         return EncoderPlan(topo, ranks)
 
     consumers = tuple(
-        ConsumerPlan(c["dp_rank"], c["cp_rank"], tuple(micro(m) for m in c["micro_batches"]))
+        ConsumerPlan(
+            c["dp_rank"],
+            c["cp_rank"],
+            tuple(micro(m) for m in c["micro_batches"]),
+            tuple(field(f) for f in c.get("schema", ())),
+        )
         for c in raw["consumers"]
     )
     return MiniBatchPlan(

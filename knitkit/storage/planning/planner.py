@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
@@ -17,8 +19,9 @@ from knitkit.storage.planning.plan import (
     EncoderTopology,
     MicroBatchPlan,
     MiniBatchPlan,
-    SequenceSlice,
     Topology,
+    check_metas,
+    make_slices,
 )
 from knitkit.types import TrajectoryMeta, UnitKey
 
@@ -40,6 +43,31 @@ class PlannerConfig:
     """Keep the trajectories of one GRPO sample (``sample_id``) on one DP rank."""
     encoder_max_cost_per_micro_batch: float | None = None
     """Cost budget of one encoder micro-batch; ``None``: one encoder micro-batch per rank."""
+    pad_multiple: int = 1
+    """Extra padding: each CP chunk (the whole sequence at CP=1) becomes a multiple of this, i.e.
+    sequences are padded to ``topology.pad_multiple * pad_multiple``; 16 for FP8 under
+    Transformer Engine."""
+
+    def __post_init__(self) -> None:
+        budgets = {
+            "max_tokens_per_micro_batch": self.max_tokens_per_micro_batch,
+            "encoder_max_cost_per_micro_batch": self.encoder_max_cost_per_micro_batch,
+        }
+        for name, value in budgets.items():
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                raise ValueError(f"PlannerConfig.{name}={value!r} must be > 0 (or None)")
+        if isinstance(self.min_micro_batches, bool) or not (
+            isinstance(self.min_micro_batches, int) and self.min_micro_batches >= 1
+        ):
+            raise ValueError(
+                f"PlannerConfig.min_micro_batches={self.min_micro_batches!r} must be an int >= 1"
+            )
+        if isinstance(self.pad_multiple, bool) or not (
+            isinstance(self.pad_multiple, int) and self.pad_multiple >= 1
+        ):
+            raise ValueError(
+                f"PlannerConfig.pad_multiple={self.pad_multiple!r} must be an int >= 1 (16 for FP8)"
+            )
 
 
 def plan_minibatch(
@@ -54,7 +82,7 @@ def plan_minibatch(
     Trajectories with ``accepted=False`` are dropped. Every DP rank gets the same number of
     micro-batches; every real token lands on exactly one (DP, CP) consumer.
     """
-    # NOTE: planning allocates tens of thousands of small acyclic objects; the cyclic GC would
+    # Planning allocates tens of thousands of small acyclic objects; the cyclic GC would
     # scan them repeatedly for nothing (about a quarter of the time at 4096 trajectories).
     was_enabled = gc.isenabled()
     gc.disable()
@@ -72,9 +100,14 @@ def _plan(
     encoders: Sequence[EncoderTopology],
     minibatch_id: str,
 ) -> MiniBatchPlan:
+    check_metas(metas)
     metas = [m for m in metas if m.accepted]
-    lengths = np.fromiter((m.num_tokens for m in metas), dtype=np.int64, count=len(metas))
-    padded = padded_lengths(lengths, topology.pad_multiple)
+    # Column lists, read with C-level attrgetters: everything the loops below index.
+    tids = list(map(attrgetter("trajectory_id"), metas))
+    num_tokens = list(map(attrgetter("num_tokens"), metas))
+    multimodal = list(map(attrgetter("multimodal"), metas))
+    lengths = np.array(num_tokens, dtype=np.int64)
+    padded = padded_lengths(lengths, topology.pad_multiple * config.pad_multiple)
     per_rank = _balance_dp(metas, config.cost(lengths), topology.dp, config.keep_groups)
     local = (padded // topology.cp).tolist()
     micro = pack_ranks_by_budget(
@@ -82,25 +115,19 @@ def _plan(
         config.max_tokens_per_micro_batch,
         config.min_micro_batches,
     )
-    # NOTE: the loops below build one SequenceSlice per (trajectory, CP rank), the planner's main
-    # cost at 4096 trajectories; everything they index is a precomputed Python list.
-    columns = list(
-        zip(*((m.trajectory_id, m.num_tokens, m.multimodal) for m in metas), strict=True)
-    )
-    tids, num_tokens, multimodal = columns or ((), (), ())
+    # The loops below build one SequenceSlice per (trajectory, CP rank), the planner's main
+    # cost at 4096 trajectories (make_slices builds them in C-level passes).
     padded_list = padded.tolist()
+    chunks_by_cp = [rank_chunks(padded, topology.cp, r) for r in range(topology.cp)]
     consumers = []
     for dp_rank, items in enumerate(per_rank):
         for cp_rank in range(topology.cp):
-            chunks = rank_chunks(padded[items], topology.cp, cp_rank) if items else []
-            slices = [
-                SequenceSlice(tids[i], num_tokens[i], padded_list[i], chunk, multimodal[i])
-                for i, chunk in zip(items, chunks, strict=True)
-            ]
+            chunks = chunks_by_cp[cp_rank]
+            slices = make_slices(items, tids, num_tokens, padded_list, chunks, multimodal)
             batches = tuple(
                 MicroBatchPlan(
                     index,
-                    tuple(slices[j] for j in bin_),
+                    tuple([slices[j] for j in bin_]),
                     config.token_fields,
                     config.scalar_fields,
                 )
@@ -123,18 +150,24 @@ def plan_encoder(
     Independent of the backbone: a unit shared by n trajectories is encoded once, on one rank.
     A unit's cost is ``MultimodalRef.cost``, or its token count when the cost is 0.
     """
-    costs: dict[UnitKey, float] = {}
+    # Keyed by (owner, field) tuples: UnitKey's own order and equality, hashed in C.
+    costs: dict[tuple[str, str], float] = {}
+    units: dict[tuple[str, str], UnitKey] = {}
+    kinds = encoder.kinds
     for meta in metas:
         for ref in meta.multimodal:
-            if ref.key.field in encoder.kinds:
-                costs.setdefault(ref.key, ref.cost or float(ref.num_tokens))
-    keys = sorted(costs)
-    unit_costs = [costs[k] for k in keys]
+            key = ref.key
+            pair = (key.owner, key.field)
+            if key.field in kinds and pair not in costs:
+                costs[pair] = ref.cost or float(ref.num_tokens)
+                units[pair] = key
+    pairs = sorted(costs)
+    keys = [units[p] for p in pairs]
+    unit_costs = [costs[p] for p in pairs]
     per_rank = karmarkar_karp(unit_costs, encoder.dp)
-    budget = None if max_cost_per_micro_batch is None else int(np.ceil(max_cost_per_micro_batch))
-    micro = pack_ranks_by_budget(
-        [[int(np.ceil(unit_costs[i])) for i in items] for items in per_rank], budget
-    )
+    budget = None if max_cost_per_micro_batch is None else math.ceil(max_cost_per_micro_batch)
+    whole = [math.ceil(c) for c in unit_costs]
+    micro = pack_ranks_by_budget([[whole[i] for i in items] for items in per_rank], budget)
     ranks = tuple(
         EncoderRankPlan(
             encoder.name, r, tuple(tuple(keys[items[j]] for j in bin_) for bin_ in micro[r])
@@ -150,11 +183,12 @@ def _balance_dp(
     """Trajectory indices per DP rank: KK with equal set sizes, over trajectories or GRPO groups."""
     if not keep_groups:
         return karmarkar_karp(costs.tolist(), dp, equal_size=True)
-    groups: dict[str, list[int]] = {}
-    for i, meta in enumerate(metas):
-        groups.setdefault(meta.sample_id, []).append(i)
-    members = list(groups.values())
-    group_costs = [float(costs[m].sum()) for m in members]
+    index: dict[str, int] = {}
+    codes = [index.setdefault(meta.sample_id, len(index)) for meta in metas]
+    members: list[list[int]] = [[] for _ in index]
+    for i, code in enumerate(codes):
+        members[code].append(i)
+    group_costs = np.bincount(codes, weights=costs, minlength=len(index)).tolist()
     return [
         sorted(i for g in part for i in members[g])
         for part in karmarkar_karp(group_costs, dp, equal_size=True)

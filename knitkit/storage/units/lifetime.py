@@ -22,16 +22,28 @@ class ConsumerLedger:
         self._counts: Counter[UnitKey] = Counter()
 
     def register(self, plan: MiniBatchPlan) -> None:
+        """Raises before any change: a registered id, a trajectory planned twice in ``plan``
+        (``MiniBatchPlan.check``) or already in another registered mini-batch (its units would
+        be freed under that one)."""
         if plan.minibatch_id in self._outstanding:
             raise KeyError(f"mini-batch {plan.minibatch_id!r} is already registered")
+        plan.check()
+        trajectories = frozenset(
+            s.trajectory_id for c in plan.consumers for mb in c.micro_batches for s in mb.sequences
+        )
+        for tid in sorted(trajectories):
+            other = self.planned(tid)
+            if other is not None:
+                raise ValueError(
+                    f"trajectory {tid!r} of mini-batch {plan.minibatch_id!r} is already planned "
+                    f"in mini-batch {other!r}; a trajectory is trained once per registration"
+                )
         by_consumer = {
             name: frozenset(r.key for r in reads)
             for name, reads in plan.reads_by_consumer().items()
         }
         self._outstanding[plan.minibatch_id] = by_consumer
-        self._trajectories[plan.minibatch_id] = frozenset(
-            s.trajectory_id for c in plan.consumers for mb in c.micro_batches for s in mb.sequences
-        )
+        self._trajectories[plan.minibatch_id] = trajectories
         for keys in by_consumer.values():
             self._counts.update(keys)
 

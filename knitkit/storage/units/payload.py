@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from knitkit.storage.backends.validate import check_name, check_unit
 from knitkit.types import MultimodalRef, TrajectoryMeta, UnitKey
 
 TOKENS = "tokens"
@@ -78,13 +79,17 @@ class Trajectory:
     def units(self) -> dict[UnitKey, np.ndarray]:
         """The trajectory's own atomic units (multimodal units are keyed by content, see ``inputs``).
 
-        Raises ``ValueError`` naming the trajectory and field when a per-token field's length
-        differs from ``tokens``'s, or when a unit key would be ambiguous.
+        Every unit passes the backends' shared validation (``check_unit``: names, dtype), so a
+        bad trajectory fails here, before anything is stored. Raises ``ValueError`` /
+        ``TypeError`` naming the trajectory and field when a name or dtype is invalid, a
+        per-token field's length differs from ``tokens``'s, a multimodal input lies outside the
+        trajectory's tokens, or a unit key would be ambiguous.
         """
-        if TOKENS not in self.token_fields:
-            raise ValueError(f"trajectory {self.trajectory_id!r} has no {TOKENS!r} field")
+        check_name("trajectory id", self.trajectory_id)
         if "/" in self.trajectory_id:
             raise ValueError(f"trajectory id {self.trajectory_id!r} may not contain '/'")
+        if TOKENS not in self.token_fields:
+            raise ValueError(f"trajectory {self.trajectory_id!r} has no {TOKENS!r} field")
         clash = set(self.token_fields) & set(self.scalars)
         if clash:
             raise ValueError(
@@ -101,7 +106,20 @@ class Trajectory:
             out[UnitKey(self.trajectory_id, name)] = array
         for name, value in self.scalars.items():
             out[UnitKey(self.trajectory_id, name)] = np.asarray(value)
-        return out
+        for index, item in enumerate(self.multimodal):
+            end = item.token_start + item.num_tokens
+            if item.token_start < 0 or item.num_tokens < 0 or end > self.num_tokens:
+                raise ValueError(
+                    f"trajectory {self.trajectory_id!r}: multimodal input {index} ({item.kind}) "
+                    f"covers tokens [{item.token_start}, {end}) outside its {self.num_tokens} tokens"
+                )
+            try:
+                check_unit(UnitKey("input", item.kind), item.data)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(
+                    f"trajectory {self.trajectory_id!r}: multimodal input {index}: {exc}"
+                ) from None
+        return {key: check_unit(key, array) for key, array in out.items()}
 
     def inputs(self) -> dict[UnitKey, np.ndarray]:
         """The multimodal units by content key (the n trajectories of a sample yield the same keys)."""

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from knitkit.storage.backends.backend import UnitBackend
+from knitkit.storage.backends.validate import check_unit
 from knitkit.storage.planning.packing import RowSpec
 from knitkit.storage.planning.plan import MiniBatchPlan
 from knitkit.storage.units.index import HierarchicalIndex, IndexEntry, TrajectoryRecord
@@ -29,11 +30,15 @@ class TrajectoryStore:
         self.backend = backend
         self.index = HierarchicalIndex()
         self._ledger = ConsumerLedger()
+        self._fields: dict[str, RowSpec] = {}
+        """dtype and row shape of every field name stored so far (the plans' schema)."""
 
-    def write(self, trajectory: Trajectory) -> tuple[IndexEntry, ...]:
+    def write(self, trajectory: Trajectory) -> TrajectoryMeta:
         """Store a trajectory as atomic units; a multimodal input already stored is referenced, not copied.
 
-        On any error (duplicate id, malformed field, backend failure) the store is left unchanged.
+        Returns its metadata (what admission and planning take). Every unit is validated first
+        (``Trajectory.units``); on any error (duplicate id, invalid name, dtype or field, backend
+        failure) the store and its backend are left unchanged.
         """
         tid = trajectory.trajectory_id
         if tid in self.index:
@@ -61,16 +66,29 @@ class TrajectoryStore:
             inputs,
         )
         self.index.add(record)
+        for key, array in units.items():
+            self._learn_field(key.field, array, key.field in record.token_fields)
+        return record.meta
+
+    def entries(self, trajectory_id: str) -> tuple[IndexEntry, ...]:
+        """Every unit of a stored trajectory with its spec: own fields, then multimodal inputs."""
+        record = self.index.record(trajectory_id)
         per_token = record.token_fields
-        entries = [IndexEntry(tid, k, self.backend.spec(k), k.field in per_token) for k in units]
-        entries += [IndexEntry(tid, k, self.backend.spec(k), False) for k in dict.fromkeys(inputs)]
-        return tuple(entries)
+        out = [
+            IndexEntry(trajectory_id, k, self.backend.spec(k), k.field in per_token)
+            for k in record.fields.values()
+        ]
+        out += [
+            IndexEntry(trajectory_id, k, self.backend.spec(k), False)
+            for k in dict.fromkeys(record.inputs)
+        ]
+        return tuple(out)
 
     def update(self, trajectory_id: str, field: str, array: np.ndarray) -> IndexEntry:
         """Rewrite (or add) one field of a trajectory: exactly one unit is written."""
         record = self.index.record(trajectory_id)
         key = UnitKey(trajectory_id, field)
-        array = np.asarray(array)
+        array = check_unit(key, array)
         if field in record.fields:
             self.backend.replace(key, array)
         else:
@@ -78,6 +96,7 @@ class TrajectoryStore:
             record.fields[field] = key
             if array.ndim and array.shape[0] == record.meta.num_tokens:
                 record.token_fields.add(field)
+        self._learn_field(field, array, field in record.token_fields)
         return IndexEntry(trajectory_id, key, self.backend.spec(key), field in record.token_fields)
 
     def read(
@@ -116,8 +135,14 @@ class TrajectoryStore:
             out[name] = (spec.dtype, spec.shape[1:] if name in record.token_fields else spec.shape)
         return out
 
-    def register(self, plan: MiniBatchPlan) -> None:
-        """Count the consumers of every unit the plan reads; unknown units raise ``KeyError`` first."""
+    def register(self, plan: MiniBatchPlan) -> MiniBatchPlan:
+        """Count the consumers of every unit the plan reads; returns the plan to deliver.
+
+        The returned plan carries every field's dtype and row shape (``ConsumerPlan.schema``),
+        so a consumer without trajectories (an idle DP rank) still gets a valid empty layout:
+        submit it, not the planner's, to the reorganizers. Unknown units raise ``KeyError``, a
+        trajectory planned twice or already registered ``ValueError``, before any change.
+        """
         live = set(self.backend.keys())
         for consumer, reads in plan.reads_by_consumer().items():
             missing = [str(r.key) for r in reads if r.key not in live]
@@ -126,6 +151,9 @@ class TrajectoryStore:
                     f"plan {plan.minibatch_id!r}: consumer {consumer} reads unknown units {missing[:5]}"
                 )
         self._ledger.register(plan)
+        fields = {f for c in plan.consumers for mb in c.micro_batches for f in mb.token_fields}
+        fields |= {f for c in plan.consumers for mb in c.micro_batches for f in mb.scalar_fields}
+        return plan.with_schema({f: self._fields[f] for f in fields if f in self._fields})
 
     def consumed(self, minibatch_id: str, consumer: str) -> tuple[UnitKey, ...]:
         """One consumer (``ConsumerPlan.name`` / ``EncoderRankPlan.name``) is done; returns freed units."""
@@ -161,7 +189,7 @@ class TrajectoryStore:
         self.backend.close()
 
     def _release(self, trajectory_ids: Iterable[str]) -> list[UnitKey]:
-        # NOTE: a multimodal unit is freed with the last trajectory that references it; by then no
+        # A multimodal unit is freed with the last trajectory that references it; by then no
         # consumer can need it, since encoder plans only read inputs of planned trajectories.
         freed: list[UnitKey] = []
         for tid in trajectory_ids:
@@ -170,6 +198,12 @@ class TrajectoryStore:
                 self.backend.delete(key)
                 freed.append(key)
         return freed
+
+    def _learn_field(self, name: str, array: np.ndarray, per_token: bool) -> None:
+        """Remember a field's dtype and row (or value) shape from the first unit stored for it."""
+        if name not in self._fields:
+            shape = tuple(int(n) for n in array.shape)
+            self._fields[name] = (array.dtype.name, shape[1:] if per_token else shape)
 
     def _free_if_unused(self, key: UnitKey) -> bool:
         """Free an own field as soon as no consumer needs it (multimodal units wait for ``_release``)."""

@@ -1,0 +1,128 @@
+"""Single-node defaults listen on loopback only (issue 9, Security R6).
+
+Each test starts one adapter's default runtime in a fresh Python process and lists the listening
+TCP sockets of that process and all its descendants (psutil), so runtimes left by other tests
+cannot hide or add a listener.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from knitkit.integration.loopback import is_loopback
+
+psutil = pytest.importorskip("psutil")
+
+_LISTENERS = """
+import json, psutil
+def _listeners():
+    me = psutil.Process()
+    found = []
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            conns = proc.net_connections(kind="inet")
+            name = proc.name()
+        except psutil.Error:
+            continue
+        found += [[name, c.laddr.ip, c.laddr.port] for c in conns if c.status == psutil.CONN_LISTEN]
+    print("LISTENERS " + json.dumps(found), flush=True)
+"""
+
+
+def _listeners_of(body: str, timeout_s: float = 240.0) -> list[tuple[str, str, int]]:
+    """Run ``body`` (which calls ``_listeners()`` while its runtime is up) in a fresh process."""
+    script = _LISTENERS + textwrap.dedent(body)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout_s
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("LISTENERS ")]
+    assert done.returncode == 0 and lines, f"probe failed:\n{done.stdout}\n{done.stderr[-4000:]}"
+    return [tuple(entry) for entry in json.loads(lines[-1].removeprefix("LISTENERS "))]
+
+
+def _off_loopback(listeners: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
+    return [entry for entry in listeners if not is_loopback(entry[1])]
+
+
+@pytest.mark.slow
+def test_default_ray_runtime_listens_on_loopback_only() -> None:
+    """Every listener of a Ray runtime started by ``start_ray()`` (gcs, raylet, workers,
+    dashboard and runtime-env agents) is bound to loopback, and a task still runs on it."""
+    pytest.importorskip("ray")
+    listeners = _listeners_of(
+        """
+        import ray
+        from knitkit.integration.ray import start_ray
+        start_ray(num_cpus=1, logging_level="ERROR")
+        assert ray.get(ray.remote(lambda: 7).remote()) == 7
+        _listeners()
+        ray.shutdown()
+        """
+    )
+    assert len(listeners) >= 4, listeners  # gcs, raylet, driver, a worker at least
+    assert _off_loopback(listeners) == []
+
+
+@pytest.mark.slow
+def test_default_transfer_queue_listens_on_loopback_only() -> None:
+    """TransferQueue unpickles network payloads: its controller and storage units, and the Ray
+    runtime ``start_transfer_queue()`` starts under them, listen on loopback only."""
+    pytest.importorskip("transfer_queue")
+    listeners = _listeners_of(
+        """
+        from knitkit.integration.transferqueue import start_transfer_queue, stop_transfer_queue
+        start_transfer_queue()
+        _listeners()
+        stop_transfer_queue()
+        """
+    )
+    assert len(listeners) >= 6, listeners
+    assert _off_loopback(listeners) == []
+
+
+def test_ray_multi_node_needs_an_explicit_address() -> None:
+    """A non-loopback dashboard on the single-node default is refused, naming the knob."""
+    pytest.importorskip("ray")
+    from knitkit.integration.ray import start_ray
+
+    with pytest.raises(ValueError, match="node_ip_address"):
+        start_ray(dashboard_host="0.0.0.0")
+    with pytest.raises(ValueError, match=r"ray.init\(address"):
+        start_ray(address="10.0.0.1:6379")
+
+
+def test_mooncake_defaults_keep_only_the_documented_wildcard_listeners() -> None:
+    """mooncake_master listens on loopback only; the client's transfer engine keeps exactly its
+    two wildcard listeners, which Mooncake offers no knob to bind (see integration/mooncake/
+    README.md, "Listeners"): the TCP data acceptor (dual-stack ``::``) and the P2P handshake
+    socket (``0.0.0.0``). Anything else off loopback fails."""
+    pytest.importorskip("mooncake.store")
+    listeners = _listeners_of(
+        """
+        from knitkit.integration.mooncake import MooncakeBackend, MooncakeMaster
+        with MooncakeMaster() as address:
+            backend = MooncakeBackend(address)
+            _listeners()
+            backend.close()
+        """,
+        timeout_s=120.0,
+    )
+    master = [entry for entry in listeners if entry[0] == "mooncake_master"]
+    assert len(master) == 2 and _off_loopback(master) == [], listeners
+    client_off = sorted(entry[1] for entry in _off_loopback(listeners))
+    assert client_off == ["0.0.0.0", "::"], listeners
+
+
+def test_mooncake_client_of_a_remote_master_needs_its_own_address() -> None:
+    """A client of a master on another host must be given its reachable ``local_hostname``: the
+    loopback default is refused, naming the knob, before any engine starts."""
+    pytest.importorskip("mooncake.store")
+    from knitkit.integration.mooncake import MasterAddress, MooncakeBackend
+
+    with pytest.raises(ValueError, match="local_hostname"):
+        MooncakeBackend(MasterAddress("10.1.2.3:50051", "10.1.2.3:8080"))

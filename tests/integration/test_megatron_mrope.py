@@ -1,0 +1,319 @@
+"""A Qwen-VL style mRoPE model under knitkit: stored 3-D positions and gradient equivalence (gloo on CPU).
+
+Positions: ``mrope_positions`` must equal Qwen2.5-VL's ``get_rope_index`` (a transcription of its
+loop is the reference here), and after store -> plan (CP split) -> pack, every packed position row
+must be the reference row of its token; ``mrope_position_ids`` places a CP rank's rows at their
+full-sequence offsets, where megatron's THD RoPE reads them.
+
+Gradients: the same model and data with and without dedup (the reference re-encodes every image
+piece in every micro-batch), two mini-batches with an SGD update between. Tolerance (fp32): per
+parameter ``max|g_dedup - g_ref| <= 1e-5 + 1e-4 * max|g_ref|``; the worst relative error is
+printed (``-s``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import megatron_cpu
+import numpy as np
+import pytest
+import torch
+from dist import World
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import megatron_mrope as user
+
+from knitkit.integration.megatron import MROPE_FIELD, mrope_position_ids, mrope_positions
+from knitkit.storage import (
+    MemoryBackend,
+    PlannerConfig,
+    Topology,
+    Trajectory,
+    TrajectoryStore,
+    cp_chunks,
+    pack,
+    plan_minibatch,
+)
+from knitkit.types import UnitKey
+
+ATOL, RTOL = 1e-5, 1e-4
+STEPS, LR = 2, 0.5
+
+
+def _get_rope_index(
+    input_ids: torch.Tensor, grids: torch.Tensor, image_token: int, merge: int
+) -> torch.Tensor:
+    """Qwen2.5-VL ``get_rope_index`` for one sequence of images (transformers' loop, transcribed)."""
+    input_tokens = input_ids.tolist()
+    llm_pos_ids_list: list[torch.Tensor] = []
+    st = 0
+    for t, h, w in grids.tolist():
+        ed = input_tokens.index(image_token, st)
+        second_per_grid_t = 0  # images
+        llm_grid_t, llm_grid_h, llm_grid_w = t, h // merge, w // merge
+        text_len = ed - st
+        st_idx = llm_pos_ids_list[-1].max() + 1 if llm_pos_ids_list else 0
+        llm_pos_ids_list.append(torch.arange(text_len).view(1, -1).expand(3, -1) + st_idx)
+        range_tensor = torch.arange(llm_grid_t).view(-1, 1)
+        expanded_range = range_tensor.expand(-1, llm_grid_h * llm_grid_w)
+        t_index = (expanded_range * second_per_grid_t * 2).long().flatten()
+        h_index = (
+            torch.arange(llm_grid_h).view(1, -1, 1).expand(llm_grid_t, -1, llm_grid_w).flatten()
+        )
+        w_index = (
+            torch.arange(llm_grid_w).view(1, 1, -1).expand(llm_grid_t, llm_grid_h, -1).flatten()
+        )
+        llm_pos_ids_list.append(torch.stack([t_index, h_index, w_index]) + text_len + st_idx)
+        st = ed + llm_grid_t * llm_grid_h * llm_grid_w
+    if st < len(input_tokens):
+        st_idx = llm_pos_ids_list[-1].max() + 1 if llm_pos_ids_list else 0
+        text_len = len(input_tokens) - st
+        llm_pos_ids_list.append(torch.arange(text_len).view(1, -1).expand(3, -1) + st_idx)
+    return torch.cat(llm_pos_ids_list, dim=1)
+
+
+def _grids(trajectory: Trajectory) -> list[tuple[int, int, int]]:
+    """Each image unit's grid_thw: its stored shape ``[t, h, w, dim]``."""
+    return [
+        (int(i.data.shape[0]), int(i.data.shape[1]), int(i.data.shape[2]))
+        for i in trajectory.multimodal
+    ]
+
+
+def test_mrope_positions_match_get_rope_index() -> None:
+    """Text advances all three axes; an image spreads over its merged grid after the text before it."""
+    tokens = np.array([1, 5, 3, 3, 3, 3, 6, 7, 3, 3, 8], dtype=np.int64)
+    got = mrope_positions(tokens, [(1, 4, 4), (1, 2, 4)], image_token_id=3, spatial_merge_size=2)
+    expected = np.array(
+        [
+            [0, 1, 2, 2, 2, 2, 4, 5, 6, 6, 8],
+            [0, 1, 2, 2, 3, 3, 4, 5, 6, 6, 8],
+            [0, 1, 2, 3, 2, 3, 4, 5, 6, 7, 8],
+        ]
+    )
+    np.testing.assert_array_equal(got, expected)
+    for seed in range(3):
+        for trajectory in user.grpo_trajectories(seed):
+            tokens = trajectory.token_fields["tokens"]
+            reference = _get_rope_index(
+                torch.from_numpy(tokens),
+                torch.tensor(_grids(trajectory)),
+                user.IMAGE_TOKEN,
+                user.MERGE,
+            )
+            np.testing.assert_array_equal(trajectory.token_fields[MROPE_FIELD].T, reference.numpy())
+
+
+def test_mrope_positions_refuse_missing_image_tokens() -> None:
+    """A grid whose tokens are not all in the sequence is an error naming the grid."""
+    with pytest.raises(ValueError, match=r"\(1, 4, 4\) needs 4 image tokens"):
+        mrope_positions(np.array([1, 3, 3, 2]), [(1, 4, 4)], image_token_id=3)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_packed_mrope_positions_equal_reference_per_sequence(cp: int) -> None:
+    """Through store -> plan (CP split) -> pack, each packed position row is its token's reference row."""
+    store = TrajectoryStore(MemoryBackend())
+    trajectories = user.grpo_trajectories(seed=5)
+    for trajectory in trajectories:
+        store.write(trajectory)
+    by_id = {t.trajectory_id: t for t in trajectories}
+    plan = plan_minibatch(
+        store.metas(list(by_id)),
+        Topology(dp=2, cp=cp),
+        PlannerConfig(token_fields=("tokens", MROPE_FIELD), scalar_fields=(), min_micro_batches=2),
+    )
+    checked = 0
+    for dp in range(2):
+        for rank in range(cp):
+            for mb in plan.consumer(dp, rank).micro_batches:
+                layout, buffer = pack(
+                    mb, store.schema(trajectories[0].trajectory_id), store.read_into
+                )
+                views = layout.numpy_views(buffer)
+                packed = torch.from_numpy(views[MROPE_FIELD].copy())
+                cu_padded = torch.from_numpy(views["cu_seqlens_padded"].copy())
+                model_ids = mrope_position_ids(packed, cu_padded, cp, rank)
+                offset = 0
+                for seq in mb.sequences:
+                    trajectory = by_id[seq.trajectory_id]
+                    reference = _get_rope_index(
+                        torch.from_numpy(trajectory.token_fields["tokens"]),
+                        torch.tensor(_grids(trajectory)),
+                        user.IMAGE_TOKEN,
+                        user.MERGE,
+                    )
+                    whole = torch.zeros(3, seq.padded_length, dtype=torch.int64)
+                    whole[:, : seq.num_tokens] = reference
+                    mine = torch.cat(
+                        [whole[:, a:b] for a, b in cp_chunks(seq.padded_length, cp, rank)], 1
+                    )
+                    piece = packed[offset : offset + seq.local_length].t()
+                    assert torch.equal(piece, mine), seq.trajectory_id
+                    start = int(cu_padded[mb.sequences.index(seq)])
+                    for a, b in cp_chunks(seq.padded_length, cp, rank):  # THD RoPE reads these rows
+                        assert torch.equal(model_ids[:, 0, start + a : start + b], whole[:, a:b])
+                    offset += seq.local_length
+                    checked += 1
+    assert checked == len(trajectories) * cp
+
+
+def _equivalence(
+    rank: int, tensor_parallel: int, overlap: bool, use_te: bool = False, context_parallel: int = 1
+) -> dict[str, object]:
+    """One rank: the model without dedup and with it, on twin models; per-parameter gradient excess."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from knitkit.integration.megatron import DedupVLMStep, MegatronLayout, feature_slices
+
+    megatron_cpu.initialize_model_parallel(
+        tensor_parallel=tensor_parallel, context_parallel=context_parallel
+    )
+    megatron_cpu.install_schedule_shim()
+    try:
+        layout = MegatronLayout.from_parallel_state()
+        reference = user.build_model(overlap, use_te=use_te)
+        wrapped = user.build_model(overlap, use_te=use_te)
+        device = user._device()
+        step = DedupVLMStep(wrapped, vision="vision", tp_sharded_vision=True)
+        store = TrajectoryStore(MemoryBackend())
+
+        def unit(key: UnitKey) -> torch.Tensor:
+            return torch.from_numpy(store.read(key)).to(device)
+
+        def encode(keys: Sequence[UnitKey]) -> torch.Tensor:
+            return torch.cat([wrapped.module.vision.encode(unit(k)) for k in keys])
+
+        worst: dict[str, float] = {}
+        worst_relative = 0.0
+        encoded = references = 0
+        for mini_batch in range(STEPS):
+            trajectories = user.grpo_trajectories(seed=mini_batch)
+            for trajectory in trajectories:
+                store.write(trajectory)
+            plan = user.plan_step(store, [t.trajectory_id for t in trajectories], layout)
+            consumer = plan.consumer(*layout.coord[:2])
+
+            reference.zero_grad_buffer()
+            iterator, data = user.knitkit_batches(store, plan, layout, use_te=use_te)
+            with iterator:
+                pieces = [feature_slices(mb) for mb in consumer.micro_batches]
+                references += sum(len(p) for p in pieces)
+                with_images = (
+                    dict(batch, images=[(unit(s.key), s.start, s.stop) for s in piece])
+                    for batch, piece in zip(data, pieces, strict=True)
+                )
+                get_forward_backward_func()(
+                    forward_step_func=user.forward_step,
+                    data_iterator=with_images,
+                    model=[reference],
+                    num_microbatches=plan.num_micro_batches,
+                    seq_length=user.MAX_SEQ,
+                    micro_batch_size=1,
+                )
+
+            wrapped.zero_grad_buffer()
+            iterator, data = user.knitkit_batches(store, plan, layout, use_te=use_te)
+            with iterator:
+                step.run(
+                    forward_step_func=user.forward_step,
+                    data_iterator=data,
+                    route=layout.route(plan),
+                    encode_fn=encode,
+                    num_microbatches=plan.num_micro_batches,
+                    seq_length=user.MAX_SEQ,
+                    micro_batch_size=1,
+                )
+            encoded += step.last_encoded_units
+            for (name, ref), mine in zip(
+                reference.module.named_parameters(), wrapped.module.parameters(), strict=True
+            ):
+                diff = float((mine.main_grad - ref.main_grad).abs().max())
+                scale = float(ref.main_grad.abs().max())
+                worst[name] = max(worst.get(name, -1.0), diff - RTOL * scale)
+                worst_relative = max(worst_relative, diff / max(scale, 1e-12))
+                for param in (ref, mine):
+                    param.data.add_(param.main_grad, alpha=-LR)
+        return {
+            "worst_excess": worst,
+            "worst_relative": worst_relative,
+            "encoded": encoded,
+            "references": references,
+        }
+    finally:
+        megatron_cpu.destroy_model_parallel()
+
+
+def _check(results: list[dict[str, object]], tensor_parallel: int) -> None:
+    for rank, result in enumerate(results):
+        worst = result["worst_excess"]
+        assert isinstance(worst, dict) and any(n.startswith("vision.") for n in worst)
+        bad = {name: excess for name, excess in worst.items() if excess > ATOL}
+        assert not bad, f"rank {rank}: gradients beyond {ATOL} + {RTOL}*max|g_ref|: {bad}"
+    print(f"worst relative gradient error: {max(float(r['worst_relative']) for r in results):.2e}")  # type: ignore[arg-type]
+    encoded = sum(int(r["encoded"]) for r in results)  # type: ignore[call-overload]
+    unique = sum(
+        len({i.key for t in user.grpo_trajectories(s) for i in t.multimodal}) for s in range(STEPS)
+    )
+    assert encoded == unique * tensor_parallel, (encoded, unique)
+    assert sum(int(r["references"]) for r in results) > encoded  # type: ignore[call-overload]
+
+
+def _example(rank: int, steps: int) -> list[dict[str, float]]:
+    megatron_cpu.initialize_model_parallel(tensor_parallel=2)
+    megatron_cpu.install_schedule_shim()
+    try:
+        return user.train(steps=steps, use_te=False)
+    finally:
+        megatron_cpu.destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def world2() -> Iterator[World]:
+    with World(2, timeout_s=300) as world:
+        yield world
+
+
+def test_mrope_tp2_matches_without_dedup(world2: World) -> None:
+    """TP=2, overlap on: every vision and language-model gradient equals the non-dedup model's."""
+    _check(world2.run(_equivalence, 2, True), 2)
+
+
+@pytest.mark.slow
+def test_mrope_dp2_tp2_matches_without_dedup() -> None:
+    """DP=2 x TP=2: TP peers encode together, rows routed across DP; same gradients."""
+    with World(4, timeout_s=300) as world:
+        _check(world.run(_equivalence, 2, True), 2)
+
+
+def _cuda_devices() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("tp", "cp"), [(2, 1), (2, 2)], ids=["tp2", "cp2_tp2"])
+def test_mrope_te_thd_matches_without_dedup_nccl(tp: int, cp: int) -> None:
+    """With TE (THD attention): TP=2, and CP=2 x TP=2 where each rank's stored positions are placed
+    at their full-sequence offsets for megatron's THD RoPE; same gradients as without dedup."""
+    from knitkit.integration.megatron import te_available
+
+    if _cuda_devices() < tp * cp or not te_available():
+        pytest.skip(
+            f"needs CUDA with {tp * cp} GPUs and Transformer Engine (pip install 'knitkit[te]')"
+        )
+    with World(tp * cp, backend="nccl", timeout_s=600) as world:
+        _check(world.run(_equivalence, tp, True, True, cp), tp)
+
+
+def test_mrope_example_trains_with_dedup(world2: World) -> None:
+    """examples/megatron_mrope.py at TP=2: the loss falls; each unique image encoded once per TP peer."""
+    history = world2.run(_example, 3)
+    assert history[0] == history[1], "TP ranks must agree on the reduced figures"
+    losses = [step["loss"] for step in history[0]]
+    assert losses[0] > losses[1] > losses[2], losses
+    unique = len({i.key for t in user.grpo_trajectories(0) for i in t.multimodal})
+    assert all(step["encoded_units"] == 2 * unique for step in history[0])

@@ -1,0 +1,113 @@
+"""House rules of the tree: parts meet only through faces and knitkit.types; NOTE blocks are named
+once and referenced from the code that depends on them."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("admission", "storage", "microbatch_iter", "encoder_dedup")
+FACES = {
+    "knitkit.admission",
+    "knitkit.admission.replay",
+    "knitkit.storage",
+    "knitkit.storage.baselines",
+    "knitkit.microbatch_iter",
+    "knitkit.encoder_dedup",
+}
+NOTE_TREES = ("knitkit", "integration")
+NOTE_NAME = re.compile(r"NOTE(?:[ \t]|\n[ \t]*#?[ \t]*)\[ ([A-Z0-9][^\]]*?) \]")
+"""A named NOTE; it may wrap onto the next comment or docstring line."""
+DEFINITION_PREFIX = re.compile(r'^[ \t]*(#[ \t]*|"""[ \t]*)?$')
+
+
+def _imports(path: Path) -> Iterator[tuple[int, str]]:
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.lineno, node.module
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+
+
+def _part_of(module: str) -> str | None:
+    names = module.split(".")
+    return names[1] if len(names) > 1 and names[0] == "knitkit" and names[1] in PARTS else None
+
+
+def _py_files(*trees: str) -> list[Path]:
+    return sorted(p for tree in trees for p in (ROOT / tree).rglob("*.py"))
+
+
+def test_demo_and_adapters_import_parts_only_through_faces() -> None:
+    """knitkit.demo and every adapter in integration/ import a part through its face, never a
+    room or module inside it (so parts can reorganise their rooms freely)."""
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in _py_files("knitkit/demo", "integration")
+        for line, module in _imports(path)
+        if _part_of(module) and module not in FACES
+    ]
+    assert not bad, "import these names from the part's face instead:\n" + "\n".join(bad)
+
+
+def test_parts_import_no_other_part() -> None:
+    """The four parts exchange types only through knitkit/types.py: no part imports another."""
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for part in PARTS
+        for path in _py_files(f"knitkit/{part}")
+        for line, module in _imports(path)
+        if _part_of(module) not in (None, part)
+    ]
+    assert not bad, "move the shared type to knitkit/types.py:\n" + "\n".join(bad)
+
+
+def _note_sites() -> Iterator[tuple[str, str | None, bool]]:
+    """Every ``NOTE`` in the code: (where, its name or None if malformed, whether it defines)."""
+    for path in (p for tree in NOTE_TREES for p in (ROOT / tree).rglob("*") if p.is_file()):
+        if path.suffix not in (".py", ".md"):
+            continue
+        text = path.read_text()
+        for match in re.finditer(r"\bNOTE\b", text):
+            line_start = text.rfind("\n", 0, match.start()) + 1
+            where = f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, match.start()) + 1}"
+            named = NOTE_NAME.match(text, match.start())
+            name = None
+            if named:
+                name = " ".join(re.sub(r'\n[ \t]*(#|""")?', " ", named.group(1)).split())
+            defines = (
+                path.suffix == ".py"
+                and named is not None
+                and bool(DEFINITION_PREFIX.match(text[line_start : match.start()]))
+                and text[named.end() : named.end() + 1] in (":", "\n", "")
+            )
+            yield where, name, defines
+
+
+def test_note_blocks_are_named_defined_once_and_referenced() -> None:
+    """Every NOTE is written ``NOTE [ Name ]``; a block is defined once (a comment or docstring
+    line starting with it, followed by ':' or nothing); every reference names a defined block; every block is referenced
+    from code elsewhere (the code that depends on it; a README mention does not count)."""
+    sites = list(_note_sites())
+    unnamed = [where for where, name, _ in sites if name is None]
+    assert not unnamed, (
+        "write NOTEs as `NOTE [ Name ]`, name capitalised (a plain comment for a one-off remark):\n"
+        + "\n".join(unnamed)
+    )
+    defined = Counter(name for _, name, defines in sites if defines)
+    twice = sorted(name for name, count in defined.items() if count > 1)
+    assert not twice, f"NOTE blocks defined more than once: {twice}; give each its own name"
+    referenced = Counter(name for where, name, defines in sites if not defines and ".py:" in where)
+    dangling = sorted(
+        f"{where}: {name}" for where, name, defines in sites if not defines and name not in defined
+    )
+    assert not dangling, "references to undefined NOTE blocks:\n" + "\n".join(dangling)
+    unreferenced = sorted(name for name in defined if not referenced[name])
+    assert not unreferenced, (
+        f"NOTE blocks nothing refers to: {unreferenced}; reference each as `see NOTE [ Name ]` "
+        "from the code that relies on it"
+    )
