@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU check of knitkit in one run (a few minutes on one GPU):
-#   1. every test marked @pytest.mark.cuda under tests/ (all parts; `pytest -m cuda tests/`);
-#   2. every GPU benchmark: benchmarks/prefetch.py --gpu, and benchmarks/encoder_dedup.py with
-#      its GPU flag when it has one.
+#   1. every test marked @pytest.mark.cuda under tests/ (all parts; `pytest -m cuda tests/`),
+#      the micro-batch iterator's first (tests/microbatch_iter: stream/event hand-off, device
+#      copies straight from a cudaHostRegister-ed /dev/shm ring), so their result stands apart;
+#   2. every GPU benchmark: benchmarks/prefetch.py --gpu (cuda.exposed_ratio,
+#      cuda.overhead_us_per_micro, in-place vs pinned-staging copies), and
+#      benchmarks/encoder_dedup.py with its GPU flag when it has one.
 # Results (JSON, text logs, junit XML) land in ${OUT:-gpu-results}. Exits non-zero if CUDA is
 # absent, if no CUDA test is collected, or if any test or benchmark fails.
 #   OUT=gpu-results bash benchmarks/gpu_check.sh
@@ -47,12 +50,16 @@ run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.txt, remember failures
 }
 
 # pytest exits 5 when nothing is collected: that counts as a failure here too.
-run cuda-tests 900 "$PYTHON" -m pytest -m cuda tests/ -q -rs -p no:cacheprovider \
-    --junitxml="$OUT/cuda-tests.xml"
-"$PYTHON" - "$OUT/cuda-tests.xml" "$unmarked" >"$OUT/cuda-tests.json" <<'EOF'
-import json, sys, xml.etree.ElementTree as ET
+run cuda-tests-prefetch 300 "$PYTHON" -m pytest -m cuda tests/microbatch_iter -q -rs \
+    -p no:cacheprovider --junitxml="$OUT/cuda-tests-prefetch.xml"
+run cuda-tests 900 "$PYTHON" -m pytest -m cuda tests/ --ignore=tests/microbatch_iter -q -rs \
+    -p no:cacheprovider --junitxml="$OUT/cuda-tests.xml"
+"$PYTHON" - "$unmarked" "$OUT/cuda-tests-prefetch.xml" "$OUT/cuda-tests.xml" \
+    >"$OUT/cuda-tests.json" <<'EOF'
+import json, os, sys, xml.etree.ElementTree as ET
 cases = []
-for case in ET.parse(sys.argv[1]).iter("testcase"):
+reports = [path for path in sys.argv[2:] if os.path.exists(path)]
+for case in (case for path in reports for case in ET.parse(path).iter("testcase")):
     outcome, reason = "passed", ""
     for tag in ("failure", "error", "skipped"):
         node = case.find(tag)
@@ -61,8 +68,8 @@ for case in ET.parse(sys.argv[1]).iter("testcase"):
     cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
                   "seconds": float(case.get("time", 0)), "reason": reason})
 counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failure", "error", "skipped")}
-print(json.dumps({"counts": counts, "unmarked_cuda_test_files": sys.argv[2].split(),
-                  "cases": cases}, indent=1))
+print(json.dumps({"counts": counts, "unmarked_cuda_test_files": sys.argv[1].split(),
+                  "reports": reports, "cases": cases}, indent=1))
 EOF
 
 run prefetch 420 "$PYTHON" benchmarks/prefetch.py --quick --gpu --json "$OUT/prefetch.json"

@@ -16,10 +16,12 @@ Keys: ``<regime>.<method>.exposed_s_per_step`` (median over steps of the slowest
 TQ actors, loader workers; both regimes), ``<method>.bytes_read_ratio`` (bytes read / bytes the
 step consumes, images counted once; ``.fields`` and ``.image`` per field kind),
 ``knitkit.delivered_fraction_of_memcpy`` (bytes a rank consumes per second of plan + read + pack
-work / single-thread memcpy bandwidth of the same bytes), ``sliced_read.<backend>.fraction_of_ceiling``
-(memory and shm: memcpy; disk: raw ``preadv`` of the same ranges from the page cache, and
+work / single-thread memcpy bandwidth; ``.cold`` with the units streaming from DRAM),
+``sliced_read.<backend>.fraction_of_ceiling`` (memory and shm: memcpy; disk: raw ``preadv`` of the same ranges from the page cache, and
 ``disk_cold`` after ``posix_fadvise(DONTNEED)``; Mooncake: whole-unit reads of the same bytes over
-its transport), ``planner_ms`` and ``planner_ms.dp128_16k`` (medians). Every timing is a median.
+its transport), ``planner_ms`` and ``planner_ms.dp128_16k`` (median wall time of ``plan_minibatch``
+over 15 calls, timed first, in a fresh spawned process, garbage collector on, each call with the
+collection it leaves due). Every timing is a median.
 
     python benchmarks/transfer.py [--quick] [--json PATH] [--skip-tq] [--skip-engines]
 """
@@ -64,7 +66,7 @@ from knitkit.storage.baselines import (
     LocalTrajectories,
     RankPosition,
     pack_local,
-    planner_ms,
+    planner_figures,
     read_share,
     share_reads,
     synthetic_trajectories,
@@ -587,16 +589,26 @@ def _submit(reorganizers: list[ReorganizerProcess], plan: MiniBatchPlan) -> None
 def delivered_fraction(work: Workload, repeats: int) -> dict[str, float]:
     """Median over (DP, CP) groups and steps of the bytes the group's ranks receive / (median
     plan time of the step + median time of its reorganizer reading and packing every
-    micro-batch into a ring), over single-thread memcpy bandwidth (``memcpy_bandwidth``). Runs
-    in this process with the real Reorganizer, Publisher and ring."""
+    micro-batch into a ring and a consumer taking them), over single-thread memcpy bandwidth
+    (``memcpy_ceiling``, timed alternately with the group's deliveries). Runs in this process
+    with the real Reorganizer, Publisher, ring and consumer.
+
+    Deliveries of one group repeat back to back, so part of their 2 x ~15 MB (stored units and
+    ring slots) stays in the last-level cache; ``.cold`` times each delivery right after the
+    256 MiB memcpy instead, i.e. with the units and the ring streaming from DRAM like the
+    memcpy itself. Every time here is CPU time of this thread (``time.thread_time``): the
+    figure is about work, and on a shared machine wall time adds whatever other processes take
+    from the core (memory bandwidth they take still shows, on both sides of the ratio)."""
     store = work.store
-    rates = []
+    rates: dict[str, list[float]] = {"": [], ".cold": []}
+    memcpys = []
+    copy_bytes, copy = memcpy_ceiling()
     for plan, metas in zip(work.plans, work.metas, strict=True):
 
         def replan(metas: list[Any] = metas) -> None:
             plan_minibatch(metas, TOPOLOGY, work.config, (ENCODER,))
 
-        plan_s = median_seconds(replan, repeats)
+        (plan_s,) = median_seconds([replan], repeats, time.thread_time)
         for group in plan.consumers:
             schema = store.schema(group.micro_batches[0].sequences[0].trajectory_id)
             layouts = [pack_layout(mb, schema) for mb in group.micro_batches]
@@ -613,39 +625,48 @@ def delivered_fraction(work: Workload, repeats: int) -> dict[str, float]:
                 for _ in group.micro_batches:
                     consumer.next_micro_batch().release()
 
-            deliver_s = median_seconds(deliver, repeats)
+            (warm_s,) = median_seconds([deliver], repeats, time.thread_time)
+            cold_s, copy_s = median_seconds([deliver, copy], repeats, time.thread_time)
             publisher.finish()
             publisher.close()
             consumer.close()
             ring.close()
             ring.unlink()
             nbytes = sum(layout.nbytes for layout in layouts)
-            rates.append(nbytes / (plan_s + deliver_s))
-    memcpy = memcpy_bandwidth(repeats)
-    return {
-        "knitkit.delivered_fraction_of_memcpy": statistics.median(rates) / memcpy,
-        "knitkit.delivered_gbps": statistics.median(rates) / 1e9,
-        "memcpy_gbps": memcpy / 1e9,
-    }
+            rates[""].append(nbytes / (plan_s + warm_s))
+            rates[".cold"].append(nbytes / (plan_s + cold_s))
+            memcpys.append(copy_bytes / copy_s)
+    memcpy = statistics.median(memcpys)
+    figures = {"memcpy_gbps": memcpy / 1e9}
+    for suffix, rate in rates.items():
+        figures[f"knitkit.delivered_fraction_of_memcpy{suffix}"] = statistics.median(rate) / memcpy
+        figures[f"knitkit.delivered_gbps{suffix}"] = statistics.median(rate) / 1e9
+    return figures
 
 
-def memcpy_bandwidth(repeats: int, nbytes: int = 256 << 20) -> float:
-    """Single-thread memcpy bandwidth (bytes/s, median) between two pre-touched buffers 8x the
-    last-level cache of this kind of machine: the store's bytes stream from DRAM, not from cache."""
+def memcpy_ceiling(nbytes: int = 256 << 20) -> tuple[int, Callable[[], object]]:
+    """A single-thread memcpy between two pre-touched buffers 8x the last-level cache of this
+    kind of machine (the store's bytes stream from DRAM, not from cache), and its byte count."""
     source = np.ones(nbytes, dtype=np.uint8)
     target = np.ones(nbytes, dtype=np.uint8)
-    return nbytes / median_seconds(partial(np.copyto, target, source), repeats)
+    return nbytes, partial(np.copyto, target, source)
 
 
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``fn`` over ``repeats`` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def median_seconds(
+    fns: list[Callable[[], object]], repeats: int, clock: Callable[[], float] = time.perf_counter
+) -> list[float]:
+    """Median time on ``clock`` (wall time by default) of each of ``fns`` over ``repeats``
+    rounds after one warm-up round; a round calls every function once, so figures that are
+    compared see the same machine state."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, spent in zip(fns, times, strict=True):
+            start = clock()
+            fn()
+            spent.append(clock() - start)
+    return [statistics.median(spent) for spent in times]
 
 
 ENGINES = ("ray", "mooncake")
@@ -797,6 +818,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
+    _progress("planner (in a fresh process, before the other phases)")
+    planner = planner_figures()
     work = build_workload(sizes)
     _progress(
         f"stored {len(work.trajectories)} trajectories, planned {len(work.plans)} mini-batches"
@@ -815,11 +838,7 @@ def main() -> None:
         for engine in ENGINES:
             _progress(f"sliced reads on {engine}")
             figures.update(measure(engine, quick=args.quick))
-    _progress("planner")
-    figures["planner_ms"] = planner_ms(repeats=sizes.repeats)
-    figures["planner_ms.dp128_16k"] = planner_ms(
-        16384, Topology(dp=128, cp=2, tp=4), repeats=sizes.repeats
-    )
+    figures.update(planner)
     print_table(figures)
     if args.json:
         with open(args.json, "w") as f:
@@ -854,7 +873,9 @@ def print_table(figures: dict[str, float]) -> None:
                 print(f"{regime}: exposed {method} / knitkit = {ratio:.1f}x")
     print(
         f"knitkit delivery: {figures['knitkit.delivered_gbps']:.2f} GB/s per rank, "
-        f"{figures['knitkit.delivered_fraction_of_memcpy']:.2f} of memcpy"
+        f"{figures['knitkit.delivered_fraction_of_memcpy']:.2f} of memcpy; from DRAM (cold): "
+        f"{figures['knitkit.delivered_gbps.cold']:.2f} GB/s, "
+        f"{figures['knitkit.delivered_fraction_of_memcpy.cold']:.2f} of memcpy"
     )
     print(f"{'sliced read':<15}{'fraction of ceiling':>22}")
     for name in ("memory", "shm", "disk", "disk_cold", *ENGINES):

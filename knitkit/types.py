@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TypeAlias
 
 import numpy as np
@@ -103,7 +104,15 @@ class FieldView:
 
     @property
     def nbytes(self) -> int:
-        return np.dtype(self.dtype).itemsize * math.prod(self.shape)
+        return _dtype_info(self.dtype)[1] * math.prod(self.shape)
+
+
+@lru_cache(maxsize=256)
+def _dtype_info(dtype: str | np.dtype) -> tuple[str, int]:
+    """Canonical numpy name and item size of ``dtype``, cached: ``np.dtype(x).name`` runs Python
+    code (microseconds) and layouts ask for it per field of every micro-batch."""
+    resolved = np.dtype(dtype)
+    return resolved.name, resolved.itemsize
 
 
 LAYOUT_ALIGNMENT = 64
@@ -172,10 +181,10 @@ class MicroBatchLayout:
         flat = flat.reshape(-1).view(np.uint8)
         if flat.nbytes < self.nbytes:
             raise ValueError(f"buffer has {flat.nbytes} bytes; layout needs {self.nbytes}")
-        return {
-            v.name: flat[v.offset : v.offset + v.nbytes].view(v.dtype).reshape(v.shape)
-            for v in self.fields
-        }
+        # np.ndarray over the flat buffer: one call per field (a slice, view and reshape cost
+        # twice as much, and a consumer builds these per micro-batch); bounds are checked above
+        # for the layout and by numpy per field
+        return {v.name: np.ndarray(v.shape, v.dtype, flat, v.offset) for v in self.fields}
 
     def unit_views(self, buffer: Buffer) -> dict[UnitKey, np.ndarray]:
         """Zero-copy views of the units of an ``of_units`` layout, by unit key."""
@@ -227,9 +236,10 @@ def _lay_out(
     views: list[FieldView] = []
     offset = 0
     for name, (dtype, shape) in specs.items():
-        view = FieldView(name, np.dtype(dtype).name, tuple(int(s) for s in shape), offset)
-        views.append(view)
-        offset += _align(view.nbytes)
+        dtype_name, itemsize = _dtype_info(dtype)
+        dims = tuple(map(int, shape))
+        views.append(FieldView(name, dtype_name, dims, offset))
+        offset += _align(itemsize * math.prod(dims))
     return tuple(views), offset
 
 

@@ -10,7 +10,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
-from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+from mooncake.engine import TransferEngine
+from mooncake.store import MooncakeDistributedStore, ReplicaStatus, ReplicateConfig
 
 from knitkit.integration.loopback import is_loopback
 from knitkit.storage import (
@@ -19,6 +20,7 @@ from knitkit.storage import (
     UnitSpec,
     check_replacement,
     check_unit,
+    copy_ranges,
 )
 from knitkit.types import SeqRange, UnitKey, UnitRead
 
@@ -32,6 +34,19 @@ _ERRORS = {
     -707: "LEASE_EXPIRED",
 }
 
+WILDCARD_LISTENERS = (
+    "two listeners on ALL interfaces, not loopback: the TCP transport's data acceptor "
+    "(dual-stack '::', IPv4 included; TcpContext in upstream mooncake-transfer-engine/src/"
+    "transport/tcp_transport/tcp_transport.cpp binds asio tcp::v6()) and the P2P handshake "
+    "daemon ('0.0.0.0'; SocketHandShakePlugin::startDaemon in mooncake-transfer-engine/src/"
+    "transfer_metadata_plugin.cpp binds INADDR_ANY). Mooncake has no address parameter or "
+    "environment variable for either (MC_TCP_BIND_ADDRESS only changes the address it "
+    "advertises), so knitkit cannot keep them on loopback; the data port serves reads and "
+    "writes of registered memory to whoever connects"
+)
+"""What every Mooncake client opens whatever ``local_hostname`` it is given (checked with
+mooncake-transfer-engine-non-cuda 0.3.13.post1; see integration/mooncake/README.md)."""
+
 # NOTE [ Mooncake unit layout ]
 #
 # Unit `key` of namespace `ns` is two Mooncake objects: `ns/u/key` holds the raw C-order rows,
@@ -41,9 +56,28 @@ _ERRORS = {
 # destination: only those bytes cross the transport; `read_many` asks for every unit of a
 # micro-batch in ONE such call (one round trip, not one per unit). Mooncake reads only into
 # registered memory: a read registers its destinations for the call (per allocation, the span
-# they touch), unless they lie in a buffer `register`ed for good (a reorganizer's ring). Objects are hard-pinned so the master never evicts a
-# unit that a consumer has yet to read; `delete` forces removal past the read lease (10 s by
-# default): the store deletes a unit only once every consumer has read it.
+# they touch), unless they lie in a buffer `register`ed for good (a reorganizer's ring). Objects
+# are hard-pinned so the master never evicts a unit that a consumer has yet to read; `delete`
+# forces removal past the read lease (10 s by default): the store deletes a unit only once every
+# consumer has read it.
+#
+# NOTE [ Mooncake same-process reads ]
+#
+# `get_into_ranges` into host memory always goes through the transfer engine (TCP here), even
+# when the replica lies in this very process's segment: upstream `RealClient::
+# get_into_ranges_internal` (mooncake-store/src/real_client.cpp) takes its memcpy path only for
+# device destinations, and `batch_get_into_multi_buffer_ranges` submits a transport scatter
+# too. Mooncake's LOCAL_MEMCPY (`TransferSubmitter::canUseLocalMemcpy`, transfer_task.cpp)
+# serves whole objects only, and only when the replica's transport endpoint is this process's
+# own (same host is not enough: another process's addresses are not ours). So an owner does
+# what LOCAL_MEMCPY does, for ranges: one `batch_get_replica_desc` per `read_many` (the master
+# query a Mooncake read makes, which also takes the read lease), and for every unit whose
+# complete memory replica has this client's endpoint (`host:handshake port` of the engine this
+# backend creates) and the unit's exact size, a copy of the asked rows straight out of the
+# segment at the replica's address. The other units go through `get_into_ranges` as before.
+# A memory-less client (a pickled copy, a reader on another host) has no segment and skips the
+# query. The copy is safe against eviction for the same reason as a transport read: units are
+# hard-pinned and deleted only after every consumer has read them.
 #
 # The creating instance contributes `segment_bytes` of memory to the store and owns the
 # namespace: `close()` removes its units and unmounts the segment. A pickled copy is a client of
@@ -52,7 +86,13 @@ _ERRORS = {
 
 
 class MooncakeBackend(UnitBackend):
-    """``UnitBackend`` on a Mooncake store reached through the master at ``master``."""
+    """``UnitBackend`` on a Mooncake store reached through the master at ``master``.
+
+    Mooncake's client listens on all interfaces whatever address it is given (see
+    ``WILDCARD_LISTENERS``), so the single-node default (a loopback ``local_hostname``) starts
+    only with ``allow_wildcard_listeners=True``; a non-loopback ``local_hostname`` is the
+    explicit multi-node address and needs no opt-in.
+    """
 
     def __init__(
         self,
@@ -63,6 +103,7 @@ class MooncakeBackend(UnitBackend):
         local_buffer_bytes: int = 16 << 20,
         local_hostname: str = "127.0.0.1",
         protocol: str = "tcp",
+        allow_wildcard_listeners: bool = False,
     ) -> None:
         master_host = master.rpc.rpartition(":")[0]
         if is_loopback(local_hostname) and not is_loopback(master_host):
@@ -70,11 +111,28 @@ class MooncakeBackend(UnitBackend):
                 f"master {master.rpc} is on another host but local_hostname={local_hostname!r} "
                 "is loopback; pass local_hostname=<this node's address> for multi-node use"
             )
+        if is_loopback(local_hostname) and not allow_wildcard_listeners:
+            raise ValueError(
+                f"MooncakeBackend(local_hostname={local_hostname!r}) would still open "
+                f"{WILDCARD_LISTENERS}. Behind a firewall or in a network namespace of its own, "
+                "pass allow_wildcard_listeners=True; for multi-node use pass "
+                "local_hostname=<this node's address>, where listening on the network is the "
+                "intent (integration/mooncake/README.md, 'Listeners')."
+            )
         self.master = master
         self.namespace = namespace or f"knitkit-{uuid.uuid4().hex[:12]}"
         self.local_hostname = local_hostname
         self.protocol = protocol
+        self.allow_wildcard_listeners = allow_wildcard_listeners
         self._owner = segment_bytes > 0
+        # our own engine, so we know its endpoint (NOTE [ Mooncake same-process reads ])
+        self._engine = TransferEngine()
+        if self._engine.initialize(local_hostname, "P2PHANDSHAKE", protocol, "") != 0:
+            raise RuntimeError(
+                f"Mooncake transfer engine on {local_hostname!r} ({protocol}) failed to start; "
+                "is local_hostname an address of this host?"
+            )
+        self._endpoint = _endpoint(local_hostname, self._engine.get_rpc_port())
         self._store = MooncakeDistributedStore()
         code = self._store.setup(
             local_hostname,
@@ -84,6 +142,7 @@ class MooncakeBackend(UnitBackend):
             protocol,
             "",
             master.rpc,
+            self._engine.get_engine(),
         )
         if code != 0:
             raise RuntimeError(
@@ -95,6 +154,7 @@ class MooncakeBackend(UnitBackend):
         self._specs: dict[UnitKey, UnitSpec] = {}
         self._pinned: list[tuple[int, int]] = []
         self._reads = ReadCounter()
+        self._local_bytes = 0
 
     def put(self, key: UnitKey, array: np.ndarray) -> None:
         array = np.asarray(check_unit(key, array), order="C")
@@ -127,18 +187,25 @@ class MooncakeBackend(UnitBackend):
         return dst
 
     def read_many(self, reads: Sequence[UnitRead], outs: Sequence[np.ndarray]) -> None:
-        """Every read in ONE ``get_into_ranges`` round trip (see NOTE [ Mooncake unit layout ]):
-        destination i gets the byte fragments of its unit's ranges, back to back."""
+        """Every read in one batch: units in this client's own segment copied straight out of it,
+        the rest in ONE ``get_into_ranges`` round trip (see NOTE [ Mooncake unit layout ] and
+        NOTE [ Mooncake same-process reads ]); destination i gets its unit's ranges back to back."""
         if len(reads) != len(outs):
             raise ValueError(f"read_many got {len(reads)} reads but {len(outs)} outs; pair them")
         missing = [k for k in dict.fromkeys(r.key for r in reads) if k not in self._specs]
         specs = dict(zip(missing, self._fetch_specs(missing), strict=True)) if missing else {}
+        local = self._local_replicas([r.key for r in reads], self._specs | specs)
         buffers: list[np.ndarray] = []
         keys, dst_offsets, src_offsets, sizes = [], [], [], []
         moved = 0
         for unit, out in zip(reads, outs, strict=True):
             spec = self._specs.get(unit.key) or specs[unit.key]
             checked, dst = self._reads.open(unit.key, spec, unit.ranges, out)
+            moved += dst.nbytes
+            if unit.key in local:
+                copy_ranges(_view(local[unit.key], spec), checked, dst)
+                self._local_bytes += dst.nbytes
+                continue
             rows = ((0, spec.shape[0] if spec.shape else 1),) if checked is None else checked
             row, at = spec.row_nbytes, 0
             fragments: tuple[list[int], list[int], list[int]] = ([], [], [])
@@ -148,7 +215,6 @@ class MooncakeBackend(UnitBackend):
                     fragments[1].append(start * row)
                     fragments[2].append((stop - start) * row)
                     at += (stop - start) * row
-            moved += dst.nbytes
             if fragments[2]:
                 buffers.append(dst)
                 keys.append([self._data_key(unit.key)])
@@ -206,6 +272,12 @@ class MooncakeBackend(UnitBackend):
     def bytes_read(self) -> int:
         return self._reads.bytes
 
+    @property
+    def bytes_read_locally(self) -> int:
+        """Of ``bytes_read``, the bytes copied straight out of this client's own segment rather
+        than moved by the transport (NOTE [ Mooncake same-process reads ])."""
+        return self._local_bytes
+
     def close(self) -> None:
         """Disconnect; the owning instance first removes every unit of its namespace."""
         if self._owner:
@@ -215,9 +287,19 @@ class MooncakeBackend(UnitBackend):
             self._store.unregister_buffer(ptr)
         self._pinned.clear()
         self._store.close()
+        self._engine = None  # the store no longer uses it: let it stop its listeners
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_attach, (self.master, self.namespace, self.local_hostname, self.protocol))
+        return (
+            _attach,
+            (
+                self.master,
+                self.namespace,
+                self.local_hostname,
+                self.protocol,
+                self.allow_wildcard_listeners,
+            ),
+        )
 
     def _write(self, key: UnitKey, array: np.ndarray, op: Any) -> None:
         if array.nbytes == 0:
@@ -226,6 +308,26 @@ class MooncakeBackend(UnitBackend):
             _check(
                 op(self._data_key(key), array.ctypes.data, array.nbytes, self._config), "write", key
             )
+
+    def _local_replicas(
+        self, keys: Sequence[UnitKey], specs: dict[UnitKey, UnitSpec]
+    ) -> dict[UnitKey, int]:
+        """The address of every unit of ``keys`` whose complete replica lies in this client's own
+        segment, with the unit's exact size (NOTE [ Mooncake same-process reads ])."""
+        if not self._owner or not keys:
+            return {}
+        wanted = {self._data_key(k): k for k in dict.fromkeys(keys) if specs[k].nbytes}
+        found: dict[UnitKey, int] = {}
+        for name, replicas in self._store.batch_get_replica_desc(list(wanted)).items():
+            key = wanted[name]
+            for replica in replicas:
+                if not replica.is_memory_replica() or replica.status != ReplicaStatus.COMPLETE:
+                    continue
+                buffer = replica.get_memory_descriptor().buffer_descriptor
+                if buffer.transport_endpoint == self._endpoint and buffer.size == specs[key].nbytes:
+                    found[key] = buffer.buffer_address
+                    break
+        return found
 
     def _fetch_specs(self, keys: list[UnitKey]) -> list[UnitSpec]:
         raw = self._store.get_batch([self._spec_key(k) for k in keys])
@@ -272,16 +374,46 @@ class MooncakeBackend(UnitBackend):
 
 
 def _attach(
-    master: MasterAddress, namespace: str, local_hostname: str, protocol: str
+    master: MasterAddress,
+    namespace: str,
+    local_hostname: str,
+    protocol: str,
+    allow_wildcard_listeners: bool,
 ) -> MooncakeBackend:
-    """Unpickle a ``MooncakeBackend``: a client of the same namespace contributing no memory."""
+    """Unpickle a ``MooncakeBackend``: a client of the same namespace contributing no memory
+    (with the creator's ``allow_wildcard_listeners``: it opens the same listeners)."""
     return MooncakeBackend(
         master,
         namespace=namespace,
         segment_bytes=0,
         local_hostname=local_hostname,
         protocol=protocol,
+        allow_wildcard_listeners=allow_wildcard_listeners,
     )
+
+
+def _endpoint(host: str, port: int) -> str:
+    """The transport endpoint Mooncake names a P2P client by (an IPv6 literal in brackets)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _view(address: int, spec: UnitSpec) -> np.ndarray:
+    """A read-only array of ``spec`` over a replica at ``address`` in this process's segment."""
+    return np.asarray(_Memory(address, spec))
+
+
+class _Memory:
+    """Raw memory as numpy sees it (``__array_interface__``): no ctypes type per size."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, address: int, spec: UnitSpec) -> None:
+        self.__array_interface__ = {
+            "data": (address, True),
+            "shape": tuple(spec.shape),
+            "typestr": np.dtype(spec.dtype).str,
+            "version": 3,
+        }
 
 
 def _name(code: int) -> str:

@@ -22,10 +22,13 @@ from knitkit.microbatch_iter.worker import End, Failure, Prefetcher
 class MicroBatchIterator(Iterator[MicroBatch]):
     """Wraps a source of packed micro-batches and yields them staged on the device, in order.
 
-    A background thread pulls from the source and stages up to ``depth`` micro-batches ahead
-    into a ring of ``depth + 1`` reusable slots (pinned host + device buffers on CUDA, plain
-    host buffers on CPU); see NOTE [ Stream/event hand-off ] and NOTE [ Prefetch thread
-    shutdown ]. Use it as a context manager, or call ``close()``.
+    A background thread, started here, pulls from the source and stages up to ``depth``
+    micro-batches ahead into a ring of ``depth + 1`` reusable slots (pinned host + device
+    buffers on CUDA, plain host buffers on CPU; a published shared-memory slot is read in
+    place instead: NOTE [ Zero-copy hand-off ], NOTE [ Registered source rings ]); see NOTE
+    [ Stream/event hand-off ] and NOTE [ Prefetch thread shutdown ]. Create it before the work
+    that precedes the first micro-batch, so that one is staged meanwhile (warm start). Use it
+    as a context manager, or call ``close()``.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -49,6 +52,11 @@ class MicroBatchIterator(Iterator[MicroBatch]):
         (no wait is unbounded by default; ``math.inf`` waits as long as the source takes)."""
         time_h2d: bool = False
         """CUDA: time every host-to-device copy with events (``stats.h2d_s``, after close)."""
+        register_host: bool = True
+        """CUDA: copy host-to-device straight from a source's published shared-memory slot,
+        page-locking its ring in place once (cudaHostRegister; NOTE [ Registered source rings ]);
+        False, or a ring that cannot be registered, copies each micro-batch into a pinned
+        staging slot first."""
 
         def build(
             self, source: Iterable[SourceItem], *, device: torch.device | str | None = None
@@ -67,7 +75,9 @@ class MicroBatchIterator(Iterator[MicroBatch]):
             raise ValueError(f"depth={config.depth}; prefetch needs depth >= 1")
         self.device = _resolve(device)
         slots = config.depth + 1
-        transport = make_transport(self.device, slots, time_h2d=config.time_h2d)
+        transport = make_transport(
+            self.device, slots, time_h2d=config.time_h2d, register_host=config.register_host
+        )
         ring = StagingRing(slots, transport, config.slot_nbytes)
         self._prefetcher = Prefetcher(
             source_items(source),

@@ -47,16 +47,21 @@ class StagingRing:
     def slot_for(self, index: int) -> StagingSlot:
         return self.slots[index % len(self.slots)]
 
-    def ensure(self, slot: StagingSlot, nbytes: int) -> None:
-        """Grow ``slot`` to hold ``nbytes``; call only once the slot may be refilled."""
-        if slot.host is not None and slot.capacity >= nbytes:
-            return
+    def ensure(self, slot: StagingSlot, nbytes: int, *, host: bool = True) -> None:
+        """Grow ``slot`` to hold ``nbytes``; call only once the slot may be refilled.
+
+        ``host=False`` grows the device buffer only: the device copy reads the source's
+        page-locked slot in place (NOTE [ Registered source rings ]).
+        """
         size = 1 << max(nbytes - 1, 0).bit_length()
-        slot.host = None
-        slot.device = None
-        slot.host = self.transport.new_host(size)
-        slot.device = self.transport.new_device(slot.host)
-        self.allocations += 1
+        if host and (slot.host is None or slot.capacity < nbytes):
+            slot.host = None
+            slot.device = None  # on CPU the device twin is the host buffer itself
+            slot.host = self.transport.new_host(size)
+            self.allocations += 1
+        if slot.device is None or slot.device.numel() < nbytes:
+            slot.device = None
+            slot.device = self.transport.new_device(max(size, slot.capacity), slot.host)
 
     @property
     def held_bytes(self) -> int:

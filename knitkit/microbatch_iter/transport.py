@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
+
+from knitkit.microbatch_iter.host_register import HostRegistry
 
 # NOTE [ Stream/event hand-off ]
 # Slot s of the ring holds micro-batch j = s, s + S, s + 2S, ... (S = depth + 1 slots). Each slot
@@ -27,12 +30,18 @@ import torch
 #   ordered after that wait, hence after every kernel that read the block. close() enqueues the
 #   same wait for every slot. Pinned host blocks freed on growth had their copy finished (step 1);
 #   torch's host allocator also records an event for every non_blocking copy out of them.
+# In-place copies (NOTE [ Registered source rings ]): the copy of j reads the source's published
+#   slot itself, page-locked by registration; slot s then has no host buffer. The prefetch thread
+#   hands the published slot back to the source only after h2d_done[s] completed (wait_copy), and
+#   close() unregisters the source's mappings only after every h2d_done completed.
 
 
 class Transport(Protocol):
     """Device-specific half of the iterator; slot indices name the ring's slots."""
 
     device: torch.device
+    copies_to_device: bool
+    """Whether the consumer reads a device copy (False: it reads the host buffer itself)."""
     h2d_seconds: float
     """Device time of finished host-to-device copies, when timing is on."""
 
@@ -41,8 +50,14 @@ class Transport(Protocol):
 
     def new_host(self, nbytes: int) -> torch.Tensor: ...
 
-    def new_device(self, host: torch.Tensor) -> torch.Tensor:
-        """The device buffer paired with ``host`` (the host buffer itself on CPU)."""
+    def new_device(self, nbytes: int, host: torch.Tensor | None) -> torch.Tensor:
+        """A device buffer of ``nbytes`` for a slot whose host buffer is ``host`` (on CPU, the
+        host buffer itself)."""
+        ...
+
+    def reads_in_place(self, view: np.ndarray) -> bool:
+        """Whether the device copy may read ``view`` where it lies, with no host copy first (CUDA:
+        its mapping is page-locked; NOTE [ Registered source rings ])."""
         ...
 
     def before_refill(self, slot: int) -> None: ...
@@ -50,6 +65,9 @@ class Transport(Protocol):
     def to_device(
         self, slot: int, host: torch.Tensor, device: torch.Tensor, nbytes: int
     ) -> None: ...
+
+    def wait_copy(self, slot: int) -> None:
+        """Block until the slot's last host-to-device copy has finished reading its source."""
 
     def hand_over(self, slot: int) -> None:
         """Consumer side: order the consumer's work after the slot's device copy."""
@@ -65,6 +83,7 @@ class CpuTransport:
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
+        self.copies_to_device = False
         self.h2d_seconds = 0.0
 
     def enter_worker(self) -> None:
@@ -73,13 +92,20 @@ class CpuTransport:
     def new_host(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def new_device(self, host: torch.Tensor) -> torch.Tensor:
+    def new_device(self, nbytes: int, host: torch.Tensor | None) -> torch.Tensor:
+        assert host is not None and host.numel() >= nbytes, "a CPU slot's device twin is its host"
         return host
+
+    def reads_in_place(self, view: np.ndarray) -> bool:
+        return True  # the consumer reads host memory: nothing to copy
 
     def before_refill(self, slot: int) -> None:
         pass
 
     def to_device(self, slot: int, host: torch.Tensor, device: torch.Tensor, nbytes: int) -> None:
+        pass
+
+    def wait_copy(self, slot: int) -> None:
         pass
 
     def hand_over(self, slot: int) -> None:
@@ -93,11 +119,23 @@ class CpuTransport:
 
 
 class CudaTransport:
-    """Pinned host slots copied by one ``non_blocking`` copy on a side stream; see NOTE [ Stream/event hand-off ]."""
+    """One ``non_blocking`` copy per micro-batch on a side stream, from a pinned staging slot or
+    from the source's page-locked slot itself; see NOTE [ Stream/event hand-off ]."""
 
-    def __init__(self, device: torch.device, slots: int, *, time_h2d: bool = False) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        slots: int,
+        *,
+        time_h2d: bool = False,
+        register_host: bool = True,
+    ) -> None:
         self.device = device
+        self.copies_to_device = True
         self.h2d_seconds = 0.0
+        self.registry = HostRegistry() if register_host else None
+        """Source mappings page-locked in place (NOTE [ Registered source rings ]); None: every
+        micro-batch goes through a pinned staging slot."""
         # The side stream is created here, on the consumer's thread, never the compute stream.
         self.side = torch.cuda.Stream(device=device)
         self._h2d_done = [torch.cuda.Event(enable_timing=time_h2d) for _ in range(slots)]
@@ -113,9 +151,12 @@ class CudaTransport:
     def new_host(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def new_device(self, host: torch.Tensor) -> torch.Tensor:
+    def new_device(self, nbytes: int, host: torch.Tensor | None) -> torch.Tensor:
         with torch.cuda.stream(self.side):
-            return torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def reads_in_place(self, view: np.ndarray) -> bool:
+        return self.registry is not None and self.registry.page_locked(view)
 
     def before_refill(self, slot: int) -> None:
         self._h2d_done[slot].synchronize()
@@ -130,6 +171,9 @@ class CudaTransport:
             device[:nbytes].copy_(host[:nbytes], non_blocking=True)
             self._h2d_done[slot].record(self.side)
 
+    def wait_copy(self, slot: int) -> None:
+        self._h2d_done[slot].synchronize()
+
     def hand_over(self, slot: int) -> None:
         torch.cuda.current_stream(self.device).wait_event(self._h2d_done[slot])
 
@@ -140,9 +184,11 @@ class CudaTransport:
         for event in self._consumed:
             self.side.wait_event(event)
         for slot, done in enumerate(self._h2d_done):
-            if self._timed[slot]:
-                done.synchronize()
+            if self._timed[slot] or (self.registry is not None and self.registry.registered):
+                done.synchronize()  # unregistering needs every copy out of the mappings done
                 self._collect_timing(slot)
+        if self.registry is not None:
+            self.registry.close()
 
     def _collect_timing(self, slot: int) -> None:
         if self._timed[slot]:
@@ -150,10 +196,12 @@ class CudaTransport:
             self.h2d_seconds += self._h2d_start[slot].elapsed_time(self._h2d_done[slot]) / 1e3
 
 
-def make_transport(device: torch.device, slots: int, *, time_h2d: bool = False) -> Transport:
+def make_transport(
+    device: torch.device, slots: int, *, time_h2d: bool = False, register_host: bool = True
+) -> Transport:
     """The transport for ``device``: CUDA streams and events on a GPU, the host-only path on CPU."""
     if device.type == "cuda":
-        return CudaTransport(device, slots, time_h2d=time_h2d)
+        return CudaTransport(device, slots, time_h2d=time_h2d, register_host=register_host)
     if device.type == "cpu":
         return CpuTransport()
     raise ValueError(f"device {device} is not supported; use 'cuda', 'cuda:<index>' or 'cpu'")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import itertools
 import queue
 import threading
@@ -67,7 +68,10 @@ from knitkit.types import MicroBatchLayout
 #   record, the retired ones and every record still queued in ``ready``.
 # - The tensors view the producer's memory: the consumer must not write into them (the other TP
 #   ranks of the group read the same slot); clone() what must be modified or kept longer.
-# Items without a release (tuples, dicts) and CUDA keep the staging copy.
+# Items without a release (tuples, dicts) keep the staging copy. On CUDA, a released item whose
+# slot is page-locked in place is copied to the device straight from the slot and handed back once
+# that copy has finished (NOTE [ Registered source rings ], NOTE [ Stream/event hand-off ]); the
+# prefetch thread waits for it while it is idle for a credit, or at the latest before its next pull.
 
 _POLL_S = 0.1
 
@@ -122,6 +126,9 @@ class Prefetcher:
         self.ready: queue.SimpleQueue[Staged | Failure | End] = queue.SimpleQueue()
         self.retired: queue.SimpleQueue[Staged] = queue.SimpleQueue()
         """Records the consumer moved past, still to release (NOTE [ Zero-copy hand-off ])."""
+        self.copied: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
+        """(staging slot, release) of items copied to the device in place, whose source slot
+        goes back once that copy finished (NOTE [ Registered source rings ])."""
         self.release_lock = threading.Lock()
         self.stop = threading.Event()
         self.lock = threading.Lock()
@@ -141,6 +148,7 @@ class Prefetcher:
                 if not self._acquire_credit():
                     return
                 self.release_retired()
+                self.release_copied()  # the source may need these slots for the next item
                 start = time.perf_counter()
                 try:
                     item = next(self.source)
@@ -162,6 +170,9 @@ class Prefetcher:
                 self._teardown()
 
     def _acquire_credit(self) -> bool:
+        if self.credits.acquire(blocking=False):
+            return not self.stop.is_set()
+        self.release_copied()  # idle until the consumer moves on: hand copied slots back now
         while not self.stop.is_set():
             if self.credits.acquire(timeout=_POLL_S):
                 return True
@@ -170,20 +181,31 @@ class Prefetcher:
     def _stage(self, index: int, item: SourceItem, *, fetch_s: float) -> Staged:
         start = time.perf_counter()
         plan = plan_staging(item)
-        if plan.view is not None and self.transport.device.type == "cpu":
+        layout = plan.layout
+        in_place = plan.view is not None and self.transport.reads_in_place(plan.view)
+        if in_place and not self.transport.copies_to_device:
             # See NOTE [ Zero-copy hand-off ]: no copy, the record releases the item later.
+            assert plan.view is not None
             flat = _tensor_over(plan.view)
-            tensors = field_tensors(flat, plan.layout, plan.torch_dtypes)
+            tensors = field_tensors(flat, layout, plan.torch_dtypes)
             stage_s = time.perf_counter() - start
-            return Staged(index, None, plan.layout, flat, tensors, fetch_s, stage_s, plan.release)
+            return Staged(index, None, layout, flat, tensors, fetch_s, stage_s, plan.release)
         slot = self.ring.slot_for(index)
         self.transport.before_refill(slot.index)
-        self.ring.ensure(slot, plan.layout.nbytes)
-        assert slot.host is not None and slot.device is not None
-        plan.copy_into(slot.host.numpy())
-        _release(plan)
-        layout = plan.layout
-        self.transport.to_device(slot.index, slot.host, slot.device, layout.nbytes)
+        self.ring.ensure(slot, layout.nbytes, host=not in_place)
+        assert slot.device is not None
+        if in_place:
+            # The device copy reads the published slot itself, which goes back to the source once
+            # that copy has finished (release_copied; NOTE [ Registered source rings ]).
+            assert plan.view is not None and plan.release is not None
+            source = _tensor_over(plan.view)
+            self.transport.to_device(slot.index, source, slot.device, layout.nbytes)
+            self.copied.append((slot.index, plan.release))
+        else:
+            assert slot.host is not None
+            plan.copy_into(slot.host.numpy())
+            _release(plan)
+            self.transport.to_device(slot.index, slot.host, slot.device, layout.nbytes)
         flat = slot.device[: layout.nbytes]
         tensors = field_tensors(flat, layout, plan.torch_dtypes)
         stage_s = time.perf_counter() - start
@@ -219,6 +241,18 @@ class Prefetcher:
                 self.transport.release(held.slot)
             if held.release is not None:
                 self.retired.put(held)
+
+    def release_copied(self) -> None:
+        """Hand back the source slots of in-place device copies, each once its copy finished
+        (prefetch thread, or teardown; NOTE [ Registered source rings ])."""
+        while True:
+            try:
+                slot, release = self.copied.popleft()
+            except IndexError:
+                return
+            self.transport.wait_copy(slot)
+            with self.release_lock:
+                release()
 
     def release_retired(self) -> None:
         """Hand every retired source item back to the producer (either thread)."""
@@ -265,6 +299,7 @@ class Prefetcher:
             self._torn_down = True
             self.release_held()
             self.release_retired()
+            self.release_copied()
             self.transport.close()
             self.ring.clear()
             while not self.ready.empty():  # staged records hold views of the slots

@@ -8,6 +8,7 @@ cannot hide or add a listener.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import textwrap
@@ -96,17 +97,43 @@ def test_ray_multi_node_needs_an_explicit_address() -> None:
         start_ray(address="10.0.0.1:6379")
 
 
-def test_mooncake_defaults_keep_only_the_documented_wildcard_listeners() -> None:
-    """mooncake_master listens on loopback only; the client's transfer engine keeps exactly its
-    two wildcard listeners, which Mooncake offers no knob to bind (see integration/mooncake/
-    README.md, "Listeners"): the TCP data acceptor (dual-stack ``::``) and the P2P handshake
-    socket (``0.0.0.0``). Anything else off loopback fails."""
+def test_mooncake_on_loopback_refuses_to_open_wildcard_listeners() -> None:
+    """Single-node default: ``MooncakeBackend`` with its loopback ``local_hostname`` and no opt-in
+    refuses to start, naming both wildcard listeners and the knobs, and nothing of the client
+    listens afterwards (only the master, on loopback)."""
     pytest.importorskip("mooncake.store")
     listeners = _listeners_of(
         """
         from knitkit.integration.mooncake import MooncakeBackend, MooncakeMaster
         with MooncakeMaster() as address:
-            backend = MooncakeBackend(address)
+            try:
+                MooncakeBackend(address).close()
+            except ValueError as error:
+                message = str(error)
+                for needle in ("0.0.0.0", "'::'", "handshake", "data acceptor",
+                               "allow_wildcard_listeners=True", "local_hostname="):
+                    assert needle in message, (needle, message)
+            else:
+                raise AssertionError("MooncakeBackend started wildcard listeners without opt-in")
+            _listeners()
+        """,
+        timeout_s=120.0,
+    )
+    assert listeners and all(entry[0] == "mooncake_master" for entry in listeners), listeners
+    assert _off_loopback(listeners) == [], listeners
+
+
+def test_mooncake_opt_in_opens_exactly_the_documented_wildcard_listeners() -> None:
+    """With ``allow_wildcard_listeners=True`` the master still listens on loopback only and the
+    client's transfer engine opens exactly the two wildcard listeners Mooncake has no knob to
+    bind (see integration/mooncake/README.md, "Listeners"): the TCP data acceptor (dual-stack
+    ``::``) and the P2P handshake daemon (``0.0.0.0``). Anything else off loopback fails."""
+    pytest.importorskip("mooncake.store")
+    listeners = _listeners_of(
+        """
+        from knitkit.integration.mooncake import MooncakeBackend, MooncakeMaster
+        with MooncakeMaster() as address:
+            backend = MooncakeBackend(address, allow_wildcard_listeners=True)
             _listeners()
             backend.close()
         """,
@@ -116,6 +143,30 @@ def test_mooncake_defaults_keep_only_the_documented_wildcard_listeners() -> None
     assert len(master) == 2 and _off_loopback(master) == [], listeners
     client_off = sorted(entry[1] for entry in _off_loopback(listeners))
     assert client_off == ["0.0.0.0", "::"], listeners
+
+
+def test_mooncake_with_a_network_address_needs_no_opt_in() -> None:
+    """A non-loopback ``local_hostname`` is the explicit multi-node address: the client starts
+    without ``allow_wildcard_listeners`` (listening on the network is then the intent)."""
+    pytest.importorskip("mooncake.store")
+    address = _network_address()
+    if address is None:
+        pytest.skip("this host has no non-loopback IPv4 address to advertise")
+    from knitkit.integration.mooncake import MooncakeBackend, MooncakeMaster
+
+    with MooncakeMaster() as master:
+        MooncakeBackend(master, segment_bytes=0, local_hostname=address).close()
+
+
+def _network_address() -> str | None:
+    """This host's outbound IPv4 address (no packet is sent), or None without one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: only selects a route
+        except OSError:
+            return None
+        ip = str(probe.getsockname()[0])
+    return None if is_loopback(ip) or ip == "0.0.0.0" else ip
 
 
 def test_mooncake_client_of_a_remote_master_needs_its_own_address() -> None:

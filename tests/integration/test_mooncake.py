@@ -22,7 +22,7 @@ from knitkit.storage.baselines.synthetic import synthetic_trajectories
 from knitkit.storage.delivery.consumer import MicroBatchConsumer
 from knitkit.storage.delivery.reorganizer_process import ReorganizerProcess
 from knitkit.storage.delivery.slot_ring import RingSpec
-from knitkit.types import UnitKey
+from knitkit.types import UnitKey, UnitRead
 
 POSITION_MASK = (1 << 20) - 1
 
@@ -36,7 +36,7 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MasterAddress]:
 
 @pytest.fixture
 def backend(master: MasterAddress) -> Iterator[MooncakeBackend]:
-    made = MooncakeBackend(master, segment_bytes=128 << 20)
+    made = MooncakeBackend(master, segment_bytes=128 << 20, allow_wildcard_listeners=True)
     try:
         yield made
     finally:
@@ -87,11 +87,91 @@ def test_reads_into_a_registered_buffer_reuse_it(backend: MooncakeBackend) -> No
     assert not ring[10:32].any() and not ring[44:].any()
 
 
+def _routing_units(count: int, seed: int) -> dict[UnitKey, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        UnitKey(f"local-{seed}-{i}", "routing"): rng.integers(
+            0, 64, (int(rng.integers(1, 3000)), 48, 8), dtype=np.uint8
+        )
+        for i in range(count)
+    }
+
+
+def _random_ranges(rng: np.random.Generator, rows: int) -> tuple[tuple[int, int], ...]:
+    """Sorted, disjoint, possibly empty ranges within ``rows``."""
+    cuts = np.sort(rng.integers(0, rows + 1, 2 * int(rng.integers(1, 4))))
+    return tuple((int(a), int(b)) for a, b in zip(cuts[::2], cuts[1::2], strict=True))
+
+
+def _read_all(
+    backend: MooncakeBackend, units: dict[UnitKey, np.ndarray], seed: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """One ``read_many`` of random ranges of every unit: (what came back, what slicing gives)."""
+    rng = np.random.default_rng(seed)
+    reads = [UnitRead(key, _random_ranges(rng, unit.shape[0])) for key, unit in units.items()]
+    wants = [np.concatenate([units[r.key][a:b] for a, b in r.ranges or ()]) for r in reads]
+    outs = [np.full_like(want, 255) for want in wants]
+    backend.read_many(reads, outs)
+    return outs, wants
+
+
+def test_an_owner_reads_ranges_of_its_own_units_without_the_transport(
+    master: MasterAddress,
+) -> None:
+    """Units whose replica lies in this client's own segment are read by a copy out of it (as
+    Mooncake's own same-process LOCAL_MEMCPY does for whole objects): every range equals slicing
+    the unit and every byte counts in ``bytes_read_locally``; a memory-less client of the same
+    namespace reads the same ranges over the transport (``bytes_read_locally`` stays 0)."""
+    owner = MooncakeBackend(master, segment_bytes=64 << 20, allow_wildcard_listeners=True)
+    reader = MooncakeBackend(
+        master, namespace=owner.namespace, segment_bytes=0, allow_wildcard_listeners=True
+    )
+    try:
+        units = _routing_units(6, seed=1)
+        for key, unit in units.items():
+            owner.put(key, unit)
+        for backend in (owner, reader):
+            got, want = _read_all(backend, units, seed=2)
+            for out, expected in zip(got, want, strict=True):
+                np.testing.assert_array_equal(out, expected)
+        moved = sum(w.nbytes for w in want)
+        assert owner.bytes_read == reader.bytes_read == moved
+        assert owner.bytes_read_locally == moved
+        assert reader.bytes_read_locally == 0
+    finally:
+        reader.close()
+        owner.close()
+
+
+def test_one_batch_reads_local_and_remote_replicas_alike(master: MasterAddress) -> None:
+    """Two clients contribute memory to one namespace, so a batch's replicas lie partly in the
+    reader's own segment and partly in the other's: one ``read_many`` copies the first, moves
+    the second over the transport, and every range equals slicing the unit."""
+    first = MooncakeBackend(master, segment_bytes=64 << 20, allow_wildcard_listeners=True)
+    second = MooncakeBackend(
+        master, namespace=first.namespace, segment_bytes=64 << 20, allow_wildcard_listeners=True
+    )
+    try:
+        units = _routing_units(16, seed=3)
+        for key, unit in units.items():
+            first.put(key, unit)
+        got, want = _read_all(first, units, seed=4)
+        for out, expected in zip(got, want, strict=True):
+            np.testing.assert_array_equal(out, expected)
+        assert first.bytes_read == sum(w.nbytes for w in want)
+        assert 0 < first.bytes_read_locally < first.bytes_read
+    finally:
+        second.close()
+        first.close()
+
+
 def test_closing_the_owner_removes_its_units(master: MasterAddress) -> None:
     """The owning client's close() removes every unit of its namespace from the store."""
-    owner = MooncakeBackend(master, segment_bytes=32 << 20)
+    owner = MooncakeBackend(master, segment_bytes=32 << 20, allow_wildcard_listeners=True)
     owner.put(UnitKey("t3", "tokens"), np.arange(5, dtype=np.int32))
-    reader = MooncakeBackend(master, namespace=owner.namespace, segment_bytes=0)
+    reader = MooncakeBackend(
+        master, namespace=owner.namespace, segment_bytes=0, allow_wildcard_listeners=True
+    )
     try:
         assert list(reader.keys()) == [UnitKey("t3", "tokens")]
         owner.close()
@@ -134,7 +214,7 @@ def test_the_master_stops_and_frees_its_port(tmp_path: Path) -> None:
     """stop() ends the master process; its RPC port accepts a new bind afterwards."""
     master = MooncakeMaster(log_path=str(tmp_path / "master.log"))
     address = master.start()
-    MooncakeBackend(address, segment_bytes=16 << 20).close()
+    MooncakeBackend(address, segment_bytes=16 << 20, allow_wildcard_listeners=True).close()
     master.stop()
     host, port = address.rpc.rsplit(":", 1)
     with socket.socket() as sock:

@@ -64,6 +64,7 @@ class ShmReorganizer:
         self.free = threading.Semaphore(1)
         self.published: queue.Queue[PackedMicroBatch] = queue.Queue()
         self.released = 0
+        self.stopping = threading.Event()
         self.producer = threading.Thread(target=self._produce, daemon=True)
         self.producer.start()
 
@@ -74,7 +75,7 @@ class ShmReorganizer:
 
     def _produce(self) -> None:
         for i in range(self.count):
-            if not self.free.acquire(timeout=10):
+            if not self.free.acquire(timeout=10) or self.stopping.is_set():
                 return
             layout = self._layout(i)
             views = layout.numpy_views(self.shm.buf)
@@ -93,7 +94,12 @@ class ShmReorganizer:
         self.free.release()
 
     def unlink(self) -> None:
+        """Stop the producer, drop what it published but nobody took (views of the slot), unlink."""
+        self.stopping.set()
+        self.free.release()  # wakes a producer waiting for the slot
         self.producer.join(timeout=10)
+        while not self.published.empty():
+            self.published.get_nowait()
         self.shm.unlink()
 
 

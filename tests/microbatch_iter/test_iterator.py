@@ -279,3 +279,23 @@ def test_next_waits_are_bounded_by_default():
     finally:
         gate.set()
         it.close()
+
+
+def test_warm_start_stages_the_first_micro_batch_before_the_loop_asks(expected_fields):
+    """The prefetch thread starts at construction: a first micro-batch that takes 0.5 s to
+    prepare, prepared while the loop does other work, is handed over without that wait."""
+    asked_for_second = threading.Event()
+
+    def source() -> Iterator[dict[str, np.ndarray]]:
+        time.sleep(0.5)  # the first micro-batch's preparation
+        yield expected_fields(0, 64)
+        asked_for_second.set()  # the thread staged micro-batch 0 before pulling again
+        yield expected_fields(1, 64)
+
+    with MicroBatchIterator(source(), MicroBatchIterator.Config(depth=2), device="cpu") as it:
+        assert asked_for_second.wait(60)  # the loop's own work before its first next()
+        first = next(it)
+        assert first.stats.wait_s < first.stats.fetch_s
+        assert first.stats.fetch_s >= 0.5
+        assert_fields(first, expected_fields(0, 64))
+        assert [mb.index for mb in it] == [1]

@@ -14,7 +14,7 @@ def test_cpu_transport_allocates_plain_host_memory_shared_with_the_device_side()
     assert isinstance(transport, CpuTransport)
     host = transport.new_host(128)
     assert host.dtype == torch.uint8 and host.device.type == "cpu"
-    assert transport.new_device(host) is host
+    assert transport.new_device(128, host) is host
     for step in (transport.before_refill, transport.hand_over, transport.release):
         step(0)
     transport.close()

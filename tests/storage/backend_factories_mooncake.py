@@ -27,7 +27,10 @@ def make_backend(tmp: Path) -> UnitBackend:
                 master.stop()
 
     master = MooncakeMaster(log_path=str(tmp / "mooncake_master.log"))
-    return SelfHostedMooncakeBackend(master.start(), segment_bytes=64 << 20)
+    # one node, loopback: opt in to Mooncake's wildcard listeners (integration/mooncake/README.md)
+    return SelfHostedMooncakeBackend(
+        master.start(), segment_bytes=64 << 20, allow_wildcard_listeners=True
+    )
 
 
 FACTORIES = {"mooncake": make_backend}

@@ -6,7 +6,13 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knitkit.storage.planning.balance import CostModel, karmarkar_karp, pack_ranks_by_budget
+from knitkit.storage.planning.balance import (
+    CostModel,
+    karmarkar_karp,
+    karmarkar_karp_parts,
+    pack_by_budget,
+    pack_ranks_by_budget,
+)
 
 
 def test_cost_model_is_linear_plus_quadratic() -> None:
@@ -65,3 +71,42 @@ def test_every_rank_gets_the_same_micro_batch_count_within_budget(
         for b in bins:
             if budget is not None and len(b) > 1:
                 assert sum(tokens[i] for i in b) <= budget
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    costs=st.lists(st.integers(0, 6).map(float), max_size=50),
+    k=st.integers(1, 7),
+    equal_size=st.booleans(),
+)
+def test_karmarkar_karp_parts_label_the_same_sets(
+    costs: list[float], k: int, equal_size: bool
+) -> None:
+    """``karmarkar_karp_parts`` gives each item the index of its ``karmarkar_karp`` set (tied costs
+    included, where the merge order decides)."""
+    parts = karmarkar_karp_parts(costs, k, equal_size=equal_size).tolist()
+    sets = karmarkar_karp(costs, k, equal_size=equal_size)
+    assert parts == [next(j for j, s in enumerate(sets) if i in s) for i in range(len(costs))]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 300), max_size=25),
+    count=st.integers(1, 6),
+    budget=st.one_of(st.none(), st.integers(1, 600)),
+)
+def test_pack_by_budget_is_one_rank_of_pack_ranks_by_budget(
+    tokens: list[int], count: int, budget: int | None
+) -> None:
+    """One rank packed by ``pack_by_budget`` at the count ``pack_ranks_by_budget`` chose is that
+    rank's packing; at any count it is ``None`` or exactly ``count`` bins, every item once,
+    multi-item bins within the budget."""
+    packed = pack_ranks_by_budget([tokens], budget, count)
+    assert pack_by_budget(tokens, len(packed[0]), budget) == packed[0]
+    fits = pack_by_budget(tokens, count, budget)
+    if fits is not None:
+        assert len(fits) == count
+        assert sorted(i for b in fits for i in b) == list(range(len(tokens)))
+        assert all(
+            budget is None or len(b) < 2 or sum(tokens[i] for i in b) <= budget for b in fits
+        )

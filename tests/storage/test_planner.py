@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import gc
 from collections import Counter
+from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knitkit.storage import EncoderTopology, MiniBatchPlan, PlannerConfig, Topology, plan_minibatch
-from knitkit.storage.baselines.planner_timing import planner_ms
+from knitkit.storage.baselines import planner_timing
+from knitkit.storage.baselines.planner_timing import planner_figures, planner_ms
 from knitkit.storage.baselines.synthetic import synthetic_metas
 from knitkit.storage.planning.balance import karmarkar_karp, pack_ranks_by_budget
 from knitkit.storage.planning.cp import cp_chunks
@@ -146,6 +150,39 @@ def test_dp_balance_evens_out_quadratic_cost() -> None:
 def test_planner_ms_measures_the_contract_topology() -> None:
     """planner_ms plans DP32 x CP2 x TP4 for 4096 trajectories and returns a positive time."""
     assert planner_ms(repeats=1) > 0.0
+
+
+def test_planner_figures_come_from_a_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """planner_figures reports design.md's two keys, timed in a spawned child process: nothing
+    is planned in this process (a counting planner patched in here is never called)."""
+    calls: list[int] = []
+
+    def counting(*args: Any, **kwargs: Any) -> MiniBatchPlan:
+        calls.append(1)
+        return plan_minibatch(*args, **kwargs)
+
+    monkeypatch.setattr(planner_timing, "plan_minibatch", counting)
+    assert planner_timing.planner_ms(64, Topology(dp=2), repeats=1) > 0.0 and calls  # the spy works
+    calls.clear()
+    figures = planner_figures(repeats=1)
+    assert set(figures) == {"planner_ms", "planner_ms.dp128_16k"}
+    assert all(value > 0.0 for value in figures.values())
+    assert not calls
+
+
+def test_planner_leaves_the_garbage_collector_as_it_found_it() -> None:
+    """plan_minibatch pauses the collector while it runs (NOTE [ planner and the garbage
+    collector ]) and restores its state: on stays on, off (the caller's choice) stays off."""
+    metas = synthetic_metas(64, group_size=8)
+    assert gc.isenabled()
+    plan_minibatch(metas, Topology(dp=4, cp=2))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        plan_minibatch(metas, Topology(dp=4, cp=2))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 @settings(max_examples=100, deadline=None)

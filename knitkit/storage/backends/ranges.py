@@ -25,21 +25,31 @@ def check_ranges(
     if not spec.shape:
         raise IndexError(f"unit {key} is a scalar; read it whole (ranges=None), not {list(ranges)}")
     length = spec.shape[0]
-    out = tuple((_bound(key, a), _bound(key, b)) for a, b in ranges)
-    for start, stop in out:
+    out = []
+    in_order = True
+    stop_before = 0
+    for start, stop in ranges:
+        # `type(...) is int` first: the common case costs no isinstance checks (NOT bool)
+        start = start if type(start) is int else _bound(key, start)
+        stop = stop if type(stop) is int else _bound(key, stop)
         if not 0 <= start <= stop <= length:
             raise IndexError(
                 f"range [{start}, {stop}) is outside unit {key} of length {length}; "
                 "ranges must satisfy 0 <= start <= stop <= length"
             )
-    spans = sorted(r for r in out if r[0] < r[1])
-    for (a, b), (c, d) in itertools.pairwise(spans):
-        if c < b:
-            raise IndexError(
-                f"ranges [{a}, {b}) and [{c}, {d}) of unit {key} overlap; "
-                "each row may be read once per read"
-            )
-    return out
+        if start < stop:
+            in_order = in_order and start >= stop_before
+            stop_before = stop
+        out.append((start, stop))
+    if not in_order:  # rare: ranges out of order, or overlapping; sort to tell which
+        spans = sorted(r for r in out if r[0] < r[1])
+        for (a, b), (c, d) in itertools.pairwise(spans):
+            if c < b:
+                raise IndexError(
+                    f"ranges [{a}, {b}) and [{c}, {d}) of unit {key} overlap; "
+                    "each row may be read once per read"
+                )
+    return tuple(out)
 
 
 def _bound(key: UnitKey, value: object) -> int:

@@ -104,12 +104,15 @@ class SharedMemoryBackend(UnitBackend):
             raise ValueError(f"read_many got {len(reads)} reads but {len(outs)} outs; pair them")
         if not self._owner:
             self._follow_journal()
-        counter, slabs = self._reads, self._slabs
-        for unit, out in zip(reads, outs, strict=True):
-            slab_index, offset, spec = self._lookup(unit.key)
-            checked, dst = counter.open(unit.key, spec, unit.ranges, out)
-            copy_ranges(slabs[slab_index].array(offset, spec.dtype, spec.shape), checked, dst)
-            counter.bytes += dst.nbytes
+        slabs, units, moved = self._slabs, self._units, 0
+        try:
+            for unit, out in zip(reads, outs, strict=True):
+                slab_index, offset, spec = units.get(unit.key) or self._lookup(unit.key)
+                checked, dst = ReadCounter.open(unit.key, spec, unit.ranges, out)
+                copy_ranges(slabs[slab_index].array(offset, spec.dtype, spec.shape), checked, dst)
+                moved += dst.nbytes
+        finally:
+            self._reads.bytes += moved
 
     def view(self, key: UnitKey) -> np.ndarray:
         """Zero-copy view of a whole unit over the shared pages (read-only in readers)."""

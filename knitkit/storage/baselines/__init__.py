@@ -1,7 +1,7 @@
 """Not part of the data path: the sample-level baseline, synthetic payloads and planner timing, for benchmarks and tests."""
 
 from knitkit.storage.baselines.arena import Arena
-from knitkit.storage.baselines.planner_timing import planner_ms
+from knitkit.storage.baselines.planner_timing import planner_figures, planner_ms
 from knitkit.storage.baselines.sample_level import (
     LocalTrajectories,
     RankPosition,
@@ -16,6 +16,7 @@ __all__ = [
     "LocalTrajectories",
     "RankPosition",
     "pack_local",
+    "planner_figures",
     "planner_ms",
     "read_share",
     "share_reads",

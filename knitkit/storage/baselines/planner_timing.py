@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 from knitkit.storage.baselines.synthetic import synthetic_metas
 from knitkit.storage.planning.plan import EncoderTopology, Topology
@@ -16,8 +18,13 @@ def planner_ms(
     repeats: int = 5,
     seed: int = 0,
 ) -> float:
-    """Median wall time (ms) over ``repeats`` of ``plan_minibatch`` on a synthetic mini-batch,
-    after one untimed warm-up call.
+    """Median wall time (ms) over ``repeats`` calls of ``plan_minibatch`` on a synthetic
+    mini-batch, after one untimed warm-up call, in this process as it is (garbage collector on).
+
+    As in a trainer, the previous plan stays alive while the next is planned, and each timed call
+    includes the garbage collection its allocations leave due: ``plan_minibatch`` pauses the
+    collector (NOTE [ Planner and the garbage collector ]), so that collection runs at the next
+    allocation after it returns, which the timing makes.
 
     Default (design.md's ``planner_ms``): DP32 x CP2 x TP4, 4096 trajectories in GRPO groups of 8,
     lengths 1k-64k tokens, micro-batches of at most 64k tokens per consumer, one image per sample
@@ -27,10 +34,32 @@ def planner_ms(
     metas = synthetic_metas(num_trajectories, group_size=8, seed=seed)
     config = PlannerConfig(max_tokens_per_micro_batch=65536, keep_groups=True)
     encoders = (EncoderTopology("vision", dp=8),)
-    plan_minibatch(metas, topology, config, encoders)
+    previous = plan_minibatch(metas, topology, config, encoders)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        plan_minibatch(metas, topology, config, encoders)
+        plan = plan_minibatch(metas, topology, config, encoders)
+        held = [previous, plan]  # the next allocation: runs the collection the call left due
         times.append((time.perf_counter() - start) * 1e3)
+        del held
+        previous = plan  # the plan before is freed here, outside the timing
     return statistics.median(times)
+
+
+def planner_figures(repeats: int = 15, timeout_s: float = 600.0) -> dict[str, float]:
+    """design.md's ``planner_ms`` and ``planner_ms.dp128_16k``, timed in a fresh spawned process.
+
+    A fresh interpreter holds only knitkit and its imports, so neither a benchmark's earlier
+    phases (their heap, their threads) nor its warm caches change the figures; ``timeout_s``
+    bounds the wait for the child.
+    """
+    context = mp.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(_contract_figures, repeats).result(timeout=timeout_s)
+
+
+def _contract_figures(repeats: int) -> dict[str, float]:
+    return {
+        "planner_ms": planner_ms(repeats=repeats),
+        "planner_ms.dp128_16k": planner_ms(16384, Topology(dp=128, cp=2, tp=4), repeats=repeats),
+    }

@@ -14,14 +14,18 @@ import numpy as np
 #
 # A consumer must see a slot's payload and metadata complete once it sees PUBLISHED > seq, and a
 # producer must see a consumer's reads of a slot finished once it sees RELEASED[c] past it. On
-# x86-64 (TSO) aligned 8-byte stores become visible in program order and loads are not reordered
-# with older loads, so plain stores would do; on aarch64 (Grace Hopper) and other weak memory
-# models they are not: without ordering the PUBLISHED word can become visible before the data.
+# aarch64 (Grace Hopper) and other weak memory models plain accesses do not give that: without
+# ordering the PUBLISHED word can become visible before the data.
 #
-# We rely on a real release/acquire pair, not on the hardware: `store_release` is libatomic's
-# `__atomic_store_8(ptr, value, __ATOMIC_RELEASE)` (every load and store before it in program
-# order is visible to a thread that observes the stored value) and `load_acquire` is
-# `__atomic_load_8(ptr, __ATOMIC_ACQUIRE)` (no load or store after it is performed before it).
+# There `store_release` is libatomic's `__atomic_store_8(ptr, value, __ATOMIC_RELEASE)` (every
+# load and store before it in program order is visible to a thread that observes the stored
+# value) and `load_acquire` is `__atomic_load_8(ptr, __ATOMIC_ACQUIRE)` (no load or store after it
+# is performed before it). On x86-64 (TSO) every aligned 8-byte store IS a release store (stores
+# become visible in program order) and every aligned 8-byte load an acquire load (loads are not
+# reordered with older loads or stores), and each access here is a separate C call that the
+# compiler cannot move the payload's reads and writes across; so x86-64 uses plain accesses
+# through a memoryview: a quarter of a ctypes call's cost, which a consumer pays per micro-batch
+# right after it wakes from compute (a ctypes call costs ~40 us with cold caches there).
 # The hand-offs that use them (slot_ring.py, publication.py, consumer.py):
 #   producer  fill slot, write metadata  -> store_release(PUBLISHED, seq + 1)
 #   consumer  load_acquire(PUBLISHED)    -> read metadata and slot
@@ -29,8 +33,8 @@ import numpy as np
 #   producer  load_acquire(RELEASED[*])  -> overwrite the slot
 #   producer  write the error text       -> store_release(STATE, FAILED)
 # The word is aligned (8-byte offsets into a page-aligned mapping) and each has a single writer.
-# libatomic ships with GCC's runtime (package libatomic1); if it is missing, x86-64 falls back
-# to plain numpy stores and loads (TSO gives the same order), and other machines refuse to run.
+# libatomic ships with GCC's runtime (package libatomic1); machines other than x86-64 refuse to
+# run without it.
 
 _ACQUIRE, _RELEASE = 2, 3  # __ATOMIC_ACQUIRE, __ATOMIC_RELEASE
 
@@ -41,11 +45,12 @@ _Store = Callable[[int, int, int], None]
 
 @lru_cache(maxsize=1)
 def _libatomic() -> tuple[_Load, _Store] | None:
-    """libatomic's 8-byte load and store, or None on x86-64 without it (plain accesses do)."""
+    """libatomic's 8-byte acquire load and release store; None on x86-64, where plain aligned
+    accesses are both (see NOTE [ Publication ordering ])."""
+    if platform.machine() in ("x86_64", "AMD64"):
+        return None
     name = ctypes.util.find_library("atomic")
     if name is None:
-        if platform.machine() in ("x86_64", "AMD64"):
-            return None
         raise RuntimeError(
             f"libatomic is not installed on this {platform.machine()} machine; the shared-memory "
             "publication protocol needs its release/acquire operations (install libatomic1)"
@@ -71,16 +76,18 @@ class AtomicWords:
         ops = _libatomic()
         self._load: _Load | None = None if ops is None else ops[0]
         self._store: _Store | None = None if ops is None else ops[1]
+        self._plain = words.data.cast("B").cast("q")
+        """The words as plain 8-byte accesses (x86-64: acquire loads and release stores)."""
 
     def load_acquire(self, index: int) -> int:
         """Word ``index``; no later access of this thread is performed before this load."""
         if self._load is None:
-            return int(self._words[index])
+            return int(self._plain[index])
         return int(self._load(self._base + 8 * index, _ACQUIRE))
 
     def store_release(self, index: int, value: int) -> None:
         """Store ``value``; every earlier access of this thread is visible before it."""
         if self._store is None:
-            self._words[index] = value
+            self._plain[index] = value
         else:
             self._store(self._base + 8 * index, value, _RELEASE)

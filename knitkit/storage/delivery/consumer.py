@@ -88,7 +88,8 @@ class MicroBatchConsumer:
         """
         timeout_s = self._wait_timeout_s if timeout_s is None else timeout_s
         seq = self._next
-        self._wait_published(seq, timeout_s)
+        if self._ring.published <= seq:  # the usual look-ahead case skips the wait's set-up
+            self._wait_published(seq, timeout_s)
         layout = self._ring.read_meta(seq)
         buffer = self._ring.slot(seq, layout.nbytes).toreadonly()
         self._next += 1

@@ -42,7 +42,8 @@ from knitkit.types import MicroBatchLayout
 #   1. producer waits until min_c RELEASED[c] > seq - num_slots (every consumer released the
 #      slot's previous occupant), or STOP is set / the owner died / a holding consumer died (then
 #      it gives up);
-#   2. writes the payload into the slot, then the slot metadata (seq, layout as JSON: data only);
+#   2. writes the payload into the slot, then the slot metadata (seq, layout: data only, see
+#      layout_codec.py);
 #   3. stores PUBLISHED = seq + 1 last.
 # Consumer c wanting `seq` waits until PUBLISHED > seq, checks the slot's seq, and hands out
 # read-only zero-copy views; it stores RELEASED[c] = s + 1 for the highest s such that it has

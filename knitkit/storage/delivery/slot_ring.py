@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import mmap
 import os
 import secrets
+import struct
 import time
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -17,7 +16,8 @@ import numpy as np
 from knitkit.storage.backends.segments import check_segment_name
 from knitkit.storage.backends.slab import reserve
 from knitkit.storage.delivery.atomic_words import AtomicWords
-from knitkit.types import FieldView, MicroBatchLayout, UnitKey
+from knitkit.storage.delivery.layout_codec import LayoutDecodeError, decode_layout, encode_layout
+from knitkit.types import MicroBatchLayout
 
 # Segment layout and word ownership: see NOTE [ Micro-batch publication protocol ] in publication.py.
 
@@ -29,6 +29,8 @@ _RELEASED_W = 16
 """RELEASED[c] is word ``_RELEASED_W + c``; CONSUMER_PID[c] follows the RELEASED words."""
 _ERROR_BYTES = 4096
 _PAGE = 4096
+_META_HEADER = struct.Struct("<qq")
+"""Before each slot's layout record: the micro-batch's seq and the record's length."""
 HEARTBEAT_S = 0.05
 """How often an idle producer refreshes its heartbeat (a busy one beats on progress)."""
 
@@ -54,7 +56,8 @@ class RingSpec:
     num_consumers: int
     """TP ranks that read every micro-batch."""
     meta_bytes: int = 64 * 1024
-    """Capacity of one slot's layout as JSON (trajectory ids, cu_seqlens_padded, field views)."""
+    """Capacity of one slot's layout record (``layout_codec``: field views, cu_seqlens_padded,
+    trajectory ids)."""
 
     def __post_init__(self) -> None:
         check_segment_name(self.name)
@@ -103,6 +106,9 @@ class SlotRing:
         self.words = np.frombuffer(buf, np.int64, spec._num_words)
         self._atomic = AtomicWords(self.words)
         self._heartbeat = np.frombuffer(buf, np.float64, 1, 8 * _HEARTBEAT_W)
+        # offsets as plain ints: a consumer computes them per micro-batch right after waking
+        self._meta_at, self._data_at = spec._meta_offset, spec._data_offset
+        self._num_slots, self._meta_bytes = spec.num_slots, spec.meta_bytes
 
     @classmethod
     def create(cls, spec: RingSpec) -> SlotRing:
@@ -214,32 +220,40 @@ class SlotRing:
 
     # -- slots --
     def slot(self, seq: int, nbytes: int) -> memoryview:
-        start = self.spec._data_offset + (seq % self.spec.num_slots) * self.spec.slot_bytes
+        start = self._data_at + (seq % self._num_slots) * self.spec.slot_bytes
         return self._buf[start : start + nbytes]
 
     def write_meta(self, seq: int, layout: MicroBatchLayout) -> None:
         blob = encode_layout(layout)
-        if len(blob) + 16 > self.spec.meta_bytes:
+        if len(blob) + _META_HEADER.size > self.spec.meta_bytes:
             raise ValueError(
                 f"micro-batch {seq}: layout metadata takes {len(blob)} bytes, more than the "
                 f"ring's meta_bytes={self.spec.meta_bytes}; build the RingSpec with a larger one"
             )
-        start = self.spec._meta_offset + (seq % self.spec.num_slots) * self.spec.meta_bytes
-        self._buf[start + 16 : start + 16 + len(blob)] = blob
-        header = np.frombuffer(self._buf, np.int64, 2, start)
-        header[1] = len(blob)
-        header[0] = seq
+        start = self._meta_at + (seq % self._num_slots) * self._meta_bytes
+        body = start + _META_HEADER.size
+        self._buf[body : body + len(blob)] = blob
+        _META_HEADER.pack_into(self._buf, start, seq, len(blob))
 
     def read_meta(self, seq: int) -> MicroBatchLayout:
-        start = self.spec._meta_offset + (seq % self.spec.num_slots) * self.spec.meta_bytes
-        stored_seq, length = np.frombuffer(self._buf, np.int64, 2, start).tolist()
+        """The layout published with ``seq``, decoded as data (``layout_codec``) and checked to
+        lie inside one slot; ``RuntimeError`` naming the ring and the bad field otherwise."""
+        start = self._meta_at + (seq % self._num_slots) * self._meta_bytes
+        stored_seq, length = _META_HEADER.unpack_from(self._buf, start)
         if stored_seq != seq:
             raise RuntimeError(f"slot ring {self.spec.name!r}: slot holds {stored_seq}, not {seq}")
-        if not 0 <= length <= self.spec.meta_bytes - 16:
+        if not 0 <= length <= self._meta_bytes - _META_HEADER.size:
             raise RuntimeError(
                 f"slot ring {self.spec.name!r}: slot {seq} claims {length} metadata bytes"
             )
-        return decode_layout(bytes(self._buf[start + 16 : start + 16 + length]), self.spec.name)
+        body = start + _META_HEADER.size
+        try:
+            return decode_layout(self._buf[body : body + length].tobytes(), self.spec.slot_bytes)
+        except LayoutDecodeError as exc:
+            raise RuntimeError(
+                f"slot ring {self.spec.name!r}: malformed metadata of micro-batch {seq}: {exc}; "
+                "its producer wrote a corrupt record (restart the reorganizer)"
+            ) from None
 
     @property
     def heartbeat(self) -> float:
@@ -279,50 +293,6 @@ class SlotRing:
             raise RuntimeError(f"slot ring {self.spec.name!r}: only its owner may unlink it")
         with contextlib.suppress(FileNotFoundError):
             self._owner.unlink()
-
-
-def encode_layout(layout: MicroBatchLayout) -> bytes:
-    """A layout as JSON: data only, so a reader never runs code another process wrote."""
-    record: dict[str, object] = {}
-    for item in dataclasses.fields(MicroBatchLayout):
-        value = getattr(layout, item.name)
-        if item.name == "fields":
-            value = [[v.name, v.dtype, list(v.shape), v.offset] for v in value]
-        elif item.name == "units":
-            value = [str(key) for key in value]
-        elif isinstance(value, tuple):
-            value = list(value)
-        elif item.name == "extra":
-            value = dict(value)
-        record[item.name] = value
-    return json.dumps(record, separators=(",", ":")).encode()
-
-
-def decode_layout(blob: bytes, ring: str) -> MicroBatchLayout:
-    """Inverse of ``encode_layout``; rejects malformed records and dtypes holding objects."""
-    try:
-        record = json.loads(blob)
-        values: dict[str, object] = {}
-        for name, value in record.items():
-            if name == "fields":
-                value = tuple(
-                    FieldView(str(n), str(dtype), tuple(int(d) for d in shape), int(offset))
-                    for n, dtype, shape, offset in value
-                )
-            elif name == "units":
-                value = tuple(UnitKey.parse(key) for key in value)
-            elif isinstance(value, list):
-                value = tuple(value)
-            elif name == "extra" and not isinstance(value, dict):
-                raise TypeError(f"extra is a {type(value).__name__}")
-            values[name] = value
-        layout = MicroBatchLayout(**values)  # type: ignore[arg-type]
-        for view in layout.fields:
-            if np.dtype(view.dtype).hasobject or view.offset < 0:
-                raise ValueError(f"field {view.name!r} has dtype {view.dtype}")
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise RuntimeError(f"slot ring {ring!r}: malformed micro-batch metadata ({exc})") from None
-    return layout
 
 
 def unlink_ring(name: str) -> bool:

@@ -98,40 +98,44 @@ def unit_reads(
 def fill_generated(
     micro_batch: MicroBatchPlan, layout: MicroBatchLayout, views: Mapping[str, np.ndarray]
 ) -> None:
-    """Everything but the unit reads, a few array operations per micro-batch (not per token):
-    padding rows of per-token fields zeroed (one slice per padded sequence), ``position_ids``
-    (one arange plus a step function), the generated ``loss_mask`` and both ``cu_seqlens``."""
-    sequences = micro_batch.sequences
-    pads = []  # (first, stop) of each sequence's padding rows; few per micro-batch
-    offset = 0
-    for seq in sequences:
-        end = offset + seq.local_length
-        first = offset + sum(b - a for a, b in seq.read_ranges)
-        if first < end:
-            pads.append((first, end))
-        offset = end
-    for name in micro_batch.token_fields:
-        view = views[name]
-        for first, end in pads:
-            view[first:end] = 0
-    chunks = [c for s in sequences for c in s.chunks]
-    if chunks:
-        # position ids: chunk start + offset within the chunk, as one arange minus a step function
-        begin = np.array([a for a, _ in chunks], dtype=np.int64)
-        size = np.array([b - a for a, b in chunks], dtype=np.int64)
-        views[POSITION_IDS][:] = np.arange(int(size.sum())) + np.repeat(
-            begin - (np.cumsum(size) - size), size
-        )
+    """Everything but the unit reads, in one pass over the sequences with no temporary arrays:
+    padding rows of per-token fields zeroed (one slice per padded sequence and field),
+    ``position_ids`` (one ``np.add`` of a cached ramp per CP chunk), the generated ``loss_mask``
+    and both ``cu_seqlens``. The calls are per sequence, like the unit reads, never per token."""
+    padded_views = [views[name] for name in micro_batch.token_fields]
     if LOSS_MASK not in micro_batch.token_fields:
         mask = views[LOSS_MASK]
         mask.fill(1.0)
-        for first, end in pads:
-            mask[first:end] = 0.0
-    lengths = np.array([s.num_tokens for s in sequences], dtype=np.int64)
-    cu = views[CU_SEQLENS]
-    cu[0] = 0
-    np.cumsum(lengths, out=cu[1:])
+        padded_views.append(mask)
+    positions = views[POSITION_IDS]
+    ramp = _ramp(positions.shape[0])
+    offset = 0
+    cu = [0]
+    for seq in micro_batch.sequences:
+        real = 0
+        for start, stop in seq.chunks:
+            np.add(ramp[: stop - start], start, out=positions[offset : offset + stop - start])
+            real += max(0, min(stop, seq.num_tokens) - start)
+            offset += stop - start
+        first = offset - seq.local_length + real
+        if first < offset:
+            for view in padded_views:
+                view[first:offset] = 0
+        cu.append(cu[-1] + seq.num_tokens)
+    views[CU_SEQLENS][:] = cu
     views[CU_SEQLENS_PADDED][:] = layout.cu_seqlens_padded
+
+
+def _ramp(length: int) -> np.ndarray:
+    """``arange(length)`` as int64 from a module-level cache that only grows (read-only)."""
+    global _RAMP
+    if _RAMP.shape[0] < length:
+        _RAMP = np.arange(max(length, 2 * _RAMP.shape[0]), dtype=np.int64)
+        _RAMP.flags.writeable = False
+    return _RAMP
+
+
+_RAMP = np.arange(0, dtype=np.int64)
 
 
 def pack_into(

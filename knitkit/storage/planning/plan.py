@@ -5,11 +5,16 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from knitkit.types import MultimodalRef, SeqRange, TrajectoryMeta, UnitKey, UnitRead
+from knitkit.types import MultimodalRef, SeqRange, UnitKey, UnitRead
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_T = TypeVar("_T", bound="DataclassInstance")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,33 +79,20 @@ class SequenceSlice:
         return tuple((start, stop) for start, stop in clipped if stop > start)
 
 
-def make_slices(
-    items: Sequence[int],
-    trajectory_ids: Sequence[str],
-    num_tokens: Sequence[int],
-    padded_lengths: Sequence[int],
-    chunks: Sequence[tuple[SeqRange, ...]],
-    multimodal: Sequence[tuple[MultimodalRef, ...]],
-) -> list[SequenceSlice]:
-    """``SequenceSlice(trajectory_ids[i], num_tokens[i], ...)`` for every index ``i`` in ``items``.
+def build_many(cls: type[_T], count: int, *columns: Iterable[Any]) -> list[_T]:
+    """``count`` instances of the slotted dataclass ``cls``, field i of instance j from
+    ``columns[i]``'s j-th value, without running ``__init__`` (so no ``__post_init__`` checks).
 
     Equal to calling the class, two to three times as fast: it sets the slots directly instead of
-    through the frozen dataclass's per-field ``object.__setattr__``, one field at a time over all
-    slices so every loop runs in C. The planner builds one slice per (trajectory, CP rank), 32k
-    of them at DP128 x CP2 with 16k trajectories.
+    through a frozen dataclass's per-field ``object.__setattr__``, one field at a time over all
+    instances so every loop runs in C. The planner builds one ``SequenceSlice`` per (trajectory,
+    CP rank), 32k of them at DP128 x CP2 with 16k trajectories.
     """
-    out = list(map(object.__new__, itertools.repeat(SequenceSlice, len(items))))
-    columns = (trajectory_ids, num_tokens, padded_lengths, chunks, multimodal)
-    for setter, column in zip(_SLICE_SETTERS, columns, strict=True):
-        collections.deque(map(setter, out, map(column.__getitem__, items)), maxlen=0)
+    out = list(map(object.__new__, itertools.repeat(cls, count)))
+    names = [f.name for f in fields(cls)]
+    for name, column in zip(names, columns, strict=True):
+        collections.deque(map(getattr(cls, name).__set__, out, column), maxlen=0)
     return out
-
-
-_SLICE_SETTERS = tuple(
-    getattr(SequenceSlice, name).__set__
-    for name in ("trajectory_id", "num_tokens", "padded_length", "chunks", "multimodal")
-)
-"""The slot setters of ``SequenceSlice``'s fields, in ``make_slices``'s column order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,32 +250,6 @@ class MiniBatchPlan:
     @classmethod
     def from_json(cls, text: str) -> MiniBatchPlan:
         return _decode_plan(json.loads(text))
-
-
-def check_metas(metas: Iterable[TrajectoryMeta]) -> None:
-    """Planner input: every trajectory once, each multimodal input inside its trajectory's tokens.
-
-    Raises ``ValueError`` naming the trajectory (and the input) otherwise.
-    """
-    metas = list(metas)
-    ids = [meta.trajectory_id for meta in metas]
-    if len(set(ids)) != len(ids):
-        seen: set[str] = set()
-        for tid in ids:
-            if tid in seen:
-                raise ValueError(
-                    f"trajectory {tid!r} is given twice; pass each trajectory's "
-                    "metadata once (its tokens would be delivered twice)"
-                )
-            seen.add(tid)
-    for meta in metas:
-        for ref in meta.multimodal:
-            end = ref.token_start + ref.num_tokens
-            if ref.token_start < 0 or ref.num_tokens < 0 or end > meta.num_tokens:
-                raise ValueError(
-                    f"trajectory {meta.trajectory_id!r}: multimodal input {ref.key} covers "
-                    f"tokens [{ref.token_start}, {end}) outside its {meta.num_tokens} tokens"
-                )
 
 
 def _encode(value: Any) -> Any:

@@ -6,12 +6,14 @@ import gc
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain, compress, repeat
 from operator import attrgetter
 
 import numpy as np
 
-from knitkit.storage.planning.balance import CostModel, karmarkar_karp, pack_ranks_by_budget
-from knitkit.storage.planning.cp import padded_lengths, rank_chunks
+from knitkit.storage.planning.balance import CostModel, karmarkar_karp_parts, pack_ranks
+from knitkit.storage.planning.columns import MetaColumns
+from knitkit.storage.planning.cp import chunks_by_rank, padded_lengths
 from knitkit.storage.planning.plan import (
     ConsumerPlan,
     EncoderPlan,
@@ -19,11 +21,11 @@ from knitkit.storage.planning.plan import (
     EncoderTopology,
     MicroBatchPlan,
     MiniBatchPlan,
+    SequenceSlice,
     Topology,
-    check_metas,
-    make_slices,
+    build_many,
 )
-from knitkit.types import TrajectoryMeta, UnitKey
+from knitkit.types import MultimodalRef, TrajectoryMeta
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,8 +84,16 @@ def plan_minibatch(
     Trajectories with ``accepted=False`` are dropped. Every DP rank gets the same number of
     micro-batches; every real token lands on exactly one (DP, CP) consumer.
     """
-    # Planning allocates tens of thousands of small acyclic objects; the cyclic GC would
-    # scan them repeatedly for nothing (about a quarter of the time at 4096 trajectories).
+    # NOTE [ Planner and the garbage collector ]: a plan is some 4 tracked objects per
+    # (trajectory, CP rank) (a slice and its chunk tuples), 130k at DP128 x CP2 with 16k
+    # trajectories, none in a cycle. With the collector on, every 700 allocations would rescan
+    # the young ones and, in a small heap, whole-heap collections would rescan the plan built so
+    # far (up to half the planner's time at 16k in a fresh interpreter). Paused, the collector
+    # scans them once, at the first allocation after the call (at most one young-generation
+    # pass, a few ms at 16k; less when an older plan was freed meanwhile, as freeing lowers the
+    # count): the caller pays that, and ``planner_ms`` counts it. The pause is process-wide
+    # (other threads' garbage waits for it too); a collector the caller disabled stays
+    # disabled.
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -100,44 +110,89 @@ def _plan(
     encoders: Sequence[EncoderTopology],
     minibatch_id: str,
 ) -> MiniBatchPlan:
-    check_metas(metas)
-    metas = [m for m in metas if m.accepted]
-    # Column lists, read with C-level attrgetters: everything the loops below index.
-    tids = list(map(attrgetter("trajectory_id"), metas))
-    num_tokens = list(map(attrgetter("num_tokens"), metas))
-    multimodal = list(map(attrgetter("multimodal"), metas))
-    lengths = np.array(num_tokens, dtype=np.int64)
+    columns = MetaColumns.of(metas)
+    lengths = np.array(columns.num_tokens, dtype=np.int64)
     padded = padded_lengths(lengths, topology.pad_multiple * config.pad_multiple)
-    per_rank = _balance_dp(metas, config.cost(lengths), topology.dp, config.keep_groups)
-    local = (padded // topology.cp).tolist()
-    micro = pack_ranks_by_budget(
-        [[local[i] for i in items] for items in per_rank],
+    ranks = _balance_dp(columns, config.cost(lengths), topology.dp, config.keep_groups)
+    count, order, sizes = _micro_batches(
+        ranks,
+        padded // topology.cp,
+        topology.dp,
         config.max_tokens_per_micro_batch,
         config.min_micro_batches,
     )
-    # The loops below build one SequenceSlice per (trajectory, CP rank), the planner's main
-    # cost at 4096 trajectories (make_slices builds them in C-level passes).
-    padded_list = padded.tolist()
-    chunks_by_cp = [rank_chunks(padded, topology.cp, r) for r in range(topology.cp)]
-    consumers = []
-    for dp_rank, items in enumerate(per_rank):
-        for cp_rank in range(topology.cp):
-            chunks = chunks_by_cp[cp_rank]
-            slices = make_slices(items, tids, num_tokens, padded_list, chunks, multimodal)
-            batches = tuple(
-                MicroBatchPlan(
-                    index,
-                    tuple([slices[j] for j in bin_]),
-                    config.token_fields,
-                    config.scalar_fields,
-                )
-                for index, bin_ in enumerate(micro[dp_rank])
-            )
-            consumers.append(ConsumerPlan(dp_rank, cp_rank, batches))
+    consumers = _consumers(columns, padded, order, sizes, count, topology, config)
     encoder_plans = tuple(
-        plan_encoder(metas, e, config.encoder_max_cost_per_micro_batch) for e in encoders
+        _plan_encoder(columns.multimodal, e, config.encoder_max_cost_per_micro_batch)
+        for e in encoders
     )
-    return MiniBatchPlan(minibatch_id, topology, tuple(consumers), encoder_plans)
+    return MiniBatchPlan(minibatch_id, topology, consumers, encoder_plans)
+
+
+def _balance_dp(columns: MetaColumns, costs: np.ndarray, dp: int, keep_groups: bool) -> np.ndarray:
+    """Each trajectory's DP rank: KK with equal set sizes, over trajectories or GRPO groups."""
+    if not keep_groups:
+        return karmarkar_karp_parts(costs, dp, equal_size=True)
+    samples = columns.sample_ids
+    code = {sample: i for i, sample in enumerate(dict.fromkeys(samples))}  # first-seen order
+    groups = np.fromiter(map(code.__getitem__, samples), dtype=np.int64, count=len(samples))
+    group_costs = np.bincount(groups, weights=costs, minlength=len(code))
+    return karmarkar_karp_parts(group_costs, dp, equal_size=True)[groups]
+
+
+def _micro_batches(
+    ranks: np.ndarray, tokens: np.ndarray, dp: int, budget: int | None, min_count: int
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """Pack every rank's items (ascending) into the same number of micro-batches of at most
+    ``budget`` tokens (``pack_ranks_by_budget``); ``ranks[i]`` is item i's rank.
+
+    Returns that count, the items in plan order (rank, micro-batch, ascending index) and the
+    number of items of each of the ``dp * count`` micro-batches, rank-major.
+    """
+    by_rank = np.argsort(ranks, kind="stable")
+    rank = ranks[by_rank]
+    per_rank = np.bincount(ranks, minlength=dp)
+    position = np.arange(len(rank)) - np.repeat(np.cumsum(per_rank) - per_rank, per_rank)
+    matrix = np.full((dp, int(per_rank.max(initial=0))), -1, dtype=np.int64)
+    matrix[rank, position] = tokens[by_rank]
+    count, bins = pack_ranks(matrix, budget, min_count)
+    batch = rank * count + bins[rank, position]
+    order = by_rank[np.argsort(batch, kind="stable")]
+    return count, order, np.bincount(batch, minlength=dp * count)
+
+
+def _consumers(
+    columns: MetaColumns,
+    padded: np.ndarray,
+    order: np.ndarray,
+    sizes: np.ndarray,
+    count: int,
+    topology: Topology,
+    config: PlannerConfig,
+) -> tuple[ConsumerPlan, ...]:
+    """Every (DP, CP) consumer's micro-batches, DP-major, from the trajectories in plan order and
+    the micro-batch sizes, built column-wise (``build_many``): one ``SequenceSlice`` per
+    (trajectory, CP rank) is the planner's main cost."""
+    seq = order.tolist()
+    ids = list(map(columns.trajectory_ids.__getitem__, seq))
+    tokens = list(map(columns.num_tokens.__getitem__, seq))
+    multimodal = list(map(columns.multimodal.__getitem__, seq))
+    lengths = padded[order]
+    padded_list = lengths.tolist()
+    cuts = _cuts(sizes)
+    index = list(range(count)) * topology.dp
+    fields = (repeat(config.token_fields), repeat(config.scalar_fields))
+    by_cp = []
+    for chunks in chunks_by_rank(lengths, topology.cp):
+        slices = build_many(SequenceSlice, len(seq), ids, tokens, padded_list, chunks, multimodal)
+        sequences = map(tuple, map(slices.__getitem__, cuts))
+        by_cp.append(build_many(MicroBatchPlan, len(cuts), index, sequences, *fields))
+    consumers: list[ConsumerPlan] = []
+    for dp_rank in range(topology.dp):
+        for cp_rank, micro_batches in enumerate(by_cp):
+            mine = tuple(micro_batches[dp_rank * count : (dp_rank + 1) * count])
+            consumers.append(ConsumerPlan(dp_rank, cp_rank, mine))
+    return tuple(consumers)
 
 
 def plan_encoder(
@@ -150,46 +205,45 @@ def plan_encoder(
     Independent of the backbone: a unit shared by n trajectories is encoded once, on one rank.
     A unit's cost is ``MultimodalRef.cost``, or its token count when the cost is 0.
     """
-    # Keyed by (owner, field) tuples: UnitKey's own order and equality, hashed in C.
-    costs: dict[tuple[str, str], float] = {}
-    units: dict[tuple[str, str], UnitKey] = {}
-    kinds = encoder.kinds
-    for meta in metas:
-        for ref in meta.multimodal:
-            key = ref.key
-            pair = (key.owner, key.field)
-            if key.field in kinds and pair not in costs:
-                costs[pair] = ref.cost or float(ref.num_tokens)
-                units[pair] = key
-    pairs = sorted(costs)
-    keys = [units[p] for p in pairs]
-    unit_costs = [costs[p] for p in pairs]
-    per_rank = karmarkar_karp(unit_costs, encoder.dp)
+    multimodal = list(map(attrgetter("multimodal"), metas))
+    return _plan_encoder(multimodal, encoder, max_cost_per_micro_batch)
+
+
+def _plan_encoder(
+    multimodal: Sequence[tuple[MultimodalRef, ...]],
+    encoder: EncoderTopology,
+    max_cost_per_micro_batch: float | None,
+) -> EncoderPlan:
+    """``plan_encoder`` on the mini-batch's multimodal column."""
+    refs = list(chain.from_iterable(multimodal))
+    keys = list(map(attrgetter("key"), refs))
+    kinds = list(map(attrgetter("field"), keys))
+    wanted = list(map(encoder.kinds.__contains__, kinds))
+    if not all(wanted):
+        refs, keys, kinds = (list(compress(c, wanted)) for c in (refs, keys, kinds))
+    # Keyed by (owner, field) tuples: UnitKey's own order and equality, hashed in C; filled
+    # backwards so each unit keeps its first reference.
+    pairs = list(zip(map(attrgetter("owner"), keys), kinds, strict=True))
+    first = dict(zip(reversed(pairs), reversed(refs), strict=True))
+    unique = list(map(first.__getitem__, sorted(first)))
+    cost = np.fromiter(map(attrgetter("cost"), unique), dtype=np.float64, count=len(unique))
+    tokens = np.fromiter(map(attrgetter("num_tokens"), unique), dtype=np.float64, count=len(unique))
+    cost = np.where(cost != 0, cost, tokens)
+    keys = list(map(attrgetter("key"), unique))
+    parts = karmarkar_karp_parts(cost, encoder.dp)
     budget = None if max_cost_per_micro_batch is None else math.ceil(max_cost_per_micro_batch)
-    whole = [math.ceil(c) for c in unit_costs]
-    micro = pack_ranks_by_budget([[whole[i] for i in items] for items in per_rank], budget)
+    whole = np.ceil(cost).astype(np.int64)
+    count, order, sizes = _micro_batches(parts, whole, encoder.dp, budget, 1)
+    planned = list(map(keys.__getitem__, order.tolist()))
+    batches = [tuple(planned[cut]) for cut in _cuts(sizes)]
     ranks = tuple(
-        EncoderRankPlan(
-            encoder.name, r, tuple(tuple(keys[items[j]] for j in bin_) for bin_ in micro[r])
-        )
-        for r, items in enumerate(per_rank)
+        EncoderRankPlan(encoder.name, r, tuple(batches[r * count : (r + 1) * count]))
+        for r in range(encoder.dp)
     )
     return EncoderPlan(encoder, ranks)
 
 
-def _balance_dp(
-    metas: Sequence[TrajectoryMeta], costs: np.ndarray, dp: int, keep_groups: bool
-) -> list[list[int]]:
-    """Trajectory indices per DP rank: KK with equal set sizes, over trajectories or GRPO groups."""
-    if not keep_groups:
-        return karmarkar_karp(costs.tolist(), dp, equal_size=True)
-    index: dict[str, int] = {}
-    codes = [index.setdefault(meta.sample_id, len(index)) for meta in metas]
-    members: list[list[int]] = [[] for _ in index]
-    for i, code in enumerate(codes):
-        members[code].append(i)
-    group_costs = np.bincount(codes, weights=costs, minlength=len(index)).tolist()
-    return [
-        sorted(i for g in part for i in members[g])
-        for part in karmarkar_karp(group_costs, dp, equal_size=True)
-    ]
+def _cuts(sizes: np.ndarray) -> list[slice]:
+    """Slices cutting a sequence into consecutive runs of ``sizes`` items."""
+    stops = np.cumsum(sizes)
+    return list(map(slice, (stops - sizes).tolist(), stops.tolist()))
