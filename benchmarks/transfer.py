@@ -587,11 +587,12 @@ def _submit(reorganizers: list[ReorganizerProcess], plan: MiniBatchPlan) -> None
 
 
 def delivered_fraction(work: Workload, repeats: int) -> dict[str, float]:
-    """Median over (DP, CP) groups and steps of the bytes the group's ranks receive / (median
-    plan time of the step + median time of its reorganizer reading and packing every
-    micro-batch into a ring and a consumer taking them), over single-thread memcpy bandwidth
-    (``memcpy_ceiling``, timed alternately with the group's deliveries). Runs in this process
-    with the real Reorganizer, Publisher, ring and consumer.
+    """Median over steps of the bytes the step delivers to its (DP, CP) groups / (median plan
+    time of the step, counted once as the plan is made once for every rank, + the sum over its
+    groups of the median time of the group's reorganizer reading and packing every micro-batch
+    into a ring and a consumer taking them), over single-thread memcpy bandwidth
+    (``memcpy_ceiling``, timed alternately with the deliveries). Runs in this process with the
+    real Reorganizer, Publisher, ring and consumer.
 
     Deliveries of one group repeat back to back, so part of their 2 x ~15 MB (stored units and
     ring slots) stays in the last-level cache; ``.cold`` times each delivery right after the
@@ -609,6 +610,7 @@ def delivered_fraction(work: Workload, repeats: int) -> dict[str, float]:
             plan_minibatch(metas, TOPOLOGY, work.config, (ENCODER,))
 
         (plan_s,) = median_seconds([replan], repeats, time.thread_time)
+        step_bytes, spent = 0, {suffix: plan_s for suffix in rates}
         for group in plan.consumers:
             schema = store.schema(group.micro_batches[0].sequences[0].trajectory_id)
             layouts = [pack_layout(mb, schema) for mb in group.micro_batches]
@@ -632,10 +634,12 @@ def delivered_fraction(work: Workload, repeats: int) -> dict[str, float]:
             consumer.close()
             ring.close()
             ring.unlink()
-            nbytes = sum(layout.nbytes for layout in layouts)
-            rates[""].append(nbytes / (plan_s + warm_s))
-            rates[".cold"].append(nbytes / (plan_s + cold_s))
+            step_bytes += sum(layout.nbytes for layout in layouts)
+            spent[""] += warm_s
+            spent[".cold"] += cold_s
             memcpys.append(copy_bytes / copy_s)
+        for suffix, seconds in spent.items():
+            rates[suffix].append(step_bytes / seconds)
     memcpy = statistics.median(memcpys)
     figures = {"memcpy_gbps": memcpy / 1e9}
     for suffix, rate in rates.items():

@@ -35,7 +35,7 @@ def _listeners():
 """
 
 
-def _listeners_of(body: str, timeout_s: float = 240.0) -> list[tuple[str, str, int]]:
+def _listeners_of(body: str, timeout_s: float = 600.0) -> list[tuple[str, str, int]]:
     """Run ``body`` (which calls ``_listeners()`` while its runtime is up) in a fresh process."""
     script = _LISTENERS + textwrap.dedent(body)
     done = subprocess.run(
@@ -117,7 +117,7 @@ def test_mooncake_on_loopback_refuses_to_open_wildcard_listeners() -> None:
                 raise AssertionError("MooncakeBackend started wildcard listeners without opt-in")
             _listeners()
         """,
-        timeout_s=120.0,
+        timeout_s=600.0,
     )
     assert listeners and all(entry[0] == "mooncake_master" for entry in listeners), listeners
     assert _off_loopback(listeners) == [], listeners
@@ -137,7 +137,7 @@ def test_mooncake_opt_in_opens_exactly_the_documented_wildcard_listeners() -> No
             _listeners()
             backend.close()
         """,
-        timeout_s=120.0,
+        timeout_s=600.0,
     )
     master = [entry for entry in listeners if entry[0] == "mooncake_master"]
     assert len(master) == 2 and _off_loopback(master) == [], listeners

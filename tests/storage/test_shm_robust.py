@@ -167,6 +167,9 @@ def test_segments_of_a_sigkilled_owner_are_reclaimed(tmp_path: Path) -> None:
 
 
 def _owner_until_signalled(directory: str, conn) -> None:
+    # Python's own SIGINT handling, whatever the test runner inherited (a shell's background
+    # job starts with SIGINT ignored, and children keep that)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     backend = SharedMemoryBackend(slab_bytes=1 << 16, directory=directory, sweep=False)
     backend.put(KEY, np.arange(8, dtype=np.int32))
     conn.send("ready")
