@@ -52,13 +52,10 @@ from knitkit.storage import (
     EncoderTopology,
     MiniBatchPlan,
     PlannerConfig,
-    Publisher,
-    Reorganizer,
     SharedMemoryBackend,
     Topology,
     TrajectoryStore,
     UnitBackend,
-    pack_layout,
     plan_minibatch,
 )
 from knitkit.storage.baselines import (
@@ -68,13 +65,20 @@ from knitkit.storage.baselines import (
     pack_local,
     planner_figures,
     read_share,
+    receive_multimodal,
+    send_multimodal,
     share_reads,
     synthetic_trajectories,
 )
-from knitkit.storage.baselines.sample_level import receive_multimodal, send_multimodal
-from knitkit.storage.delivery.consumer import MicroBatchConsumer
-from knitkit.storage.delivery.reorganizer_process import ReorganizerProcess
-from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing
+from knitkit.storage.delivery import (
+    MicroBatchConsumer,
+    Publisher,
+    Reorganizer,
+    ReorganizerProcess,
+    RingSpec,
+    SlotRing,
+)
+from knitkit.storage.planning import pack_layout
 from knitkit.types import UnitKey
 
 FIELDS = ("tokens", "logprobs", "loss_mask", "routing", "topp_mask")
@@ -682,7 +686,8 @@ def sliced_read_fractions(sizes: Sizes) -> dict[str, float]:
     bytes from the same place: a memcpy out of the stored array (memory, shm) or a raw
     ``os.preadv`` of the same file ranges (disk, offsets from the header) from the page cache,
     and cold (``disk_cold``: both after ``posix_fadvise(DONTNEED)`` of the shard files)."""
-    from knitkit.storage import MemoryBackend, SafetensorsBackend, cp_chunks
+    from knitkit.storage import MemoryBackend, SafetensorsBackend
+    from knitkit.storage.planning import cp_chunks
 
     rng = np.random.default_rng(0)
     shape = (sizes.sliced_units, sizes.sliced_rows, 48, 8)
@@ -791,7 +796,7 @@ def _raw_preads(
 ) -> tuple[Callable[[], None], list[int]]:
     """Plain ``os.preadv`` of the same file ranges the disk backend reads (offsets from headers),
     and the file descriptors to close afterwards."""
-    from knitkit.storage.backends.shard_header import read_header
+    from knitkit.storage.backends import read_header
 
     entries = {}
     for shard in glob.glob(os.path.join(directory, "*.safetensors")):

@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from knitkit.storage import UnitBackend, cp_chunks
+from knitkit.storage import UnitBackend
+from knitkit.storage.planning import cp_chunks
 from knitkit.types import UnitKey, UnitRead
 
 ROUTING_ROW = (48, 8)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +17,10 @@ FACES = {
     "knitkit.admission",
     "knitkit.admission.replay",
     "knitkit.storage",
+    "knitkit.storage.backends",
     "knitkit.storage.baselines",
+    "knitkit.storage.delivery",
+    "knitkit.storage.planning",
     "knitkit.microbatch_iter",
     "knitkit.encoder_dedup",
 }
@@ -52,6 +57,43 @@ def test_demo_and_adapters_import_parts_only_through_faces() -> None:
         if _part_of(module) and module not in FACES
     ]
     assert not bad, "import these names from the part's face instead:\n" + "\n".join(bad)
+
+
+def test_benchmarks_import_parts_only_through_faces() -> None:
+    """Benchmarks measure what users get: they import each part through a public face."""
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in _py_files("benchmarks")
+        for line, module in _imports(path)
+        if _part_of(module) and module not in FACES
+    ]
+    assert not bad, "import these names from the part's face instead:\n" + "\n".join(bad)
+
+
+def test_the_storage_user_face_is_small() -> None:
+    """``knitkit.storage`` is the user's face (about 25 names); helpers for backend authors and
+    adapters live on their own faces, internals on none."""
+    import knitkit.storage
+
+    assert len(knitkit.storage.__all__) <= 25, sorted(knitkit.storage.__all__)
+    for internal in ("Publisher", "SlotRing", "Assignment", "ReadCounter", "check_ranges"):
+        assert internal not in knitkit.storage.__all__
+
+
+def test_library_parts_do_not_load_baselines_or_the_demo() -> None:
+    """Benchmark-only code (``knitkit.storage.baselines``) and the demo stay off the import path
+    of the four library parts."""
+    code = (
+        "import sys, knitkit.admission, knitkit.storage, knitkit.storage.backends, "
+        "knitkit.storage.planning, knitkit.storage.delivery, knitkit.microbatch_iter, "
+        "knitkit.encoder_dedup\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('knitkit.storage.baselines', "
+        "'knitkit.demo', 'knitkit.admission.replay'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_parts_import_no_other_part() -> None:

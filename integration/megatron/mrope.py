@@ -18,7 +18,7 @@ import torch
 from knitkit.integration.megatron.batch import Batch
 from knitkit.integration.megatron.te import batch_for
 from knitkit.microbatch_iter import MicroBatch
-from knitkit.storage import rank_chunks
+from knitkit.storage.planning import rank_chunks
 
 MROPE_FIELD = "mrope_position_ids"
 """The stored per-token field: int64 ``[T, 3]`` (temporal, height, width) per token."""

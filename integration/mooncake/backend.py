@@ -14,9 +14,9 @@ from mooncake.engine import TransferEngine
 from mooncake.store import MooncakeDistributedStore, ReplicaStatus, ReplicateConfig
 
 from knitkit.integration.loopback import is_loopback
-from knitkit.storage import (
+from knitkit.storage import UnitBackend
+from knitkit.storage.backends import (
     ReadCounter,
-    UnitBackend,
     UnitSpec,
     check_replacement,
     check_unit,

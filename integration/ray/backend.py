@@ -10,14 +10,8 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from knitkit.storage import (
-    ReadCounter,
-    UnitBackend,
-    UnitSpec,
-    check_replacement,
-    check_unit,
-    spec_of,
-)
+from knitkit.storage import UnitBackend
+from knitkit.storage.backends import ReadCounter, UnitSpec, check_replacement, check_unit, spec_of
 from knitkit.types import SeqRange, UnitKey
 
 _Boxed = list[ray.ObjectRef]

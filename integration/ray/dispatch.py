@@ -17,8 +17,8 @@ from knitkit.storage import (
     RingSpec,
     Topology,
     UnitBackend,
-    unlink_ring,
 )
+from knitkit.storage.delivery import unlink_ring
 
 from .reorganizer import ReorganizerActor
 

@@ -8,16 +8,8 @@ import traceback
 
 import ray
 
-from knitkit.storage import (
-    ConsumerPlan,
-    EncoderRankPlan,
-    Publisher,
-    Reorganizer,
-    RingClosedError,
-    RingSpec,
-    SlotRing,
-    UnitBackend,
-)
+from knitkit.storage import ConsumerPlan, EncoderRankPlan, RingSpec, UnitBackend
+from knitkit.storage.delivery import Publisher, Reorganizer, RingClosedError, SlotRing
 
 # NOTE [ Reorganizer actor lifetime ]
 #

@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from knitkit.storage import ReadCounter, UnitBackend, UnitSpec, check_unit, copy_ranges
+from knitkit.storage import UnitBackend
+from knitkit.storage.backends import ReadCounter, UnitSpec, check_unit, copy_ranges
 from knitkit.types import SeqRange, UnitKey
 
 UNIT_FIELD = "unit"

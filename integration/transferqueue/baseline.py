@@ -7,18 +7,15 @@ from typing import Any
 
 import numpy as np
 
-from knitkit.storage import (
-    MicroBatchPlan,
-    MiniBatchPlan,
+from knitkit.storage import MicroBatchPlan, MiniBatchPlan, Topology, Trajectory
+from knitkit.storage.baselines import Arena, LocalTrajectories, RankPosition
+from knitkit.storage.planning import (
     SequenceSlice,
-    Topology,
-    Trajectory,
     cp_chunks,
     pack_into,
     pack_layout,
     padded_lengths,
 )
-from knitkit.storage.baselines import Arena, LocalTrajectories, RankPosition
 from knitkit.types import MicroBatchLayout, UnitKey
 
 from .backend import TransferQueueConnection

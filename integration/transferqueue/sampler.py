@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from transfer_queue import BaseSampler
 
 from knitkit.admission import AdmissionConfig, AdmissionController
-from knitkit.storage import karmarkar_karp
+from knitkit.storage.planning import karmarkar_karp
 from knitkit.types import TrajectoryMeta
 
 TAG_KEYS = ("source", "sample_id", "rollout_step", "num_tokens", "min_version", "max_version")

@@ -21,12 +21,12 @@ from knitkit.microbatch_iter import MicroBatchIterator, PackedMicroBatch
 from knitkit.storage import (
     MemoryBackend,
     PlannerConfig,
-    SequenceSlice,
     Topology,
     TrajectoryStore,
     pack,
     plan_minibatch,
 )
+from knitkit.storage.planning import SequenceSlice
 
 IMAGE_PAD = 151655
 FIELDS = ("tokens", "labels", "loss_mask", "logprobs")

@@ -28,7 +28,8 @@ import pytest
 import torch
 from dist import World
 
-from knitkit.storage import MicroBatchPlan, SequenceSlice
+from knitkit.storage import MicroBatchPlan
+from knitkit.storage.planning import SequenceSlice
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 

@@ -34,10 +34,10 @@ from knitkit.storage import (
     Topology,
     Trajectory,
     TrajectoryStore,
-    cp_chunks,
     pack,
     plan_minibatch,
 )
+from knitkit.storage.planning import cp_chunks
 from knitkit.types import UnitKey
 
 ATOL, RTOL = 1e-5, 1e-4

@@ -20,10 +20,10 @@ from knitkit.storage import (
     ReorganizerProcess,
     RingSpec,
     SharedMemoryBackend,
-    SlotRing,
     Topology,
     plan_minibatch,
 )
+from knitkit.storage.delivery import SlotRing
 from knitkit.types import TrajectoryMeta, UnitKey
 
 LENGTHS = [90, 140, 60, 200, 120, 80, 170, 50]

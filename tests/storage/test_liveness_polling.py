@@ -6,9 +6,10 @@ import time
 
 import pytest
 
+from knitkit.storage.backends.segments import pid_alive
 from knitkit.storage.delivery import consumer as consumer_module
 from knitkit.storage.delivery.consumer import MicroBatchConsumer
-from knitkit.storage.delivery.liveness import Backoff, pid_alive
+from knitkit.storage.delivery.liveness import Backoff
 from knitkit.storage.delivery.publication import Publisher
 from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing
 

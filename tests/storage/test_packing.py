@@ -13,11 +13,10 @@ from knitkit.storage import (
     Topology,
     TrajectoryStore,
     pack,
-    pack_into,
-    pack_layout,
     plan_minibatch,
 )
 from knitkit.storage.baselines.synthetic import synthetic_trajectories
+from knitkit.storage.planning import pack_into, pack_layout
 from knitkit.storage.planning.plan import MicroBatchPlan, SequenceSlice
 
 FIELDS = ("tokens", "logprobs", "loss_mask", "routing", "topp_mask")

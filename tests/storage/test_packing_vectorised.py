@@ -7,16 +7,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knitkit.storage import (
-    MemoryBackend,
-    PlannerConfig,
-    Topology,
-    TrajectoryStore,
-    pack_into,
-    pack_layout,
-    plan_minibatch,
-)
+from knitkit.storage import MemoryBackend, PlannerConfig, Topology, TrajectoryStore, plan_minibatch
 from knitkit.storage.baselines.synthetic import synthetic_trajectories
+from knitkit.storage.planning import pack_into, pack_layout
 from knitkit.storage.planning.packing import pack_into_batched
 from knitkit.storage.planning.plan import MicroBatchPlan
 from knitkit.types import MicroBatchLayout, UnitKey, UnitRead

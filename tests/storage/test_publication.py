@@ -8,13 +8,13 @@ import time
 
 import pytest
 
+from knitkit.storage.backends.segments import pid_alive
 from knitkit.storage.delivery.atomic_words import AtomicWords, _libatomic
 from knitkit.storage.delivery.consumer import (
     MicroBatchConsumer,
     ReorganizerDiedError,
     ReorganizerError,
 )
-from knitkit.storage.delivery.liveness import pid_alive
 from knitkit.storage.delivery.publication import Publisher
 from knitkit.storage.delivery.slot_ring import (
     _PUBLISHED_W,

@@ -18,13 +18,13 @@ import pytest
 from delivery_payloads import fill_backend, make_metas, plan_for
 from stalling_backend import StallingBackend
 
+from knitkit.storage.backends.segments import pid_alive
 from knitkit.storage.backends.shm import SharedMemoryBackend
 from knitkit.storage.delivery.consumer import (
     MicroBatchConsumer,
     ReorganizerDiedError,
     ReorganizerError,
 )
-from knitkit.storage.delivery.liveness import pid_alive
 from knitkit.storage.delivery.publication import Publisher
 from knitkit.storage.delivery.reorganizer_process import ReorganizerProcess
 from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing

@@ -18,12 +18,22 @@ import contextlib
 import os
 import re
 
-from knitkit.storage.delivery.liveness import pid_alive
-
 SHM_DIR = "/dev/shm"
 _MAX_NAME = 255
 _OWNED = re.compile(r"^knitkit[-_](\d+)[-_][0-9a-f]{8}([-_].*)?$")
 """Backend segments (``knitkit-<pid>-<hex>-...``) and slot rings (``knitkit_<pid>_<hex>``)."""
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` runs on this node and is not a zombie."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
 
 
 def check_segment_name(name: str) -> str:

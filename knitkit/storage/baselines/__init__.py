@@ -7,6 +7,8 @@ from knitkit.storage.baselines.sample_level import (
     RankPosition,
     pack_local,
     read_share,
+    receive_multimodal,
+    send_multimodal,
     share_reads,
 )
 from knitkit.storage.baselines.synthetic import synthetic_metas, synthetic_trajectories
@@ -19,6 +21,8 @@ __all__ = [
     "planner_figures",
     "planner_ms",
     "read_share",
+    "receive_multimodal",
+    "send_multimodal",
     "share_reads",
     "synthetic_metas",
     "synthetic_trajectories",

@@ -9,7 +9,8 @@ import weakref
 from collections.abc import Iterator
 from functools import partial
 
-from knitkit.storage.delivery.liveness import Backoff, pid_alive
+from knitkit.storage.backends.segments import pid_alive
+from knitkit.storage.delivery.liveness import Backoff
 from knitkit.storage.delivery.slot_ring import (
     DONE,
     FAILED,

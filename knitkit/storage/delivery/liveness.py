@@ -1,20 +1,8 @@
-"""Polling helpers for processes that share a slot ring: is a pid alive, how long to sleep."""
+"""Polling schedule for processes that share a slot ring: how long to sleep, when to check liveness."""
 
 from __future__ import annotations
 
 import time
-
-
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` runs on this node and is not a zombie."""
-    if pid <= 0:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            state = stat.read().rsplit(b")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
 
 
 class Backoff:

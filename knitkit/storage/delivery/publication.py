@@ -7,7 +7,8 @@ import os
 import threading
 from collections.abc import Iterator
 
-from knitkit.storage.delivery.liveness import Backoff, pid_alive
+from knitkit.storage.backends.segments import pid_alive
+from knitkit.storage.delivery.liveness import Backoff
 from knitkit.storage.delivery.slot_ring import (
     DONE,
     FAILED,

@@ -14,7 +14,7 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 
 from knitkit.storage.backends.backend import UnitBackend
-from knitkit.storage.delivery.liveness import pid_alive
+from knitkit.storage.backends.segments import pid_alive
 from knitkit.storage.delivery.publication import Publisher
 from knitkit.storage.delivery.reorganizer import Reorganizer
 from knitkit.storage.delivery.slot_ring import (
