@@ -45,7 +45,7 @@ wheel_check() {
 case "${1:-}" in
     demo)
         shift
-        install "plot"
+        install "plot,tensorboard"
         exec "$PYTHON" -m knitkit demo "$@"
         ;;
     test)

@@ -1,21 +1,45 @@
 """Admission benchmark: architectural staleness per policy on `paper4` (4 and 8 mini-batches),
 the reductions of knittrans/adaptive against linear, a rho sweep, regret against the offline
 optimum on small windows, and the admission decision cost with 100k pending trajectories.
+``--families``: the trace families, and the decision cost and worst single call with
+``max_staleness`` at 1k/100k/1M pending. ``--random``: adaptive, knittrans and linear on random
+small configurations (2-5 sources, rho 0.8-1.2, atomic GRPO groups). Progress goes to stderr,
+one line per finished configuration; stdout holds the tables.
 
-    python benchmarks/admission.py [--quick] [--json PATH]
+    python benchmarks/admission.py [--quick] [--families | --random] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import sys
 import time
 
 import numpy as np
 
-from knitkit.admission import POLICY_NAMES, SourceQuota, build_controller
-from knitkit.admission.replay import FAMILIES, family_regret, preset, regret_study, run_replay
+from knitkit.admission import POLICY_NAMES, AdmissionController, SourceQuota, build_controller
+from knitkit.admission.replay import (
+    FAMILIES,
+    ReplaySettings,
+    SourceProfile,
+    family_regret,
+    generate_trace,
+    preset,
+    regret_study,
+    run_replay,
+)
 from knitkit.types import TrajectoryMeta
+
+_START = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """One line on stderr with the time since the benchmark started."""
+    print(
+        f"[admission {time.perf_counter() - _START:7.1f} s] {message}", file=sys.stderr, flush=True
+    )
 
 
 def replay_figures(
@@ -29,6 +53,7 @@ def replay_figures(
             num_minibatches=minibatches, seed=seed, train_batches=train_batches
         )
         runs.append(run_replay(chosen.trace(settings), settings, POLICY_NAMES)["policies"])
+        progress(f"paper4, {minibatches} mini-batches, seed {seed}: done")
     return {
         p: {
             "staleness": float(np.mean([r[p]["architectural_staleness"] for r in runs])),
@@ -55,6 +80,7 @@ def rho_sweep(rhos: list[float], train_batches: int) -> dict[float, dict[str, fl
             chosen.trace(settings), settings, ("barrier", "linear", "knittrans", "adaptive")
         )
         out[rho] = {p: v["architectural_staleness"] for p, v in policies["policies"].items()}
+        progress(f"rho sweep, rho={rho}: done")
     return out
 
 
@@ -71,6 +97,7 @@ def family_figures(seeds: list[int], train_batches: int) -> dict[str, float]:
                 figures[f"family.{name}.seed{seed}.{p}.staleness"] = runs[-1][p][
                     "architectural_staleness"
                 ]
+            progress(f"family {name}, seed {seed}: done")
         regret = family_regret(family, ("linear", "knittrans", "adaptive"), windows=len(seeds) * 4)
         for p in POLICY_NAMES:
             key = f"family.{name}.{p}"
@@ -84,15 +111,8 @@ def family_figures(seeds: list[int], train_batches: int) -> dict[str, float]:
     return figures
 
 
-def decision_cost_us(pending: int, reports: int, max_staleness: int | None = None) -> float:
-    """Microseconds per reported trajectory (report + admission attempts) with ``pending`` waiting.
-
-    A backlog of ``pending`` fast-source trajectories sits in the pool while a stream of mixed
-    reports arrives; every report is followed by admission attempts, as a trainer loop does.
-    With ``max_staleness`` every train-batch boundary expires stale units (the bound is loose
-    enough that none are: the cost measured is the expiry check, which must not grow with the
-    backlog).
-    """
+def backlogged_controller(pending: int, max_staleness: int | None) -> AdmissionController:
+    """knittrans with four 24% quotas and ``pending`` fast-source trajectories waiting."""
     sources = ("A", "B", "C", "D")
     ctl = build_controller(
         "knittrans",
@@ -104,23 +124,208 @@ def decision_cost_us(pending: int, reports: int, max_staleness: int | None = Non
     )
     for k in range(pending):
         ctl.report(TrajectoryMeta(f"p{k}", f"p{k}", "A", 0, 100, 0, 0))
-    stream = [
-        TrajectoryMeta(f"r{k}", f"r{k}", sources[k % 4], 0, 100, 0, 0) for k in range(reports)
-    ]
+    return ctl
+
+
+def stream(reports: int) -> list[TrajectoryMeta]:
+    """Mixed completions of the four sources, round robin."""
+    return [TrajectoryMeta(f"r{k}", f"r{k}", "ABCD"[k % 4], 0, 100, 0, 0) for k in range(reports)]
+
+
+def decision_cost_us(pending: int, reports: int, max_staleness: int | None = None) -> float:
+    """Microseconds per reported trajectory (report + admission attempts) with ``pending`` waiting.
+
+    A backlog of ``pending`` fast-source trajectories sits in the pool while a stream of mixed
+    reports arrives; every report is followed by admission attempts, as a trainer loop does.
+    With ``max_staleness`` every train-batch boundary expires stale units (the bound is loose
+    enough that none are: the cost measured is the expiry check, which must not grow with the
+    backlog).
+    """
+    ctl = backlogged_controller(pending, max_staleness)
+    return _decision_cost(ctl, pending, reports)
+
+
+def _decision_cost(ctl: AdmissionController, pending: int, reports: int) -> float:
+    metas = stream(reports)
     # The CPU is shared, so time ten equal chunks and keep the fastest (best-of-10); a chunk
     # of >= 2000 reports spans several train-batch boundaries, where expiry runs.
     chunk = max(1, reports // 10)
     best = float("inf")
     for first in range(0, chunk * 10, chunk):
         start = time.perf_counter()
-        for meta in stream[first : first + chunk]:
+        for meta in metas[first : first + chunk]:
             ctl.report(meta)
             while ctl.next_minibatch() is not None:
                 pass
         best = min(best, (time.perf_counter() - start) / chunk)
     if pending >= 10 * reports:  # a small backlog is consumed by the stream; a large one stays
-        assert ctl.pending >= pending * 0.9, "the backlog must stay pending during the measurement"
+        assert ctl.pending >= pending * 0.9, "the backlog must stay pending"
     return best * 1e6
+
+
+def worst_calls_ms(ctl: AdmissionController, reports: int) -> dict[str, float]:
+    """The slowest single ``report()`` and ``next_minibatch()`` over ``reports`` mixed reports
+    (each followed by admission attempts), in milliseconds: ``report`` / ``admit`` in CPU time of
+    this thread (what the call itself costs, whatever other tenants of the machine do),
+    ``report_wall`` in wall time; calls during which CPython ran a full (generation 2) garbage
+    collection are left out of those and the longest collection is ``gc``.
+
+    The old pool rebuilt its version buckets inside one report() once dead entries outnumbered
+    live ones, i.e. about once per ``pending`` admitted trajectories (0.9 s at 1M pending); a
+    stream longer than the backlog passes that point (see NOTE [ Version buckets without
+    rebuilds ] in knitkit/admission/pool.py).
+    """
+    collections: list[float] = []
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                started.append(time.perf_counter())
+            else:
+                collections.append(time.perf_counter() - started.pop())
+
+    worst = dict.fromkeys(("report", "admit", "report_wall"), 0.0)
+    cpu, wall = time.thread_time, time.perf_counter
+    gc.callbacks.append(on_gc)
+    try:
+        for k in range(reports):  # built one at a time: a million metas would double the memory
+            meta = TrajectoryMeta(f"w{k}", f"w{k}", "ABCD"[k % 4], 0, 100, 0, 0)
+            seen = len(collections)
+            start, start_wall = cpu(), wall()
+            ctl.report(meta)
+            took, took_wall = cpu() - start, wall() - start_wall
+            if len(collections) == seen:
+                worst["report"] = max(worst["report"], took)
+                worst["report_wall"] = max(worst["report_wall"], took_wall)
+            while True:
+                seen = len(collections)
+                start = cpu()
+                admitted = ctl.next_minibatch()
+                if len(collections) == seen:
+                    worst["admit"] = max(worst["admit"], cpu() - start)
+                if admitted is None:
+                    break
+    finally:
+        gc.callbacks.remove(on_gc)
+    return {**{k: v * 1e3 for k, v in worst.items()}, "gc": max(collections, default=0.0) * 1e3}
+
+
+def random_configuration(seed: int) -> tuple[tuple[SourceProfile, ...], int, ReplaySettings]:
+    """A small random workload: 2-5 log-normal sources (medians 5-800 s, sigma 0.05-1.3, caps
+    1.5-10x), atomic GRPO groups of 1-16, 1-3 groups per mini-batch, 2, 4 or 8 mini-batches,
+    lower bounds of 50-98% of each source's random issue share (whole groups), rho 0.8-1.2,
+    oversampling 0-0.6, either issue order and partial-rollout mode, caps of 1 or 2 steps."""
+    rng = np.random.default_rng(seed)
+    names = "ABCDE"[: int(rng.integers(2, 6))]
+    profiles = tuple(
+        SourceProfile(
+            name=s,
+            median_s=float(np.exp(rng.uniform(np.log(5), np.log(800)))),
+            sigma=float(rng.uniform(0.05, 1.3)),
+            cap_factor=float(rng.uniform(1.5, 10)),
+        )
+        for s in names
+    )
+    group = int(rng.choice([1, 2, 4, 8, 16]))
+    n = int(rng.choice([2, 4, 8]))
+    batch = group * n * int(rng.integers(1, 4))
+    shares = rng.dirichlet(np.ones(len(names)) * rng.uniform(0.5, 3))
+    tight = rng.uniform(0.5, 0.98)
+    quotas = tuple(
+        SourceQuota(source=s, min_count=int(tight * share * batch // group * group))
+        for s, share in zip(names, shares, strict=True)
+    )
+    settings = ReplaySettings(
+        train_batch_size=batch,
+        num_minibatches=n,
+        quota_specs=quotas,
+        issue_shares={s: float(share) for s, share in zip(names, shares, strict=True)},
+        oversample=float(rng.uniform(0.0, 0.6)),
+        issue_order=str(rng.choice(["round_robin", "slow_first"])),
+        source_cap=float(rng.choice([1.0, 2.0])),
+        partial_rollout=str(rng.choice(["drain", "abort_resume"])),
+        rollout_slots=max(1, int(batch * rng.uniform(0.3, 1.5))),
+        rho=float(rng.uniform(0.8, 1.2)),
+        group_atomic=True,
+        train_batches=16,
+        warmup=4,
+        seed=seed,
+    )
+    return profiles, group, settings
+
+
+def random_figures(count: int) -> dict[str, float]:
+    """adaptive vs knittrans and knittrans vs linear over ``count`` random configurations: how
+    often and by how much each is above the other, and whether adaptive ran faster (shorter
+    steps) where it was above."""
+    rows = []
+    skipped = 0
+    for seed in range(count):
+        profiles, group, settings = random_configuration(seed)
+        shares = settings.issue_shares or {}
+        per_step = (1 + settings.oversample) * settings.train_batch_size * max(shares.values())
+        needed = int(per_step / group * (settings.train_batches + 4) * 2) + 8
+        trace = generate_trace(  # 4000 trajectories a source, more where a big batch needs them
+            profiles,
+            samples_per_source=max(4000 // group + 50, needed),
+            group_size=group,
+            seed=seed,
+        )
+        try:
+            runs = run_replay(trace, settings, ("linear", "knittrans", "adaptive"))["policies"]
+        except RuntimeError:  # a step cannot feed the quotas even with dynamic sampling
+            skipped += 1
+            continue
+        rows.append((seed, settings, runs))
+        progress(f"random configuration {seed + 1}/{count}: done")
+
+    def stale(runs: dict, policy: str) -> float:
+        return float(runs[policy]["architectural_staleness"])
+
+    worse = [(s, c, r) for s, c, r in rows if stale(r, "adaptive") > stale(r, "knittrans") + 1e-9]
+    better = [r for _, _, r in rows if stale(r, "adaptive") < stale(r, "knittrans") - 1e-9]
+    lost = [(s, c, r) for s, c, r in rows if stale(r, "knittrans") > stale(r, "linear") + 1e-9]
+    figures: dict[str, float] = {
+        "random.violations": sum(r[p]["violations"] for _, _, r in rows for p in r),
+        "random.configurations": len(rows),
+        "random.stalled": skipped,
+        "random.adaptive_worse_than_knittrans": len(worse),
+        "random.adaptive_worse_max": max(
+            (stale(r, "adaptive") / stale(r, "knittrans") - 1 for _, _, r in worse), default=0.0
+        ),
+        "random.adaptive_worse_and_faster": sum(
+            r["adaptive"]["seconds_per_step"] < r["knittrans"]["seconds_per_step"] - 1e-9
+            for _, _, r in worse
+        ),
+        "random.adaptive_worse_drain": sum(c.partial_rollout == "drain" for _, c, _ in worse),
+        "random.drain": sum(c.partial_rollout == "drain" for _, c, _ in rows),
+        "random.adaptive_better_than_knittrans": len(better),
+        "random.adaptive_better_mean": float(
+            np.mean([1 - stale(r, "adaptive") / stale(r, "knittrans") for r in better])
+        )
+        if better
+        else 0.0,
+        "random.knittrans_worse_than_linear": len(lost),
+        "random.knittrans_worse_than_linear_max": max(
+            (stale(r, "knittrans") / stale(r, "linear") - 1 for _, _, r in lost), default=0.0
+        ),
+        "random.knittrans_worse_than_linear_rho_ge_1": sum(c.rho >= 1 for _, c, _ in lost),
+        "random.rho_ge_1": sum(c.rho >= 1 for _, c, _ in rows),
+        "random.knittrans_worse_than_linear_drain": sum(
+            c.partial_rollout == "drain" for _, c, _ in lost
+        ),
+    }
+    for seed, config, runs in worse:
+        key = f"random.adaptive_worse.seed{seed}"
+        figures[key] = stale(runs, "adaptive") / stale(runs, "knittrans") - 1
+        figures[f"{key}.rho"] = config.rho
+        figures[f"{key}.num_minibatches"] = config.num_minibatches
+        figures[f"{key}.drain"] = float(config.partial_rollout == "drain")
+        figures[f"{key}.step_ratio"] = (
+            runs["adaptive"]["seconds_per_step"] / runs["knittrans"]["seconds_per_step"]
+        )
+    return figures
 
 
 def main() -> None:
@@ -131,14 +336,23 @@ def main() -> None:
         "--quick", action="store_true", help="fewer seeds and train batches (< 1 min)"
     )
     parser.add_argument("--json", default=None, help="write the flat figure object here")
-    parser.add_argument(
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
         "--families",
         action="store_true",
         help="sweep the trace families and time max_staleness at 1k/100k/1M pending instead",
     )
+    mode.add_argument(
+        "--random",
+        action="store_true",
+        help="compare adaptive, knittrans and linear on random small configurations instead",
+    )
     args = parser.parse_args()
     if args.families:
         families_main(args)
+        return
+    if args.random:
+        random_main(args)
         return
     seeds = [0] if args.quick else [0, 1, 2]
     batches = 24 if args.quick else 40
@@ -188,6 +402,7 @@ def main() -> None:
         figures[f"regret.{name}"] = value
         print(f"  {name:<10} {value:.3%}")
     cost = decision_cost_us(100_000, 5_000 if args.quick else 20_000)
+    progress("decision cost at 100k pending: done")
     figures["decision_cost_us"] = cost
     print(
         f"\ndecision cost with 100k pending: {cost:.1f} us per reported trajectory (target <= 50)"
@@ -221,14 +436,67 @@ def families_main(args: argparse.Namespace) -> None:
             > figures[f"family.{name}.seed{s}.knittrans.staleness"]
         ]
         print(f"{'':<22} adaptive worse than knittrans on seeds: {worse or 'none'}")
-    print("\ndecision cost with max_staleness on (us per reported trajectory):")
+    print(
+        "\ndecision cost with max_staleness on (us per reported trajectory), and the slowest"
+        "\nsingle report() / next_minibatch() (ms) over a stream longer than the backlog"
+        "\n(calls that contained a full garbage collection counted apart):"
+    )
+    reports = 5_000 if args.quick else 20_000
     for pending in (1000, 100_000, 1_000_000):
-        cost = decision_cost_us(pending, 5_000 if args.quick else 20_000, max_staleness=10_000)
+        ctl = backlogged_controller(pending, max_staleness=10_000)
+        cost = _decision_cost(ctl, pending, reports)
+        worst = worst_calls_ms(ctl, reports if args.quick else max(reports, pending + 10_000))
+        del ctl
         figures[f"decision_cost_us.max_staleness.{pending}"] = cost
-        print(f"  {pending:>9} pending: {cost:8.1f} (target <= 20 at 1M)")
+        for name, value in worst.items():
+            figures[f"{name}_worst_ms.{pending}"] = value
+        progress(f"decision cost and worst calls at {pending} pending: done")
+        print(
+            f"  {pending:>9} pending: {cost:8.1f} us (target <= 20 at 1M); worst report() "
+            f"{worst['report']:7.2f} ms CPU ({worst['report_wall']:7.2f} wall), worst "
+            f"next_minibatch() {worst['admit']:7.2f} ms CPU; longest full gc {worst['gc']:7.1f} ms"
+        )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(figures, f, indent=1, sort_keys=True)
+
+
+def random_main(args: argparse.Namespace) -> None:
+    count = 40 if args.quick else 300
+    f = random_figures(count)
+    print(
+        f"random configurations: {f['random.configurations']:.0f} replayed, "
+        f"{f['random.stalled']:.0f} could not be fed (2-5 sources, rho 0.8-1.2, atomic groups); "
+        f"{f['random.violations']:.0f} train batches missing a quota"
+    )
+    print(
+        f"  adaptive above knittrans in {f['random.adaptive_worse_than_knittrans']:.0f} "
+        f"(at most {f['random.adaptive_worse_max']:.1%} above; "
+        f"{f['random.adaptive_worse_and_faster']:.0f} of them with shorter steps, "
+        f"{f['random.adaptive_worse_drain']:.0f} in drain mode, which "
+        f"{f['random.drain']:.0f} configurations use), below in "
+        f"{f['random.adaptive_better_than_knittrans']:.0f} (mean "
+        f"{f['random.adaptive_better_mean']:.1%} below), equal in the rest"
+    )
+    for key in sorted(
+        k for k in f if k.startswith("random.adaptive_worse.seed") and k.count(".") == 2
+    ):
+        print(
+            f"    seed {key.rsplit('seed', 1)[1]}: {f[key]:+.1%}, rho {f[key + '.rho']:.2f}, "
+            f"{f[key + '.num_minibatches']:.0f} mini-batches, "
+            f"{'drain' if f[key + '.drain'] else 'abort_resume'}, "
+            f"step time x{f[key + '.step_ratio']:.2f}"
+        )
+    print(
+        f"  knittrans above linear in {f['random.knittrans_worse_than_linear']:.0f} "
+        f"(at most {f['random.knittrans_worse_than_linear_max']:.1%} above; "
+        f"{f['random.knittrans_worse_than_linear_rho_ge_1']:.0f} at rho >= 1, which "
+        f"{f['random.rho_ge_1']:.0f} configurations have; "
+        f"{f['random.knittrans_worse_than_linear_drain']:.0f} in drain mode)"
+    )
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(f, out, indent=1, sort_keys=True)
 
 
 if __name__ == "__main__":

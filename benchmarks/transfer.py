@@ -49,6 +49,7 @@ import psutil
 
 from knitkit.integration.sliced_read import time_ratio
 from knitkit.storage import (
+    EncoderRankPlan,
     EncoderTopology,
     MiniBatchPlan,
     PlannerConfig,
@@ -66,17 +67,14 @@ from knitkit.storage.baselines import (
     planner_figures,
     read_share,
     receive_multimodal,
-    send_multimodal,
     share_reads,
     synthetic_trajectories,
 )
 from knitkit.storage.delivery import (
     MicroBatchConsumer,
-    Publisher,
-    Reorganizer,
+    ReorganizerHost,
     ReorganizerProcess,
     RingSpec,
-    SlotRing,
 )
 from knitkit.storage.planning import pack_layout
 from knitkit.types import UnitKey
@@ -231,7 +229,7 @@ def rank_main(setup: RankSetup, barrier: Any, results: Any) -> None:
     read: dict[str, dict[str, int]] = {}
     backbone = MicroBatchConsumer(setup.backbone_ring, rank.tp)
     encoder = MicroBatchConsumer(setup.encoder_ring, 0) if setup.encoder_ring else None
-    images = _ImageShare(rank, setup.image_ring)
+    images = _ImageShare(rank, setup.image_ring, setup.backend)
     if setup.tq_configs is not None:  # import torch / Ray / TQ while the driver starts TQ
         import transfer_queue.dataloader  # noqa: F401
     barrier.wait()
@@ -348,23 +346,31 @@ def _compute(seconds: float) -> None:
 
 class _ImageShare:
     """Sample-level redistribution of images: TP0/CP0 publishes its DP share's images, the DP
-    group's other ranks copy them (into the step's arena)."""
+    group's other ranks copy them (into the step's arena).
 
-    def __init__(self, rank: RankPosition, spec: RingSpec) -> None:
-        self.out: Publisher | None = None
+    TP0/CP0 owns the ring (made before the ranks' start barrier, so the peers attach after it)
+    and publishes each step's images as one micro-batch of whole units, read from the store."""
+
+    def __init__(self, rank: RankPosition, spec: RingSpec, backend: UnitBackend) -> None:
+        self.rank, self.spec = rank, spec
+        self.out: ReorganizerHost | None = None
         self.into: MicroBatchConsumer | None = None
+        self.shared = 0
         if rank.reads_multimodal:
-            self.out = Publisher(SlotRing.attach(spec))
-            self.out.start()
-        else:
-            self.into = MicroBatchConsumer(spec, rank.cp * TOPOLOGY.tp + rank.tp - 1)
+            self.out = ReorganizerHost(backend, spec, owns_ring=True)
 
     def share(self, local: LocalTrajectories) -> None:
         if self.out is not None:
-            send_multimodal(self.out, local)
+            keys = tuple(k for k in local.units if k.field in ("image", "video"))
+            plan = EncoderRankPlan("images", self.rank.dp, (keys,))
+            self.out.deliver(f"images{self.shared}", plan)
         else:
-            assert self.into is not None
+            if self.into is None:
+                self.into = MicroBatchConsumer(
+                    self.spec, self.rank.cp * TOPOLOGY.tp + self.rank.tp - 1
+                )
             receive_multimodal(self.into, local)
+        self.shared += 1
 
     def close(self) -> None:
         if self.out is not None:
@@ -472,7 +478,7 @@ def run_delivery(work: Workload, sizes: Sizes, with_tq: bool) -> dict[str, float
     ]
     peers = TOPOLOGY.cp * TOPOLOGY.tp - 1
     image_rings = [
-        SlotRing.create(RingSpec.new(num_slots=2, slot_bytes=image_bytes, num_consumers=peers))
+        RingSpec.new(num_slots=2, slot_bytes=image_bytes, num_consumers=peers)
         for _ in range(TOPOLOGY.dp)
     ]
     reorganizers = [ReorganizerProcess(store.backend, spec) for spec in rings.values()]
@@ -489,7 +495,7 @@ def run_delivery(work: Workload, sizes: Sizes, with_tq: bool) -> dict[str, float
                 plans,
                 rings[(rank.dp, rank.cp)],
                 encoder_rings[rank.dp] if rank.reads_multimodal else None,
-                image_rings[rank.dp].spec,
+                image_rings[rank.dp],
                 tq_configs,
                 compute_per_step,
             )
@@ -551,9 +557,6 @@ def run_delivery(work: Workload, sizes: Sizes, with_tq: bool) -> dict[str, float
                 process.kill()
         for reorganizer in reorganizers:
             reorganizer.close()
-        for ring in image_rings:
-            ring.close()
-            ring.unlink()
         if connection:
             from knitkit.integration.transferqueue import stop_transfer_queue
 
@@ -596,7 +599,7 @@ def delivered_fraction(work: Workload, repeats: int) -> dict[str, float]:
     groups of the median time of the group's reorganizer reading and packing every micro-batch
     into a ring and a consumer taking them), over single-thread memcpy bandwidth
     (``memcpy_ceiling``, timed alternately with the deliveries). Runs in this process with the
-    real Reorganizer, Publisher, ring and consumer.
+    real reorganizer (its host: ring, publisher, loop) and consumer.
 
     Deliveries of one group repeat back to back, so part of their 2 x ~15 MB (stored units and
     ring slots) stays in the last-level cache; ``.cold`` times each delivery right after the
@@ -620,24 +623,19 @@ def delivered_fraction(work: Workload, repeats: int) -> dict[str, float]:
             layouts = [pack_layout(mb, schema) for mb in group.micro_batches]
             slot = max(layout.nbytes for layout in layouts)
             spec = RingSpec.new(num_slots=len(layouts), slot_bytes=slot, num_consumers=1)
-            ring = SlotRing.create(spec)
+            host = ReorganizerHost(store.backend, spec, owns_ring=True)
             consumer = MicroBatchConsumer(spec, 0)
-            publisher = Publisher(SlotRing.attach(spec))
-            publisher.start()
-            reorganizer = Reorganizer(store.backend, publisher)
 
-            def deliver(group=group, consumer=consumer, reorganizer=reorganizer) -> None:
-                reorganizer.deliver("delivered-fraction", group)
+            def deliver(group=group, consumer=consumer, host=host) -> None:
+                host.deliver("delivered-fraction", group)
                 for _ in group.micro_batches:
                     consumer.next_micro_batch().release()
 
             (warm_s,) = median_seconds([deliver], repeats, time.thread_time)
             cold_s, copy_s = median_seconds([deliver, copy], repeats, time.thread_time)
-            publisher.finish()
-            publisher.close()
+            host.finish()
             consumer.close()
-            ring.close()
-            ring.unlink()
+            host.close()
             step_bytes += sum(layout.nbytes for layout in layouts)
             spent[""] += warm_s
             spent[".cold"] += cold_s

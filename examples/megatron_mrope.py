@@ -8,42 +8,36 @@ time (as Qwen2.5-VL's ``get_rope_index``) and travel as the per-token field
 ``mrope_position_ids``; each image unit stores its ``pixel_values`` shaped ``[t, h, w, dim]`` so its
 ``grid_thw`` travels with it; the schedule runs through ``DedupVLMStep``.
 
-Run (GPUs, NCCL): torchrun --nproc-per-node 2 examples/megatron_mrope.py
-On CPU the tests run ``train`` in a gloo world with a test-only CUDA shim
-(tests/integration/test_megatron_mrope.py::test_mrope_example_trains_with_dedup).
+Run: torchrun --standalone --nproc-per-node 2 examples/megatron_mrope.py
+(NCCL on 2 GPUs; without CUDA it runs on the CPU with gloo, see ``megatron_common.launch``.)
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import megatron_common as common
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from knitkit.integration.megatron import (
     MROPE_FIELD,
     DedupVLMStep,
     MegatronLayout,
+    current_device,
     disable_rotary_cp_slicing,
     layer_specs,
-    megatron_batches,
     mrope_batch,
     mrope_positions,
 )
-from knitkit.microbatch_iter import MicroBatchIterator, PackedMicroBatch
+from knitkit.metrics import MetricsObserver
 from knitkit.storage import (
-    MemoryBackend,
     MiniBatchPlan,
     MultimodalInput,
-    PlannerConfig,
     Trajectory,
     TrajectoryStore,
-    pack,
-    plan_minibatch,
 )
 from knitkit.types import UnitKey
 
@@ -60,40 +54,27 @@ def image_unit(pixel_values: np.ndarray, grid_thw: tuple[int, int, int]) -> np.n
 
 def build_model(overlap_grad_reduce: bool = False, use_te: bool | None = None) -> Any:
     """Vision encoder + mRoPE ``GPTModel`` in one MegatronModule, in Megatron DDP (seeded)."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
     from megatron.core.enums import ModelType
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.vision.multimodal_projector import MultimodalProjector
-    from megatron.core.parallel_state import (
-        get_context_parallel_world_size,
-        get_tensor_model_parallel_world_size,
-    )
+    from megatron.core.parallel_state import get_context_parallel_world_size
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer import MegatronModule, TransformerConfig
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     specs = layer_specs(use_te)
-    common: dict[str, Any] = {
-        "tensor_model_parallel_size": get_tensor_model_parallel_world_size(),
-        "use_cpu_initialization": True,
-        "hidden_dropout": 0.0,
-        "attention_dropout": 0.0,
-    }
+    shared = common.tiny_config_fields()
     config = TransformerConfig(
         num_layers=2,
         hidden_size=HIDDEN,
         num_attention_heads=4,
         mrope_section=MROPE_SECTION,
         context_parallel_size=get_context_parallel_world_size(),
-        **common,
+        **shared,
     )
     vision_config = TransformerConfig(
-        num_layers=1, hidden_size=VISION_HIDDEN, num_attention_heads=2, **common
+        num_layers=1, hidden_size=VISION_HIDDEN, num_attention_heads=2, **shared
     )
 
     class VisionEncoder(MegatronModule):
@@ -167,22 +148,7 @@ def build_model(overlap_grad_reduce: bool = False, use_te: bool | None = None) -
             )
 
     torch.manual_seed(1234)
-    model = QwenVLStyle()
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    ddp = DistributedDataParallel(
-        config, DistributedDataParallelConfig(overlap_grad_reduce=overlap_grad_reduce), model
-    )
-    config.no_sync_func = ddp.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    return ddp
-
-
-def loss_func(
-    loss_mask: torch.Tensor, output: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    loss = (output.float() * loss_mask).sum()
-    return loss, loss_mask.sum().to(torch.int), {"lm loss": loss.detach()}
+    return common.megatron_ddp(QwenVLStyle(), config, overlap_grad_reduce=overlap_grad_reduce)
 
 
 def forward_step(
@@ -197,7 +163,7 @@ def forward_step(
         images=batch.get("images"),
         packed_seq_params=batch.get("packed_seq_params"),
     )
-    return output, functools.partial(loss_func, batch["loss_mask"])
+    return output, functools.partial(common.loss_func, batch["loss_mask"])
 
 
 # ----- rollout data: GRPO groups sharing their prompt's images, processor-expanded ----------------
@@ -243,99 +209,51 @@ def grpo_trajectories(seed: int, samples: int = 4, n: int = 4) -> list[Trajector
 
 def plan_step(store: TrajectoryStore, ids: list[str], layout: MegatronLayout) -> MiniBatchPlan:
     """knitkit's plan: tokens, labels, loss mask and 3-D positions per token; TP peers encode together."""
-    config = PlannerConfig(
-        token_fields=("tokens", "labels", "loss_mask", MROPE_FIELD),
-        scalar_fields=(),
-        min_micro_batches=3,
-    )
-    encoder = layout.encoder_topology(tp_sharded=True)
-    return plan_minibatch(store.metas(ids), layout.topology, config, encoders=[encoder])
+    fields = ("tokens", "labels", "loss_mask", MROPE_FIELD)
+    return common.plan_step(store, ids, layout, fields, tp_sharded=True)
 
 
 def knitkit_batches(
     store: TrajectoryStore, plan: MiniBatchPlan, layout: MegatronLayout, use_te: bool
-) -> tuple[MicroBatchIterator, Iterator[Mapping[str, object]]]:
+) -> common.Batches:
     """This rank's packed micro-batches through knitkit's prefetch iterator, mRoPE positions included."""
-    dp, cp, _ = layout.coord
-    consumer = plan.consumer(dp, cp)
-    schema = store.schema(consumer.micro_batches[0].sequences[0].trajectory_id)
-    packed = (PackedMicroBatch(*pack(mb, schema, store.read_into)) for mb in consumer.micro_batches)
-    iterator = MicroBatchIterator(packed)
+    cp = layout.coord[1]
     to_batch = functools.partial(mrope_batch, use_te=use_te, cp_size=layout.topology.cp, cp_rank=cp)
-    return iterator, megatron_batches(iterator, to_batch)
+    return common.knitkit_batches(store, plan, layout, to_batch)
 
 
 # ----- the training loop with knitkit -------------------------------------------------------------
-def train(steps: int = 3, lr: float = 0.1, use_te: bool | None = None) -> list[dict[str, float]]:
+def train(
+    steps: int = 3,
+    lr: float = 0.1,
+    use_te: bool | None = None,
+    observe: MetricsObserver | None = None,
+) -> list[dict[str, float]]:
     """Train for ``steps`` mini-batches with deduplicated encoding; per-step figures."""
     use_te = layer_specs(use_te).use_te
     layout = MegatronLayout.from_parallel_state()
     model = build_model(use_te=use_te)
     vision = model.module.vision
-    store = TrajectoryStore(MemoryBackend())
-    trajectories = grpo_trajectories(seed=0)
-    for trajectory in trajectories:
-        store.write(trajectory)
-    ids = [t.trajectory_id for t in trajectories]
-    step = DedupVLMStep(model, vision="vision", tp_sharded_vision=True)
+    store, ids = common.memory_store(grpo_trajectories(seed=0))
 
     def encode(keys: Sequence[UnitKey]) -> torch.Tensor:
-        return torch.cat(
-            [vision.encode(torch.from_numpy(store.read(k)).to(_device())) for k in keys]
-        )
+        units = [torch.from_numpy(store.read(k)).to(current_device()) for k in keys]
+        return torch.cat([vision.encode(unit) for unit in units])
 
-    history = []
-    for _ in range(steps):
-        plan = plan_step(store, ids, layout)
-        model.zero_grad_buffer()
-        iterator, data = knitkit_batches(store, plan, layout, use_te)
-        with iterator:
-            losses: list[Any] = step.run(
-                forward_step_func=forward_step,
-                data_iterator=data,
-                route=layout.route(plan),
-                encode_fn=encode,
-                num_microbatches=plan.num_micro_batches,
-                seq_length=MAX_SEQ,
-                micro_batch_size=1,
-            )
-        for param in model.parameters():  # stand-in for the user's Megatron optimizer
-            param.data.add_(param.main_grad, alpha=-lr)
-        loss = torch.stack([out["lm loss"] for out in losses]).sum()
-        dist.all_reduce(loss)
-        units = torch.tensor(float(step.last_encoded_units), device=_device())
-        dist.all_reduce(units)
-        history.append({"loss": float(loss), "encoded_units": float(units)})
-    return history
-
-
-def _device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
+    return common.train_loop(
+        model,
+        DedupVLMStep(model, vision="vision", tp_sharded_vision=True),
+        layout,
+        plan=lambda: plan_step(store, ids, layout),
+        batches=lambda plan: knitkit_batches(store, plan, layout, use_te),
+        forward_step=forward_step,
+        encode=encode,
+        seq_length=MAX_SEQ,
+        steps=steps,
+        lr=lr,
+        observe=observe,
     )
 
 
-def main() -> None:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
-    model_parallel_cuda_manual_seed(1234)
-    for i, figures in enumerate(train()):
-        if dist.get_rank() == 0:
-            print(
-                f"step {i}: loss {figures['loss']:.4f}, "
-                f"image encodings {figures['encoded_units']:.0f} (TP peers encode together)"
-            )
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    common.launch(train, "image encodings {:.0f} (TP peers encode together)")

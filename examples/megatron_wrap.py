@@ -5,40 +5,34 @@ a forward-step function and a loss, run under ``get_forward_backward_func()`` wi
 The wrap keeps all of it and adds: knitkit's planner (topology from ``parallel_state``), the THD
 packer and prefetch iterator as the data iterator, and ``DedupVLMStep`` around the schedule.
 
-Run (GPUs, NCCL): torchrun --nproc-per-node 2 examples/megatron_wrap.py
-On CPU the tests run ``train`` in a gloo world with a test-only CUDA shim
-(tests/integration/test_megatron_step.py::test_example_trains_with_dedup).
+Run: torchrun --standalone --nproc-per-node 2 examples/megatron_wrap.py
+(NCCL on 2 GPUs; without CUDA it runs on the CPU with gloo, see ``megatron_common.launch``.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import megatron_common as common
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from knitkit.integration.megatron import (
     DedupVLMStep,
     MegatronLayout,
+    current_device,
     layer_specs,
     megatron_batch,
-    megatron_batches,
 )
-from knitkit.microbatch_iter import MicroBatchIterator, PackedMicroBatch
+from knitkit.metrics import MetricsObserver
 from knitkit.storage import (
-    MemoryBackend,
     MiniBatchPlan,
     MultimodalInput,
-    PlannerConfig,
     Trajectory,
     TrajectoryStore,
-    pack,
-    plan_minibatch,
 )
 from knitkit.types import UnitKey
 
@@ -136,16 +130,10 @@ def build_model(
     ``distributed_optimizer`` shards the gradient buffers for megatron's ``DistributedOptimizer``
     (``overlap_param_gather``: its parameter all-gather overlaps the next forward).
     """
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
     from megatron.core.enums import ModelType
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.vision.multimodal_projector import MultimodalProjector
-    from megatron.core.parallel_state import get_tensor_model_parallel_world_size
     from megatron.core.tensor_parallel import (
         ColumnParallelLinear,
         RowParallelLinear,
@@ -154,16 +142,12 @@ def build_model(
     from megatron.core.transformer import MegatronModule, TransformerConfig
     from megatron.core.transformer.mlp import MLPSubmodules
 
-    tp = get_tensor_model_parallel_world_size()
-    common: dict[str, Any] = {
-        "tensor_model_parallel_size": tp,
+    shared: dict[str, Any] = {
+        **common.tiny_config_fields(),
         "sequence_parallel": sequence_parallel,
         "qk_layernorm": vision_transformer,
-        "use_cpu_initialization": True,
-        "hidden_dropout": 0.0,
-        "attention_dropout": 0.0,
     }
-    config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, **common)
+    config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, **shared)
     spec = block_spec or (lambda layers: get_gpt_layer_local_spec(qk_layernorm=vision_transformer))
 
     class TinyVLM(MegatronModule):
@@ -174,7 +158,7 @@ def build_model(
             self.vision: torch.nn.Module
             if vision_transformer:
                 vision_config = TransformerConfig(
-                    num_layers=1, hidden_size=VISION_HIDDEN, num_attention_heads=4, **common
+                    num_layers=1, hidden_size=VISION_HIDDEN, num_attention_heads=4, **shared
                 )
                 self.vision = VisionTransformer(vision_config, projector_config, spec(1))
             else:
@@ -229,28 +213,13 @@ def build_model(
             )
 
     torch.manual_seed(1234)
-    model = TinyVLM()
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    ddp = DistributedDataParallel(
+    return common.megatron_ddp(
+        TinyVLM(),
         config,
-        DistributedDataParallelConfig(
-            overlap_grad_reduce=overlap_grad_reduce,
-            use_distributed_optimizer=distributed_optimizer,
-            overlap_param_gather=overlap_param_gather,
-        ),
-        model,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=distributed_optimizer,
+        overlap_param_gather=overlap_param_gather,
     )
-    config.no_sync_func = ddp.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    return ddp
-
-
-def loss_func(
-    loss_mask: torch.Tensor, output: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    loss = (output.float() * loss_mask).sum()
-    return loss, loss_mask.sum().to(torch.int), {"lm loss": loss.detach()}
 
 
 def forward_step(
@@ -266,7 +235,7 @@ def forward_step(
         images=batch.get("images"),
         packed_seq_params=batch["packed_seq_params"] if thd else None,
     )
-    return output, functools.partial(loss_func, batch["loss_mask"])
+    return output, functools.partial(common.loss_func, batch["loss_mask"])
 
 
 # ----- rollout data: GRPO groups whose n trajectories share their prompt's images ----------------
@@ -297,34 +266,29 @@ def grpo_trajectories(seed: int, samples: int = 4, n: int = 4) -> list[Trajector
 def plan_step(
     store: TrajectoryStore, ids: list[str], layout: MegatronLayout, tp_sharded: bool = False
 ) -> MiniBatchPlan:
-    """knitkit's plan of one mini-batch for this Megatron layout (3 micro-batches per DP rank)."""
-    config = PlannerConfig(token_fields=("tokens",), scalar_fields=(), min_micro_batches=3)
-    encoder = layout.encoder_topology(tp_sharded=tp_sharded)
-    return plan_minibatch(store.metas(ids), layout.topology, config, encoders=[encoder])
+    """knitkit's plan of one mini-batch: the tokens per token, the images as units."""
+    return common.plan_step(store, ids, layout, ("tokens",), tp_sharded=tp_sharded)
 
 
 def knitkit_batches(
     store: TrajectoryStore, plan: MiniBatchPlan, layout: MegatronLayout, thd: bool = False
-) -> tuple[MicroBatchIterator, Iterator[Mapping[str, object]]]:
+) -> common.Batches:
     """This rank's packed micro-batches through knitkit's prefetch iterator, as Megatron batches.
 
     ``thd=True`` hands the model ``packed_seq_params`` (THD attention, TE's layer spec);
     otherwise a block-causal attention mask for megatron's local attention (CP=1).
     """
-    dp, cp, _ = layout.coord
-    consumer = plan.consumer(dp, cp)
-    schema = store.schema(consumer.micro_batches[0].sequences[0].trajectory_id)
-    packed = (PackedMicroBatch(*pack(mb, schema, store.read_into)) for mb in consumer.micro_batches)
-    iterator = MicroBatchIterator(packed)
-    return iterator, megatron_batches(
-        iterator,
-        functools.partial(megatron_batch, cp_size=layout.topology.cp, attention_mask=not thd),
-    )
+    to_batch = functools.partial(megatron_batch, cp_size=layout.topology.cp, attention_mask=not thd)
+    return common.knitkit_batches(store, plan, layout, to_batch)
 
 
 # ----- the wrap -----------------------------------------------------------------------------------
 def train(
-    steps: int = 3, overlap_grad_reduce: bool = False, lr: float = 0.1, use_te: bool | None = None
+    steps: int = 3,
+    overlap_grad_reduce: bool = False,
+    lr: float = 0.1,
+    use_te: bool | None = None,
+    observe: MetricsObserver | None = None,
 ) -> list[dict[str, float]]:
     """Train the tiny VLM for ``steps`` mini-batches with deduplicated encoding; per-step figures.
 
@@ -335,70 +299,27 @@ def train(
     layout = MegatronLayout.from_parallel_state()
     model = build_model(overlap_grad_reduce, block_spec=lambda layers: specs.language)
     vision = model.module.vision
-    store = TrajectoryStore(MemoryBackend())
-    trajectories = grpo_trajectories(seed=0)
-    for trajectory in trajectories:
-        store.write(trajectory)
-    ids = [t.trajectory_id for t in trajectories]
-    step = DedupVLMStep(model, vision="vision")
+    store, ids = common.memory_store(grpo_trajectories(seed=0))
 
     # The user's vision path, run by knitkit once per unique image of the mini-batch.
     def encode(keys: Sequence[UnitKey]) -> torch.Tensor:
-        pixels = [torch.from_numpy(store.read(k)).to(_device()) for k in keys]
+        pixels = [torch.from_numpy(store.read(k)).to(current_device()) for k in keys]
         return torch.cat([vision.encode(p) for p in pixels])
 
-    history = []
-    for _ in range(steps):
-        plan = plan_step(store, ids, layout)
-        model.zero_grad_buffer()
-        iterator, data = knitkit_batches(store, plan, layout, thd=specs.use_te)
-        with iterator:
-            losses: list[Any] = step.run(
-                forward_step_func=forward_step,
-                data_iterator=data,
-                route=layout.route(plan),
-                encode_fn=encode,
-                num_microbatches=plan.num_micro_batches,
-                seq_length=MAX_SEQ,
-                micro_batch_size=1,
-            )
-        for param in model.parameters():  # stand-in for the user's Megatron optimizer
-            param.data.add_(param.main_grad, alpha=-lr)
-        loss = torch.stack([out["lm loss"] for out in losses]).sum()
-        dist.all_reduce(loss)
-        units = torch.tensor(float(step.last_encoded_units), device=_device())
-        dist.all_reduce(units)
-        history.append({"loss": float(loss), "encoded_units": float(units)})
-    return history
-
-
-def _device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
+    return common.train_loop(
+        model,
+        DedupVLMStep(model, vision="vision"),
+        layout,
+        plan=lambda: plan_step(store, ids, layout),
+        batches=lambda plan: knitkit_batches(store, plan, layout, thd=specs.use_te),
+        forward_step=forward_step,
+        encode=encode,
+        seq_length=MAX_SEQ,
+        steps=steps,
+        lr=lr,
+        observe=observe,
     )
 
 
-def main() -> None:
-    from megatron.core import parallel_state
-
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    model_parallel_cuda_manual_seed(1234)
-    for i, figures in enumerate(train()):
-        if dist.get_rank() == 0:
-            print(
-                f"step {i}: loss {figures['loss']:.4f}, unique images encoded {figures['encoded_units']:.0f}"
-            )
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    common.launch(train, "unique images encoded {:.0f}")

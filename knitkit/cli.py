@@ -10,6 +10,10 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("knitkit.demo", "run the end-to-end pipeline on embedded defaults and print a report"),
     "replay": ("knitkit.admission.replay.cli", "replay a rollout trace under admission policies"),
+    "check-equivalence": (
+        "knitkit.integration.megatron.testing.cli",
+        "check that the dedup wrap of your Megatron VLM keeps the unwrapped gradients",
+    ),
     "shm-clean": (
         "knitkit.storage.backends.shm_clean",
         "remove /dev/shm segments left by dead knitkit processes",

@@ -203,17 +203,25 @@ Buffer: TypeAlias = memoryview | bytes | bytearray | np.ndarray
 
 @dataclass(slots=True)
 class PackedMicroBatch:
-    """A packed micro-batch in hand: its layout and the flat buffer it describes.
+    """A lease on a packed micro-batch: its layout and the flat buffer it describes.
 
-    ``on_release`` hands the buffer back to its producer (a ring slot, a staging slot); call
-    ``release()`` once done with the buffer: its views must not be used afterwards.
+    Whoever holds a lease owns it and releases it exactly once, when done with the buffer
+    (``release()``, or leaving ``with lease:``): ``on_release`` hands the buffer back to its
+    producer (a ring slot), so its views must not be used afterwards. Handing a lease on hands
+    the ownership on: a ``MicroBatchIterator`` owns every lease it pulls from its source and
+    releases each once the training loop moved past it (or once it copied it).
     """
 
     layout: MicroBatchLayout
     buffer: Buffer
+    """The bytes, read-only where the producer shares them with other readers (TP peers)."""
     on_release: Callable[[], None] | None = field(default=None, repr=False)
     seq: int = 0
     """Position in the stream it was published to (a slot ring's sequence number)."""
+    private: Callable[[], Buffer] | None = field(default=None, repr=False)
+    """If set, gives the same bytes as a writable copy-on-write view private to this process
+    (valid until the release): a CPU ``MicroBatchIterator`` hands its tensors out over it, so an
+    in-place write stays with this rank instead of changing the peers' micro-batch."""
     released: bool = field(default=False, init=False)
 
     @property
@@ -222,11 +230,17 @@ class PackedMicroBatch:
         return self.layout.numpy_views(self.buffer)
 
     def release(self) -> None:
-        """Hand the buffer back (idempotent)."""
+        """Hand the buffer back; the second and later calls do nothing."""
         if not self.released:
             self.released = True
             if self.on_release is not None:
                 self.on_release()
+
+    def __enter__(self) -> PackedMicroBatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def _lay_out(

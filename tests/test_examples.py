@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import ast
+import builtins
+import importlib
 import re
 import shlex
 import subprocess
+import symtable
 import sys
+from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+SHARED = {"megatron_common.py"}
+"""Modules the examples import; not examples themselves."""
+EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if p.name not in SHARED)
 
 EXPECTED: dict[str, tuple[str, ...]] = {
     "admission_in_rollout_loop.py": (
@@ -32,10 +39,21 @@ EXPECTED: dict[str, tuple[str, ...]] = {
         r"encoder ran on 8 images \(plain\) vs 2 \(dedup\)",
         r"max gradient difference: .* \(equal\)",
     ),
+    # 4 prompts with 1, 2, 1, 2 images: 6 unique images per mini-batch, encoded once each
+    # (a replicated vision path) or once by each of the 2 TP peers (a TP-sharded one).
+    "megatron_wrap.py": tuple(
+        rf"step {i}: loss [\d.]+, unique images encoded 6$" for i in (1, 2, 3)
+    ),
+    "megatron_llava.py": tuple(rf"step {i}: loss [\d.]+, image encodings 12 " for i in (1, 2, 3)),
+    "megatron_mrope.py": tuple(rf"step {i}: loss [\d.]+, image encodings 12 " for i in (1, 2, 3)),
 }
 """Lines each example must print (regexes); an example not listed must at least print something."""
 
 FORBIDDEN: dict[str, str] = {"admission_in_rollout_loop.py": r"knittrans .* VIOLATED"}
+LOSS_FALLS = {"megatron_wrap.py", "megatron_llava.py", "megatron_mrope.py"}
+"""Examples whose printed per-step loss must fall from step to step (they train)."""
+TENSORBOARD = {"megatron_wrap.py": ("knitkit/example/loss", "knitkit/dedup/units_encoded")}
+"""Examples run with ``--tensorboard DIR``: figures that must be in DIR's event file, per step."""
 
 
 RUN_LINE = re.compile(r"^Run(?: \((?P<needs>[^)]*)\))?: (?P<command>.+)$", re.MULTILINE)
@@ -63,22 +81,93 @@ def _command(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_example_runs(path: Path) -> None:
-    """The example exits 0 within two minutes and prints its expected lines."""
-    done = subprocess.run(_command(path), cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_example_runs(path: Path, tmp_path: Path) -> None:
+    """The example exits 0 and prints its expected lines; one that trains, a falling loss, and
+    one that logs, its figures in TensorBoard at every printed step."""
+    command = _command(path)
+    if path.name in TENSORBOARD:
+        command += ["--tensorboard", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{path.name} failed:\n{done.stdout}\n{done.stderr[-3000:]}"
     patterns = EXPECTED.get(path.name, ())
     assert done.stdout.strip(), f"{path.name} printed nothing"
     for pattern in patterns:
-        assert re.search(pattern, done.stdout), (
+        assert re.search(pattern, done.stdout, re.MULTILINE), (
             f"{path.name}: no line matches {pattern!r} in:\n{done.stdout}"
         )
     if path.name in FORBIDDEN:
         assert not re.search(FORBIDDEN[path.name], done.stdout), done.stdout
+    if path.name in LOSS_FALLS:
+        losses = [float(x) for x in re.findall(r"^step \d+: loss ([\d.]+)", done.stdout, re.M)]
+        assert len(losses) >= 2 and all(b < a for a, b in pairwise(losses)), done.stdout
+    if path.name in TENSORBOARD:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path))
+        events.Reload()
+        steps = [int(s) for s in re.findall(r"^step (\d+):", done.stdout, re.M)]
+        for name in TENSORBOARD[path.name]:
+            assert [e.step for e in events.Scalars(name)] == steps, name
 
 
 def test_every_example_is_checked() -> None:
-    """Examples promise specific output; a new example (other than the Megatron ones) gets checks here."""
-    megatron = {"megatron_wrap.py", "megatron_llava.py", "megatron_mrope.py"}  # gloo-world tests
-    unchecked = {p.name for p in EXAMPLES} - set(EXPECTED) - megatron
+    """Examples promise specific output; a new example gets its checks here."""
+    unchecked = {p.name for p in EXAMPLES} - set(EXPECTED)
     assert not unchecked, f"add expected output for {sorted(unchecked)} to EXPECTED"
+
+
+READMES = (
+    "integration/megatron/README.md",
+    "integration/transferqueue/README.md",
+    "knitkit/metrics/README.md",
+)
+"""READMEs whose snippets are checked against the code (paths from the repository root)."""
+READER_NAMES = frozenset(
+    {
+        # the reader's own objects, which a snippet uses without defining them
+        *("batch", "config", "controller", "ddp_model", "forward_step", "image_tiles"),
+        *("input_ids", "iterator", "labels", "load", "load_tiles", "max_seq", "mini_batches"),
+        *("model", "num_steps", "optimizer", "sid", "store", "tid", "tiles_per_image"),
+        *("train_one_mini_batch", "vision"),
+    }
+)
+
+
+def _snippets(readme: str) -> Iterator[tuple[int, str]]:
+    text = (ROOT / readme).read_text()
+    for match in re.finditer(r"```python\n(.*?)```", text, re.S):
+        yield text.count("\n", 0, match.start()) + 2, match.group(1)
+
+
+def _free_names(code: str) -> set[str]:
+    """Names the snippet reads but neither imports nor assigns, in any scope (builtins aside)."""
+    top = symtable.symtable(code, "<snippet>", "exec")
+    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    used: set[str] = set()
+    tables = [top]
+    while tables:
+        table = tables.pop()
+        tables.extend(table.get_children())
+        used.update(
+            s.get_name()
+            for s in table.get_symbols()
+            if s.is_referenced() and (table is top or s.is_global())
+        )
+    return used - bound - set(dir(builtins))
+
+
+@pytest.mark.parametrize("readme", READMES)
+def test_readme_snippets_use_only_names_that_exist(readme: str) -> None:
+    """Every Python snippet parses, imports only knitkit names that exist, and uses no knitkit
+    name it does not import (anything else it leaves open must be the reader's own object)."""
+    snippets = list(_snippets(readme))
+    assert snippets, f"{readme} has no python snippet"
+    for line, code in snippets:
+        where = f"{readme}:{line}"
+        free = _free_names(code) - READER_NAMES
+        assert not free, f"{where}: {sorted(free)} neither imported nor defined in the snippet"
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("knitkit"):
+                module = importlib.import_module(node.module)  # type: ignore[arg-type]
+                missing = [a.name for a in node.names if not hasattr(module, a.name)]
+                assert not missing, f"{where}: {node.module} has no {missing}"

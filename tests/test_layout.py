@@ -76,8 +76,85 @@ def test_the_storage_user_face_is_small() -> None:
     import knitkit.storage
 
     assert len(knitkit.storage.__all__) <= 25, sorted(knitkit.storage.__all__)
-    for internal in ("Publisher", "SlotRing", "Assignment", "ReadCounter", "check_ranges"):
+    for internal in ("ReadCounter", "check_ranges", "ReorganizerHost"):
         assert internal not in knitkit.storage.__all__
+
+
+def test_delivery_internals_are_on_no_face() -> None:
+    """Reorganizer hosts run a ``ReorganizerHost``; the ring, publisher, reorganizer loop and
+    assignment record it wraps are internals that no face exports."""
+    import importlib
+
+    internals = {"Publisher", "SlotRing", "Assignment", "Reorganizer"}
+    for face in sorted(FACES):
+        exported = set(importlib.import_module(face).__all__)
+        assert not exported & internals, f"{face} exports {sorted(exported & internals)}"
+    assert "ReorganizerHost" in importlib.import_module("knitkit.storage.delivery").__all__
+
+
+LIFECYCLE_NOTES = (
+    "Prefetch thread shutdown",
+    "Exit with a thread inside the source",
+    "Micro-batch publication protocol",
+    "Reorganizer process shutdown",
+    "SIGTERM while reorganizers are open",
+    "Reorganizer actor lifetime",
+    "Ray loopback runtime",
+    "Planner and the garbage collector",
+    "Slab lifetime",
+    "Owner-only clean-up",
+)
+
+
+def test_every_lifecycle_note_links_the_lifecycle_page() -> None:
+    """One page lists every thread and process knitkit starts (docs/lifecycle.md); each NOTE
+    about starting, stopping or cleaning up links to it."""
+    assert (ROOT / "docs" / "lifecycle.md").is_file()
+    texts = {p: p.read_text() for tree in NOTE_TREES for p in (ROOT / tree).rglob("*.py")}
+    for name in LIFECYCLE_NOTES:
+        block = next(
+            (t[at:][:6000] for t in texts.values() for at in _definitions(t, name)),
+            None,
+        )
+        assert block is not None, f"NOTE [ {name} ] is not defined"
+        own = re.split(r"\n[ \t]*(?:#[ \t]*)?NOTE \[ ", block)[0]  # up to the next block
+        assert "docs/lifecycle.md" in own, f"NOTE [ {name} ] does not link docs/lifecycle.md"
+
+
+def _definitions(text: str, name: str) -> Iterator[int]:
+    """Where ``text`` defines NOTE [ name ] (the rule of ``_note_sites``)."""
+    for m in re.finditer(re.escape(f"NOTE [ {name} ]"), text):
+        prefix = text[text.rfind("\n", 0, m.start()) + 1 : m.start()]
+        if DEFINITION_PREFIX.match(prefix) and text[m.end() : m.end() + 1] in (":", "\n", ""):
+            yield m.start()
+
+
+OUTSIDE = re.compile(r"\.\./shared|/work/|shared/(?:notes|design)|notes/\w+\.md|\bdesign\.md")
+
+
+def test_no_doc_or_comment_points_outside_the_repository() -> None:
+    """Every reference resolves inside the repository: no path to the planning notes or a
+    machine's folders, and every relative markdown link names a file that exists."""
+    files = [
+        p
+        for p in ROOT.rglob("*")
+        if p.is_file()
+        and p.suffix in (".py", ".md", ".sh")
+        and not any(part.startswith(".") or part == "build" for part in p.relative_to(ROOT).parts)
+    ]
+    bad = [
+        f"{p.relative_to(ROOT)}: {m.group(0)}"
+        for p in files
+        if p.name != "test_layout.py"
+        for m in OUTSIDE.finditer(p.read_text())
+    ]
+    for p in (p for p in files if p.suffix == ".md"):
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", p.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (p.parent / target).exists():
+                bad.append(f"{p.relative_to(ROOT)}: broken link {target}")
+    assert not bad, "\n".join(bad)
 
 
 def test_library_parts_do_not_load_baselines_or_the_demo() -> None:

@@ -8,15 +8,23 @@ from knitkit.integration.megatron.batch import (
     megatron_batches,
     packed_seq_params,
 )
+from knitkit.integration.megatron.device import current_device
 from knitkit.integration.megatron.llava import LLaVADedup, LLaVASequence, llava_sequence
 from knitkit.integration.megatron.mrope import (
     MROPE_FIELD,
+    MROPE_SCHEMES,
+    MRopeScheme,
     disable_rotary_cp_slicing,
     mrope_batch,
     mrope_position_ids,
     mrope_positions,
+    placeholder_runs,
 )
-from knitkit.integration.megatron.pipeline import PipelineStage, check_microbatches_agree
+from knitkit.integration.megatron.pipeline import (
+    PipelineStage,
+    StepRefused,
+    check_microbatches_agree,
+)
 from knitkit.integration.megatron.step import DedupVLMStep
 from knitkit.integration.megatron.te import (
     FP8_PAD_MULTIPLE,
@@ -30,17 +38,21 @@ from knitkit.integration.megatron.topology import Coord, MegatronLayout
 __all__ = [
     "FP8_PAD_MULTIPLE",
     "MROPE_FIELD",
+    "MROPE_SCHEMES",
     "Batch",
     "Coord",
     "DedupVLMStep",
     "LLaVADedup",
     "LLaVASequence",
     "LayerSpecs",
+    "MRopeScheme",
     "MegatronLayout",
     "PipelineStage",
+    "StepRefused",
     "batch_for",
     "block_causal_mask",
     "check_microbatches_agree",
+    "current_device",
     "disable_rotary_cp_slicing",
     "feature_slices",
     "layer_specs",
@@ -51,5 +63,6 @@ __all__ = [
     "mrope_position_ids",
     "mrope_positions",
     "packed_seq_params",
+    "placeholder_runs",
     "te_available",
 ]

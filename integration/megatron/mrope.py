@@ -1,7 +1,7 @@
 """Qwen-VL style multimodal RoPE under knitkit: 3-D position ids as a stored per-token field.
 
-Qwen2.5-VL gives every token a (temporal, height, width) position: text tokens advance all three
-together, an image's tokens take their merged-grid row and column after the preceding text
+Qwen2.5-VL and Qwen3-VL give every token a (temporal, height, width) position: text tokens advance
+all three together, an image's or a video's tokens spread over its merged (t, h, w) grid
 (``get_rope_index`` in transformers). The positions depend on the whole sequence, so they are
 computed ONCE at write time (``mrope_positions``), stored as the per-token field
 ``mrope_position_ids`` ``[T, 3]`` and planned, CP-sliced and packed like the tokens; the trainer
@@ -11,6 +11,8 @@ only reshapes them for megatron-core (``mrope_position_ids``), never recomputes 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -23,48 +25,200 @@ from knitkit.storage.planning import rank_chunks
 MROPE_FIELD = "mrope_position_ids"
 """The stored per-token field: int64 ``[T, 3]`` (temporal, height, width) per token."""
 
+MRopeScheme = Literal["qwen2_5_vl", "qwen3_vl"]
+"""How videos are laid out and timed: Qwen2.5-VL (one run per video, absolute time in the temporal
+index) or Qwen3-VL and Qwen3-VL-MoE (one run per temporal patch, time as timestamp text)."""
+MROPE_SCHEMES: tuple[MRopeScheme, ...] = ("qwen2_5_vl", "qwen3_vl")
+
+Grid = tuple[int, int, int]
+"""A processor's ``(t, h, w)`` grid, in patches."""
+
+# NOTE [ Qwen-VL mRoPE positions ]: the walk over one sequence, text and vision runs in order.
+# - Text: consecutive positions on all three axes from the next free position p.
+# - A vision run (the processor's consecutive placeholder tokens) of merged grid
+#   (t, h', w') = (t, h / m, w / m), m = spatial_merge_size, takes temporal p + trunc(k * interval)
+#   for temporal step k, height p + row, width p + column (t, h', w' order). The next text
+#   starts at max(block) + 1.
+# - Qwen2.5-VL ("qwen2_5_vl"): a video is ONE run of t * h' * w' tokens; interval =
+#   tokens_per_second * second_per_grid_t (vision config; processor's temporal_patch_size / fps
+#   per video), in float32 as the processor's float32 second_per_grid_ts tensor makes transformers
+#   compute it. Images have t = 1 (interval 1, as transformers).
+# - Qwen3-VL ("qwen3_vl", also Qwen3-VL-MoE): the processor writes each temporal patch of a video
+#   as its own run (<t seconds><|vision_start|> + h' * w' video tokens + <|vision_end|>), so a
+#   video grid (t, h, w) is t runs of grid (1, h, w); time lives in the timestamp text and
+#   second_per_grid_ts is not used.
+# - Each run holds exactly its grid's tokens; images and videos meet runs in order of appearance;
+#   every grid needs a run. Anything else is refused, naming the item: a silent mismatch shifts
+#   every later position.
+# "Next text at max + 1" is the rule of Qwen's own implementation (transformers PR 35569: "the
+# text start position_ids as the max vision position_ids plus 1"), of SGLang's and vLLM's
+# MRotaryEmbedding.get_rope_index, and of how transformers positions GENERATED tokens
+# (rope_deltas = max + 1 - length). transformers 5.x's single-pass get_rope_index (5.23.0
+# included) continues in-prompt text after a vision run at p + max(h', w') instead: equal to
+# max + 1 for images and Qwen3-VL frames, smaller after a Qwen2.5-VL video whose temporal extent
+# trunc((t - 1) * interval) exceeds max(h', w') - 1 (its own generation then jumps to max + 1).
+# The rollout engine computed the log-probs with max + 1, the trainer must see the positions the
+# rollout saw, and a token's position must not depend on whether it was prefilled or decoded (in a
+# multi-turn episode each turn's output is prefilled again in the next turn's prompt), so knitkit
+# follows max + 1. tests/integration/test_mrope_reference.py compares
+# with transformers 5.23.0 wherever the two agree, and text after a Qwen2.5-VL video with
+# 5.23.0's generation positions.
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """One grid the sequence must hold as a run of placeholder tokens."""
+
+    kind: Literal["image", "video"]
+    index: int
+    """The image's or video's index (a Qwen3-VL video has one run per temporal patch)."""
+    grid: Grid
+    interval: float
+    merge: int
+
+    @property
+    def num_tokens(self) -> int:
+        t, h, w = self.grid
+        return t * (h // self.merge) * (w // self.merge)
+
+    def positions(self, start: int) -> np.ndarray:
+        """``[3, num_tokens]`` positions from ``start`` (see NOTE [ Qwen-VL mRoPE positions ])."""
+        t, h, w = self.grid[0], self.grid[1] // self.merge, self.grid[2] // self.merge
+        steps = (np.arange(t, dtype=np.float32) * np.float32(self.interval)).astype(np.int64)
+        block = np.empty((3, t, h, w), dtype=np.int64)
+        block[0] = steps[:, None, None]
+        block[1] = np.arange(h)[None, :, None]
+        block[2] = np.arange(w)[None, None, :]
+        return block.reshape(3, -1) + start
+
+
+def placeholder_runs(input_ids: Sequence[int] | np.ndarray, token_id: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of every maximal run of ``token_id`` in ``input_ids``."""
+    ids = np.asarray(input_ids)
+    mask = np.concatenate(([False], ids == token_id, [False]))
+    edges = np.flatnonzero(mask[1:] != mask[:-1])
+    return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
 
 def mrope_positions(
-    input_ids: np.ndarray,
-    image_grid_thw: Sequence[tuple[int, int, int]],
+    input_ids: Sequence[int] | np.ndarray,
+    image_grid_thw: Sequence[Grid] = (),
     *,
     image_token_id: int,
     spatial_merge_size: int = 2,
+    video_grid_thw: Sequence[Grid] = (),
+    video_token_id: int | None = None,
+    second_per_grid_ts: Sequence[float] = (),
+    tokens_per_second: float | None = None,
+    scheme: MRopeScheme = "qwen2_5_vl",
 ) -> np.ndarray:
-    """``[3, T]`` position ids of one sequence, as Qwen2.5-VL's ``get_rope_index`` computes them for images.
+    """``[3, T]`` position ids of one sequence, as the Qwen-VL model of ``scheme`` computes them.
 
-    ``input_ids`` holds the processor-expanded image tokens: image ``i`` with grid ``(t, h, w)``
-    (in patches) takes ``t * h * w / spatial_merge_size**2`` consecutive ``image_token_id``s.
-    Text after position ``p`` continues at ``max(positions so far) + 1`` on all three axes; an
-    image starts at the next text position and spreads over its merged grid (images have one
-    temporal step, so their temporal index stays at the start).
+    ``input_ids`` holds the processor-expanded placeholders; ``image_grid_thw``,
+    ``video_grid_thw`` and ``second_per_grid_ts`` are the processor's outputs for this sequence
+    (in patches, one per image / video); ``image_token_id``, ``video_token_id``,
+    ``spatial_merge_size`` and ``tokens_per_second`` come from the model config. See NOTE
+    [ Qwen-VL mRoPE positions ] for the rule, and where it differs from transformers 5.x.
     """
-    ids = np.asarray(input_ids, dtype=np.int64)
-    pieces: list[np.ndarray] = []
-    start = 0
-    next_position = 0
-    for t, h, w in image_grid_thw:
-        grid_h, grid_w = h // spatial_merge_size, w // spatial_merge_size
-        rows = t * grid_h * grid_w
-        hits = np.flatnonzero(ids[start:] == image_token_id)
-        if len(hits) == 0 or start + hits[0] + rows > len(ids):
+    if scheme not in MROPE_SCHEMES:
+        raise ValueError(f"mRoPE scheme {scheme!r} is not one of {MROPE_SCHEMES}")
+    if len(video_grid_thw) and video_token_id is None:
+        raise ValueError("video_grid_thw given without video_token_id; pass the model config's")
+    ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
+    expected = {
+        "image": _image_runs(image_grid_thw, spatial_merge_size),
+        "video": _video_runs(
+            video_grid_thw, second_per_grid_ts, tokens_per_second, spatial_merge_size, scheme
+        ),
+    }
+    token_of = {"image": image_token_id, "video": video_token_id}
+    found = sorted(
+        (start, length, kind)
+        for kind, token in token_of.items()
+        if token is not None
+        for start, length in placeholder_runs(ids, token)
+    )
+    for kind, runs in expected.items():
+        seen = sum(1 for *_, k in found if k == kind)
+        if seen != len(runs):
+            unit = "temporal patches (Qwen3-VL: one run each)" if scheme == "qwen3_vl" else "grids"
             raise ValueError(
-                f"image grid {(t, h, w)} needs {rows} image tokens {image_token_id} after "
-                f"position {start}; expand the image tokens as the processor does"
+                f"{len(runs)} {kind} {unit} from {kind}_grid_thw but {seen} runs of {kind} token "
+                f"{token_of[kind]} in input_ids; pass the processor's {kind}_grid_thw with its "
+                "expanded input_ids, one grid per placeholder run"
             )
-        text = int(hits[0])
-        pieces.append(np.broadcast_to(np.arange(text) + next_position, (3, text)))
-        base = next_position + text
-        t_index = np.zeros(rows, dtype=np.int64)  # Qwen2.5-VL: images have no temporal spread
-        h_index = np.broadcast_to(np.arange(grid_h)[None, :, None], (t, grid_h, grid_w)).ravel()
-        w_index = np.broadcast_to(np.arange(grid_w)[None, None, :], (t, grid_h, grid_w)).ravel()
-        image = np.stack([t_index, h_index, w_index]) + base
-        pieces.append(image)
-        next_position = int(image.max()) + 1
-        start += text + rows
-    tail = len(ids) - start
-    pieces.append(np.broadcast_to(np.arange(tail) + next_position, (3, tail)))
-    return np.concatenate(pieces, axis=1).astype(np.int64)
+    out = np.empty((3, len(ids)), dtype=np.int64)
+    cursor = position = 0
+    taken = {"image": 0, "video": 0}
+    for start, length, kind in found:
+        run = expected[kind][taken[kind]]
+        taken[kind] += 1
+        if length != run.num_tokens:
+            raise ValueError(
+                f"{kind} {run.index}: grid {run.grid} needs {run.num_tokens} {kind} tokens "
+                f"(id {token_of[kind]}) in one run at spatial_merge_size={run.merge}, but the run "
+                f"at position {start} has {length}; expand the placeholders as the processor does"
+            )
+        out[:, cursor:start] = np.arange(position, position + start - cursor)
+        position += start - cursor
+        block = run.positions(position)
+        out[:, start : start + length] = block
+        position = int(block.max()) + 1  # see NOTE [ Qwen-VL mRoPE positions ]
+        cursor = start + length
+    out[:, cursor:] = np.arange(position, position + len(ids) - cursor)
+    return out
+
+
+def _image_runs(grids: Sequence[Grid], merge: int) -> list[_Run]:
+    return [_Run("image", i, _grid(g, "image", i, merge), 1.0, merge) for i, g in enumerate(grids)]
+
+
+def _video_runs(
+    grids: Sequence[Grid],
+    second_per_grid_ts: Sequence[float],
+    tokens_per_second: float | None,
+    merge: int,
+    scheme: MRopeScheme,
+) -> list[_Run]:
+    seconds = np.asarray(second_per_grid_ts, dtype=np.float32).reshape(-1)
+    checked = [_grid(g, "video", i, merge) for i, g in enumerate(grids)]
+    if scheme == "qwen3_vl":
+        if len(seconds):
+            raise ValueError(
+                "second_per_grid_ts given with scheme 'qwen3_vl': Qwen3-VL puts time in timestamp "
+                "text, not positions; use scheme 'qwen2_5_vl' for Qwen2.5-VL"
+            )
+        return [
+            _Run("video", i, (1, h, w), 1.0, merge)
+            for i, (t, h, w) in enumerate(checked)
+            for _ in range(t)
+        ]
+    if not checked:
+        return []
+    if len(seconds) != len(checked):
+        raise ValueError(
+            f"{len(checked)} video_grid_thw but {len(seconds)} second_per_grid_ts; Qwen2.5-VL "
+            "needs the processor's second_per_grid_ts (temporal_patch_size / fps), one per video"
+        )
+    if tokens_per_second is None:
+        raise ValueError(
+            "Qwen2.5-VL videos need tokens_per_second (the model's vision_config.tokens_per_second, "
+            "2 in the released checkpoints)"
+        )
+    return [
+        _Run("video", i, grid, float(np.float32(tokens_per_second) * seconds[i]), merge)
+        for i, grid in enumerate(checked)
+    ]
+
+
+def _grid(grid: Sequence[int], kind: str, index: int, merge: int) -> Grid:
+    t, h, w = (int(x) for x in grid)
+    if min(t, h, w) < 1 or h % merge or w % merge:
+        raise ValueError(
+            f"{kind} {index}: grid {(t, h, w)} is not a processor grid at spatial_merge_size="
+            f"{merge} (positive, h and w multiples of the merge size)"
+        )
+    return t, h, w
 
 
 def mrope_position_ids(

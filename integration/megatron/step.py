@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,12 +17,18 @@ from knitkit.encoder_dedup import (
     ProcessGroupTransport,
     RankRoute,
 )
+from knitkit.integration.megatron.device import current_device
 from knitkit.integration.megatron.grads import DeferredVisionBackward, averaged_over_tp
 from knitkit.integration.megatron.pipeline import (
     PipelineStage,
-    check_microbatches_agree,
+    StepFacts,
+    StepRefused,
+    agree_on_step,
     stage_group,
 )
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
 
 
 @dataclass(slots=True)
@@ -50,17 +57,22 @@ class DedupVLMStep:
     tp_sharded_vision: bool = False
     """True when the vision path is itself TP-sharded (e.g. megatron's ``MultimodalProjector``):
     TP peers then encode together, rows travel in megatron's DP x CP group and no TP sum is
-    needed. Plan with ``MegatronLayout.encoder_topology(tp_sharded=True)`` to match."""
+    needed. Plan with ``MegatronLayout.encoder_topology(tp_sharded=True)`` to match. At TP > 1
+    ``run`` refuses a value that contradicts megatron's ``tensor_model_parallel`` marks on the
+    vision parameters (NOTE [ Declared and detected TP sharding ])."""
     vision_extra: tuple[str, ...] = ()
     """Dotted paths of further modules of the vision path whose parameters the deferred backward
     reaches (e.g. LLaVA's ``vision_projection`` after its ``vision_model``); they join the zero
     anchor and the TP sum but are not swapped."""
     handshake_timeout_s: float = 600.0
-    """Bound on waiting for the other ranks at the encode and the deferred backward (a rank that
-    never gets there fails everyone with a knitkit error naming the phase, not a gloo/NCCL
-    timeout); it must cover the skew between ranks' backbone micro-batches."""
+    """Bound on every wait for the other ranks: the step's start (NOTE [ Every rank refuses
+    together ] in ``pipeline.py``), the encode and the deferred backward, and their row exchanges
+    (a rank that never gets there fails everyone with a knitkit error naming the phase and the
+    missing rank, not a gloo/NCCL timeout); it must cover the skew between ranks, e.g. their
+    backbone micro-batches before the deferred backward."""
     last_encoded_units: int = field(default=0, init=False)
     """Unique units this rank encoded in the last ``run``."""
+    _figures: dict[str, float] = field(default_factory=dict, init=False)
 
     def run(
         self,
@@ -80,63 +92,45 @@ class DedupVLMStep:
         ``encode_fn`` maps an encoder micro-batch of unit keys to its feature rows (it calls the
         vision path). Returns what the schedule returns (the loss dicts).
 
-        ``forward_only=True`` (old / reference log-prob passes; pass the reference model's own
+        ``forward_only=True`` (old / reference log-probs passes; pass the reference model's own
         step and ``encode_fn``) encodes each unique unit once without a graph and serves plain
         rows: no encoder backward, no gradient return, ``finalize_model_grads_func`` untouched.
-        """
-        from megatron.core.utils import get_model_config
 
-        if len(route.micro_batch_index) != num_microbatches:
-            raise ValueError(
-                f"route covers {len(route.micro_batch_index)} backbone micro-batches but "
-                f"num_microbatches={num_microbatches}; route and data must come from the same plan"
-            )
-        check_microbatches_agree(num_microbatches)
-        if not PipelineStage.current().encodes:
+        Before anything collective, every rank of the world checks its inputs and meets the
+        others once: a refusal or disagreement on any rank raises ``StepRefused`` on every rank
+        (NOTE [ Every rank refuses together ] in ``pipeline.py``).
+        """
+        forward_only = bool(schedule_kwargs.get("forward_only"))
+        vision: _VisionPath | None = None
+        failure: Exception | None = None
+        try:  # see NOTE [ Every rank refuses together ]: nothing local raises before it
+            problems = self._refusals(route, num_microbatches, data_iterator)
+            if PipelineStage.current().encodes and not problems:
+                vision, problems = self._vision_path(route, forward_only)
+        except Exception as error:
+            failure, problems = error, [f"{type(error).__name__}: {error}"]
+        facts = StepFacts(num_microbatches, forward_only, route.plan_fingerprint, tuple(problems))
+        try:
+            agree_on_step(facts, timeout_s=self.handshake_timeout_s)
+        except StepRefused as refused:
+            raise refused from failure
+        shape = {"seq_length": seq_length, "micro_batch_size": micro_batch_size}
+        if vision is None:
             # A later stage holds no vision path: see NOTE [ Encoder under pipeline parallelism ]
             # in pipeline.py.
-            self.last_encoded_units = 0
+            self.last_encoded_units, self._figures = 0, {}
             return self._schedule(
-                forward_step_func,
-                data_iterator,
-                num_microbatches,
-                schedule_kwargs,
-                seq_length=seq_length,
-                micro_batch_size=micro_batch_size,
+                forward_step_func, data_iterator, num_microbatches, schedule_kwargs, **shape
             )
-        config = get_model_config(self._chunks()[0])
+        config, dedup = vision.config, vision.dedup
         original = config.finalize_model_grads_func
-        forward_only = bool(schedule_kwargs.get("forward_only"))
-        if original is None and not forward_only:
-            raise ValueError(
-                "config.finalize_model_grads_func is None; set it to "
-                "megatron.core.distributed.finalize_model_grads as megatron's training loop does"
-            )
-        transport = ProcessGroupTransport(self._encoder_group())
-        if len(route.forward.send_counts) != transport.world_size:
-            raise ValueError(
-                f"route spans {len(route.forward.send_counts)} ranks but the encoder group has "
-                f"{transport.world_size}; plan with encoder_topology(tp_sharded="
-                f"{self.tp_sharded_vision}) to match DedupVLMStep(tp_sharded_vision=...)"
-            )
-        vision = self._vision_module()
-        modules = (vision, *(self._module_at(path) for path in self.vision_extra))
-        named = [(n, p) for m in modules for n, p in m.named_parameters() if p.requires_grad]
+        named = [(n, p) for m in vision.modules for n, p in m.named_parameters() if p.requires_grad]
         params = tuple(p for _, p in named)
         tp_sum = 1 if forward_only else self._replicas_to_sum()
-        dedup = DedupEncoder(
-            route,
-            transport,
-            hidden=config.hidden_size,
-            dtype=config.params_dtype,
-            device=_device(),
-            handshake_timeout_s=self.handshake_timeout_s,
-        )
         dedup.encode(encode_fn, keep_graph=not forward_only)
         self.last_encoded_units = dedup.encoded_units
         data, feed = self._feed(data_iterator)
         if not forward_only:  # a forward-only pass has no encoder backward and no finalize
-            assert original is not None
             hook = FinalizeWithDeferredBackward(original)
             hook.arm(DeferredVisionBackward(dedup, params, scale=float(tp_sum)))
             config.finalize_model_grads_func = hook
@@ -148,21 +142,124 @@ class DedupVLMStep:
                 if not forward_only:  # NOTE [ Finalize sees the vision path ]
                     hook.before_finalize = restore
                 out = self._schedule(
-                    forward_step_func,
-                    data,
-                    num_microbatches,
-                    schedule_kwargs,
-                    seq_length=seq_length,
-                    micro_batch_size=micro_batch_size,
+                    forward_step_func, data, num_microbatches, schedule_kwargs, **shape
                 )
         finally:
             config.finalize_model_grads_func = original
+        self._figures = dedup.metrics()
         if feed.count != num_microbatches:
             raise RuntimeError(
                 f"the forward step took {feed.count} micro-batches for num_microbatches="
                 f"{num_microbatches}; it must call next(data_iterator) exactly once per call"
             )
         return out
+
+    def metrics(self) -> dict[str, float]:
+        """This rank's dedup figures of the last ``run`` (``DedupEncoder.metrics``; per step, not
+        cumulative); empty on pipeline stages without the vision path and before the first run."""
+        return dict(self._figures)
+
+    def _refusals(
+        self, route: RankRoute, num_microbatches: int, data_iterator: Iterable[object]
+    ) -> list[str]:
+        """What this rank refuses in its own inputs (every stage; NOTE [ Every rank refuses together ])."""
+        problems = []
+        if len(route.micro_batch_index) != num_microbatches:
+            problems.append(
+                f"route covers {len(route.micro_batch_index)} backbone micro-batches but "
+                f"num_microbatches={num_microbatches}; route and data must come from the same plan"
+            )
+        chunks = len(self._chunks())
+        if not isinstance(data_iterator, Iterable):
+            problems.append(f"data_iterator is a {type(data_iterator).__name__}, not iterable")
+        elif chunks > 1 and not (
+            isinstance(data_iterator, list | tuple) and len(data_iterator) == chunks
+        ):
+            problems.append(
+                f"the model has {chunks} virtual-pipeline chunks; pass data_iterator as a list of "
+                f"{chunks} iterators, one per chunk"
+            )
+        return problems
+
+    def _vision_path(
+        self, route: RankRoute, forward_only: bool
+    ) -> tuple[_VisionPath | None, list[str]]:
+        """The first stage's vision path, its config and dedup encoder, or what this rank refuses."""
+        from megatron.core.utils import get_model_config
+
+        problems = []
+        config = get_model_config(self._chunks()[0])
+        if config.finalize_model_grads_func is None and not forward_only:
+            problems.append(
+                "config.finalize_model_grads_func is None; set it to "
+                "megatron.core.distributed.finalize_model_grads as megatron's training loop does"
+            )
+        transport = ProcessGroupTransport(self._encoder_group())
+        if len(route.forward.send_counts) != transport.world_size:
+            problems.append(
+                f"route spans {len(route.forward.send_counts)} ranks but the encoder group has "
+                f"{transport.world_size}; plan with encoder_topology(tp_sharded="
+                f"{self.tp_sharded_vision}) to match DedupVLMStep(tp_sharded_vision=...)"
+            )
+        try:
+            paths = (self.vision, *self.vision_extra)
+            modules = tuple(self._module_at(path) for path in paths)
+        except (AttributeError, TypeError) as error:
+            return None, [*problems, str(error)]
+        # see NOTE [ Declared and detected TP sharding ]
+        problems += self._sharding_refusals(dict(zip(paths, modules, strict=True)))
+        if problems:
+            return None, problems
+        dedup = DedupEncoder(
+            route,
+            transport,
+            hidden=config.hidden_size,
+            dtype=config.params_dtype,
+            device=current_device(),
+            handshake_timeout_s=self.handshake_timeout_s,
+        )
+        return _VisionPath(config, modules, dedup), []
+
+    def _sharding_refusals(self, modules: dict[str, torch.nn.Module]) -> list[str]:
+        """The declared ``tp_sharded_vision`` against megatron's marks on the vision parameters.
+
+        NOTE [ Declared and detected TP sharding ]: megatron's (and TE's) tensor-parallel layers
+        mark every parameter they shard with ``tensor_model_parallel=True`` and ``partition_dim``.
+        A vision path with such a parameter runs TP collectives inside its forward: its TP peers
+        must encode the same units together (``tp_sharded_vision=True``); declared replicated,
+        each TP rank encodes different units through layers that exchange activations with the
+        peer, and the gradients come out wrong (77-88% off in issue 22) or a rank dies. A path
+        with no marked parameter declared sharded computes right but encodes every unit on every
+        TP rank, TP times the work. Both are refused at TP > 1 (at TP = 1 the layouts coincide).
+        """
+        from megatron.core import parallel_state
+
+        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+            return []
+        sharded = [
+            (f"{path}.{name}", param)
+            for path, module in modules.items()
+            for name, param in module.named_parameters()
+            if getattr(param, "tensor_model_parallel", False)
+        ]
+        if sharded and not self.tp_sharded_vision:
+            name, param = sharded[0]
+            return [
+                f"the vision path is TP-sharded ({len(sharded)} parameters carry megatron's "
+                f"tensor_model_parallel=True, e.g. {name} with partition_dim="
+                f"{getattr(param, 'partition_dim', '?')}) but DedupVLMStep(tp_sharded_vision=False)"
+                " declares it replicated; pass DedupVLMStep(tp_sharded_vision=True) and plan "
+                "with MegatronLayout.encoder_topology(tp_sharded=True)"
+            ]
+        if not sharded and self.tp_sharded_vision:
+            return [
+                f"DedupVLMStep(tp_sharded_vision=True) but no parameter of the vision path "
+                f"{sorted(modules)} is TP-sharded (none carries tensor_model_parallel=True), so "
+                "every TP rank would encode every unit; pass tp_sharded_vision=False and plan with "
+                "MegatronLayout.encoder_topology() (if the path is sharded by layers megatron does "
+                "not mark, mark them with tensor_parallel.set_tensor_model_parallel_attributes)"
+            ]
+        return []
 
     def _schedule(
         self,
@@ -197,9 +294,6 @@ class DedupVLMStep:
         first, *rest = data_iterator  # one iterator per virtual-pipeline chunk
         feed = _CountingIterator(iter(first))  # type: ignore[call-overload]
         return [feed, *rest], feed
-
-    def _vision_module(self) -> torch.nn.Module:
-        return self._module_at(self.vision)
 
     def _module_at(self, dotted: str) -> torch.nn.Module:
         parent, name = self._vision_parent(dotted)
@@ -264,6 +358,15 @@ class DedupVLMStep:
         return parallel_state.get_tensor_model_parallel_world_size()
 
 
+@dataclass(frozen=True, slots=True)
+class _VisionPath:
+    """The first stage's vision path for one run: its config, modules and dedup encoder."""
+
+    config: TransformerConfig
+    modules: tuple[torch.nn.Module, ...]
+    dedup: DedupEncoder
+
+
 @dataclass(slots=True)
 class _CountingIterator:
     """The schedule's data iterator: counts micro-batches so the lookup knows which one runs."""
@@ -291,11 +394,3 @@ class _CachedFeatures(torch.nn.Module):
         if self._feed.count == 0:
             raise RuntimeError("the vision path ran before the forward step took its micro-batch")
         return self._dedup.features(self._feed.count - 1)
-
-
-def _device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )

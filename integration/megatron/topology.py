@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from knitkit.encoder_dedup import RankRoute, route_minibatch
+from knitkit.integration.megatron.device import collective_device
 from knitkit.integration.megatron.pipeline import stage_group
 from knitkit.storage import EncoderTopology, MiniBatchPlan, Topology
 
@@ -57,7 +58,8 @@ class MegatronLayout:
             tp=ps.get_tensor_model_parallel_world_size(),
             sequence_parallel=sequence_parallel,
         )
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL moves CUDA tensors only
+        # PP > 1: this stage's ranks (see NOTE [ Encoder under pipeline parallelism ] in pipeline.py)
+        group = stage_group()
         mine = torch.tensor(
             [
                 ps.get_data_parallel_rank(),
@@ -66,10 +68,8 @@ class MegatronLayout:
                 ps.get_data_parallel_rank(with_context_parallel=True),
             ],
             dtype=torch.int64,
-            device=device,
+            device=collective_device(group),
         )
-        # PP > 1: this stage's ranks (see NOTE [ Encoder under pipeline parallelism ] in pipeline.py)
-        group = stage_group()
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, mine, group=group)
         coords = tuple((int(t[0]), int(t[1]), int(t[2])) for t in gathered)

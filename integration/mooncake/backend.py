@@ -13,7 +13,7 @@ import numpy as np
 from mooncake.engine import TransferEngine
 from mooncake.store import MooncakeDistributedStore, ReplicaStatus, ReplicateConfig
 
-from knitkit.integration.loopback import is_loopback
+from knitkit.integration.loopback import is_loopback, resolve
 from knitkit.storage import UnitBackend
 from knitkit.storage.backends import (
     ReadCounter,
@@ -91,7 +91,9 @@ class MooncakeBackend(UnitBackend):
     Mooncake's client listens on all interfaces whatever address it is given (see
     ``WILDCARD_LISTENERS``), so the single-node default (a loopback ``local_hostname``) starts
     only with ``allow_wildcard_listeners=True``; a non-loopback ``local_hostname`` is the
-    explicit multi-node address and needs no opt-in.
+    explicit multi-node address and needs no opt-in. Loopback is decided on the addresses
+    ``local_hostname`` resolves to, however it is spelled (NOTE [ Loopback by resolution ] in
+    ``integration/loopback.py``); a name that does not resolve is a ``ValueError``.
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class MooncakeBackend(UnitBackend):
         allow_wildcard_listeners: bool = False,
     ) -> None:
         master_host = master.rpc.rpartition(":")[0]
+        resolve(local_hostname)  # a name that does not resolve: an error naming it, now
         if is_loopback(local_hostname) and not is_loopback(master_host):
             raise ValueError(
                 f"master {master.rpc} is on another host but local_hostname={local_hostname!r} "

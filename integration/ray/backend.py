@@ -11,7 +11,14 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from knitkit.storage import UnitBackend
-from knitkit.storage.backends import ReadCounter, UnitSpec, check_replacement, check_unit, spec_of
+from knitkit.storage.backends import (
+    ReadCounter,
+    UnitsLostError,
+    UnitSpec,
+    check_replacement,
+    check_unit,
+    spec_of,
+)
 from knitkit.types import SeqRange, UnitKey
 
 _Boxed = list[ray.ObjectRef]
@@ -36,8 +43,11 @@ _Boxed = list[ray.ObjectRef]
 # backend (the driver, normally), so it shares the driver's fate and losing a worker node never
 # takes the lookup of every unit down with it. A unit whose object is lost (its owner process or
 # its node died: Ray's ObjectLostError family, e.g. OwnerDiedError naming only an object id) is
-# dropped from the directory by the reader that finds it, which raises UnitsLostError naming the
-# unit keys, so a trainer can drop or regenerate exactly those trajectories.
+# marked lost in the directory by the reader that finds it, which raises UnitsLostError naming
+# the unit keys, so a trainer can drop or regenerate exactly those trajectories. The mark stays
+# (it is not listed by `keys()`) until the unit is deleted or put again, so every later reader in
+# any process, a reorganizer included, gets UnitsLostError too, never "never put"; the error
+# pickles with its keys across Ray tasks and actors (NOTE [ Lost units reach the trainer ]).
 #
 # On the node that holds an object, `ray.get` maps it: no copy. A reader on another node makes
 # Ray pull the WHOLE object to its node first (Ray transfers objects, not byte ranges); sliced
@@ -51,10 +61,13 @@ class UnitDirectory:
 
     def __init__(self) -> None:
         self._units: dict[str, tuple[_Boxed, UnitSpec]] = {}
+        self._lost: dict[str, str] = {}
+        """Units whose objects were lost: why (kept until deleted or put again)."""
 
     def add(self, key: str, boxed: _Boxed, spec: UnitSpec) -> bool:
         if key in self._units:
             return False
+        self._lost.pop(key, None)
         self._units[key] = (boxed, spec)
         return True
 
@@ -65,16 +78,19 @@ class UnitDirectory:
             self._units[key] = (boxed, spec)
         return None if stored is None else stored[1]
 
-    def lookup(self, keys: list[str]) -> list[tuple[_Boxed, UnitSpec] | None]:
-        return [self._units.get(k) for k in keys]
+    def lookup(self, keys: list[str]) -> list[tuple[_Boxed, UnitSpec] | str | None]:
+        """Each key's (boxed ref, spec); for a lost unit why it was lost; None if unknown."""
+        return [self._units.get(k) or self._lost.get(k) for k in keys]
 
     def remove(self, key: str) -> bool:
-        return self._units.pop(key, None) is not None
+        found = self._units.pop(key, None) is not None
+        return self._lost.pop(key, None) is not None or found
 
-    def drop(self, keys: list[str]) -> None:
-        """Forget units whose objects were lost."""
+    def drop(self, keys: list[str], cause: str) -> None:
+        """Mark units whose objects were lost."""
         for key in keys:
-            self._units.pop(key, None)
+            if self._units.pop(key, None) is not None:
+                self._lost[key] = cause
 
     def where(self) -> str:
         """Ray node id of this directory."""
@@ -82,18 +98,6 @@ class UnitDirectory:
 
     def keys(self) -> list[str]:
         return list(self._units)
-
-
-class UnitsLostError(LookupError):
-    """Units whose objects Ray lost; they are gone from the directory (see NOTE [ Ray unit directory ])."""
-
-    def __init__(self, keys: Sequence[UnitKey], directory: str, cause: BaseException) -> None:
-        self.keys = tuple(keys)
-        super().__init__(
-            f"lost units {[str(k) for k in self.keys]} of Ray unit directory {directory!r}: "
-            f"their objects' owner process or node died ({type(cause).__name__}); they were "
-            "removed from the directory: drop or regenerate these trajectories"
-        )
 
 
 class RayBackend(UnitBackend):
@@ -218,15 +222,23 @@ class RayBackend(UnitBackend):
             lost = lost or keys
             for key in lost:
                 self._resolved.pop(key, None)
-            ray.get(self._directory.drop.remote([str(k) for k in lost]))
-            raise UnitsLostError(lost, self.name, error) from error
+            cause = f"their objects' owner process or node died ({type(error).__name__})"
+            ray.get(self._directory.drop.remote([str(k) for k in lost], cause))
+            raise UnitsLostError(lost, self._where, cause) from error
 
     def _lookup(self, keys: list[UnitKey]) -> list[tuple[_Boxed, UnitSpec]]:
         entries = ray.get(self._directory.lookup.remote([str(k) for k in keys]))
+        lost = [(k, e) for k, e in zip(keys, entries, strict=True) if isinstance(e, str)]
+        if lost:
+            raise UnitsLostError([k for k, _ in lost], self._where, lost[0][1])
         for key, entry in zip(keys, entries, strict=True):
             if entry is None:
                 raise _unknown(key)
         return entries
+
+    @property
+    def _where(self) -> str:
+        return f"Ray unit directory {self.name!r}"
 
 
 def _attach(name: str) -> RayBackend:

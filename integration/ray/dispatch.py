@@ -115,6 +115,20 @@ class RayDispatcher:
             )
         )
 
+    def metrics(self) -> dict[str, float]:
+        """Figures of every reorganizer together, cumulative since they started:
+
+        - ``knitkit/delivery/reorganizer_bytes_read``: payload bytes read from storage;
+        - ``knitkit/delivery/reorganizer_published``: micro-batches published.
+        """
+        actors = list(self._actors.values())
+        read: list[int] = ray.get([a.bytes_read.remote() for a in actors])
+        published: list[int] = ray.get([a.published.remote() for a in actors])
+        return {
+            "knitkit/delivery/reorganizer_bytes_read": float(sum(read)),
+            "knitkit/delivery/reorganizer_published": float(sum(published)),
+        }
+
     def finish(self) -> None:
         """No more plans: consumers stop (StopIteration) after the last queued micro-batch."""
         for actor in self._actors.values():

@@ -4,25 +4,25 @@ from __future__ import annotations
 
 import os
 import threading
-import traceback
 
 import ray
 
 from knitkit.storage import ConsumerPlan, EncoderRankPlan, RingSpec, UnitBackend
-from knitkit.storage.delivery import Publisher, Reorganizer, RingClosedError, SlotRing
+from knitkit.storage.delivery import ReorganizerHost
 
 # NOTE [ Reorganizer actor lifetime ]
 #
+# Lifecycle table: docs/lifecycle.md.
 # The actor is both the OWNER and the PRODUCER of its ring (see NOTE [ Micro-batch publication
-# protocol ] in knitkit/storage/delivery/publication.py): it creates the /dev/shm segment on its
-# node in __init__ and unlinks it in close(). Consumers are the group's TP ranks on the same
-# node; they attach with `MicroBatchConsumer(spec, tp_rank)`.
+# protocol ] in knitkit/storage/delivery/publication.py): its ReorganizerHost creates the
+# /dev/shm segment on its node in __init__ and unlinks it in close(). Consumers are the group's
+# TP ranks on the same node; they attach with `MicroBatchConsumer(spec, tp_rank)`.
 # `deliver` calls run one after another in submission order (the default concurrency group has
 # one thread), so mini-batches queue up behind each other. `stop` and `close` run in a separate
 # "control" group, so they get through while `deliver` waits on a full ring: `stop` sets the
 # ring's STOP word and the blocked producer gives up; `close` also waits for a running `deliver`
-# to return before it unmaps anything. A failing `deliver` writes FAILED and the
-# traceback to the ring before re-raising, so consumers raise instead of waiting. If the actor
+# to return before it unmaps anything. A failing `deliver` writes FAILED and the reason to the
+# ring before re-raising (ReorganizerHost), so consumers raise instead of waiting. If the actor
 # process dies (node loss, `ray.kill`), consumers see its pid gone within their liveness timeout
 # and raise; the segment is unlinked by the actor process's multiprocessing resource tracker.
 
@@ -38,10 +38,7 @@ class ReorganizerActor:
     def __init__(self, backend: UnitBackend, spec: RingSpec) -> None:
         self.backend = backend
         self.spec = spec
-        self.ring = SlotRing.create(spec)
-        self.publisher = Publisher(self.ring)
-        self.publisher.start()
-        self.reorganizer = Reorganizer(backend, self.publisher)
+        self.host = ReorganizerHost(backend, spec, owns_ring=True)
         self.closed = False
         self._delivering = threading.Lock()
 
@@ -54,39 +51,22 @@ class ReorganizerActor:
         with self._delivering:
             if self.closed:
                 raise RuntimeError(f"reorganizer of ring {self.spec.name!r} is closed")
-            return self._deliver(minibatch_id, plan)
-
-    def _deliver(self, minibatch_id: str, plan: ConsumerPlan | EncoderRankPlan) -> int:
-        resolve = getattr(self.backend, "resolve", None)
-        keys = [read.key for read in plan.reads()]
-        try:
-            with self.publisher.busy():  # liveness = progress: see NOTE [ Micro-batch publication protocol ] in publication.py
-                if resolve is not None:
-                    resolve(keys)  # one directory round trip for the whole assignment
-                return self.reorganizer.deliver(minibatch_id, plan)
-        except RingClosedError as error:
-            self.publisher.fail(str(error))
-            raise
-        except BaseException:
-            self.publisher.fail(f"reorganizer actor pid {os.getpid()}:\n{traceback.format_exc()}")
-            raise
-        finally:
-            release = getattr(self.backend, "release", None)
-            if release is not None:
-                release(keys)
+            return self.host.deliver(minibatch_id, plan)
 
     def finish(self) -> None:
         """No more assignments: consumers stop after the last published micro-batch."""
-        if not self.ring.failed:  # a failed deliver already told consumers why
-            self.publisher.finish()
+        self.host.finish()
 
     def bytes_read(self) -> int:
-        return self.ring.bytes_read
+        return self.host.bytes_read
+
+    def published(self) -> int:
+        return self.host.published
 
     @ray.method(concurrency_group="control")
     def stop(self) -> None:
         """Make a ``deliver`` blocked on a full ring give up (consumers then raise)."""
-        self.ring.request_stop()
+        self.host.stop()
 
     @ray.method(concurrency_group="control")
     def close(self) -> None:
@@ -94,8 +74,7 @@ class ReorganizerActor:
         if self.closed:
             return
         self.closed = True
-        self.ring.request_stop()
+        self.host.stop()
         with self._delivering:  # a deliver returns after its assignment, or at once if blocked
-            self.publisher.close()
-            self.ring.unlink()
+            self.host.close()
             self.backend.close()

@@ -1,26 +1,44 @@
 """Start a Ray runtime for knitkit: loopback-only on one node unless an address is given.
 
 NOTE [ Ray loopback runtime ]: Ray 2.60 resolves a node address of ``127.0.0.1`` to the host's
-LAN address (``services.resolve_ip_for_localhost``) and then binds gcs_server, raylet, core
-workers and the dashboard/runtime-env agents to it or to ``0.0.0.0``/``::``, even with
-``include_dashboard=False`` (11 of 12 listeners off loopback). It keeps loopback only where
-``ray_constants.ENABLE_RAY_CLUSTER`` is false (env ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read
-at import by every Ray process): then the node address stays ``127.0.0.1`` and every server
-binds it. ``start_ray`` sets that for the ``ray.init`` call (children inherit the environment,
-the driver's already-imported constant is flipped) and restores both once the node is up: later
-calls read the started node's address.
+LAN address (``services.resolve_ip_for_localhost`` -> ``get_node_ip_address``, in the process
+that starts the node) and then binds gcs_server, raylet, core workers and the dashboard and
+runtime-env agents to it or to ``0.0.0.0``/``::``, even with ``include_dashboard=False`` (11 of
+12 listeners off loopback). Given ``127.0.0.1`` unresolved, every one of them binds loopback: the
+node's processes take the address from their command line, not from their environment. Ray has
+no public knob for "do not resolve": the resolution consults the private constant
+``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` (set at import from
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``), and only while no node is attached to the process. So
+``loopback_only`` switches that constant off around the node's start, and nothing else: no
+environment variable, no process-wide hook. The switch is confined: a process-wide count under
+a lock (the first caller in saves the value, the last one out puts it back, so nested or
+concurrent starts restore it once and correctly), restored on every exit path, and a no-op when
+the constant is already off (the user exported the variable). While it is off, another thread
+asking Ray for this node's address before a node is attached gets ``127.0.0.1``. Not chosen:
+starting the head with the public ``ray start --head --node-ip-address=127.0.0.1`` CLI (the
+variable in its own environment) and joining it, because ``ray.shutdown()`` would then leave
+the runtime running. A process that exports ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` before
+importing Ray needs no switch at all.
+The rest of what a caller sees is Ray's own: ``start_ray`` leaves ``os.environ`` exactly as
+``ray.init`` with the same options leaves it, and importing ``knitkit.integration.ray`` does not
+import Ray (``import ray`` alone sets ``RAY_CLIENT_MODE`` in ``os.environ``): the package loads
+its Ray-using modules on first use. Tests: ``tests/test_side_effects.py``,
+``tests/integration/test_listeners.py``. Process-wide state knitkit touches: docs/lifecycle.md.
 """
 
 from __future__ import annotations
 
-import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from knitkit.integration.loopback import LOOPBACK, is_loopback
 
-_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_switch_lock = threading.Lock()
+_switched = 0
+"""Callers inside ``loopback_only`` now."""
+_saved_cluster_flag = True
 
 
 def start_ray(*, node_ip_address: str | None = None, **options: Any) -> None:
@@ -59,18 +77,20 @@ def loopback_only() -> Iterator[None]:
     """Keep Ray's node address on loopback for nodes started inside: ``start_ray`` uses it;
     wrap ``ray.cluster_utils.Cluster`` and its ``add_node`` in it too.
 
-    See NOTE [ Ray loopback runtime ].
+    See NOTE [ Ray loopback runtime ] for what it switches, and for how long.
     """
     from ray._private import ray_constants
 
-    saved_env, saved_flag = os.environ.get(_CLUSTER_ENV), ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[_CLUSTER_ENV] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
+    global _switched, _saved_cluster_flag
+    with _switch_lock:
+        if _switched == 0:
+            _saved_cluster_flag = ray_constants.ENABLE_RAY_CLUSTER
+            ray_constants.ENABLE_RAY_CLUSTER = False
+        _switched += 1
     try:
         yield
     finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
-        if saved_env is None:
-            os.environ.pop(_CLUSTER_ENV, None)
-        else:
-            os.environ[_CLUSTER_ENV] = saved_env
+        with _switch_lock:
+            _switched -= 1
+            if _switched == 0:
+                ray_constants.ENABLE_RAY_CLUSTER = _saved_cluster_flag

@@ -9,11 +9,17 @@ from .response import (
 )
 from .stream import StreamAccumulator, fold_stream, iter_sse_events
 from .trajectory import (
-    DecodedImage,
-    ImageInput,
+    EnvironmentTokens,
     PayloadConfig,
     RolloutRequest,
+    Segment,
     build_trajectory,
+    segments_from_mask,
+)
+from .vision import (
+    DecodedImage,
+    ImageInput,
+    VideoInput,
     image_array,
     image_bytes,
     placeholder_runs,
@@ -22,13 +28,16 @@ from .writer import RolloutWriter
 
 __all__ = [
     "DecodedImage",
+    "EnvironmentTokens",
     "FinishReason",
     "GenerateOutput",
     "ImageInput",
     "PayloadConfig",
     "RolloutRequest",
     "RolloutWriter",
+    "Segment",
     "StreamAccumulator",
+    "VideoInput",
     "build_trajectory",
     "decode_routed_experts",
     "fold_stream",
@@ -38,4 +47,5 @@ __all__ = [
     "parse_generate_output",
     "parse_weight_version",
     "placeholder_runs",
+    "segments_from_mask",
 ]

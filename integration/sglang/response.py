@@ -93,6 +93,13 @@ def parse_generate_output(
         )
     rid = str(meta.get("id", ""))
     output_ids = np.asarray(out["output_ids"], dtype=np.int32).reshape(-1)
+    completion = meta.get("completion_tokens")
+    if completion is not None and int(completion) != len(output_ids):
+        raise ValueError(
+            f"request {rid!r}: meta_info.completion_tokens={completion} but {len(output_ids)} "
+            "output_ids; a truncated or mixed-up response (for a stream, fold every chunk with "
+            "StreamAccumulator)"
+        )
     logprobs = _output_logprobs(meta, output_ids, rid)
     prompt_tokens = int(meta["prompt_tokens"])
     routed = meta.get("routed_experts")

@@ -1,38 +1,44 @@
-"""Turn a request and its SGLang outputs into a storable ``Trajectory`` (payload arrays plus metadata)."""
+"""Turn a request and its SGLang outputs (one turn, or a multi-turn agent episode) into a storable ``Trajectory``."""
 
 from __future__ import annotations
 
-import base64
-import os
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from knitkit.integration.megatron import MROPE_FIELD, mrope_positions
-from knitkit.storage import MultimodalInput, Trajectory
+from knitkit.integration.megatron.mrope import MROPE_FIELD, Grid, MRopeScheme
+from knitkit.storage import Trajectory
 
-from .response import GenerateOutput, parse_weight_version
+from .response import FinishReason, GenerateOutput, parse_weight_version
+from .vision import ImageInput, VideoInput, VisionInputs, mrope_field, multimodal_inputs
 
-
-@runtime_checkable
-class DecodedImage(Protocol):
-    """A decoded image such as ``PIL.Image.Image`` (what verl's in-process loop passes): anything
-    ``np.asarray`` turns into pixels through ``__array_interface__``."""
-
-    @property
-    def __array_interface__(self) -> dict[str, object]: ...
-
-
-ImageInput = bytes | str | np.ndarray | DecodedImage
-"""An image as the request sent it: raw bytes, a ``data:`` URI, a file path, a URL, base64 text,
-a numpy pixel array or a decoded image (PIL)."""
+# NOTE [ Multi-turn trajectories ]: an agent episode is ONE trajectory: the prompt, then assistant
+# turns (each one SGLang /generate output) with the tokens the environment put between them (tool
+# results, user or interaction turns, the chat template's turn markers). verl's tool agent loop
+# (AgentLoopOutput: prompt_ids, response_ids, response_mask 1 on generated / 0 on tool and user
+# tokens, response_logprobs 0.0 on them) and slime's multi-turn rollouts (Sample: tokens,
+# loss_mask, rollout_log_probs over the response) build the same sequence. Here:
+# - Each turn's request sends input_ids = everything so far (RolloutWriter.continuation_ids), so
+#   SGLang's prompt_tokens must equal the tokens before the turn; a mismatch means the sequence
+#   the engine saw is not the one stored (re-tokenised text, an image placeholder not expanded)
+#   and is refused rather than stored misaligned.
+# - loss_mask is 1 exactly on tokens the policy sampled, logprobs are each turn's
+#   output_token_logprobs, 0 elsewhere; environment tokens are input only. The writer then shifts
+#   once (see NOTE [ Next-token alignment ]): the last environment token predicts the next
+#   turn's first token (trained), a turn's last token predicts the first environment token (not).
+# - An aborted turn (a partial rollout) is continued by the next output before anything else; a
+#   trajectory may end with environment tokens (verl's interaction loop ends on the user's last
+#   message).
+# - min_version/max_version cover every turn; MoE routing comes from the outputs, later turns
+#   overwriting the prefix they re-report; images the environment returned join the request's,
+#   in order of their placeholder runs.
 
 
 @dataclass(frozen=True, slots=True)
 class RolloutRequest:
-    """What the rollout driver knows when it issues one trajectory's request."""
+    """What the rollout driver knows when it issues one trajectory's (first) request."""
 
     trajectory_id: str
     sample_id: str
@@ -45,10 +51,32 @@ class RolloutRequest:
     """The request's ``image_data``, in the order of their placeholder runs in ``input_ids``."""
     issued_version: int | None = None
     """Policy version when the request was issued; lowers ``min_version`` if older than the output's."""
-    image_grid_thw: tuple[tuple[int, int, int], ...] = ()
-    """Qwen-VL: the processor's ``image_grid_thw`` (in patches), one per image. With it the
-    trajectory stores ``mrope_position_ids`` ``[T, 3]`` over prompt and generated tokens, and each
-    image's run must hold ``t * h * w / spatial_merge_size**2`` placeholders."""
+    image_grid_thw: tuple[Grid, ...] = ()
+    """Qwen-VL: the processor's ``image_grid_thw`` (in patches), one per image. With grids the
+    trajectory stores ``mrope_position_ids`` ``[T, 3]`` over all its tokens (see NOTE
+    [ Qwen-VL mRoPE positions ])."""
+    videos: tuple[VideoInput, ...] = ()
+    """The request's ``video_data``, in the order of their placeholders in ``input_ids``."""
+    video_grid_thw: tuple[Grid, ...] = ()
+    """Qwen-VL: the processor's ``video_grid_thw``, one per video."""
+    second_per_grid_ts: tuple[float, ...] = ()
+    """Qwen2.5-VL: the processor's ``second_per_grid_ts``, one per video."""
+
+
+@dataclass(frozen=True, slots=True)
+class EnvironmentTokens:
+    """Tokens the environment put after an assistant turn (a tool result, a user turn, template
+    markers): in the sequence, never trained; see NOTE [ Multi-turn trajectories ]."""
+
+    token_ids: tuple[int, ...]
+    images: tuple[ImageInput, ...] = ()
+    """Images the environment returned (a screenshot), in the order of their runs in ``token_ids``."""
+    image_grid_thw: tuple[Grid, ...] = ()
+    """Qwen-VL: the processor's grids of ``images``."""
+
+
+Segment = GenerateOutput | EnvironmentTokens
+"""One piece of a trajectory after its prompt: an assistant output or environment tokens."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,6 +85,8 @@ class PayloadConfig:
 
     image_token_id: int | None = None
     """Placeholder token of one image patch (e.g. Qwen2-VL's ``<|image_pad|>``); needed with images."""
+    video_token_id: int | None = None
+    """Placeholder token of one video patch (Qwen-VL's ``<|video_pad|>``); needed with videos."""
     routing_shape: tuple[int, int] | None = None
     """``(num_hidden_layers, num_experts_per_tok)`` of an MoE model returning routed experts."""
     routing_dtype: str = "int16"
@@ -65,66 +95,74 @@ class PayloadConfig:
     """Maps ``meta_info["weight_version"]`` to an integer policy version."""
     spatial_merge_size: int = 2
     """Qwen-VL's ``spatial_merge_size``: patches merged per image token along each side."""
+    mrope_scheme: MRopeScheme = "qwen2_5_vl"
+    """Qwen-VL generation: ``"qwen2_5_vl"`` or ``"qwen3_vl"`` (also Qwen3-VL-MoE), which lays out
+    and times videos differently (see NOTE [ Qwen-VL mRoPE positions ])."""
+    tokens_per_second: float | None = None
+    """Qwen2.5-VL's ``vision_config.tokens_per_second`` (2 in the released checkpoints); needed
+    with Qwen2.5-VL videos."""
     encode_image: Callable[[bytes | np.ndarray], np.ndarray] | None = None
     """Turns an image into the stored unit (e.g. patches): it gets the bytes of an encoded image
     and the pixel array of a decoded one (PIL, numpy); default: ``image_array``."""
+    encode_video: Callable[[bytes | np.ndarray], np.ndarray] | None = None
+    """Turns a video into the stored unit(s), like ``encode_image``; for a Qwen3-VL video (one
+    placeholder run per temporal patch) its first axis must have one entry per temporal patch."""
 
 
 def build_trajectory(
-    request: RolloutRequest, segments: Sequence[GenerateOutput], config: PayloadConfig
+    request: RolloutRequest, segments: Sequence[Segment], config: PayloadConfig
 ) -> Trajectory:
-    """Build one trajectory from its outputs: partial (aborted) segments first, the finished one last.
+    """Build one trajectory from what followed its prompt, in order (see NOTE [ Multi-turn trajectories ]).
 
-    A continued segment's prompt is the request's prompt plus every earlier segment's output
-    (how slime and verl resume a partial rollout after a weight update). Per-token fields:
-    ``tokens`` int32, ``loss_mask`` uint8 (1 on generated tokens), ``logprobs`` float32 (0 on the
-    prompt), for MoE models ``routing`` ``[seq, layers, topk]`` and, for Qwen-VL requests with
-    ``image_grid_thw``, ``mrope_position_ids`` ``[seq, 3]`` (``knitkit.integration.megatron``'s
-    ``mrope_positions``, computed once here and never on the trainer).
+    ``segments`` are SGLang outputs (an aborted one followed by its continuation; how slime and
+    verl resume a partial rollout after a weight update) and ``EnvironmentTokens`` between turns.
+    Per-token fields: ``tokens`` int32, ``loss_mask`` uint8 (1 on generated tokens), ``logprobs``
+    float32 (0 elsewhere), for MoE models ``routing`` ``[seq, layers, topk]`` and, for Qwen-VL
+    requests with grids, ``mrope_position_ids`` ``[seq, 3]`` (computed once here, never on the
+    trainer).
     """
     tid = request.trajectory_id
-    if not segments:
-        raise ValueError(f"trajectory {tid!r}: no SGLang output to build it from")
-    last = segments[-1]
-    if last.finish is None or last.finish.aborted:
-        raise ValueError(
-            f"trajectory {tid!r}: last output is {'running' if last.finish is None else 'aborted'}; "
-            "continue it with input_ids = prompt + outputs so far, then build"
-        )
-    if any(s.finish is None or not s.finish.aborted for s in segments[:-1]):
-        raise ValueError(
-            f"trajectory {tid!r}: only its last output may be finished; the others are aborted"
-        )
+    outputs = _check_order(tid, segments)
     tokens = list(request.input_ids)
     generated: list[tuple[int, GenerateOutput]] = []
+    environment: list[EnvironmentTokens] = []
     for segment in segments:
-        if segment.prompt_tokens != len(tokens):
-            raise ValueError(
-                f"trajectory {tid!r}: output {segment.rid!r} has prompt_tokens={segment.prompt_tokens}, "
-                f"expected {len(tokens)} (prompt + earlier outputs); send expanded input_ids"
-            )
+        if isinstance(segment, EnvironmentTokens):
+            environment.append(segment)
+            tokens.extend(segment.token_ids)
+            continue
+        check_prompt_tokens(tid, segment, len(tokens))
         generated.append((len(tokens), segment))
         tokens.extend(segment.output_ids.tolist())
     fields: dict[str, np.ndarray] = {"tokens": np.asarray(tokens, dtype=np.int32)}
     fields["loss_mask"] = np.zeros(len(tokens), dtype=np.uint8)
-    for start, segment in generated:
-        fields["loss_mask"][start : start + len(segment.output_ids)] = 1
+    for start, output in generated:
+        fields["loss_mask"][start : start + len(output.output_ids)] = 1
     logprobs = _logprobs(tid, len(tokens), generated)
     if logprobs is not None:
         fields["logprobs"] = logprobs
-    routing = _routing(tid, len(tokens), segments, config.routing_dtype)
+    routing = _routing(tid, len(tokens), outputs, config.routing_dtype)
     if routing is not None:
         fields["routing"] = routing
-    if request.image_grid_thw:
-        fields[MROPE_FIELD] = _mrope(request, fields["tokens"], config)
-    versions = [config.version_of(v) for s in segments for v in (s.first_version, s.weight_version)]
+    vision = VisionInputs(
+        images=request.images + tuple(i for e in environment for i in e.images),
+        image_grid_thw=request.image_grid_thw
+        + tuple(g for e in environment for g in e.image_grid_thw),
+        videos=request.videos,
+        video_grid_thw=request.video_grid_thw,
+        second_per_grid_ts=request.second_per_grid_ts,
+    )
+    vision.check(tid)
+    if vision.has_grids:
+        fields[MROPE_FIELD] = mrope_field(tid, fields["tokens"], vision, config)
+    versions = [config.version_of(v) for s in outputs for v in (s.first_version, s.weight_version)]
     if request.issued_version is not None:
         versions.append(request.issued_version)
     return Trajectory(
         trajectory_id=tid,
         sample_id=request.sample_id,
         token_fields=fields,
-        multimodal=_images(request, config),
+        multimodal=multimodal_inputs(tid, fields["tokens"], vision, config),
         source=request.source,
         rollout_step=request.rollout_step,
         min_version=min(versions),
@@ -132,62 +170,118 @@ def build_trajectory(
     )
 
 
-def image_array(image: ImageInput) -> np.ndarray:
-    """The stored unit of an image: the pixels of a decoded image (PIL, numpy), else its bytes as uint8.
+def segments_from_mask(
+    response_ids: Sequence[int],
+    response_mask: Sequence[int],
+    response_logprobs: Sequence[float] | None = None,
+    *,
+    prompt_tokens: int,
+    weight_version: str = "default",
+    rid: str = "",
+) -> list[Segment]:
+    """A finished response as verl's ``AgentLoopOutput`` and slime's ``Sample`` hold it, as segments.
 
-    Units are content-addressed (bytes, dtype and shape), so equal pixels give one unit whether
-    they came as a PIL image or an array; an encoded image and its decoded pixels are two units.
+    ``response_ids`` are all tokens after the prompt, ``response_mask`` 1 where the policy
+    generated them and 0 where the environment put them, ``response_logprobs`` one per response
+    token (read only where the mask is 1). Each generated run becomes an output of
+    ``weight_version`` (SGLang's string), each environment run ``EnvironmentTokens``; pass them
+    to ``RolloutWriter.write`` (see NOTE [ Multi-turn trajectories ]).
     """
-    if isinstance(image, bytes | str):
-        return np.frombuffer(image_bytes(image), dtype=np.uint8)
-    return np.ascontiguousarray(np.asarray(image))
+    ids = np.asarray(response_ids, dtype=np.int32).reshape(-1)
+    mask = np.asarray(response_mask).reshape(-1)
+    if len(mask) != len(ids) or not np.isin(mask, (0, 1)).all():
+        raise ValueError(
+            f"response {rid!r}: response_mask must be 0/1, one per response token "
+            f"({len(mask)} for {len(ids)} ids)"
+        )
+    logprobs = None if response_logprobs is None else np.asarray(response_logprobs, np.float32)
+    if logprobs is not None and len(logprobs) != len(ids):
+        raise ValueError(
+            f"response {rid!r}: {len(logprobs)} response_logprobs for {len(ids)} response_ids"
+        )
+    edges = [0, *(np.flatnonzero(np.diff(mask)) + 1).tolist(), len(ids)]
+    segments: list[Segment] = []
+    for turn, (a, b) in enumerate(itertools.pairwise(edges)):
+        if b == a:
+            continue
+        if not mask[a]:
+            segments.append(EnvironmentTokens(tuple(ids[a:b].tolist())))
+            continue
+        segments.append(
+            GenerateOutput(
+                rid=f"{rid}#{turn}",
+                output_ids=ids[a:b],
+                logprobs=None if logprobs is None else logprobs[a:b],
+                routed_experts=None,
+                routed_experts_start=0,
+                finish=FinishReason("stop"),
+                prompt_tokens=prompt_tokens + a,
+                first_version=weight_version,
+                weight_version=weight_version,
+            )
+        )
+    return segments
 
 
-def image_bytes(image: bytes | str) -> bytes:
-    """The bytes that identify an encoded image: decoded ``data:`` URIs, file contents, else the text."""
-    if isinstance(image, bytes):
-        return image
-    if image.startswith("data:"):
-        return base64.b64decode(image.partition(",")[2])
-    if os.path.isfile(image):
-        with open(image, "rb") as file:
-            return file.read()
-    return image.encode()  # a URL or bare base64: the same text names the same image
+def check_prompt_tokens(tid: str, output: GenerateOutput, expected: int) -> None:
+    """The engine saw exactly the tokens before ``output`` (see NOTE [ Multi-turn trajectories ])."""
+    if output.prompt_tokens != expected:
+        raise ValueError(
+            f"trajectory {tid!r}: output {output.rid!r} has prompt_tokens={output.prompt_tokens}, "
+            f"expected {expected} (the prompt, earlier outputs and environment tokens); send "
+            "input_ids = RolloutWriter.continuation_ids(request), placeholders expanded: "
+            "re-tokenised text changes the tokens"
+        )
 
 
-def placeholder_runs(input_ids: Sequence[int], token_id: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of every maximal run of ``token_id`` in ``input_ids``."""
-    ids = np.asarray(input_ids)
-    mask = np.concatenate(([False], ids == token_id, [False]))
-    edges = np.flatnonzero(mask[1:] != mask[:-1])
-    return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+def _check_order(tid: str, segments: Sequence[Segment]) -> list[GenerateOutput]:
+    """The outputs, once each is finished or continued by the next output."""
+    outputs = [s for s in segments if isinstance(s, GenerateOutput)]
+    if not outputs:
+        raise ValueError(f"trajectory {tid!r}: no SGLang output to build it from")
+    for i, segment in enumerate(segments):
+        if not isinstance(segment, GenerateOutput):
+            continue
+        if segment.finish is None:
+            raise ValueError(
+                f"trajectory {tid!r}: output {segment.rid!r} is still running; fold its stream "
+                "with StreamAccumulator first"
+            )
+        after = segments[i + 1] if i + 1 < len(segments) else None
+        if segment.finish.aborted and not isinstance(after, GenerateOutput):
+            raise ValueError(
+                f"trajectory {tid!r}: output {segment.rid!r} was aborted; continue it with "
+                "input_ids = RolloutWriter.continuation_ids(request) before "
+                + ("the environment's tokens" if after is not None else "building the trajectory")
+            )
+    return outputs
 
 
 def _logprobs(
     tid: str, length: int, generated: list[tuple[int, GenerateOutput]]
 ) -> np.ndarray | None:
-    have = [segment.logprobs is not None for _, segment in generated]
+    have = [output.logprobs is not None for _, output in generated]
     if not any(have):
         return None
     if not all(have):
         raise ValueError(f"trajectory {tid!r}: some outputs lack logprobs; set return_logprob=True")
     out = np.zeros(length, dtype=np.float32)
-    for start, segment in generated:
-        assert segment.logprobs is not None
-        out[start : start + len(segment.logprobs)] = segment.logprobs
+    for start, output in generated:
+        assert output.logprobs is not None
+        out[start : start + len(output.logprobs)] = output.logprobs
     return out
 
 
 def _routing(
-    tid: str, length: int, segments: Sequence[GenerateOutput], dtype: str
+    tid: str, length: int, outputs: Sequence[GenerateOutput], dtype: str
 ) -> np.ndarray | None:
     """Routing rows aligned with tokens; each response covers the whole stream, so later wins."""
     routed = [
-        (s.routed_experts_start, s.routed_experts) for s in segments if s.routed_experts is not None
+        (s.routed_experts_start, s.routed_experts) for s in outputs if s.routed_experts is not None
     ]
     if not routed:
         return None
-    last = segments[-1].routed_experts
+    last = outputs[-1].routed_experts
     if last is None:
         raise ValueError(f"trajectory {tid!r}: the last output has no routed_experts")
     out = np.full((length, *last.shape[1:]), -1, dtype=dtype)
@@ -196,51 +290,3 @@ def _routing(
             raise ValueError(f"trajectory {tid!r}: expert id {int(rows.max())} overflows {dtype}")
         out[start : start + len(rows)] = rows
     return out
-
-
-def _mrope(request: RolloutRequest, tokens: np.ndarray, config: PayloadConfig) -> np.ndarray:
-    """``[T, 3]`` mRoPE positions of the whole sequence; each image's grid checked against its run."""
-    tid, grids = request.trajectory_id, request.image_grid_thw
-    if config.image_token_id is None:
-        raise ValueError(f"trajectory {tid!r} has image_grid_thw; set PayloadConfig.image_token_id")
-    runs = placeholder_runs(request.input_ids, config.image_token_id)
-    if len(grids) != len(runs):
-        raise ValueError(
-            f"trajectory {tid!r}: {len(grids)} image_grid_thw for {len(runs)} images; "
-            "pass the processor's image_grid_thw, one (t, h, w) per image"
-        )
-    merge = config.spatial_merge_size
-    for i, ((t, h, w), (_, count)) in enumerate(zip(grids, runs, strict=True)):
-        if t * h * w != count * merge**2:
-            raise ValueError(
-                f"trajectory {tid!r}, image {i}: grid {(t, h, w)} makes {t * h * w // merge**2} "
-                f"tokens at spatial_merge_size={merge} but its placeholder run has {count}; "
-                "send the processor-expanded input_ids with the same processor's image_grid_thw"
-            )
-    positions = mrope_positions(
-        tokens, grids, image_token_id=config.image_token_id, spatial_merge_size=merge
-    )
-    return np.ascontiguousarray(positions.T)
-
-
-def _images(request: RolloutRequest, config: PayloadConfig) -> tuple[MultimodalInput, ...]:
-    """One unit per image, at its placeholder run; equal images give equal (content) keys."""
-    if not request.images:
-        return ()
-    if config.image_token_id is None:
-        raise ValueError(
-            f"trajectory {request.trajectory_id!r} has images; set PayloadConfig.image_token_id"
-        )
-    runs = placeholder_runs(request.input_ids, config.image_token_id)
-    if len(runs) != len(request.images):
-        raise ValueError(
-            f"trajectory {request.trajectory_id!r}: {len(request.images)} images but {len(runs)} runs "
-            f"of image_token_id={config.image_token_id} in input_ids"
-        )
-    encode = config.encode_image
-    inputs = []
-    for image, (start, count) in zip(request.images, runs, strict=True):
-        raw = image_bytes(image) if isinstance(image, bytes | str) else image_array(image)
-        array = image_array(raw) if encode is None else encode(raw)
-        inputs.append(MultimodalInput("image", array, start, count, cost=float(count)))
-    return tuple(inputs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,15 +50,26 @@ class TransferQueueConnection:
         return client
 
 
-def start_transfer_queue(num_cpus: int = 4, sampler: Any = None) -> TransferQueueConnection:
+START_TIMEOUT_S = 300.0
+"""Default bound of ``start_transfer_queue`` (a cold Ray start on a loaded node takes a minute)."""
+
+
+def start_transfer_queue(
+    num_cpus: int = 4, sampler: Any = None, *, timeout_s: float = START_TIMEOUT_S
+) -> TransferQueueConnection:
     """Start Ray (if needed) and TQ with its default storage (two SimpleStorage units), in
     polling mode, with ``sampler`` (a TQ sampler class or instance, e.g. ``RankAwareSampler``
     for its ``StreamingDataLoader``) or TQ's default one.
 
-    TQ's controller and two storage units take one logical CPU each and hang a 2-core Ray;
-    ``num_cpus`` over-subscribes logical CPUs. A Ray runtime started here listens on loopback
-    only (``knitkit.integration.ray.start_ray``); across nodes, start Ray first with
-    ``start_ray(node_ip_address=...)`` or join one with ``ray.init(address=...)``.
+    TQ's controller and each storage unit take one logical CPU, and ``transfer_queue.init``
+    waits for all of them without a bound: with fewer CPUs it never returns (NOTE [ Bounded
+    TransferQueue start ]). So a Ray with fewer logical CPUs than that is refused at once
+    (``ValueError``), and a start that does not finish within ``timeout_s`` (CPUs held by
+    other actors) is abandoned, its actors killed, with a ``TimeoutError`` saying what to do.
+    ``num_cpus`` sizes a Ray started here (it may over-subscribe the machine's cores). A Ray
+    runtime started here listens on loopback only (``knitkit.integration.ray.start_ray``);
+    across nodes, start Ray first with ``start_ray(node_ip_address=...)`` or join one with
+    ``ray.init(address=...)``.
     """
     import ray
     import transfer_queue as tq
@@ -71,7 +83,75 @@ def start_transfer_queue(num_cpus: int = 4, sampler: Any = None) -> TransferQueu
     if sampler is not None:
         controller["sampler"] = sampler
     conf = OmegaConf.create({"controller": controller}, flags={"allow_objects": True})
-    return TransferQueueConnection(tq.init(conf))
+    units = int(OmegaConf.load(_default_config()).backend.SimpleStorage.num_data_storage_units)
+    need = 1 + units
+    total = ray.cluster_resources().get("CPU", 0.0)
+    if total < need:
+        raise ValueError(
+            f"TransferQueue needs {need} logical CPUs (its controller and {units} storage "
+            f"units take one each) but this Ray cluster has {total:g}; it would wait forever. "
+            f"Call start_transfer_queue(num_cpus={need}) or more, or give Ray more CPUs"
+        )
+    result: list[Any] = []
+    thread = threading.Thread(
+        target=_capture, args=(tq.init, conf, result), name="knitkit-tq-start", daemon=True
+    )
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        free = ray.available_resources().get("CPU", 0.0)
+        _abandon_start(units, thread)
+        raise TimeoutError(
+            f"TransferQueue did not start within {timeout_s:g} s: its controller and {units} "
+            f"storage units need {need} free logical CPUs and {free:g} of {total:g} were free "
+            "(other actors hold the rest). Free them, start Ray with more CPUs, or pass a "
+            "larger timeout_s; the half-started TransferQueue was shut down"
+        )
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return TransferQueueConnection(result[0])
+
+
+# NOTE [ Bounded TransferQueue start ]
+#
+# transfer_queue.init creates its controller and storage-unit actors (one logical CPU each) and
+# then blocks in ray.get on each of them with no timeout: an actor Ray cannot place (too few
+# free CPUs) keeps it waiting forever, with no error. start_transfer_queue refuses at once when
+# the cluster has fewer CPUs than TQ needs at all, and otherwise runs init in a daemon thread
+# joined for timeout_s; on expiry it kills TQ's named actors (so the blocked ray.get raises and
+# the thread ends) and shuts TQ's module state down with transfer_queue.close().
+
+
+def _capture(init: Any, conf: Any, result: list[Any]) -> None:
+    try:
+        result.append(init(conf))
+    except BaseException as error:  # handed to the caller's thread
+        result.append(error)
+
+
+def _abandon_start(units: int, thread: threading.Thread) -> None:
+    """Kill the actors of a start that timed out and reset TQ (NOTE [ Bounded TransferQueue start ])."""
+    import ray
+    import transfer_queue as tq
+
+    names: list[tuple[str, str | None]] = [("TransferQueueController", "transfer_queue")]
+    names += [(f"TransferQueueStorageUnit#{i}", None) for i in range(units)]
+    for name, namespace in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace))
+        except ValueError:
+            continue
+    thread.join(60)  # its ray.get on a killed actor raises now
+    try:
+        tq.close()
+    except Exception:  # already half torn down: nothing more to free
+        return
+
+
+def _default_config() -> Any:
+    from importlib import resources
+
+    return resources.files("transfer_queue") / "config.yaml"
 
 
 def stop_transfer_queue() -> None:

@@ -143,11 +143,10 @@ class AdmissionSampler(BaseSampler):
         minibatch = state.controller.next_minibatch()
         if minibatch is None:
             return
-        groups: dict[str, list[TrajectoryMeta]] = {}
-        for meta in minibatch.trajectories:
-            groups.setdefault(
-                meta.sample_id if self.config.group_size > 1 else meta.trajectory_id, []
-            ).append(meta)
+        groups: dict[tuple[str, str], list[TrajectoryMeta]] = {}
+        for meta in minibatch.trajectories:  # a GRPO group is (source, sample_id), as in admission
+            key = meta.sample_id if self.config.group_size > 1 else meta.trajectory_id
+            groups.setdefault((meta.source, key), []).append(meta)
         members = list(groups.values())
         costs = [sum(t.num_tokens for t in group) for group in members]
         shares = [

@@ -1,7 +1,7 @@
 """Constraint-preserving mini-batch admission (paper 5.1); the trace-replay simulator is ``knitkit.admission.replay``."""
 
 from knitkit.admission.config import AdmissionConfig
-from knitkit.admission.controller import AdmissionController, AdmissionStats, MiniBatch
+from knitkit.admission.controller import AdmissionController, AdmissionStats, MiniBatch, Shortfall
 from knitkit.admission.policies import POLICY_NAMES, build_controller, describe, policy_config
 from knitkit.admission.predicates import (
     AdmissionView,
@@ -43,6 +43,7 @@ __all__ = [
     "RelaxedSchedule",
     "Schedule",
     "SelectionPolicy",
+    "Shortfall",
     "SourceQuota",
     "build_controller",
     "describe",

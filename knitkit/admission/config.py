@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from knitkit.admission import checks
 from knitkit.admission.predicates import ReadinessPredicate, SourceQuota
 from knitkit.admission.schedules import LinearSchedule, RelaxedSchedule, Schedule, coefficients
 from knitkit.admission.selection import OldestFirst, SelectionPolicy
@@ -29,7 +30,7 @@ class AdmissionConfig:
     enforce_quotas: bool = True
     """False: quotas are only measured (streaming admission); no readiness targets, no guards."""
     guards: bool = True
-    """Check the feasibility guard of every quota group (paper eq. 4) on each candidate."""
+    """Check the feasibility guard (paper eq. 4, one over every source quota) on each candidate."""
     selection: SelectionPolicy = field(default_factory=OldestFirst)
     predicates: tuple[ReadinessPredicate, ...] = ()
     """Readiness-only predicates (partial-rollout completion quotas, user conditions)."""
@@ -50,7 +51,6 @@ class ResolvedQuota:
     source: str
     lower: int
     upper: int | None
-    group: str
     alphas: tuple[float, ...]
 
 
@@ -63,22 +63,33 @@ def minibatch_sizes(config: AdmissionConfig) -> tuple[int, ...]:
     )
 
 
+def check_sources(sources: object) -> None:
+    """Sources must be a sequence of distinct non-empty names; a bare string is refused."""
+    if isinstance(sources, str) or not isinstance(sources, tuple | list) or not sources:
+        raise ValueError(
+            f"sources={sources!r}: give a list of source names, at least one (a string is "
+            f"refused: 'ab' would silently mean two sources 'a' and 'b')"
+        )
+    for source in sources:
+        checks.name(source, "source")
+    if len(set(sources)) != len(sources):
+        raise ValueError(f"sources={tuple(sources)!r}: give each source once")
+
+
 def resolve(config: AdmissionConfig) -> tuple[tuple[ResolvedQuota, ...], tuple[int, ...]]:
     """Validate ``config``; return its resolved quotas and mini-batch sizes, or raise ValueError."""
-    b, n, g = config.train_batch_size, config.num_minibatches, config.group_size
-    if n < 1 or b < 1 or g < 1:
-        raise ValueError(
-            f"train_batch_size={b}, num_minibatches={n}, group_size={g}: all must be >= 1"
-        )
+    b = checks.whole(config.train_batch_size, "train_batch_size", minimum=1)
+    n = checks.whole(config.num_minibatches, "num_minibatches", minimum=1)
+    g = checks.whole(config.group_size, "group_size", minimum=1)
+    checks.whole(config.initial_version, "initial_version", minimum=None)
     if b % g or b // g < n:
         raise ValueError(
             f"train_batch_size={b} must be a multiple of group_size={g} with at least one "
             f"group per mini-batch (num_minibatches={n})"
         )
-    if len(set(config.sources)) != len(config.sources) or not config.sources:
-        raise ValueError(f"sources={config.sources!r}: give each source once, at least one")
-    if config.max_staleness is not None and config.max_staleness < 0:
-        raise ValueError(f"max_staleness={config.max_staleness} < 0")
+    check_sources(config.sources)
+    if config.max_staleness is not None:
+        checks.whole(config.max_staleness, "max_staleness")
     size_alphas = coefficients(config.size_schedule, n, name="size_schedule")
     for predicate in config.predicates:
         coefficients(predicate.schedule, n, name=f"predicate {predicate.name!r}")
@@ -93,7 +104,7 @@ def resolve(config: AdmissionConfig) -> tuple[tuple[ResolvedQuota, ...], tuple[i
         lower, upper = quota.bounds(b)
         schedule = quota.schedule or config.source_schedule
         alphas = coefficients(schedule, n, name=f"schedule of quota {quota.source!r}")
-        quotas.append(ResolvedQuota(quota.source, lower, upper, quota.group, alphas))
+        quotas.append(ResolvedQuota(quota.source, lower, upper, alphas))
     _check_satisfiable(config, quotas)
     _check_budget(config, quotas, size_alphas)
     return tuple(quotas), minibatch_sizes(config)
@@ -126,11 +137,14 @@ def _check_budget(
     config: AdmissionConfig, quotas: list[ResolvedQuota], size_alphas: tuple[float, ...]
 ) -> None:
     budget = config.rollout_budget
-    if budget is None or not config.enforce_quotas:
+    if budget is None:
         return
     for source, value in budget.items():
-        if source not in config.sources or value < 0:
-            raise ValueError(f"rollout_budget[{source!r}]={value}: unknown source or negative")
+        if source not in config.sources:
+            raise ValueError(f"rollout_budget names unknown source {source!r}")
+        checks.whole(value, f"rollout_budget[{source!r}]")
+    if not config.enforce_quotas:
+        return
     for quota in quotas:
         first = math.ceil(quota.alphas[0] * quota.lower - 1e-9)
         have = budget.get(quota.source)

@@ -2,17 +2,41 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
+from knitkit.admission import checks, state
 from knitkit.admission.config import AdmissionConfig, resolve
 from knitkit.admission.guards import candidate_admissible, guard_coverable
 from knitkit.admission.pool import ReadyPool, Unit
 from knitkit.admission.predicates import AdmissionView
+from knitkit.admission.restore import read_state
 from knitkit.admission.selection import CandidateRequest
 from knitkit.types import TrajectoryMeta
+
+SEEN_SHARDS = 256
+"""Shards of the set of reported ids (NOTE [ Sharded id set ])."""
+
+# NOTE [ Sharded id set ]: the controller remembers every reported trajectory id, so a retried
+# report is refused even after its trajectory was admitted. One set grows by doubling: the
+# insert that crosses 2/3 of its table copies every id into a new table (~50 ms at 1.4M ids),
+# and unlike the pool's tables it grows with every report of the run, not with what is
+# pending, so that one call would keep getting slower as a run goes on. Hashing ids over 256
+# sets makes each resize copy 1/256 of them. The state dict lists the ids sorted, so it does
+# not depend on the order the sets happen to iterate in.
+
+_WHOLE_FIELDS = (
+    ("rollout_step", 0),
+    ("num_tokens", 0),
+    ("min_version", None),
+    ("max_version", None),
+)
+"""Fields of a report that must be whole numbers, with their minimum."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,39 +63,54 @@ class AdmissionStats:
     """Dropped on purpose by ``discard_pending`` (e.g. synchronous RL without partial rollout)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Shortfall:
+    """What the open train batch lacks even if everything pending and in flight is accepted."""
+
+    per_source: dict[str, int] = field(default_factory=dict)
+    """Per quota'd source: trajectories its lower bound still misses."""
+    any_source: int = 0
+    """Trajectories still missing to fill the batch once those are found, from any source."""
+
+    def __bool__(self) -> bool:
+        return self.any_source > 0 or any(self.per_source.values())
+
+
 class AdmissionController:
     """Admits mini-batches from reported trajectories so each train batch meets its quotas.
 
     ``next_minibatch`` admits the t-th mini-batch iff every readiness target tau_{i,t} holds
-    (eq. 3), the selection policy proposes a candidate, and every group's feasibility guard
-    holds on it (eq. 4); admission is irrevocable (eq. 5). Reports and readiness checks cost
-    O(#sources): the ready pool keeps per-source queues and counters.
+    (eq. 3), the selection policy proposes a candidate, and the feasibility guard holds on it
+    (eq. 4, one guard over every source quota); admission is irrevocable (eq. 5). Reports and
+    readiness checks cost O(#sources): the ready pool keeps per-source queues and counters.
 
-    The controller holds no lock: Call ``report``, ``issued`` and
-    ``next_minibatch`` from one thread (the trainer's rollout loop, or one actor that owns it);
-    a failed call raises before changing state, so the caller may log and continue.
+    The controller holds no lock: call ``report``, ``issued`` and ``next_minibatch`` from one
+    thread (the trainer's rollout loop, or one actor that owns it); a failed call raises before
+    changing state, so the caller may log and continue. ``state_dict`` / ``load_state_dict``
+    save and restore everything it holds (torch's convention).
     """
 
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
         self._quotas, self.minibatch_sizes = resolve(config)
-        # With atomic GRPO groups a lower bound is only met in whole groups, so the guards
-        # count deficits rounded up to the group size (else a guard could pass on 1 + 1 <= 4
+        # With atomic GRPO groups a lower bound is only met in whole groups, so the guard
+        # counts deficits rounded up to the group size (else it could pass on 1 + 1 <= 4
         # free slots when two whole groups, 8 slots, are needed).
         g = config.group_size
         self._guard_lower = {q.source: -(-q.lower // g) * g for q in self._quotas}
-        self._group_lowers = tuple(
-            tuple((q.source, self._guard_lower[q.source]) for q in self._quotas if q.group == name)
-            for name in dict.fromkeys(q.group for q in self._quotas)
-        )
-        self._groups = tuple(tuple(s for s, _ in group) for group in self._group_lowers)
         self._size_targets = [
             math.ceil(a * config.train_batch_size - 1e-9)
             for a in config.size_schedule.alphas(config.num_minibatches)
         ]
-        self._pool = ReadyPool(config.sources)
-        self._seen: set[str] = set()
-        self._open_groups: dict[str, list[TrajectoryMeta]] = {}
+        self._predicate_alphas = [
+            p.schedule.alphas(config.num_minibatches) for p in config.predicates
+        ]
+        self._fingerprint = state.fingerprint(config, self._quotas)
+        self._pool = ReadyPool(config.sources, track_versions=config.max_staleness is not None)
+        self._seen: tuple[set[str], ...] = tuple(set() for _ in range(SEEN_SHARDS))
+        """Every reported trajectory id, sharded by hash (NOTE [ Sharded id set ])."""
+        self._open_groups: dict[tuple[str, str], list[TrajectoryMeta]] = {}
+        """Incomplete GRPO groups by (source, sample_id): datasets number prompts per source."""
         self._completed_by_step: Counter[int] = Counter()
         self._issued_by_step: Counter[int] = Counter()
         self._seq = 0
@@ -80,12 +119,16 @@ class AdmissionController:
         self._t = 0
         self._admitted: dict[str, int] = dict.fromkeys(config.sources, 0)
         self._admitted_total = 0
+        self._open_minibatches: list[tuple[str, ...]] = []
+        """Trajectory ids of each mini-batch admitted into the open train batch."""
+        self._last: MiniBatch | None = None
+        self._newest_version: int | None = None
+        """Newest policy version any reported token was generated with."""
+        self._starts: dict[str, float] = {}
+        """s_{i,0} per source quota: its count when the train batch opened, capped at tau_i."""
         self._quota_targets: list[list[tuple[str, int]]] = []
-        self._predicate_alphas = [
-            p.schedule.alphas(config.num_minibatches) for p in config.predicates
-        ]
-        self._open_view: AdmissionView
-        """Counts when the open train batch opened (issues live); set when predicates exist."""
+        self._open_view = AdmissionView(0, 1, {}, {})
+        """Counts when the open train batch opened (issues live); read when predicates exist."""
         self._open_train_batch()
 
     @property
@@ -103,54 +146,88 @@ class AdmissionController:
 
     def issued(self, rollout_step: int, count: int) -> None:
         """Tell the controller ``count`` more trajectories were issued in ``rollout_step``."""
-        if rollout_step < 0 or count < 0:
-            raise ValueError(
-                f"issued(rollout_step={rollout_step}, count={count}): both must be >= 0"
-            )
-        self._issued_by_step[rollout_step] += count
+        checks.whole(rollout_step, "issued(): rollout_step")
+        checks.whole(count, "issued(): count")
+        self._issued_by_step[int(rollout_step)] += int(count)
 
     def report(self, meta: TrajectoryMeta) -> None:
         """Record one completed trajectory; validates before changing any state."""
-        if meta.source not in self._pool.ready:
-            raise ValueError(
-                f"trajectory {meta.trajectory_id!r}: unknown source {meta.source!r}; "
-                f"configured sources: {self.config.sources}"
-            )
-        if meta.trajectory_id in self._seen:
-            raise ValueError(f"trajectory {meta.trajectory_id!r} was already reported")
-        if meta.num_tokens < 0 or meta.rollout_step < 0:
-            raise ValueError(
-                f"trajectory {meta.trajectory_id!r}: num_tokens={meta.num_tokens}, "
-                f"rollout_step={meta.rollout_step}; both must be >= 0"
-            )
-        self._seen.add(meta.trajectory_id)
+        self._check(meta)
+        self._seen[hash(meta.trajectory_id) % SEEN_SHARDS].add(meta.trajectory_id)
         self._completed_by_step[meta.rollout_step] += 1
         self.stats.reported += 1
+        if self._newest_version is None or meta.max_version > self._newest_version:
+            self._newest_version = meta.max_version
         if self.config.group_size == 1:
             self._add((meta,))
             return
-        group = self._open_groups.setdefault(meta.sample_id, [])
+        key = (meta.source, meta.sample_id)
+        group = self._open_groups.setdefault(key, [])
         group.append(meta)
         if len(group) == self.config.group_size:
-            del self._open_groups[meta.sample_id]
+            del self._open_groups[key]
             self._add(tuple(group))
 
+    def _check(self, meta: TrajectoryMeta) -> None:
+        tid = meta.trajectory_id
+        if not isinstance(tid, str) or not tid:
+            raise ValueError(f"trajectory_id={tid!r}: give a non-empty string")
+        if meta.source not in self._pool.ready:
+            raise ValueError(
+                f"trajectory {tid!r}: unknown source {meta.source!r}; "
+                f"configured sources: {self.config.sources}"
+            )
+        if tid in self._seen[hash(tid) % SEEN_SHARDS]:
+            raise ValueError(f"trajectory {tid!r} was already reported")
+        if not isinstance(meta.sample_id, str):
+            raise ValueError(f"trajectory {tid!r}: sample_id={meta.sample_id!r}: give a string")
+        if type(meta.accepted) is not bool:
+            raise ValueError(f"trajectory {tid!r}: accepted={meta.accepted!r}: give True or False")
+        step, tokens = meta.rollout_step, meta.num_tokens
+        if not (  # the common case in one expression: plain ints, nothing negative
+            type(step) is int
+            and type(tokens) is int
+            and type(meta.min_version) is int
+            and type(meta.max_version) is int
+            and step >= 0
+            and tokens >= 0
+        ):
+            for name, minimum in _WHOLE_FIELDS:  # numpy ints pass; name what does not
+                value = getattr(meta, name)
+                if not checks.is_whole(value) or (minimum is not None and value < minimum):
+                    raise ValueError(
+                        f"trajectory {tid!r}: {name}={value!r}: give a whole number"
+                        + ("" if minimum is None else f" >= {minimum}")
+                    )
+        group = self._open_groups.get((meta.source, meta.sample_id)) if self._open_groups else None
+        if group and group[0].rollout_step != meta.rollout_step:
+            raise ValueError(
+                f"trajectory {tid!r}: GRPO group ({meta.source!r}, {meta.sample_id!r}) was issued "
+                f"in rollout step {group[0].rollout_step}, this member says {meta.rollout_step}; "
+                f"a group's members share source, sample_id and rollout step (give a prompt "
+                f"issued again a new sample_id)"
+            )
+
     def discard_pending(self) -> int:
-        """Drop every pending trajectory (counted in ``stats.discarded``); returns how many."""
+        """Drop every pending trajectory (counted in ``stats.discarded``); returns how many.
+
+        The open train batch's starting counts forget what was discarded, so its readiness
+        targets never wait for trajectories that are gone.
+        """
         dropped = self._pool.clear()
         count = sum(u.size for u in dropped) + sum(len(g) for g in self._open_groups.values())
         self._open_groups.clear()
         self.stats.discarded += count
-        if self._t == 0:
-            self._open_train_batch()  # s_{i,0} counted the discarded trajectories
+        # s_{i,0} counted the discarded ready trajectories; what survives is what was admitted.
+        self._starts = {s: min(v, float(self._admitted[s])) for s, v in self._starts.items()}
+        self._set_targets()
+        if self.config.predicates:
+            ready = dict.fromkeys(self.config.sources, 0)
+            self._open_view = dataclasses.replace(self._open_view, ready=ready)
         return count
 
     def _add(self, trajectories: tuple[TrajectoryMeta, ...]) -> None:
-        if not (
-            trajectories[0].accepted
-            if len(trajectories) == 1
-            else all(t.accepted for t in trajectories)
-        ):
+        if not all(t.accepted for t in trajectories):
             self.stats.rejected += len(trajectories)
             return
         unit = Unit(self._seq, trajectories[0].source, trajectories)
@@ -173,7 +250,7 @@ class AdmissionController:
         guarded = self.config.enforce_quotas and self.config.guards
         slots_after = self.config.train_batch_size - self._admitted_total - size
         if guarded and not guard_coverable(
-            self._group_lowers, self._admitted, self._pool.ready, slots_after
+            self._guard_lower, self._admitted, self._pool.ready, slots_after
         ):
             return None
         request = self._request(size, guarded)
@@ -186,13 +263,15 @@ class AdmissionController:
             self._admitted[unit.source] += unit.size
         self._admitted_total += len(trajectories)
         self.stats.admitted += len(trajectories)
-        batch = MiniBatch(self.train_batch, t, trajectories)
+        batch = self._last = MiniBatch(self.train_batch, t, trajectories)
+        self._open_minibatches.append(tuple(tr.trajectory_id for tr in trajectories))
         self._t += 1
         if self._t == self.config.num_minibatches:
             self.train_batch += 1
             self._t = 0
             self._admitted = dict.fromkeys(self.config.sources, 0)
             self._admitted_total = 0
+            self._open_minibatches = []
             if self.config.max_staleness is not None:
                 oldest = self.training_version - self.config.max_staleness
                 self.stats.stale_dropped += sum(
@@ -203,24 +282,31 @@ class AdmissionController:
 
     def _open_train_batch(self) -> None:
         """Snapshot s_{i,0} for every quota and predicate when a train batch opens."""
-        n = self.config.num_minibatches
-        self._quota_targets = [
-            [
-                (q.source, math.ceil(start + q.alphas[t] * (q.lower - start) - 1e-9))
-                for q in self._quotas
-                for start in (float(self._pool.ready[q.source]),)
-            ]
-            for t in range(n)
-        ]
+        ready = self._pool.ready
+        self._starts = {q.source: float(min(ready[q.source], q.lower)) for q in self._quotas}
+        self._set_targets()
         if self.config.predicates:
             self._open_view = AdmissionView(
                 self.train_batch,
                 1,
-                dict(self._pool.ready),
+                dict(ready),
                 dict(self._admitted),
                 dict(self._completed_by_step),
                 MappingProxyType(self._issued_by_step),
             )
+
+    def _set_targets(self) -> None:
+        # Starts are capped at tau_i (a start past the final target counts as the target), so
+        # a target never exceeds tau_i and nothing the train batch does not need (such as
+        # ready trajectories discarded since it opened) can hold it back.
+        self._quota_targets = [
+            [
+                (q.source, math.ceil(start + q.alphas[t] * (q.lower - start) - 1e-9))
+                for q in self._quotas
+                for start in (self._starts[q.source],)
+            ]
+            for t in range(self.config.num_minibatches)
+        ]
 
     def _view(self, t: int) -> AdmissionView:
         return AdmissionView(
@@ -267,6 +353,138 @@ class AdmissionController:
                 for q in self._quotas
                 if enforce and q.upper is not None
             },
-            groups=self._groups,
             guarded=guarded,
         )
+
+    def shortfall(self, in_flight: Mapping[str, int] | None = None) -> Shortfall:
+        """What the open train batch still lacks if every pending and ``in_flight`` trajectory
+        (per source: issued, not yet reported) were accepted: what a rollout loop must issue
+        more of, e.g. under dynamic sampling's group filtering. Empty when it can complete."""
+        flying = in_flight or {}
+        have = self._pending_per_source()
+        for source in have:
+            have[source] += self._admitted[source] + int(flying.get(source, 0))
+        enforce = self.config.enforce_quotas
+        lowers = self._guard_lower if enforce else {}
+        need = {s: lo - have[s] for s, lo in lowers.items() if have[s] < lo}
+        uppers = {q.source: q.upper for q in self._quotas if enforce and q.upper is not None}
+        filled = sum(min(have[s] + need.get(s, 0), uppers.get(s, math.inf)) for s in have)
+        return Shortfall(need, max(0, self.config.train_batch_size - int(filled)))
+
+    def _pending_per_source(self) -> dict[str, int]:
+        pending = dict(self._pool.ready)
+        for (source, _), members in self._open_groups.items():
+            pending[source] += len(members)
+        return pending
+
+    def metrics(self) -> dict[str, float]:
+        """Run figures, flat, namespaced ``knitkit/admission/...`` (plain floats):
+
+        - ``pending`` and ``pending/<source>``: accepted, not yet admitted (ready or in an
+          incomplete group); ``ready/<source>``: ready units' trajectories.
+        - cumulative counters: ``reported``, ``admitted``, ``rejected``, ``stale_dropped``,
+          ``discarded``, ``minibatches_admitted``.
+        - the open train batch: ``train_batch`` (its index), ``minibatch`` (mini-batches
+          admitted into it), ``admitted/<source>``; per source quota ``quota/<source>/count``
+          (admitted), ``quota/<source>/target`` (final lower bound tau_i) and
+          ``quota/<source>/next_target`` (readiness target of the next mini-batch).
+        - the last admitted mini-batch: ``last_minibatch/size`` and, in versions behind the
+          version it trains at, ``last_minibatch/staleness_mean`` (oldest token per trajectory)
+          and ``last_minibatch/staleness_max``; ``training_version``; ``rollout_version`` (the
+          newest version any reported token was generated with; absent before a report).
+        """
+        p = "knitkit/admission/"
+        out: dict[str, float] = {f"{p}pending": float(self.pending)}
+        pending = self._pending_per_source()
+        for source in self.config.sources:
+            out[f"{p}pending/{source}"] = float(pending[source])
+            out[f"{p}ready/{source}"] = float(self._pool.ready[source])
+            out[f"{p}admitted/{source}"] = float(self._admitted[source])
+        for name in ("reported", "admitted", "rejected", "stale_dropped", "discarded"):
+            out[p + name] = float(getattr(self.stats, name))
+        out[f"{p}minibatches_admitted"] = float(
+            self.train_batch * self.config.num_minibatches + self._t
+        )
+        out[f"{p}train_batch"] = float(self.train_batch)
+        out[f"{p}minibatch"] = float(self._t)
+        for (source, target), q in zip(self._quota_targets[self._t], self._quotas, strict=True):
+            out[f"{p}quota/{source}/count"] = float(self._admitted[source])
+            out[f"{p}quota/{source}/target"] = float(q.lower)
+            out[f"{p}quota/{source}/next_target"] = float(target)
+        out[f"{p}training_version"] = float(self.training_version)
+        if self._newest_version is not None:
+            out[f"{p}rollout_version"] = float(self._newest_version)
+        if self._last is not None:
+            version = self.config.initial_version + self._last.train_batch
+            behind = [version - t.min_version for t in self._last.trajectories]
+            out[f"{p}last_minibatch/size"] = float(len(behind))
+            out[f"{p}last_minibatch/staleness_mean"] = sum(behind) / len(behind)
+            out[f"{p}last_minibatch/staleness_max"] = float(max(behind))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this controller holds, as plain JSON-ready data (torch's convention):
+        the pool, incomplete GRPO groups, counters, the open train batch (index, admitted and
+        starting counts, each admitted mini-batch's trajectory ids) and the versions, with the
+        config's fingerprint. See NOTE [ Admission state ]."""
+        sources = self.config.sources
+        last = self._last
+        return {
+            "format": state.FORMAT,
+            "config": self._fingerprint,
+            "stats": dataclasses.asdict(self.stats),
+            "seq": self._seq,
+            "seen": sorted(tid for shard in self._seen for tid in shard),
+            "train_batch": self.train_batch,
+            "minibatch": self._t,
+            "admitted": [self._admitted[s] for s in sources],
+            "starts": [self._starts[q.source] for q in self._quotas],
+            "open_minibatches": [list(ids) for ids in self._open_minibatches],
+            "open_view": {
+                "ready": [self._open_view.ready.get(s, 0) for s in sources],
+                "completed_by_step": state.pairs(self._open_view.completed_by_step),
+            },
+            "completed_by_step": state.pairs(self._completed_by_step),
+            "issued_by_step": state.pairs(self._issued_by_step),
+            "newest_version": self._newest_version,
+            "last_minibatch": None
+            if last is None
+            else [last.train_batch, last.index, [state.encode_meta(t) for t in last.trajectories]],
+            "pool": [
+                [u.seq, [state.encode_meta(t) for t in u.trajectories]]
+                for u in self._pool.units_in_order()
+            ],
+            "open_groups": [
+                [state.encode_meta(t) for t in group] for group in self._open_groups.values()
+            ],
+        }
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()``'s output. A state saved under a different config is refused
+        naming each difference, a malformed one naming the field; either way nothing changes."""
+        fields = [f.name for f in dataclasses.fields(AdmissionStats)]
+        r = read_state(saved, self._fingerprint, fields)
+        pool = ReadyPool(self.config.sources, track_versions=self.config.max_staleness is not None)
+        for unit in r.units:
+            pool.push(unit)
+        seen: tuple[set[str], ...] = tuple(set() for _ in range(SEEN_SHARDS))
+        for tid in r.seen:
+            seen[hash(tid) % SEEN_SHARDS].add(tid)
+        # Everything is read and checked; from here on nothing can fail.
+        self.stats = AdmissionStats(**r.counters)
+        self._seq, self._seen, self._pool, self._open_groups = r.seq, seen, pool, r.groups
+        self._completed_by_step, self._issued_by_step = r.completed, r.issued
+        self.train_batch, self._t = r.train_batch, r.minibatch
+        self._admitted, self._admitted_total = r.admitted, sum(r.admitted.values())
+        self._open_minibatches, self._newest_version = r.ledger, r.newest_version
+        self._last = None if r.last is None else MiniBatch(*r.last)
+        self._open_view = AdmissionView(
+            r.train_batch,
+            1,
+            r.open_ready,
+            dict.fromkeys(self.config.sources, 0),
+            r.open_completed,
+            MappingProxyType(self._issued_by_step),
+        )
+        self._starts = r.starts
+        self._set_targets()

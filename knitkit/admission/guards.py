@@ -1,43 +1,57 @@
-"""Feasibility guards (paper eq. 4): a candidate must leave every quota group's deficit coverable."""
+"""Feasibility guard (paper eq. 4): a candidate must leave the whole train batch completable."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from knitkit.admission.pool import ReadyPool
 from knitkit.admission.selection import CandidateRequest
 
+# NOTE [ One guard over every source quota ]: the paper checks one guard per group G_k of
+# quotas "whose target classes compete for the same batch slots", e.g. all data-source quotas
+# form one group; classes of different groups overlap (a trajectory counts once in each
+# group), so their guards are independent. A ``SourceQuota``'s class is its source and every
+# trajectory has exactly one source: all source quotas are classes of one partition and
+# compete for the same slots, whatever ``group`` label they carry. Checking a guard per label
+# let two labelled groups each fit the free slots while their sum did not, and the train batch
+# deadlocked (issue 25: 4 slots left, a and b needing 4 each). So there is one guard,
+# ``sum_i (tau_i - b_{i,t})^+ <= tau_0 - b_{0,t}`` over every source quota; with disjoint
+# classes it is exact: whenever it holds, filling the free slots with each deficit source's
+# missing trajectories meets every lower bound, and upper bounds cannot block the rest
+# (construction checks that the bounds admit a full batch, and admission never passes one).
+# Completion quotas and user predicates stay readiness conditions, never capacity guards.
+# ``SourceQuota.group`` stays as a label (quota files written for the per-label guard still
+# load, and now stay feasible).
+
 
 def guard_coverable(
-    group_lowers: Sequence[Sequence[tuple[str, int]]],
+    lowers: Mapping[str, int],
     admitted: Mapping[str, int],
     ready: Mapping[str, int],
     slots_after: int,
 ) -> bool:
-    """O(#sources) precheck: the ready pool can supply what each group's guard needs now.
+    """O(#sources) precheck: the ready pool can supply what the guard needs from this mini-batch.
 
-    A group needs ``sum_i (tau_i - a_i)^+ - slots_after`` of its deficit covered by this
-    mini-batch; only ready trajectories of its deficit sources can cover it.
+    The guard needs ``sum_i (tau_i - a_i)^+ - slots_after`` of the deficit covered now; only
+    ready trajectories of deficit sources can cover it (see NOTE [ One guard over every source
+    quota ]).
     """
-    for group in group_lowers:
-        need = cover = 0
-        for source, lower in group:
-            deficit = lower - admitted[source]
-            if deficit > 0:
-                need += deficit
-                cover += min(deficit, ready[source])
-        if need - slots_after > cover:
-            return False
-    return True
+    need = cover = 0
+    for source, lower in lowers.items():
+        deficit = lower - admitted[source]
+        if deficit > 0:
+            need += deficit
+            cover += min(deficit, ready[source])
+    return need - slots_after <= cover
 
 
 def candidate_admissible(
     counts: Mapping[str, int], request: CandidateRequest, pool: ReadyPool
 ) -> bool:
-    """Check a proposal: exact size, upper bounds, and (if guarded) every group's guard Q_k.
+    """Check a proposal: exact size, upper bounds, and (if guarded) the feasibility guard Q.
 
-    ``Q_k: sum_{i in G_k} (tau_i - b_{i,t})^+ <= tau_0 - b_{0,t}`` with ``b`` the train-batch
-    counts once the candidate is admitted.
+    ``Q: sum_i (tau_i - b_{i,t})^+ <= tau_0 - b_{0,t}`` over every source quota, with ``b`` the
+    train-batch counts once the candidate is admitted.
     """
     taken: dict[str, int] = {}
     for source, count in counts.items():
@@ -49,8 +63,7 @@ def candidate_admissible(
     if any(taken.get(s, 0) > room for s, room in request.room.items()):
         return False
     if request.guarded:
-        for group in request.groups:
-            deficit = sum(max(0, request.deficits[s] - taken.get(s, 0)) for s in group)
-            if deficit > request.slots_after:
-                return False
+        deficit = sum(max(0, d - taken.get(s, 0)) for s, d in request.deficits.items())
+        if deficit > request.slots_after:
+            return False
     return True

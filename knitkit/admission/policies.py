@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from knitkit.admission.config import AdmissionConfig
+from knitkit.admission.config import AdmissionConfig, check_sources
 from knitkit.admission.controller import AdmissionController
 from knitkit.admission.predicates import SourceQuota
 from knitkit.admission.schedules import (
@@ -72,6 +72,8 @@ def policy_config(
     **overrides: Any,
 ) -> AdmissionConfig:
     """The ``AdmissionConfig`` of a named policy; ``overrides`` set any other config field."""
+    if isinstance(sources, str):
+        check_sources(sources)  # refuses it by name: "ab" is not the sources ("a", "b")
     options: PolicyOptions = {"selection": OldestFirst(), **_POLICIES[_check(policy)][1]()}
     options.update(overrides)
     return AdmissionConfig(

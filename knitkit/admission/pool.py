@@ -6,7 +6,7 @@ import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from knitkit.types import TrajectoryMeta
 
@@ -19,41 +19,57 @@ class Unit:
     """Completion order across all sources (smaller is older)."""
     source: str
     trajectories: tuple[TrajectoryMeta, ...]
+    min_version: int = field(init=False, compare=False, repr=False)
+    """Oldest version any of its tokens was generated with (computed once)."""
+
+    def __post_init__(self) -> None:
+        first = self.trajectories[0].min_version
+        oldest = (
+            first if len(self.trajectories) == 1 else min(t.min_version for t in self.trajectories)
+        )
+        object.__setattr__(self, "min_version", oldest)
 
     @property
     def size(self) -> int:
         return len(self.trajectories)
-
-    @property
-    def min_version(self) -> int:
-        return min(t.min_version for t in self.trajectories)
 
 
 class ReadyPool:
     """Per-source FIFO queues of ready units; counts are kept so readiness checks are O(#sources).
 
     Selection only ever takes a prefix of each source's queue (oldest-first within a source), so
-    a candidate is fully described by a count of units per source. Units are also bucketed by
-    their oldest version, so ``expire_older_than`` costs O(expired), not O(pending) (NOTE [ Lazy
-    version buckets ]).
+    a candidate is fully described by a count of units per source. With ``track_versions`` units
+    are also bucketed by their oldest version, so ``expire_older_than`` costs O(expired), not
+    O(pending), and no call ever does more than its own units' work (NOTE [ Version buckets
+    without rebuilds ]).
     """
 
-    __slots__ = ("_buckets", "_entries", "_queues", "_units", "_versions", "ready", "total")
+    __slots__ = ("_buckets", "_queues", "_versions", "ready", "total")
 
-    def __init__(self, sources: Iterable[str]) -> None:
+    def __init__(self, sources: Iterable[str], *, track_versions: bool = True) -> None:
         self._queues: dict[str, OrderedDict[int, Unit]] = {s: OrderedDict() for s in sources}
-        self._buckets: dict[int, list[tuple[int, str]]] = {}
-        """oldest version -> (seq, source) of its units, including lazily kept taken ones."""
+        self._buckets: dict[int, dict[int, str]] | None = {} if track_versions else None
+        """oldest version -> {seq: source} of exactly its ready units (``None``: not tracked)."""
         self._versions: list[int] = []
-        """Min-heap of the bucket keys."""
-        self._entries = 0
-        """Bucket entries, live or taken."""
-        self._units = 0
-        """Ready units over all sources."""
+        """Min-heap of the bucket keys, each once."""
         self.ready: dict[str, int] = dict.fromkeys(self._queues, 0)
         """Ready trajectories per source (sum of unit sizes)."""
         self.total = 0
         """Ready trajectories over all sources."""
+
+    # NOTE [ Version buckets without rebuilds ]: a unit's bucket entry is removed when the unit
+    # leaves the pool (taken or expired): O(1) per unit, so the buckets never hold dead
+    # entries and never need a sweep. (An earlier version kept taken units' entries and rebuilt
+    # every bucket when dead ones outnumbered live ones: amortised O(1), but one report() in
+    # ~1M paid the whole O(pending) rebuild, 0.9 s at 1M pending.) An emptied bucket stays
+    # until expiry pops its version, so each version enters the heap once; the buckets number
+    # at most the distinct versions not yet expired (the staleness window when the controller
+    # expires at every train batch). Per call: push O(log #versions), take O(units taken),
+    # expire O(units expired + versions popped). What is left above that is CPython's own
+    # table resize when a queue or bucket dict has taken ~0.4x its size in inserts: a C-level
+    # copy of the pending units in it, about 40-70 ms per million (measured standalone; the
+    # rebuild it replaces was a Python loop, 0.9 s at 1M). See benchmarks/admission.py
+    # --families for the slowest single call at 1k/100k/1M pending.
 
     def __len__(self) -> int:
         return self.total
@@ -62,26 +78,13 @@ class ReadyPool:
         self._queues[unit.source][unit.seq] = unit
         self.ready[unit.source] += unit.size
         self.total += unit.size
-        self._units += 1
-        self._bucket(unit.min_version).append((unit.seq, unit.source))
-        self._entries += 1
-        # NOTE [ Lazy version buckets ]: a taken unit keeps its bucket entry until its version
-        # expires; rebuild the buckets from the live units when dead entries outnumber them
-        # (amortised O(1) per push), so memory stays O(pending) even if nothing ever expires.
-        if self._entries > 2 * self._units + 64:
-            self._buckets.clear()
-            self._versions.clear()
-            for source, queue in self._queues.items():
-                for live in queue.values():
-                    self._bucket(live.min_version).append((live.seq, source))
-            self._entries = self._units
-
-    def _bucket(self, version: int) -> list[tuple[int, str]]:
-        bucket = self._buckets.get(version)
-        if bucket is None:
-            bucket = self._buckets[version] = []
-            heapq.heappush(self._versions, version)
-        return bucket
+        if self._buckets is not None:
+            version = unit.min_version
+            bucket = self._buckets.get(version)
+            if bucket is None:
+                bucket = self._buckets[version] = {}
+                heapq.heappush(self._versions, version)
+            bucket[unit.seq] = unit.source
 
     def units(self, source: str) -> int:
         return len(self._queues[source])
@@ -90,6 +93,10 @@ class ReadyPool:
         """The ready units of ``source``, oldest first (do not change the pool while iterating)."""
         return iter(self._queues[source].values())
 
+    def units_in_order(self) -> list[Unit]:
+        """Every ready unit, oldest first."""
+        return sorted((u for q in self._queues.values() for u in q.values()), key=lambda u: u.seq)
+
     def prefix_size(self, source: str, count: int) -> int:
         """Trajectories in the ``count`` oldest ready units of ``source``."""
         return sum(u.size for u in itertools.islice(self.head(source), count))
@@ -97,29 +104,30 @@ class ReadyPool:
     def take(self, counts: dict[str, int]) -> list[Unit]:
         """Remove and return the ``counts[source]`` oldest units of each source."""
         taken: list[Unit] = []
+        buckets = self._buckets
         for source, count in counts.items():
             queue = self._queues[source]
             for _ in range(count):
                 unit = queue.popitem(last=False)[1]
                 self.ready[source] -= unit.size
                 self.total -= unit.size
-                self._units -= 1
+                if buckets is not None:
+                    del buckets[unit.min_version][unit.seq]
                 taken.append(unit)
         taken.sort(key=lambda u: u.seq)
         return taken
 
     def expire_older_than(self, version: int) -> list[Unit]:
         """Remove and return every unit whose oldest token's version is below ``version``."""
+        if self._buckets is None:
+            raise RuntimeError("this pool does not track versions (track_versions=False)")
         expired: list[Unit] = []
         while self._versions and self._versions[0] < version:
-            for seq, source in self._buckets.pop(heapq.heappop(self._versions)):
-                self._entries -= 1
-                unit = self._queues[source].pop(seq, None)
-                if unit is not None:  # else it was taken already (NOTE [ Lazy version buckets ])
-                    self.ready[source] -= unit.size
-                    self.total -= unit.size
-                    self._units -= 1
-                    expired.append(unit)
+            for seq, source in self._buckets.pop(heapq.heappop(self._versions)).items():
+                unit = self._queues[source].pop(seq)
+                self.ready[source] -= unit.size
+                self.total -= unit.size
+                expired.append(unit)
         return expired
 
     def clear(self) -> list[Unit]:
@@ -127,9 +135,10 @@ class ReadyPool:
         dropped = [u for q in self._queues.values() for u in q.values()]
         for queue in self._queues.values():
             queue.clear()
-        self._buckets.clear()
+        if self._buckets is not None:
+            self._buckets.clear()
         self._versions.clear()
-        self._entries = self._units = self.total = 0
+        self.total = 0
         for source in self.ready:
             self.ready[source] = 0
         return dropped

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from knitkit.admission import checks
 from knitkit.admission.schedules import LinearSchedule, Schedule
 
 
@@ -15,8 +16,9 @@ class SourceQuota:
     """Bounds on how many trajectories of one source a train batch holds (paper: P_i, s_i >= tau_i).
 
     Give the lower bound as a count or as a ratio of the train batch (``tau_i = r_i * tau_0``,
-    rounded up); the optional upper bound likewise (rounded down). Quotas sharing a ``group``
-    compete for the same batch slots and get one feasibility guard (paper eq. 4).
+    rounded up); the optional upper bound likewise (rounded down). Every trajectory has one
+    source, so all source quotas compete for the same batch slots and share one feasibility
+    guard, whatever their ``group`` (see NOTE [ One guard over every source quota ]).
     """
 
     source: str
@@ -25,19 +27,21 @@ class SourceQuota:
     max_count: int | None = None
     max_ratio: float | None = None
     group: str = "sources"
-    """Quotas whose classes compete for the same slots; one feasibility guard per group."""
+    """A label (quota files and replay settings keep it); it does not split the guard."""
     schedule: Schedule | None = None
     """Progressive-target schedule for this quota; ``None`` uses the policy's source schedule."""
 
     def __post_init__(self) -> None:
-        for name in ("min_count", "max_count"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"quota {self.source!r}: {name}={value} < 0")
-        for name in ("min_ratio", "max_ratio"):
-            value = getattr(self, name)
-            if value is not None and not 0.0 <= value <= 1.0:
-                raise ValueError(f"quota {self.source!r}: {name}={value} is outside [0, 1]")
+        checks.name(self.source, "quota source")
+        checks.name(self.group, f"quota {self.source!r}: group")
+        for field_name in ("min_count", "max_count"):
+            value = getattr(self, field_name)
+            if value is not None:
+                checks.whole(value, f"quota {self.source!r}: {field_name}")
+        for field_name in ("min_ratio", "max_ratio"):
+            value = getattr(self, field_name)
+            if value is not None:
+                checks.ratio(value, f"quota {self.source!r}: {field_name}")
         if self.min_count is not None and self.min_ratio is not None:
             raise ValueError(f"quota {self.source!r}: give min_count or min_ratio, not both")
         if self.max_count is not None and self.max_ratio is not None:
@@ -45,10 +49,10 @@ class SourceQuota:
 
     def bounds(self, train_batch_size: int) -> tuple[int, int | None]:
         """``(lower, upper)`` in trajectories for a train batch of ``train_batch_size``."""
-        lower = self.min_count or 0
+        lower = int(self.min_count or 0)
         if self.min_ratio is not None:
             lower = math.ceil(self.min_ratio * train_batch_size - 1e-9)
-        upper = self.max_count
+        upper = None if self.max_count is None else int(self.max_count)
         if self.max_ratio is not None:
             upper = math.floor(self.max_ratio * train_batch_size + 1e-9)
         if upper is not None and upper < lower:
@@ -105,8 +109,7 @@ class CompletionQuota:
     name: str = "completion"
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.min_ratio <= 1.0:
-            raise ValueError(f"CompletionQuota.min_ratio={self.min_ratio} is outside [0, 1]")
+        checks.ratio(self.min_ratio, "CompletionQuota.min_ratio")
 
     def progress(self, view: AdmissionView) -> float:
         step = max(view.issued_by_step, default=None)

@@ -24,10 +24,9 @@ class CandidateRequest:
     """Per quota'd source: lower bound (in whole GRPO groups) minus admitted, floored at 0."""
     room: Mapping[str, int]
     """Per upper-bounded source: how many more trajectories it may contribute."""
-    groups: tuple[tuple[str, ...], ...]
-    """Sources of each feasibility-guard group."""
     guarded: bool
-    """True when the proposal must keep every group's guard (eq. 4) satisfiable."""
+    """True when the proposal must keep the feasibility guard (eq. 4) satisfiable: the deficits
+    left after the candidate, summed over every source quota, fit in ``slots_after``."""
 
 
 @runtime_checkable
@@ -39,7 +38,7 @@ class SelectionPolicy(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class OldestFirst:
-    """Default policy: oldest ready units first, skipping what the guards or upper bounds forbid."""
+    """Default policy: oldest ready units first, skipping what the guard or upper bounds forbid."""
 
     def propose(self, request: CandidateRequest, pool: ReadyPool) -> dict[str, int] | None:
         return fill_oldest_first(request, pool, {})
@@ -84,16 +83,14 @@ def fill_oldest_first(
     """Extend ``start`` (units per source) oldest-first to ``request.size`` trajectories.
 
     With ``request.guarded``, a unit is skipped when taking it would leave fewer free slots than
-    the groups' outstanding deficits still need (so the guard of eq. 4 stays satisfiable).
-    The slack (free slots minus what the guards still need) never grows while filling, so a
+    the outstanding deficits still need (so the guard of eq. 4 stays satisfiable).
+    The slack (free slots minus what the guard still needs) never grows while filling, so a
     source skipped once stays skipped: a heap merge of the source heads, O(size x log #sources).
     """
     counts = dict(start)
     taken = _sizes(pool, counts)
     deficit = {s: max(0, d - taken.get(s, 0)) for s, d in request.deficits.items()}
-    group_of = {s: g for g in request.groups for s in g}
-    must = {g: max(0, sum(deficit[s] for s in g) - request.slots_after) for g in request.groups}
-    must_total = sum(must.values()) if request.guarded else 0
+    must = max(0, sum(deficit.values()) - request.slots_after) if request.guarded else 0
     total = sum(taken.values())
 
     cursors = {s: itertools.islice(pool.head(s), counts.get(s, 0), None) for s in pool.ready}
@@ -110,28 +107,22 @@ def fill_oldest_first(
     heapq.heapify(heap)
     while total < request.size:
         free = request.size - total
-        if must_total > free or not heap:
+        if must > free or not heap:
             return None
         source = heapq.heappop(heap)[1]
         unit = current[source]
         room = request.room.get(source)
         if unit.size > free or (room is not None and taken.get(source, 0) + unit.size > room):
             continue
-        group = group_of.get(source)
-        covers = (
-            0
-            if group is None or not request.guarded
-            else min(unit.size, deficit[source], must[group])
-        )
-        if must_total - covers > free - unit.size:
-            continue  # taking it would leave a guard unsatisfiable
+        covers = min(unit.size, deficit.get(source, 0), must)
+        if must - covers > free - unit.size:
+            continue  # taking it would leave the guard unsatisfiable
         counts[source] = counts.get(source, 0) + 1
         taken[source] = taken.get(source, 0) + unit.size
         total += unit.size
-        if group is not None:
+        if source in deficit:
             deficit[source] = max(0, deficit[source] - unit.size)
-            must[group] -= covers
-            must_total -= covers
+        must -= covers
         nxt = head(source)
         if nxt is not None:
             heapq.heappush(heap, nxt)

@@ -11,9 +11,11 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 from knitkit.admission import MiniBatch, SourceQuota, build_controller
+from knitkit.demo.figures import StepLog
 from knitkit.demo.model import ModelSize
 from knitkit.demo.rollout import RolloutConfig, stream_completions
 from knitkit.demo.trainer import RankSetup, StepResult, run_rank
+from knitkit.metrics import MetricsObserver
 from knitkit.storage import (
     EncoderTopology,
     MiniBatchPlan,
@@ -73,8 +75,13 @@ class PipelineResult:
     wall_s: float = 0.0
 
 
-def run_pipeline(config: PipelineConfig, progress: Callable[[str], None]) -> PipelineResult:
-    """Stream the rollout through admission into training; returns the measurements."""
+def run_pipeline(
+    config: PipelineConfig, progress: Callable[[str], None], observe: MetricsObserver
+) -> PipelineResult:
+    """Stream the rollout through admission into training; returns the measurements.
+
+    ``progress`` gets status lines; ``observe`` each optimizer step's figures (``StepLog``).
+    """
     start = time.perf_counter()
     result = PipelineResult(num_minibatches=config.num_minibatches)
     sources = [p.name for p in config.rollout.sources]
@@ -147,6 +154,7 @@ def run_pipeline(config: PipelineConfig, progress: Callable[[str], None]) -> Pip
             f"started {world} trainer ranks (DP={config.dp} x CP={config.cp}), "
             f"{world + config.encoder_dp} reorganizer processes"
         )
+        log = StepLog(observe, store, (*backbone, *encoders))
         trained = 0
         pending: list[MiniBatchPlan] = []
         for completion in stream_completions(config.rollout):
@@ -165,6 +173,7 @@ def run_pipeline(config: PipelineConfig, progress: Callable[[str], None]) -> Pip
                             f"tb{mb.train_batch}-mb{mb.index}",
                         )
                         plan = store.register(plan)
+                        log.admitted(plan.minibatch_id, controller)
                         _account(result, store, plan)
                         for reorganizer, consumer in zip(backbone, plan.consumers, strict=True):
                             reorganizer.submit(plan.minibatch_id, consumer)
@@ -176,13 +185,9 @@ def run_pipeline(config: PipelineConfig, progress: Callable[[str], None]) -> Pip
                             q.put(plan)
                         pending.append(plan)
             while pending and not results.empty():
-                trained = _collect(
-                    result, results, world, store, pending, trained, progress, total_minibatches
-                )
+                trained = _collect(result, results, world, store, pending, trained, log)
         while pending:
-            trained = _collect(
-                result, results, world, store, pending, trained, progress, total_minibatches
-            )
+            trained = _collect(result, results, world, store, pending, trained, log)
         unused = [m.trajectory_id for m in store.metas()]
         store.release(unused)
         result.units_left = len(list(store.backend.keys()))
@@ -223,10 +228,9 @@ def _collect(
     store: TrajectoryStore,
     pending: list[MiniBatchPlan],
     trained: int,
-    progress: Callable[[str], None],
-    total: int,
+    log: StepLog,
 ) -> int:
-    """Wait for every rank's result of the oldest pending mini-batch, then free its units."""
+    """Wait for every rank's result of the oldest pending mini-batch, free its units, log the step."""
     plan = pending.pop(0)
     step = []
     for _ in range(world):
@@ -240,7 +244,7 @@ def _collect(
         store.consumed(plan.minibatch_id, consumer.name)
     for rank in plan.encoders[0].ranks:
         store.consumed(plan.minibatch_id, rank.name)
-    progress(f"step {trained + 1}/{total} ({plan.minibatch_id}): loss {step[0].loss:.4f}")
+    log.log(plan.minibatch_id, step[0].loss, [r.metrics for r in step])
     return trained + 1
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from knitkit.demo.figures import rank_figures
 from knitkit.demo.model import Backbone, ModelSize, VisionEncoder
 from knitkit.encoder_dedup import (
     DedupEncoder,
@@ -60,7 +61,8 @@ class StepResult:
     units_encoded: int
     dup_units_encoded: int
     grad_norm: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    """This rank's ``knitkit/...`` figures after the step (``figures.rank_figures``)."""
 
 
 def routing_plan(plan: MiniBatchPlan, encoder_ranks: Sequence[int], world: int) -> RoutingPlan:
@@ -104,7 +106,7 @@ def _train(rank: int, setup: RankSetup, plans: queue.Queue, results: queue.Queue
     consumer = MicroBatchConsumer(setup.backbone_rings[rank], 0)
     config = MicroBatchIterator.Config(depth=setup.prefetch_depth, slot_nbytes=1 << 20)
     with config.build(consumer, device="cpu") as micro_batches:
-        trainer = DemoRank(rank, setup, micro_batches)
+        trainer = DemoRank(rank, setup, micro_batches, consumer)
         while (plan := plans.get()) is not None:
             results.put(trainer.step(plan))
         trainer.close()
@@ -113,8 +115,16 @@ def _train(rank: int, setup: RankSetup, plans: queue.Queue, results: queue.Queue
 class DemoRank:
     """One training rank's model, optimizer and data handles; ``step`` trains one mini-batch."""
 
-    def __init__(self, rank: int, setup: RankSetup, micro_batches: MicroBatchIterator) -> None:
+    def __init__(
+        self,
+        rank: int,
+        setup: RankSetup,
+        micro_batches: MicroBatchIterator,
+        consumer: MicroBatchConsumer,
+    ) -> None:
+        """``micro_batches`` prefetches from ``consumer``, this rank's backbone ring."""
         self.rank, self.setup, self.micro_batches = rank, setup, micro_batches
+        self.consumer = consumer
         cp_groups = [
             dist.new_group(list(range(d * setup.cp, (d + 1) * setup.cp)))
             for d in range(setup.world // setup.cp)
@@ -223,6 +233,9 @@ class DemoRank:
             units_encoded=dedup.encoded_units,
             dup_units_encoded=dup_units,
             grad_norm=grad_norm,
+            metrics=rank_figures(
+                self.micro_batches, [c for c in (self.consumer, self.units_in) if c], dedup
+            ),
         )
 
 

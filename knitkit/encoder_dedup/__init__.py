@@ -2,7 +2,7 @@
 route detached rows to every consumer, return owned gradient rows, run one deferred encoder backward.
 """
 
-from knitkit.encoder_dedup.agreement import RouteMismatch
+from knitkit.encoder_dedup.agreement import Heard, PeerFailed, RouteMismatch, tell_all
 from knitkit.encoder_dedup.assignment import (
     BackboneAssignment,
     EncoderAssignment,
@@ -15,18 +15,30 @@ from knitkit.encoder_dedup.grad_sync import sync_encoder_grads
 from knitkit.encoder_dedup.minibatch import BackboneStep, train_minibatch
 from knitkit.encoder_dedup.ordering import DeferredBackward, FinalizeWithDeferredBackward
 from knitkit.encoder_dedup.plan import Exchange, RankRoute, RoutingPlan, build_routing_plan
+from knitkit.encoder_dedup.testing import (
+    Comparison,
+    EquivalenceError,
+    EquivalenceReport,
+    Tolerance,
+    check_dedup_equivalence,
+)
 from knitkit.encoder_dedup.transport import LocalTransport, ProcessGroupTransport, RowTransport
 
 __all__ = [
     "BackboneAssignment",
     "BackboneStep",
+    "Comparison",
     "DedupEncoder",
     "DeferredBackward",
     "EncodeFn",
     "EncoderAssignment",
+    "EquivalenceError",
+    "EquivalenceReport",
     "Exchange",
     "FinalizeWithDeferredBackward",
+    "Heard",
     "LocalTransport",
+    "PeerFailed",
     "Phase",
     "ProcessGroupTransport",
     "RankRoute",
@@ -34,10 +46,13 @@ __all__ = [
     "RoutingPlan",
     "RowSlice",
     "RowTransport",
+    "Tolerance",
     "build_routing_plan",
+    "check_dedup_equivalence",
     "feature_slices",
     "route_minibatch",
     "row_slices",
     "sync_encoder_grads",
+    "tell_all",
     "train_minibatch",
 ]

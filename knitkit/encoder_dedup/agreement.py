@@ -2,32 +2,65 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 
 from knitkit.encoder_dedup.plan import RankRoute
-from knitkit.encoder_dedup.transport import RowTransport
+from knitkit.encoder_dedup.transport import RowTransport, gather_rows
 
-PHASES = ("encode", "backward")
-"""The two phases whose exchanges a handshake guards (index = wire code)."""
+POINTS = ("encode", "backward", "step")
+"""Agreement points (index = wire code): the two dedup phases, and a trainer's step start."""
+VALUES = 8
+"""Integers a rank can tell a peer at one agreement point."""
+_TEXT_WORDS = 64
 _FINGERPRINT_WORDS = 2
-_NONE, _PHASE, _PLAN, _FORWARD, _BACKWARD = range(5)
+_NONE, _PHASE, _PLAN, _FORWARD, _BACKWARD, _GRAPH = range(6)
 _DIRECTIONS = {_FORWARD: "forward", _BACKWARD: "backward"}
 _MAX_LINES = 8
 
-# NOTE [ Handshake before rows move ]: an all-to-all with row counts that disagree between ranks
-# is not detected by the backends (gloo accepts a short message; the missing rows keep whatever
-# the receive buffer held) and an all-to-all that pairs one rank's backward with another rank's
-# next encode silently mixes two mini-batches. So every exchange phase starts with two tiny
-# fixed-size all-to-alls that cannot themselves mismatch: (1) each rank sends every peer its
-# phase, its plan fingerprint and the rows it will send to / expects from that peer; each rank
-# checks what concerns it; (2) each rank tells every peer the first disagreement it found, so
-# every rank raises the same full error, not only the two ranks involved. Waiting is bounded
-# (``timeout_s``): a peer that never arrives (it skipped the phase or died) gives a TimeoutError
-# naming the phase instead of the process-group timeout.
+# NOTE [ Handshake before rows move ]: a row exchange with counts that disagree between ranks
+# keeps whatever the receive buffer held, and one that pairs a rank's backward with another rank's
+# next encode silently mixes two mini-batches. So every exchange phase starts with tiny
+# fixed-width exchanges that cannot themselves mismatch (every agreement row, at every point, has
+# the same width and starts with its point and turn, so ranks at different points are told
+# apart): (1) each rank sends every peer its phase, plan fingerprint, graph mode and the rows it
+# will send to / expects from that peer, plus its own local failure if it has one (an encoder that
+# raised, a wrong call order, an output of the wrong shape); (2) unless some rank failed, each rank
+# tells every peer the first disagreement it found, so every rank raises the same full error, not
+# only the two ranks involved. A local failure thus reaches every peer before any row moves: the
+# peers raise ``PeerFailed`` naming the failing rank and its error, the failing rank raises its
+# own. Waiting is bounded (``timeout_s``): a peer that never arrives (it skipped the phase, died, or
+# is stuck outside knitkit) gives a TimeoutError naming the phase and the missing ranks instead of
+# the process-group timeout. The same rows carry ``tell_all``, the one-round agreement trainers
+# use before their own first collective (``integration/megatron/pipeline.py``); it all-gathers
+# (one row per rank, the same for every peer), which scales to a whole world but cannot name a
+# rank that never arrives.
 
 
 class RouteMismatch(RuntimeError):
     """Ranks of one transport disagree on the routing plan, the phase, or an exchange's row counts."""
+
+
+class PeerFailed(RuntimeError):
+    """A peer failed before rows moved (its error is in the message); raised on every other rank."""
+
+
+@dataclass(frozen=True, slots=True)
+class Heard:
+    """What one rank told this one at an agreement point."""
+
+    rank: int
+    point: str
+    """The point the rank was at (``"?"`` for a code this version does not know)."""
+    turn: int
+    """1 for a handshake's first exchange, 2 for its reports."""
+    values: tuple[int, ...]
+    problem: str
+    """The rank's local failure, ``""`` if none (truncated to a few hundred bytes)."""
 
 
 def fingerprint_words(fingerprint: bytes) -> list[int]:
@@ -38,6 +71,65 @@ def fingerprint_words(fingerprint: bytes) -> list[int]:
     ]
 
 
+def tell_all(
+    group: dist.ProcessGroup | None,
+    point: str,
+    values: Sequence[int],
+    problem: str,
+    *,
+    device: torch.device,
+    timeout_s: float,
+    hint: str,
+) -> list[Heard]:
+    """Tell every rank of ``group`` ``values`` (at most ``VALUES`` ints) and ``problem``; hear theirs.
+
+    One bounded all-gather (``gather_rows``); every rank gets the same list, in rank order, so
+    every rank can reach the same verdict. ``hint`` ends the TimeoutError raised when a rank
+    does not arrive.
+    """
+    row = torch.tensor([_wire(point, 1, values, problem)], dtype=torch.int64, device=device)
+    with _named(dist.get_rank(group), point, timeout_s, hint):
+        received = gather_rows(row, group, timeout_s=timeout_s)
+    return [_heard(rank, r) for rank, r in enumerate(received.cpu().tolist())]
+
+
+def _exchange_rows(
+    transport: RowTransport,
+    point: str,
+    rows: Sequence[Sequence[int]],
+    problem: str,
+    *,
+    device: torch.device,
+    timeout_s: float,
+    hint: str,
+    turn: int = 1,
+) -> list[Heard]:
+    """Send peer ``p`` the agreement row ``rows[p]`` with this rank's ``problem``; bounded by ``timeout_s``."""
+    wire = [_wire(point, turn, row, problem) for row in rows]
+    send = torch.tensor(wire, dtype=torch.int64, device=device)
+    ones = [1] * transport.world_size
+    with _named(transport.rank, point, timeout_s, hint):
+        received = transport.exchange(send, ones, ones, timeout_s=timeout_s)
+    return [_heard(rank, row) for rank, row in enumerate(received.cpu().tolist())]
+
+
+@contextlib.contextmanager
+def _named(me: int, point: str, timeout_s: float, hint: str) -> Iterator[None]:
+    """Errors of an agreement exchange, naming this rank, the point and (where known) the late ranks."""
+    try:
+        yield
+    except TimeoutError as error:
+        late = tuple(getattr(error, "peers", ()))
+        who = "a rank" if not late else f"rank(s) {list(late)}"
+        if late and not getattr(error, "exact", True):
+            who = f"one of rank(s) {list(late)}"
+        raise TimeoutError(
+            f"rank {me}: {who} did not reach {point!r} within {timeout_s:g} s; {hint}"
+        ) from error
+    except RuntimeError as error:  # a dropped link: the backend names no phase
+        raise RuntimeError(f"rank {me}, at {point!r}: {error}") from error
+
+
 def agree(
     route: RankRoute,
     transport: RowTransport,
@@ -45,39 +137,57 @@ def agree(
     *,
     device: torch.device,
     timeout_s: float,
+    problem: str = "",
+    keep_graph: bool = True,
 ) -> None:
-    """Raise ``RouteMismatch`` on every rank unless all ranks are in ``phase`` with matching routes."""
-    size, me, code = transport.world_size, transport.rank, PHASES.index(phase)
+    """Raise on every rank unless all ranks are in ``phase`` with matching routes and none failed.
+
+    ``problem`` is this rank's local failure (its error, as text): peers raise ``PeerFailed``
+    naming it, this rank returns (its caller raises its own error). Disagreements raise
+    ``RouteMismatch`` on every rank. See NOTE [ Handshake before rows move ].
+    """
+    size, me = transport.world_size, transport.rank
     fwd, bwd = route.forward, route.backward
-    words = fingerprint_words(route.plan_fingerprint)
+    mine = [*fingerprint_words(route.plan_fingerprint), int(keep_graph)]
     rows = [
-        [
-            code,
-            *words,
-            fwd.send_counts[p],
-            fwd.recv_counts[p],
-            bwd.send_counts[p],
-            bwd.recv_counts[p],
-        ]
+        [*mine, fwd.send_counts[p], fwd.recv_counts[p], bwd.send_counts[p], bwd.recv_counts[p]]
         for p in range(size)
     ]
-    heard = _exchange(transport, rows, device, phase, timeout_s)
-    mine = rows[0][: 1 + _FINGERPRINT_WORDS]
-    problem = [_NONE, 0, 0, 0]
-    for peer, row in enumerate(heard):
-        problem = _first_problem(peer, row, code, mine[1:], route)
-        if problem[0] != _NONE:
+    hint = (
+        f"a rank skipped DedupEncoder.{phase}() (every rank of the transport must call "
+        "encode() then backward() each mini-batch), died, or is stuck outside knitkit"
+    )
+    heard = _exchange_rows(
+        transport, phase, rows, problem, device=device, timeout_s=timeout_s, hint=hint
+    )
+    failed = [h for h in heard if h.problem and h.rank != me]
+    if failed:
+        raise PeerFailed(_failures(me, phase, failed))
+    if any(h.problem for h in heard):
+        return  # this rank failed alone; every rank saw it, so none runs round 2
+    report = [_NONE, 0, 0, 0]
+    for row in heard:
+        report = _first_problem(row, phase, mine, route)
+        if report[0] != _NONE:
             break
-    reports = _exchange(transport, [problem] * size, device, phase, timeout_s)
-    fingerprints = [tuple(row[1 : 1 + _FINGERPRINT_WORDS]) for row in heard]
-    found = [_describe(rank, report) for rank, report in enumerate(reports) if report[0] != _NONE]
+    reports = _exchange_rows(
+        transport,
+        phase,
+        [report] * size,
+        "",
+        device=device,
+        timeout_s=timeout_s,
+        hint=hint,
+        turn=2,
+    )
+    found = [_describe(h.rank, list(h.values[:4])) for h in reports if h.values[0] != _NONE]
     lines = list(dict.fromkeys(found))[:_MAX_LINES]  # both ends of a pair report the same
     if len(set(found)) > _MAX_LINES:
         lines.append(f"({len(set(found)) - _MAX_LINES} more disagreements.)")
     if lines:
         groups: dict[tuple[int, ...], list[int]] = {}
-        for rank, digest in enumerate(fingerprints):
-            groups.setdefault(digest, []).append(rank)
+        for h in heard:
+            groups.setdefault(h.values[:_FINGERPRINT_WORDS], []).append(h.rank)
         plans = "; ".join(f"ranks {ranks}" for ranks in groups.values())
         raise RouteMismatch(
             f"rank {me}, phase {phase!r}: the ranks of the encoder transport disagree before any "
@@ -88,13 +198,24 @@ def agree(
         )
 
 
-def _first_problem(
-    peer: int, row: list[int], code: int, fingerprint: list[int], route: RankRoute
-) -> list[int]:
-    """``[kind, peer, mine, theirs]`` of the first disagreement with ``peer``: phase, counts, plan."""
-    if row[0] != code:
-        return [_PHASE, peer, code, row[0]]
-    counts = row[1 + _FINGERPRINT_WORDS :]
+def _failures(me: int, phase: str, failed: list[Heard]) -> str:
+    lines = [f"rank {h.rank} failed: {h.problem}" for h in failed[:_MAX_LINES]]
+    if len(failed) > _MAX_LINES:
+        lines.append(f"({len(failed) - _MAX_LINES} more failed ranks)")
+    return (
+        f"rank {me}, phase {phase!r}: a peer failed before any row moved, so every rank of the "
+        "encoder transport stops here (the failing rank raises its own error). " + "; ".join(lines)
+    )
+
+
+def _first_problem(heard: Heard, phase: str, mine: list[int], route: RankRoute) -> list[int]:
+    """``[kind, peer, mine, theirs]`` of the first disagreement with a peer: phase, counts, graph, plan."""
+    peer = heard.rank
+    if heard.point != phase or heard.turn != 1:
+        theirs = POINTS.index(heard.point) if heard.point in POINTS else -1
+        return [_PHASE, peer, POINTS.index(phase), theirs]
+    values = heard.values
+    counts = values[_FINGERPRINT_WORDS + 1 : _FINGERPRINT_WORDS + 5]
     for kind, step, (sends, expects) in (
         (_FORWARD, route.forward, counts[0:2]),
         (_BACKWARD, route.backward, counts[2:4]),
@@ -103,18 +224,25 @@ def _first_problem(
             return [kind, peer, -1 - step.recv_counts[peer], sends]
         if expects != step.send_counts[peer]:  # me -> peer
             return [kind, peer, step.send_counts[peer], expects]
-    if row[1 : 1 + _FINGERPRINT_WORDS] != fingerprint:
+    if values[_FINGERPRINT_WORDS] != mine[_FINGERPRINT_WORDS]:
+        return [_GRAPH, peer, mine[_FINGERPRINT_WORDS], values[_FINGERPRINT_WORDS]]
+    if list(values[:_FINGERPRINT_WORDS]) != mine[:_FINGERPRINT_WORDS]:
         return [_PLAN, peer, 0, 0]
     return [_NONE, 0, 0, 0]
 
 
 def _describe(rank: int, report: list[int]) -> str:
     kind, peer, mine, theirs = report
-    if kind == _PHASE:  # ordered by rank, so both ends of the pair describe it alike
-        (a, phase_a), (b, phase_b) = sorted([(rank, PHASES[mine]), (peer, PHASES[theirs])])
+    if kind in (_PHASE, _GRAPH):  # ordered by rank, so both ends of the pair describe it alike
+        (a, state_a), (b, state_b) = sorted([(rank, mine), (peer, theirs)])
+        if kind == _GRAPH:
+            return (
+                f"rank {a} encodes with keep_graph={bool(state_a)} while rank {b} has "
+                f"keep_graph={bool(state_b)} (a forward-only pass on some ranks only)."
+            )
         return (
-            f"rank {a} is in phase {phase_a!r} while rank {b} is in phase {phase_b!r} "
-            "(one of them skipped a phase)."
+            f"rank {a} is in phase {_point(state_a)!r} while rank {b} is in phase "
+            f"{_point(state_b)!r} (one of them skipped a phase)."
         )
     if kind == _PLAN:
         low, high = sorted((rank, peer))
@@ -128,21 +256,32 @@ def _describe(rank: int, report: list[int]) -> str:
     return f"rank {rank} sends {mine} {direction} rows to rank {peer}, which expects {theirs}."
 
 
-def _exchange(
-    transport: RowTransport,
-    rows: list[list[int]],
-    device: torch.device,
-    phase: str,
-    timeout_s: float,
-) -> list[list[int]]:
-    send = torch.tensor(rows, dtype=torch.int64, device=device)
-    ones = [1] * transport.world_size
-    try:
-        received = transport.exchange(send, ones, ones, timeout_s=timeout_s)
-    except TimeoutError as error:
-        raise TimeoutError(
-            f"rank {transport.rank}: peers did not reach phase {phase!r} within {timeout_s:g} s; "
-            f"a rank skipped DedupEncoder.{phase}() (every rank of the transport must call "
-            "encode() then backward() each mini-batch) or died"
-        ) from error
-    return [[int(x) for x in row] for row in received.cpu().tolist()]
+def _point(code: int) -> str:
+    return POINTS[code] if 0 <= code < len(POINTS) else "?"
+
+
+def _wire(point: str, turn: int, values: Sequence[int], problem: str) -> list[int]:
+    """One agreement row (see NOTE [ Handshake before rows move ]): point, turn, values, text."""
+    if len(values) > VALUES:
+        raise ValueError(f"an agreement row holds at most {VALUES} values, got {len(values)}")
+    padded = [int(v) for v in values] + [0] * (VALUES - len(values))
+    return [POINTS.index(point), turn, *padded, *_text_words(problem)]
+
+
+def _text_words(text: str) -> list[int]:
+    """``[byte length, words...]``: UTF-8 text in fixed-width int64 words (cut with '...' if long)."""
+    data = text.encode()
+    room = 8 * _TEXT_WORDS
+    if len(data) > room:
+        data = data[: room - 3] + b"..."
+    padded = data.ljust(room, b"\0")
+    words = [int.from_bytes(padded[i : i + 8], "little", signed=True) for i in range(0, room, 8)]
+    return [len(data), *words]
+
+
+def _heard(rank: int, row: list[int]) -> Heard:
+    point, turn, *rest = (int(x) for x in row)
+    values, (length, *words) = rest[:VALUES], rest[VALUES:]
+    data = b"".join(w.to_bytes(8, "little", signed=True) for w in words)
+    problem = data[: max(0, min(length, len(data)))].decode(errors="replace")
+    return Heard(rank, _point(point), turn, tuple(values), problem)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -35,8 +37,9 @@ class DedupEncoder:
     micro-batch holds nothing once the caller drops its features. ``backward`` returns each rank's
     owned gradient rows to the encoding ranks, sums them there and runs ONE backward through the
     retained graphs. Every rank of the transport must call ``encode`` and ``backward`` (collectives);
-    each starts with a bounded handshake that checks the ranks agree (NOTE [ Handshake before rows
-    move ] in ``agreement.py``).
+    each runs its local work, then a bounded handshake that checks the ranks agree and carries any
+    rank's local failure to its peers, then the row exchange, bounded too (NOTE [ Handshake before
+    rows move ] in ``agreement.py``).
     """
 
     def __init__(
@@ -59,6 +62,12 @@ class DedupEncoder:
             raise ValueError(
                 f"route is for rank {route.rank} but the transport is rank {transport.rank}"
             )
+        spans = {len(route.forward.send_counts), len(route.backward.send_counts)}
+        if spans != {transport.world_size}:
+            raise ValueError(
+                f"route spans {sorted(spans)} ranks but the transport has {transport.world_size}; "
+                "build the routing plan with the transport's world_size"
+            )
         self.route = route
         self.transport = transport
         self.hidden, self.dtype, self.device = hidden, dtype, torch.device(device)
@@ -67,6 +76,8 @@ class DedupEncoder:
         self.phase = Phase.READY
         self.keep_graph = True
         self.encoded_units = 0
+        self.encode_s = 0.0
+        self.backward_s = 0.0
         self._outputs: list[torch.Tensor] = []
         self._cache = torch.empty(0, hidden, dtype=dtype, device=self.device)
         self._cache_grad = torch.empty(0, hidden, dtype=self.grad_dtype, device=self.device)
@@ -77,35 +88,27 @@ class DedupEncoder:
 
         ``keep_graph=False`` is for forward-only passes (old / reference log-probs): the encoder
         runs under ``torch.no_grad()``, no outputs or gradient buffer are kept, ``features``
-        returns plain gathers and ``backward`` is refused.
+        returns plain gathers and ``backward`` is refused. If ``encode_fn`` raises on one rank,
+        that rank raises its error and every peer raises ``PeerFailed`` naming it, before any row
+        moves.
         """
-        self._expect(Phase.READY, "encode")
-        self._agree("encode")
+        started = time.perf_counter()
+        self._locally("encode", keep_graph, partial(self._expect, Phase.READY, "encode"))
         self.keep_graph = keep_graph
-        for keys, rows in zip(
-            self.route.encoder_micro_batches, self.route.encoder_rows, strict=True
-        ):
-            with torch.set_grad_enabled(keep_graph and torch.is_grad_enabled()):
-                out = encode_fn(keys)
-            if tuple(out.shape) != (rows, self.hidden):
-                raise ValueError(
-                    f"encode_fn({[str(k) for k in keys]}) returned shape {tuple(out.shape)}; "
-                    f"expected ({rows}, {self.hidden}): one row per placeholder token, in key order"
-                )
-            self._outputs.append(out)
-            self.encoded_units += len(keys)
+        self._locally("encode", keep_graph, partial(self._run_encoder, encode_fn, keep_graph))
+        self._agree("encode", None, keep_graph)
         table = self._table([out.detach().to(self.dtype) for out in self._outputs], self.dtype)
-        received = self._exchange(table, self.route.forward)
+        received = self._exchange(table, self.route.forward, "encode")
         self._cache = table.new_empty(self.route.cache_rows, self.hidden)
         self._cache.index_copy_(0, self.route.forward.recv_index.to(self.device), received)
         if not keep_graph:
             self._outputs = []
-            self.phase = Phase.ENCODED
-            return
-        self._cache_grad = torch.zeros(
-            self.route.cache_rows, self.hidden, dtype=self.grad_dtype, device=self.device
-        )
+        else:
+            self._cache_grad = torch.zeros(
+                self.route.cache_rows, self.hidden, dtype=self.grad_dtype, device=self.device
+            )
         self.phase = Phase.ENCODED
+        self.encode_s = time.perf_counter() - started
 
     def features(self, micro_batch: int) -> torch.Tensor:
         """Features of backbone micro-batch ``micro_batch``: a fresh leaf gathered from the cache."""
@@ -125,14 +128,10 @@ class DedupEncoder:
         that averages encoder gradients over more replicas than encoded, e.g. Megatron's TP
         average: see ``integration/megatron/grads.py``).
         """
-        self._expect(Phase.ENCODED, "backward")
-        self._agree("backward")
-        if not self.keep_graph:
-            raise RuntimeError(
-                "DedupEncoder.backward() after encode(keep_graph=False): a forward-only pass "
-                "has no encoder backward; encode with keep_graph=True for a training step"
-            )
-        received = self._exchange(self._cache_grad, self.route.backward)
+        started = time.perf_counter()
+        self._locally("backward", self.keep_graph, self._check_backward)
+        self._agree("backward", None, self.keep_graph)
+        received = self._exchange(self._cache_grad, self.route.backward, "backward")
         grad = torch.zeros(
             self.route.table_rows, self.hidden, dtype=self.grad_dtype, device=self.device
         )
@@ -150,6 +149,28 @@ class DedupEncoder:
         if pairs:
             torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
         self.phase = Phase.DONE
+        self.backward_s = time.perf_counter() - started
+
+    def metrics(self) -> dict[str, float]:
+        """This rank's figures for the mini-batch (see the metrics convention in the README).
+
+        ``knitkit/dedup/units_encoded``: unique units this rank encoded;
+        ``knitkit/dedup/rows_encoded``: feature rows they produced;
+        ``knitkit/dedup/rows_cached``: distinct feature rows this rank's backbone consumes;
+        ``knitkit/dedup/rows_served``: feature rows handed to its backbone micro-batches (a row
+        used by several micro-batches, or twice in one, counts each time);
+        ``knitkit/dedup/encode_s`` / ``backward_s``: host wall seconds of ``encode`` (encoder,
+        handshake, row exchange) and ``backward`` (handshake, exchange, encoder backward); on
+        CUDA, kernels still queued when they return are not counted.
+        """
+        return {
+            "knitkit/dedup/units_encoded": float(self.encoded_units),
+            "knitkit/dedup/rows_encoded": float(self.route.table_rows),
+            "knitkit/dedup/rows_cached": float(self.route.cache_rows),
+            "knitkit/dedup/rows_served": float(sum(len(ix) for ix in self.route.micro_batch_index)),
+            "knitkit/dedup/encode_s": self.encode_s,
+            "knitkit/dedup/backward_s": self.backward_s,
+        }
 
     @property
     def cache_grad(self) -> torch.Tensor:
@@ -161,19 +182,81 @@ class DedupEncoder:
         self._cache_grad.index_add_(0, index, leaf.grad.to(self.grad_dtype))
         leaf.grad = None
 
-    def _agree(self, phase: str) -> None:
-        if self.transport.world_size > 1:
-            agree(
-                self.route,
-                self.transport,
-                phase,
-                device=self.device,
-                timeout_s=self.handshake_timeout_s,
+    def _agree(self, phase: str, failure: Exception | None, keep_graph: bool) -> None:
+        """The bounded handshake; ``failure`` (this rank's local error) travels to the peers."""
+        if self.transport.world_size == 1:
+            return
+        agree(
+            self.route,
+            self.transport,
+            phase,
+            device=self.device,
+            timeout_s=self.handshake_timeout_s,
+            problem="" if failure is None else f"{type(failure).__name__}: {failure}",
+            keep_graph=keep_graph,
+        )
+
+    def _run_encoder(self, encode_fn: EncodeFn, keep_graph: bool) -> None:
+        """This rank's encoder micro-batches, outputs kept; nothing kept if one of them fails."""
+        try:
+            for keys, rows in zip(
+                self.route.encoder_micro_batches, self.route.encoder_rows, strict=True
+            ):
+                with torch.set_grad_enabled(keep_graph and torch.is_grad_enabled()):
+                    out = encode_fn(keys)
+                if tuple(out.shape) != (rows, self.hidden):
+                    raise ValueError(
+                        f"encode_fn({[str(k) for k in keys]}) returned shape {tuple(out.shape)}; "
+                        f"expected ({rows}, {self.hidden}): one row per placeholder token, in key "
+                        "order"
+                    )
+                self._outputs.append(out)
+                self.encoded_units += len(keys)
+        except Exception:
+            self._outputs, self.encoded_units = [], 0
+            raise
+
+    def _check_backward(self) -> None:
+        self._expect(Phase.ENCODED, "backward")
+        if not self.keep_graph:
+            raise RuntimeError(
+                "DedupEncoder.backward() after encode(keep_graph=False): a forward-only pass "
+                "has no encoder backward; encode with keep_graph=True for a training step"
             )
 
-    def _exchange(self, rows: torch.Tensor, step: Exchange) -> torch.Tensor:
+    def _locally(self, phase: str, keep_graph: bool, work: Callable[[], None]) -> None:
+        """Run this rank's local ``work`` for ``phase``; if it raises, tell the peers, then re-raise.
+
+        The failure travels in the handshake (NOTE [ Handshake before rows move ] in
+        ``agreement.py``): peers raise ``PeerFailed`` naming it; here it stays the error raised.
+        """
+        try:
+            work()
+        except Exception as error:
+            with contextlib.suppress(Exception):  # peers failed too, or never came: ours wins
+                self._agree(phase, error, keep_graph)
+            raise
+
+    def _exchange(self, rows: torch.Tensor, step: Exchange, phase: str) -> torch.Tensor:
+        """One routed row exchange, after the handshake; bounded, naming the phase and the peers."""
         send = rows.index_select(0, step.send_index.to(self.device))
-        return self.transport.exchange(send, step.send_counts, step.recv_counts)
+        me, limit = self.transport.rank, self.handshake_timeout_s
+        direction = "feature" if phase == "encode" else "gradient"
+        try:
+            return self.transport.exchange(
+                send, step.send_counts, step.recv_counts, timeout_s=limit
+            )
+        except TimeoutError as error:
+            raise TimeoutError(
+                f"rank {me}, phase {phase!r}: the {direction} row exchange did not complete within "
+                f"{limit:g} s after every rank agreed ({error}); that peer stopped after the "
+                "handshake (it died or blocks outside knitkit)"
+            ) from error
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"rank {me}, phase {phase!r}: the {direction} row exchange failed after every rank "
+                f"agreed ({error}); a peer stopped after the handshake"
+            ) from error
 
     def _table(self, outputs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         if not outputs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -65,9 +66,10 @@ class LocalTransport:
 
 @dataclass(frozen=True, slots=True)
 class ProcessGroupTransport:
-    """``torch.distributed.all_to_all_single`` over a process group (gloo on CPU, NCCL on GPU).
+    """Point-to-point row exchange over a process group (gloo on CPU, NCCL on GPU).
 
     Plan ranks are ranks within ``group``; every rank of the group must call ``exchange`` together.
+    See NOTE [ Rows travel point to point ].
     """
 
     group: dist.ProcessGroup | None = None
@@ -89,34 +91,136 @@ class ProcessGroupTransport:
         *,
         timeout_s: float | None = None,
     ) -> torch.Tensor:
-        if len(send_counts) != self.world_size or len(recv_counts) != self.world_size:
+        """Send ``send`` (rows grouped by peer); return the received rows grouped by peer.
+
+        With ``timeout_s``, raise ``ExchangeTimeout`` naming the peers whose rows had not arrived
+        by then; a failed link raises ``RuntimeError`` naming the peer.
+        """
+        size, me = self.world_size, self.rank
+        if len(send_counts) != size or len(recv_counts) != size:
             raise ValueError(
                 f"counts for {len(send_counts)}/{len(recv_counts)} peers in a group of "
-                f"{self.world_size}; build the routing plan with world_size={self.world_size}"
+                f"{size}; build the routing plan with world_size={size}"
             )
         if sum(send_counts) != len(send):
             raise ValueError(f"send_counts {list(send_counts)} do not add up to {len(send)} rows")
+        if send_counts[me] != recv_counts[me]:
+            raise ValueError(
+                f"rank {me} sends itself {send_counts[me]} rows but expects {recv_counts[me]}"
+            )
+        send = send.contiguous()
         recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
-        work = dist.all_to_all_single(
-            recv,
-            send.contiguous(),
-            list(recv_counts),
-            list(send_counts),
-            group=self.group,
-            async_op=timeout_s is not None,
-        )
-        if work is not None:
-            _wait(work, timeout_s or 0.0)
+        outgoing = send.split(list(send_counts))
+        incoming = recv.split(list(recv_counts))
+        incoming[me].copy_(outgoing[me])
+        ops: list[dist.P2POp] = []
+        peers: list[int] = []
+        for peer in range(size):  # see NOTE [ Rows travel point to point ]
+            if peer == me:
+                continue
+            target = peer if self.group is None else dist.get_global_rank(self.group, peer)
+            for op, count, rows in (
+                (dist.isend, send_counts[peer], outgoing[peer]),
+                (dist.irecv, recv_counts[peer], incoming[peer]),
+            ):
+                if count:
+                    ops.append(dist.P2POp(op, rows, target, self.group))
+                    peers.append(peer)
+        if ops:
+            works = dist.batch_isend_irecv(ops)
+            exact = len(works) == len(ops)  # one work per op; else the backend fused them
+            owners: list[tuple[int, ...]] = (
+                [(p,) for p in peers] if exact else [tuple(sorted(set(peers)))] * len(works)
+            )
+            _wait(works, owners, timeout_s, polled=send.is_cuda, exact=exact)
         return recv
 
 
-def _wait(work: dist.Work, timeout_s: float) -> None:
-    """Wait for ``work`` (polling, so the bound holds on every backend); TimeoutError past it."""
-    deadline = time.monotonic() + timeout_s
-    pause = 1e-4
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"collective not complete after {timeout_s:g} s")
-        time.sleep(pause)
-        pause = min(2 * pause, 0.05)
-    work.wait()
+def gather_rows(
+    row: torch.Tensor, group: dist.ProcessGroup | None = None, *, timeout_s: float
+) -> torch.Tensor:
+    """Every rank's ``row`` (``[1, width]``) in rank order: one all-gather, bounded by ``timeout_s``.
+
+    For what every rank tells every other alike: a ring or tree, not a connection per pair of
+    ranks (NCCL would set up buffers for each). A timeout cannot name the late rank.
+    """
+    out = row.new_empty((dist.get_world_size(group), *row.shape[1:]))
+    work = dist.all_gather_into_tensor(out, row.contiguous(), group=group, async_op=True)
+    assert work is not None
+    _wait([work], [()], timeout_s, polled=row.is_cuda, exact=False)
+    return out
+
+
+class ExchangeTimeout(TimeoutError):
+    """An exchange did not complete in time; ``peers`` are the ranks (of the group) still pending."""
+
+    def __init__(self, message: str, peers: tuple[int, ...], exact: bool) -> None:
+        super().__init__(message)
+        self.peers = peers
+        """Ranks whose rows had not arrived (or not left) when the bound passed."""
+        self.exact = exact
+        """False where the backend completes all peers together (NCCL): one of ``peers`` is late."""
+
+
+# NOTE [ Rows travel point to point ]: ``exchange`` posts one send and one receive per peer it
+# shares rows with (``batch_isend_irecv``: NCCL fuses them into one group call, which is how
+# torch implements its all-to-all there; gloo runs them one by one) and skips peers with nothing
+# to move. Unlike one opaque all-to-all, a receive that has not completed names its peer: a bounded
+# wait can say WHICH rank never arrived (``ExchangeTimeout.peers``; with NCCL's single fused work
+# all pending peers are named together), and a dropped link names the peer it linked to. A
+# handshake (``agreement.py``) precedes every exchange of routed rows, so message sizes always
+# match. After a timeout the receives stay posted: the group is unusable and the run must stop.
+
+
+def _wait(
+    works: list[dist.Work],
+    owners: list[tuple[int, ...]],
+    timeout_s: float | None,
+    *,
+    polled: bool,
+    exact: bool,
+) -> None:
+    """Wait for ``works`` (``owners[i]``: the peers of work ``i``), within ``timeout_s`` if given.
+
+    Works on CUDA tensors (NCCL) complete on the GPU and ``wait`` does not block the host, so they
+    are polled (``is_completed`` queries their CUDA event); gloo's point-to-point works on the CPU
+    complete only inside ``wait``, which takes the bound itself. See NOTE [ Rows travel point to
+    point ].
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    if polled and deadline is not None:
+        pause = 1e-4
+        while not all(work.is_completed() for work in works):
+            if time.monotonic() > deadline:
+                late = [o for w, o in zip(works, owners, strict=True) if not w.is_completed()]
+                raise _timeout(late, timeout_s, exact)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+    late = []
+    for work, owner in zip(works, owners, strict=True):
+        try:
+            if deadline is None or polled:
+                work.wait()
+            else:
+                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+        except RuntimeError as error:
+            if deadline is None or deadline - time.monotonic() > _SLACK_S:
+                raise RuntimeError(
+                    f"exchange with rank(s) {list(owner)} failed: {error}"
+                ) from error
+            late.append(owner)  # gloo raises when the bound passes
+    if late:
+        raise _timeout(late, timeout_s, exact)
+
+
+_SLACK_S = 0.05
+"""gloo rounds a wait's bound to milliseconds: a wait that raises this close to the deadline timed out."""
+
+
+def _timeout(late: list[tuple[int, ...]], timeout_s: float | None, exact: bool) -> ExchangeTimeout:
+    peers = tuple(sorted({p for owner in late for p in owner}))
+    if not peers:  # a collective: who is late is not known
+        return ExchangeTimeout(f"not every rank joined within {timeout_s:g} s", peers, exact)
+    return ExchangeTimeout(
+        f"no rows from or to rank(s) {list(peers)} after {timeout_s:g} s", peers, exact
+    )

@@ -3,7 +3,7 @@
 from knitkit.microbatch_iter.batch import IterStats, MicroBatch, MicroBatchStats, field_tensors
 from knitkit.microbatch_iter.iterator import MicroBatchIterator
 from knitkit.microbatch_iter.pool import StagingRing, StagingSlot
-from knitkit.microbatch_iter.source import PackedItem, SourceItem, plan_staging
+from knitkit.microbatch_iter.source import SourceItem, plan_staging
 from knitkit.microbatch_iter.transport import CpuTransport, CudaTransport, Transport, make_transport
 from knitkit.types import PackedMicroBatch
 
@@ -14,7 +14,6 @@ __all__ = [
     "MicroBatch",
     "MicroBatchIterator",
     "MicroBatchStats",
-    "PackedItem",
     "PackedMicroBatch",
     "SourceItem",
     "StagingRing",

@@ -25,8 +25,10 @@ stops looking: a source of fresh arrays lands in a new private mapping every tim
 # - Only shared mappings (MAP_SHARED: /dev/shm, memfd) are registered: they stay mapped while
 #   their source lives. Private memory (the heap, numpy arrays) is never registered: an
 #   allocator may unmap or reuse it while it is page-locked.
-# - The source must keep its buffers mapped until the iterator is closed; a PublishedSource
-#   (MicroBatchConsumer) is closed by the iterator after teardown, which unregisters first.
+# - The source must keep its buffers mapped until the iterator is closed; a MicroBatchConsumer
+#   given to the iterator is closed by it after teardown, which unregisters first. Over a
+#   consumer's take(n) the consumer outlives the iterator and stays mapped; each iterator
+#   registers the ring anew (once per iterator) and unregisters it at its close.
 # - Registration can fail (no CUDA, a mapping another user already registered, a read-only
 #   mapping on a device without read-only registration, a locked-memory limit): the mapping is
 #   remembered as refused, one line is logged, and its slots go through a pinned staging slot.

@@ -57,6 +57,11 @@ class MicroBatchIterator(Iterator[MicroBatch]):
         page-locking its ring in place once (cudaHostRegister; NOTE [ Registered source rings ]);
         False, or a ring that cannot be registered, copies each micro-batch into a pinned
         staging slot first."""
+        exit_on_stuck_source: bool = False
+        """At interpreter exit, if the prefetch thread is still inside ONE call of the source
+        longer than ``join_timeout_s``: False finalizes normally (every atexit handler runs),
+        True ends the process at once with the loop's exit status, skipping atexit handlers
+        registered before knitkit (NOTE [ Exit with a thread inside the source ])."""
 
         def build(
             self, source: Iterable[SourceItem], *, device: torch.device | str | None = None
@@ -85,11 +90,12 @@ class MicroBatchIterator(Iterator[MicroBatch]):
             transport,
             depth=config.depth,
             join_timeout_s=config.join_timeout_s,
+            exit_on_stuck_source=config.exit_on_stuck_source,
         )
         self._stats = IterStats()
         self._launch_pending = False
         self._finished = False
-        self._consumer: int | None = None
+        self._consumer: threading.Thread | None = None
         self._claim = threading.Lock()
         self._finalizer = weakref.finalize(self, self._prefetcher.shutdown)
         self._finalizer.atexit = False
@@ -127,18 +133,27 @@ class MicroBatchIterator(Iterator[MicroBatch]):
         return MicroBatch(record.index, record.layout, record.flat, record.tensors, stats)
 
     def _check_consumer(self) -> None:
-        """One consumer thread per iterator: the first to call ``next()`` owns it."""
-        me = threading.get_ident()
-        if self._consumer != me:
+        """One consumer thread per iterator: the first to call ``next()`` owns it until a
+        ``claim()`` hands it over."""
+        me = threading.current_thread()
+        if self._consumer is not me:
             with self._claim:
                 if self._consumer is None:
                     self._consumer = me
-            if self._consumer != me:
+            if self._consumer is not me:
                 raise RuntimeError(
-                    f"MicroBatchIterator is consumed by thread {self._consumer}; next() from "
-                    f"thread {me} would tear or drop micro-batches. Use one consumer thread per "
-                    "iterator (one iterator per consumer)"
+                    f"MicroBatchIterator is consumed by thread {self._consumer.name!r}; next() "
+                    f"from thread {me.name!r} would tear or drop micro-batches. Use one consumer "
+                    "thread at a time: to move the loop to this thread, call iterator.claim() "
+                    "here once the other thread stopped calling next()"
                 )
+
+    def claim(self) -> None:
+        """Make the calling thread the one that calls ``next()`` from now on (a hand-over: the
+        previous thread must have stopped calling it; on CUDA its current stream becomes the
+        compute stream the micro-batches are ordered before)."""
+        with self._claim:
+            self._consumer = threading.current_thread()
 
     def launched(self) -> None:
         """Tell the iterator the held micro-batch's first kernel is launched; staging may go on.
@@ -159,6 +174,31 @@ class MicroBatchIterator(Iterator[MicroBatch]):
         """Totals so far (``h2d_s`` is filled in by ``close()``)."""
         self._stats.h2d_s = self._prefetcher.transport.h2d_seconds
         return self._stats
+
+    def metrics(self) -> dict[str, float]:
+        """This iterator's figures, cumulative since it was created:
+
+        - ``knitkit/delivery/exposed_wait_s``: seconds the training loop spent inside ``next()``
+          after the first micro-batch (the wait prefetch is meant to hide);
+        - ``knitkit/delivery/first_wait_s``: the wait for the first micro-batch (nothing to
+          overlap it with);
+        - ``knitkit/delivery/fetch_s``: seconds the prefetch thread spent in ``next(source)``
+          (for a ``MicroBatchConsumer``: waiting for publication, decoding, mapping);
+        - ``knitkit/delivery/stage_s``: seconds it spent staging (copy, device copy issue);
+        - ``knitkit/delivery/micro_batches`` and ``knitkit/delivery/bytes``: what it delivered;
+        - ``knitkit/delivery/h2d_s``: device time of the host-to-device copies (CUDA with
+          ``time_h2d=True``, collected as copies are reused and at close).
+        """
+        stats = self.stats
+        return {
+            "knitkit/delivery/exposed_wait_s": stats.steady_wait_s,
+            "knitkit/delivery/first_wait_s": stats.first_wait_s,
+            "knitkit/delivery/fetch_s": stats.fetch_s,
+            "knitkit/delivery/stage_s": stats.stage_s,
+            "knitkit/delivery/micro_batches": float(stats.count),
+            "knitkit/delivery/bytes": float(stats.nbytes),
+            "knitkit/delivery/h2d_s": stats.h2d_s,
+        }
 
     def close(self) -> None:
         """Stop the prefetch thread, free the staging ring and close the source; idempotent."""

@@ -5,71 +5,33 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Protocol, TypeAlias, runtime_checkable
+from typing import TypeAlias
 
 import numpy as np
 import torch
 
 from knitkit.microbatch_iter.batch import torch_dtype
-from knitkit.types import Buffer, MicroBatchLayout
-
-
-@runtime_checkable
-class PackedItem(Protocol):
-    """A packed micro-batch: a layout and the flat buffer it describes.
-
-    The item may also have a ``release()`` method: the iterator calls it once it no longer
-    reads ``buffer`` (after its copy, or on CPU once the consumer moved past the micro-batch;
-    see NOTE [ Zero-copy hand-off ] in worker.py), so the producer may reuse the buffer's slot.
-    Until then the producer must leave the buffer unchanged.
-    """
-
-    @property
-    def layout(self) -> MicroBatchLayout: ...
-
-    @property
-    def buffer(self) -> Buffer: ...
-
-
-@runtime_checkable
-class PublishedSource(Protocol):
-    """A source of packed micro-batches valid until each one's ``release()``
-    (``knitkit.storage.MicroBatchConsumer``). Its own ``__next__`` releases the previous item,
-    which the consumer may still read (NOTE [ Zero-copy hand-off ] in worker.py); the iterator
-    pulls with ``next_micro_batch()`` instead and releases each item itself."""
-
-    def next_micro_batch(self, timeout_s: float | None = None) -> PackedItem: ...
-
-    def close(self) -> None: ...
-
-
-class _Pull:
-    """Iterates a ``PublishedSource`` without its auto-release; ``close()`` closes the source."""
-
-    def __init__(self, source: PublishedSource) -> None:
-        self.source = source
-
-    def __iter__(self) -> _Pull:
-        return self
-
-    def __next__(self) -> PackedItem:
-        return self.source.next_micro_batch()
-
-    def close(self) -> None:
-        self.source.close()
+from knitkit.types import Buffer, MicroBatchLayout, PackedMicroBatch
 
 
 def source_items(source: Iterable[SourceItem]) -> Iterator[SourceItem]:
-    """The iterator the prefetch thread pulls from: ``iter(source)``, or a ``PublishedSource``
-    pulled by ``next_micro_batch()`` so that only the iterator releases its items."""
-    if isinstance(source, PublishedSource):
-        return _Pull(source)
+    """The iterator the prefetch thread pulls from: ``iter(source)``, whatever the source.
+
+    One contract for every source: a ``PackedMicroBatch`` it yields is a lease the iterator now
+    owns and releases exactly once; the iterator closes ``iter(source)`` once the thread stopped
+    (if it has ``close()``), and calls its ``interrupt()`` (if it has one) from another thread on
+    close and at exit, so that a ``next()`` blocked in it returns or raises at once
+    (``MicroBatchConsumer`` and its ``take()`` do).
+    """
     return iter(source)
 
 
 FieldArray: TypeAlias = np.ndarray | torch.Tensor
-SourceItem: TypeAlias = PackedItem | tuple[MicroBatchLayout, Buffer] | Mapping[str, FieldArray]
-"""One item of a source: a packed micro-batch, a ``(layout, buffer)`` pair, or ``{field: array}``."""
+SourceItem: TypeAlias = (
+    PackedMicroBatch | tuple[MicroBatchLayout, Buffer] | Mapping[str, FieldArray]
+)
+"""One item of a source: a lease on a packed micro-batch, a ``(layout, buffer)`` pair, or
+``{field: array}``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +44,14 @@ class StagingPlan:
     torch_dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
     """Overrides of the layout's numpy dtypes (bfloat16 travels as "uint16", float8 as "uint8")."""
     release: Callable[[], None] | None = None
+    """Releases the item's lease (the iterator owns it: NOTE [ Zero-copy hand-off ])."""
     view: np.ndarray | None = None
-    """The whole packed buffer (flat uint8) when the item stays valid until
-    ``release``: a CPU iterator hands it over without a copy (NOTE [ Zero-copy hand-off ])."""
+    """The whole packed buffer (flat uint8) when its producer keeps it unchanged until
+    ``release``: a CUDA iterator may copy it to the device in place (NOTE [ Registered source
+    rings ])."""
+    private: Callable[[], Buffer] | None = None
+    """The same bytes as a writable copy-on-write view of this process (a ring consumer's lease):
+    a CPU iterator hands its tensors out over it with no copy (NOTE [ Zero-copy hand-off ])."""
 
     def copy_into(self, dst: np.ndarray) -> None:
         """Copy every array into the flat uint8 buffer ``dst``, one strided copy per array, in
@@ -97,12 +64,14 @@ class StagingPlan:
 
 def plan_staging(item: SourceItem) -> StagingPlan:
     """Describe how to copy ``item`` into a flat staging buffer; raises on malformed items."""
-    if isinstance(item, PackedItem):
-        release = getattr(item, "release", None)
+    if isinstance(item, PackedMicroBatch):
         _check_layout(item.layout)
         flat = _flat_bytes(item.buffer, item.layout)
-        view = flat if callable(release) else None
-        return StagingPlan(item.layout, ((0, flat),), release=release, view=view)
+        view = flat if item.on_release is not None else None
+        copies = ((0, flat),)
+        return StagingPlan(
+            item.layout, copies, release=item.release, view=view, private=item.private
+        )
     if isinstance(item, Mapping):
         return _plan_fields(item)
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], MicroBatchLayout):
@@ -110,8 +79,8 @@ def plan_staging(item: SourceItem) -> StagingPlan:
         _check_layout(layout)
         return StagingPlan(layout, ((0, _flat_bytes(buffer, layout)),))
     raise TypeError(
-        f"source item of type {type(item).__name__} is not a packed micro-batch (.layout and "
-        ".buffer), a (layout, buffer) tuple, or a mapping of field name to array; wrap it in "
+        f"source item of type {type(item).__name__} is not a PackedMicroBatch, a (layout, "
+        "buffer) tuple, or a mapping of field name to array; wrap a packed buffer in "
         "PackedMicroBatch(layout, buffer)"
     )
 

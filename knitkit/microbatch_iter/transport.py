@@ -97,7 +97,7 @@ class CpuTransport:
         return host
 
     def reads_in_place(self, view: np.ndarray) -> bool:
-        return True  # the consumer reads host memory: nothing to copy
+        return False  # zero copy on CPU is a lease's private view (NOTE [ Zero-copy hand-off ])
 
     def before_refill(self, slot: int) -> None:
         pass

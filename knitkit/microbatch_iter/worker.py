@@ -17,61 +17,80 @@ import numpy as np
 import torch
 
 from knitkit.microbatch_iter.batch import field_tensors
-from knitkit.microbatch_iter.exit_guard import exit_now
+from knitkit.microbatch_iter.exit_guard import abandon, exit_now
 from knitkit.microbatch_iter.pool import StagingRing
 from knitkit.microbatch_iter.source import SourceItem, StagingPlan, plan_staging
 from knitkit.microbatch_iter.transport import Transport
 from knitkit.types import MicroBatchLayout
 
 # NOTE [ Prefetch thread shutdown ]
-# One daemon thread per iterator. It shares only this Prefetcher with the consumer, never the
-# iterator itself, so dropping the last reference to the iterator runs its weakref finalizer
-# (= shutdown()) while the thread is still running.
+# Lifecycle table: docs/lifecycle.md.
+# One daemon thread per iterator, the rank's only prefetch mechanism: it pulls the source (for a
+# MicroBatchConsumer: waits for the publication, decodes the layout, maps the slot) and stages
+# what it pulled, during the training loop's compute. It shares only this Prefetcher with the
+# consumer, never the iterator itself, so dropping the last reference to the iterator runs its
+# weakref finalizer (= shutdown()) while the thread is still running.
 # - Bounded memory: ``credits`` (a BoundedSemaphore of ``depth``) is taken before each pull from
 #   the source and returned when the consumer has launched the micro-batch it holds. At most
 #   ``depth`` micro-batches are pulled ahead of the one the consumer holds, so ``depth + 1``
-#   slots suffice and the source is never read further ahead.
+#   slots suffice and the source is never read further ahead (a bounded source, such as a
+#   consumer's ``take(n)``, is never asked for item n + 1).
 # - Every blocking call of the thread that we own has a timeout (credits.acquire) or is bounded
 #   (copies, event waits); ``ready`` is unbounded, so put() never blocks. The thread checks
 #   ``stop`` after every blocking step and exits; an item pulled after ``stop`` is released.
 # - Results travel in order through ``ready``: Staged records, then one End or Failure. The
-#   consumer polls with a timeout and gives up if the thread died without a final record.
-# - shutdown() (close(), the context manager, GC, end of data, error): set ``stop``, join with
-#   ``join_timeout_s``, then under ``lock`` release the held slot and tear the ring down. The
-#   thread stages only under ``lock`` and after re-checking ``stop``, so teardown never races a
-#   copy. A source blocked in next() cannot be interrupted: after the timeout the thread is left
-#   running (it is a daemon and never blocks interpreter exit) and a warning names the cause.
-#   The source's close() is called only once the thread has exited (a generator cannot be
-#   closed while it runs). shutdown() is idempotent and does nothing at interpreter exit.
+#   consumer blocks on it in slices and gives up if the thread died without a final record.
+# - shutdown() (close(), the context manager, GC, end of data, error): set ``stop``, interrupt
+#   the source (its ``interrupt()``, if it has one: a consumer's wait then ends at once), join
+#   with ``join_timeout_s``, then under ``lock`` release the held item and tear the ring down.
+#   The thread stages only under ``lock`` and after re-checking ``stop``, so teardown never races
+#   a copy. A source without ``interrupt()`` blocked in next() cannot be interrupted: after the
+#   timeout the thread is left running (a daemon) and a warning names the cause. The source's
+#   close() is called only once the thread has exited (a generator cannot be closed while it
+#   runs). shutdown() is idempotent and does nothing at interpreter exit.
 # - Interpreter exit (with or without close()): an atexit hook sets ``stop`` on every live
-#   thread and joins it for its join_timeout_s, so it finishes its current step and returns
-#   before finalization. A thread still alive then (a long or stuck next(source), in torch or in
-#   Python) would be killed mid-frame by finalization; the hook ends the process with the
-#   training loop's own status instead: NOTE [ Exit with a thread inside the source ].
+#   thread, interrupts each source, raises ``SourceAbandoned`` asynchronously in a thread that is
+#   inside a source without ``interrupt()`` (it lands as soon as the thread runs Python again:
+#   between two torch ops of a collate), and joins each for its join_timeout_s, so threads return
+#   before finalization and the interpreter exits normally: every atexit handler runs and the
+#   status is the loop's (NOTE [ Exit with a thread inside the source ]).
+# Who sees errors: a source or staging error ends the thread with a Failure record; the training
+# loop's next next() raises it (the original exception, with its traceback).
 
 # NOTE [ Zero-copy hand-off ]
-# On CPU, a packed item that stays valid until its release() (plan.view: a /dev/shm slot of a
-# MicroBatchConsumer, say) is handed to the consumer as tensors over the published buffer itself,
-# with no staging copy. Lifetime rule: the yielded tensors are valid until the consumer's next
-# next() or close(), exactly as for a staging slot.
-# - The Staged record carries the item's release. The consumer's next next() (or close())
+# On CPU, a lease that offers a private view (``PackedMicroBatch.private``: a MicroBatchConsumer's
+# copy-on-write mapping of its ring's slots) is handed to the training loop as tensors over that
+# view, with no staging copy. Lifetime rule: the yielded tensors are valid until the consumer's
+# next next() or close(), exactly as for a staging slot.
+# - Why copy-on-write: torch has no read-only tensors, and the TP peers of a rank read the same
+#   slot, so a writable tensor over the shared pages let one rank's in-place write (masking
+#   loss_mask, clamp_ on tokens) silently change its peers' micro-batch. The private mapping
+#   (MAP_PRIVATE of the ring's data region) shows the shared pages until a rank writes one: the
+#   write copies that page for this process only. On release the consumer drops the range's
+#   private pages (MADV_DONTNEED) BEFORE it stores its release, so the slot's next occupant is
+#   read from the shared pages again. The pages are faulted in by the prefetch thread when it
+#   takes the view (MADV_POPULATE_READ), so the training loop pays no page faults. Costs measured
+#   on the dev box: populate ~20 us/MiB, drop ~10 us/MiB (both off the loop's critical path in
+#   steady state), vs ~70 us/MiB for a copy into a reused private buffer and its cache traffic.
+#   A read-only mapping was the alternative: free, but a write kills the rank with SIGSEGV.
+# - The Staged record carries the lease's release. The consumer's next next() (or close())
 #   retires the held record into ``retired`` (release_held); only retired records are released,
 #   so no slot goes back to the producer while the consumer may still read it.
-# - Retired records are released by the thread right after its next credit (off the consumer's
-#   critical path: the release callback costs about as much as the rest of the hand-over), or
-#   by the consumer itself when it finds ``ready`` empty, since the thread may then be blocked
-#   in next(source) waiting for exactly those slots: a producer with fewer free slots than
-#   ``depth + 1`` only limits how far ahead the thread gets; it never deadlocks.
-#   ``release_lock`` serialises the callbacks (a MicroBatchConsumer's release is not
-#   thread-safe); each record is taken from ``retired`` once, so it is released once.
+# - Retired records are released by the thread right before its next pull (off the consumer's
+#   critical path), unless the thread is already inside next(source) (``in_source``), where it
+#   may wait for exactly those slots: then the consumer releases them itself. The thread sets
+#   ``in_source`` before it drains ``retired``; the consumer puts into ``retired`` before it reads
+#   ``in_source``: (under the GIL, in that order) one of the two sees the other's step, so a
+#   retired record is never left behind while the thread waits for its slot.
+#   ``release_lock`` serialises the callbacks (a source's release need not be thread-safe); each
+#   record is taken from ``retired`` once, so each lease is released once.
 # - Nothing is leaked: teardown (under ``lock``, after the thread stopped) releases the held
 #   record, the retired ones and every record still queued in ``ready``.
-# - The tensors view the producer's memory: the consumer must not write into them (the other TP
-#   ranks of the group read the same slot); clone() what must be modified or kept longer.
-# Items without a release (tuples, dicts) keep the staging copy. On CUDA, a released item whose
-# slot is page-locked in place is copied to the device straight from the slot and handed back once
-# that copy has finished (NOTE [ Registered source rings ], NOTE [ Stream/event hand-off ]); the
-# prefetch thread waits for it while it is idle for a credit, or at the latest before its next pull.
+# Leases without a private view (a producer's shared buffer, tuples, dicts) get the staging copy
+# and are released right after it. On CUDA, a released item whose slot is page-locked in place is
+# copied to the device straight from the slot and handed back once that copy has finished (NOTE
+# [ Registered source rings ], NOTE [ Stream/event hand-off ]); the prefetch thread waits for it
+# while it is idle for a credit, or at the latest before its next pull.
 
 _POLL_S = 0.1
 
@@ -90,7 +109,7 @@ class Staged:
     fetch_s: float
     stage_s: float
     release: Callable[[], None] | None = None
-    """Hands the source's buffer back; set when ``flat`` views it (NOTE [ Zero-copy hand-off ])."""
+    """Releases the lease ``flat`` views (NOTE [ Zero-copy hand-off ])."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,11 +136,13 @@ class Prefetcher:
         *,
         depth: int,
         join_timeout_s: float,
+        exit_on_stuck_source: bool = False,
     ) -> None:
         self.source = source
         self.ring = ring
         self.transport = transport
         self.join_timeout_s = join_timeout_s
+        self.exit_on_stuck_source = exit_on_stuck_source
         self.credits = threading.BoundedSemaphore(depth)
         self.ready: queue.SimpleQueue[Staged | Failure | End] = queue.SimpleQueue()
         self.retired: queue.SimpleQueue[Staged] = queue.SimpleQueue()
@@ -132,6 +153,8 @@ class Prefetcher:
         self.release_lock = threading.Lock()
         self.stop = threading.Event()
         self.lock = threading.Lock()
+        self.in_source = False
+        """True while the thread is inside next(source) (NOTE [ Zero-copy hand-off ])."""
         self.held: Staged | None = None
         """The micro-batch the consumer holds; written by the consumer thread (or teardown)."""
         self._closed = False
@@ -147,14 +170,17 @@ class Prefetcher:
             for index in itertools.count():
                 if not self._acquire_credit():
                     return
-                self.release_retired()
-                self.release_copied()  # the source may need these slots for the next item
-                start = time.perf_counter()
+                self.in_source = True  # before draining: see NOTE [ Zero-copy hand-off ]
                 try:
+                    self.release_retired()
+                    self.release_copied()  # the source may need these slots for the next item
+                    start = time.perf_counter()
                     item = next(self.source)
                 except StopIteration:
                     self.ready.put(End())
                     return
+                finally:
+                    self.in_source = False
                 fetched = time.perf_counter()
                 with self.lock:
                     if self.stop.is_set():
@@ -182,14 +208,14 @@ class Prefetcher:
         start = time.perf_counter()
         plan = plan_staging(item)
         layout = plan.layout
-        in_place = plan.view is not None and self.transport.reads_in_place(plan.view)
-        if in_place and not self.transport.copies_to_device:
-            # See NOTE [ Zero-copy hand-off ]: no copy, the record releases the item later.
-            assert plan.view is not None
-            flat = _tensor_over(plan.view)
+        if plan.private is not None and not self.transport.copies_to_device:
+            # See NOTE [ Zero-copy hand-off ]: no copy, the record releases the lease later.
+            private = np.frombuffer(plan.private(), np.uint8)[: layout.nbytes]
+            flat = torch.from_numpy(private)
             tensors = field_tensors(flat, layout, plan.torch_dtypes)
             stage_s = time.perf_counter() - start
             return Staged(index, None, layout, flat, tensors, fetch_s, stage_s, plan.release)
+        in_place = plan.view is not None and self.transport.reads_in_place(plan.view)
         slot = self.ring.slot_for(index)
         self.transport.before_refill(slot.index)
         self.ring.ensure(slot, layout.nbytes, host=not in_place)
@@ -218,7 +244,7 @@ class Prefetcher:
         try:
             return self.ready.get_nowait()
         except queue.Empty:
-            self.release_retired()  # the source may wait for these slots (NOTE [ Zero-copy hand-off ])
+            pass
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -234,13 +260,15 @@ class Prefetcher:
 
     def release_held(self) -> None:
         """Consumer side: the held micro-batch is done; recycle its staging slot, retire its
-        source item (NOTE [ Zero-copy hand-off ])."""
+        lease (NOTE [ Zero-copy hand-off ])."""
         held, self.held = self.held, None
         if held is not None:
             if held.slot is not None:
                 self.transport.release(held.slot)
             if held.release is not None:
                 self.retired.put(held)
+                if self.in_source:  # the thread may wait for exactly this slot
+                    self.release_retired()
 
     def release_copied(self) -> None:
         """Hand back the source slots of in-place device copies, each once its copy finished
@@ -255,7 +283,7 @@ class Prefetcher:
                 release()
 
     def release_retired(self) -> None:
-        """Hand every retired source item back to the producer (either thread)."""
+        """Hand every retired lease back to its producer (either thread)."""
         with self.release_lock:
             while True:
                 try:
@@ -264,6 +292,15 @@ class Prefetcher:
                     return
                 assert record.release is not None
                 record.release()
+
+    def interrupt_source(self) -> bool:
+        """Call the source's ``interrupt()`` if it has one (a ``next()`` blocked in it ends at
+        once); False if it has none."""
+        interrupt = getattr(self.source, "interrupt", None)
+        if not callable(interrupt):
+            return False
+        interrupt()
+        return True
 
     def shutdown(self) -> None:
         """Stop the thread and free the ring; idempotent. See NOTE [ Prefetch thread shutdown ]."""
@@ -276,6 +313,7 @@ class Prefetcher:
             self.stop.set()
             return
         self.stop.set()
+        self.interrupt_source()
         if self.thread.is_alive():
             self.thread.join(self.join_timeout_s)
         self._teardown()
@@ -283,7 +321,7 @@ class Prefetcher:
             warnings.warn(
                 f"{self.thread.name} is still inside next(source) {self.join_timeout_s}s after "
                 "close(); it is a daemon thread and exits with the process; make the source's "
-                "next() return (or time out) to stop it sooner",
+                "next() return (or time out), or give the source an interrupt(), to stop it sooner",
                 ResourceWarning,
                 stacklevel=2,
             )
@@ -321,9 +359,9 @@ class _Exposed:
 
 
 def _tensor_over(view: np.ndarray) -> torch.Tensor:
-    """A tensor over ``view``'s bytes, no copy. torch has no read-only tensors (and warns on a
-    read-only array), so a published slot's read-only view is exposed as is: the consumer must
-    not write into it (other TP ranks read the same slot; NOTE [ Zero-copy hand-off ])."""
+    """A tensor over ``view``'s bytes, no copy, as the SOURCE of an in-place device copy only
+    (never handed to the training loop). torch has no read-only tensors and warns on a read-only
+    array, so a published slot's read-only view is exposed as is."""
     if view.flags.writeable:
         return torch.from_numpy(view)
     return torch.from_numpy(np.asarray(_Exposed(view)))
@@ -341,11 +379,12 @@ _LIVE: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
 def _stop_live_threads() -> None:
     """Stop every prefetch thread before interpreter finalization (see NOTE [ Prefetch thread
     shutdown ])."""
-    live = list(_LIVE)
+    live = [prefetcher for prefetcher in list(_LIVE) if prefetcher.thread.is_alive()]
     for prefetcher in live:
         prefetcher.stop.set()
+        if not prefetcher.interrupt_source() and prefetcher.in_source:
+            abandon(prefetcher.thread)
     for prefetcher in live:
-        if prefetcher.thread.is_alive():
-            prefetcher.thread.join(prefetcher.join_timeout_s)
-    if any(prefetcher.thread.is_alive() for prefetcher in live):
+        prefetcher.thread.join(prefetcher.join_timeout_s)
+    if any(p.thread.is_alive() and p.exit_on_stuck_source for p in live):
         exit_now()

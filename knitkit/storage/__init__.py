@@ -8,6 +8,7 @@ and ``knitkit.storage.delivery``; everything else is internal.
 
 from knitkit.storage.backends.backend import UnitBackend
 from knitkit.storage.backends.disk import SafetensorsBackend
+from knitkit.storage.backends.lost import UnitsLostError
 from knitkit.storage.backends.memory import MemoryBackend
 from knitkit.storage.backends.shard_header import CorruptShardError
 from knitkit.storage.backends.shm import SharedMemoryBackend
@@ -52,6 +53,7 @@ __all__ = [
     "Trajectory",
     "TrajectoryStore",
     "UnitBackend",
+    "UnitsLostError",
     "content_key",
     "pack",
     "plan_minibatch",

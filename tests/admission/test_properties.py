@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -84,6 +85,99 @@ def test_guarded_policies_never_violate_and_stay_live(scenario: Scenario, policy
             lower, upper = q.bounds(batch)
             assert counts[q.source] >= lower, (k, q, counts)
             assert upper is None or counts[q.source] <= upper, (k, q, counts)
+    assert closed, "a train batch must complete once every source is supplied in plenty"
+
+
+def completable(
+    batch: int,
+    group: int,
+    bounds: dict[str, tuple[int, int | None]],
+    counts: Counter[str],
+    sources: list[str],
+) -> bool:
+    """Independent oracle: can the open train batch still be completed, in whole GRPO groups,
+    so that every lower and upper bound holds? (Adds groups source by source, tracking every
+    reachable total.)"""
+    slots = batch - sum(counts.values())
+    reachable = {0}
+    for source, (lower, upper) in bounds.items():
+        low = max(0, lower - counts[source])
+        low = -(-low // group) * group
+        high = slots if upper is None else (upper - counts[source]) // group * group
+        reachable = {
+            r + x
+            for r in reachable
+            for x in range(low, min(high, slots) + 1, group)
+            if r + x <= slots
+        }
+    free = any(s not in bounds for s in sources)  # a source without a quota fills the rest
+    return any(r == slots or (free and r <= slots) for r in reachable)
+
+
+MultiGroup = tuple[int, int, int, list[str], list[SourceQuota], list[tuple[str, int]]]
+
+
+@st.composite
+def multi_group_scenarios(draw: st.DrawFn) -> MultiGroup:
+    """Random configurations whose source quotas carry different group labels (some sources
+    without a quota), jointly satisfiable, and a skewed completion stream: runs of one source."""
+    sources = list("abcde"[: draw(st.integers(2, 5))])
+    n = draw(st.sampled_from([1, 2, 4]))
+    group = draw(st.sampled_from([1, 1, 2]))
+    batch = n * group * draw(st.integers(1, 6))
+    quotas, budget = [], batch
+    for s in sources[: draw(st.integers(1, len(sources)))]:
+        lower = draw(st.integers(0, budget)) // group * group
+        budget -= lower
+        upper = draw(st.one_of(st.none(), st.integers(lower, batch)))
+        label = draw(st.sampled_from(["g1", "g2", "g3"]))
+        quotas.append(SourceQuota(source=s, min_count=lower, max_count=upper, group=label))
+    bounded = len(quotas) == len(sources) and all(q.max_count is not None for q in quotas)
+    if bounded and sum((q.max_count or 0) // group * group for q in quotas) < batch:
+        quotas[-1] = dataclasses.replace(quotas[-1], max_count=None)
+    runs = draw(
+        st.lists(st.tuples(st.sampled_from(sources), st.integers(1, 2 * batch)), max_size=12)
+    )
+    return batch, n, group, sources, quotas, runs
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=multi_group_scenarios(), policy=st.sampled_from(GUARDED))
+def test_no_admitted_minibatch_makes_the_open_train_batch_infeasible(
+    scenario: MultiGroup, policy: str
+) -> None:
+    """After every admitted mini-batch, the open train batch can still be completed meeting
+    every bound (an independent oracle checks it), whatever group labels the quotas carry; a
+    closed train batch meets them; with every source supplied in plenty afterwards, a train
+    batch completes."""
+    batch, n, group, sources, quotas, runs = scenario
+    ctl = build_controller(
+        policy,
+        train_batch_size=batch,
+        num_minibatches=n,
+        sources=sources,
+        quotas=quotas,
+        group_size=group,
+    )
+    bounds = {q.source: q.bounds(batch) for q in quotas}
+    stream = [s for s, length in runs for _ in range(length)]
+    stream += [s for _ in range(batch) for s in sources]
+    counts: Counter[str] = Counter()
+    closed = 0
+    for k, source in enumerate(stream):
+        for r in range(group):
+            ctl.report(TrajectoryMeta(f"t{k}.{r}", f"s{k}", source, 0, 1, 0, 0))
+        while (mb := ctl.next_minibatch()) is not None:
+            counts.update(t.source for t in mb.trajectories)
+            assert completable(batch, group, bounds, counts, sources), (
+                mb.train_batch,
+                mb.index,
+                counts,
+            )
+            if mb.index == n - 1:
+                assert sum(counts.values()) == batch
+                closed += 1
+                counts = Counter()
     assert closed, "a train batch must complete once every source is supplied in plenty"
 
 

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from knitkit.admission.replay import ProgressBar, ReplaySettings, preset, write_jsonl
+from knitkit.admission.replay import (
+    ProgressBar,
+    ReplaySettings,
+    SourceProfile,
+    generate_trace,
+    preset,
+    write_jsonl,
+)
 from knitkit.cli import main
 
 
@@ -171,3 +179,97 @@ def test_conflicting_or_impossible_flags_are_rejected(
     extra = [str(tmp_path / e) if e in files else e for e in extra]
     assert main(["replay", "--trace", str(path), "--quiet", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--rho", "nan"], "--rho=nan: give a finite number > 0"),
+        (["--rho", "inf"], "--rho=inf: give a finite number > 0"),
+        (["--rho", "0"], "--rho=0.0: give a finite number > 0"),
+        (["--oversample", "nan"], "--oversample=nan: give a finite number >= 0"),
+        (["--oversample", "-1"], "--oversample=-1.0: give a finite number >= 0"),
+        (["--source-cap", "0"], "--source-cap=0.0: give a finite number > 0"),
+        (["--source-cap", "-1"], "--source-cap=-1.0: give a finite number > 0"),
+        (["--slots", "0"], "--slots=0: must be >= 1"),
+        (["--minibatches", "-1"], "--minibatches=-1: must be >= 1"),
+        (["--train-batch-size", "0"], "--train-batch-size=0: must be >= 1"),
+        (["--max-staleness", "-1"], "--max-staleness=-1: must be >= 0"),
+        (["--seed", "-1"], "--seed=-1: must be >= 0"),
+        (["--train-batches", "1"], "--train-batches 1: give at least 2"),
+        (["--policies", ","], "--policies ',' names no policy"),
+        (["--issue-shares", "A=nan,B=1,C=1,D=1"], "--issue-shares A=nan: give a finite number"),
+        (["--issue-shares", "A=1,Z=1"], "--issue-shares names ['Z'], not in the trace"),
+    ],
+)
+def test_bad_flag_values_are_refused_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    """NaN, infinite, zero or negative values, an empty policy list and issue shares for an
+    unknown source are refused before anything runs, naming the flag (issue 25: some ran and
+    printed negative staleness, some failed with "cannot convert float NaN to integer", some
+    printed an empty table or stalled)."""
+    assert main(["replay", "--train-batches", "8", "--quiet", *extra]) == 2
+    err = capsys.readouterr()
+    assert message in err.err and err.out == ""
+
+
+def test_stalls_name_the_cause(capsys: pytest.CaptureFixture[str]) -> None:
+    """A replay that cannot go on names the quota that could not be fed and why: with
+    --max-staleness 0 everything went stale, and the advice says to raise it."""
+    argv = ["replay", "--policies", "knittrans", "--train-batches", "8", "--quiet"]
+    assert main([*argv, "--max-staleness", "0"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"quota '[A-D]' ran short by \d+ trajectories", err)
+    assert "went stale (max_staleness=0): raise --max-staleness" in err
+
+
+def readme_quotas_example() -> dict:
+    """The ``quotas.json`` example of the admission README, as written there."""
+    readme = Path(__file__).parents[2] / "knitkit" / "admission" / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    block = text[text.index("`quotas.json`") :]
+    block = block[
+        block.index("```json") + len("```json") : block.index("```", block.index("```json") + 7)
+    ]
+    return json.loads(block)
+
+
+def test_the_readme_quotas_file_with_groups_replays_without_violations(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README's quotas.json (quotas under different group labels, an upper bound, a
+    completion quota) replays through the CLI on a trace whose unquota'd source completes
+    first, and every guarded policy meets every quota: the guard is joint over the groups."""
+    example = readme_quotas_example()
+    groups = {q.get("group", "sources") for q in example["quotas"].values()}
+    assert len(groups) > 1, "the README example must use more than one group"
+    profiles = tuple(
+        SourceProfile(name=name, median_s=median, sigma=0.5)
+        for name, median in (("chat", 10.0), ("math", 60.0), ("code", 120.0))
+    )
+    path, quotas = tmp_path / "t.jsonl", tmp_path / "quotas.json"
+    write_jsonl(generate_trace(profiles, samples_per_source=2500, group_size=1, seed=0), path)
+    quotas.write_text(json.dumps(example))
+    out = tmp_path / "r.json"
+    argv = ["replay", "--trace", str(path), "--quotas-file", str(quotas), "--quiet"]
+    argv += ["--train-batch-size", "160", "--issue-shares", "chat=0.2,math=0.4,code=0.4"]
+    argv += ["--train-batches", "10", "--policies", "barrier,linear,knittrans,adaptive"]
+    assert main([*argv, "--json", str(out)]) == 0, capsys.readouterr().err
+    summary = json.loads(out.read_text())
+    assert summary["settings"]["quotas"]["code"] == {"lower": 64, "upper": None}
+    for name, entry in summary["policies"].items():
+        assert entry["violations"] == 0, name
+
+
+def test_progress_is_one_line_per_finished_run_off_a_terminal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Off a terminal, replay progress is one stderr line per finished run (the colocated
+    reference, then each policy); stdout holds only the table."""
+    assert main(["replay", "--policies", "linear,knittrans", "--train-batches", "6"]) == 0
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("replay: ")]
+    assert [line.split()[1] for line in lines] == ["colocated", "linear", "knittrans"]
+    assert "18/18 train batches" in lines[-1]
+    assert captured.out.splitlines()[0].startswith("policy")

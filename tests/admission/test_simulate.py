@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 
 from knitkit.admission.replay import (
@@ -127,3 +130,86 @@ def test_every_policy_reaches_a_steady_state_and_drift_is_reported() -> None:
     assert all(abs(d) < 0.3 for d in drifts.values()), drifts
     for name, entry in summary["policies"].items():
         assert entry["drift"] == pytest.approx(drifts[name])
+
+
+def test_staleness_is_continuous_at_zero_duration() -> None:
+    """A 0 s trajectory's tokens carry the version it ran at, the limit of ever shorter ones:
+    setting one source's durations to 0 s or to 1e-9 s gives the same figures (issue 25: a 0 s
+    trajectory counted as staleness 0 whatever its version)."""
+    chosen = preset("paper4")
+    settings = chosen.settings.with_(train_batches=10, warmup=3)
+    trace = chosen.trace(settings)
+
+    def replay(duration: float) -> dict:
+        records = dict(trace.records)
+        records["A"] = tuple(dataclasses.replace(r, duration_s=duration) for r in records["A"])
+        return run_replay(Trace(records, trace.group_size), settings, ("linear", "knittrans"))
+
+    zero, tiny = replay(0.0), replay(1e-9)
+    assert zero["colocated_staleness"] == pytest.approx(tiny["colocated_staleness"], abs=1e-6)
+    for name, entry in zero["policies"].items():
+        other = tiny["policies"][name]
+        assert entry["architectural_staleness"] == pytest.approx(
+            other["architectural_staleness"], abs=1e-6
+        )
+        for source, value in entry["staleness_per_source"].items():
+            assert value == pytest.approx(other["staleness_per_source"][source], abs=1e-6)
+
+
+def rejecting_trace(
+    share: float, seed: int = 0, per_source: dict[str, float] | None = None
+) -> Trace:
+    """Three sources in GRPO groups of 8 whose groups are rejected whole with probability
+    ``share`` (``per_source`` overrides it per source), as dynamic sampling filters them."""
+    profiles = (
+        SourceProfile(name="A", median_s=20.0, sigma=0.6),
+        SourceProfile(name="B", median_s=60.0, sigma=0.6),
+        SourceProfile(name="C", median_s=100.0, sigma=0.3),
+    )
+    base = generate_trace(profiles, samples_per_source=1500, group_size=8, seed=seed)
+    rng = np.random.default_rng(seed)
+    records = {}
+    for source, rows in base.records.items():
+        reject = (per_source or {}).get(source, share)
+        keep = rng.random(len(rows) // 8) >= reject
+        records[source] = tuple(
+            dataclasses.replace(r, accepted=bool(keep[k // 8])) for k, r in enumerate(rows)
+        )
+    return Trace(records, 8)
+
+
+@pytest.mark.parametrize(("oversample", "atomic"), [(0.0, True), (0.0, False), (1.0, False)])
+def test_dynamic_sampling_fills_train_batches_when_40_percent_of_groups_are_rejected(
+    oversample: float, atomic: bool
+) -> None:
+    """With 40% of GRPO groups rejected, a rollout step keeps issuing (bounded) until its train
+    batch can fill, so the replay runs without oversampling and guarded policies meet every
+    quota (issue 25: it stalled unless every single step could feed the quotas alone)."""
+    settings = ReplaySettings(
+        train_batch_size=96,
+        quota_ratios={"A": 0.3, "B": 0.3, "C": 0.3},
+        oversample=oversample,
+        rollout_slots=96,
+        group_atomic=atomic,
+        train_batches=10,
+        warmup=3,
+    )
+    summary = run_replay(rejecting_trace(0.4), settings, ("barrier", "knittrans", "adaptive"))
+    for name, entry in summary["policies"].items():
+        assert entry["violations"] == 0, name
+        assert entry["steps"] == 7
+
+
+def test_a_stall_names_the_source_that_ran_short() -> None:
+    """When a source's groups are all rejected, the replay stops with an error that names the
+    quota that ran short and how many of its trajectories were rejected."""
+    settings = ReplaySettings(
+        train_batch_size=96,
+        quota_ratios={"A": 0.3, "B": 0.3, "C": 0.3},
+        rollout_slots=96,
+        train_batches=6,
+        warmup=2,
+    )
+    trace = rejecting_trace(0.0, per_source={"B": 1.0})
+    with pytest.raises(RuntimeError, match=r"quota 'B' ran short by \d+ trajectories \(\d+ of its"):
+        run_replay(trace, settings, ("knittrans",))

@@ -78,3 +78,57 @@ def test_a_trace_of_zero_length_trajectories_is_rejected(tmp_path: Path) -> None
     )
     with pytest.raises(ValueError, match=r"zero.jsonl:1-5: field duration_s is 0 in every record"):
         read_jsonl(path)
+
+
+@pytest.mark.parametrize(
+    ("sample", "field"),
+    [("null", "sample_id=None"), ("1.5", "sample_id=1.5"), ("true", "sample_id=True")],
+)
+def test_a_sample_id_that_is_not_an_id_is_refused(tmp_path: Path, sample: str, field: str) -> None:
+    """A null, fractional or boolean sample_id is refused naming the file, line and field (it
+    used to become the string "None"); whole numbers are ids and read as strings."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text(
+        '{"source": "A", "sample_id": 7, "duration_s": 3}\n'
+        f'{{"source": "A", "sample_id": {sample}, "duration_s": 3}}\n'
+    )
+    with pytest.raises(ValueError, match=rf"bad.jsonl:2: .*{re.escape(field)}"):
+        read_jsonl(path)
+    path.write_text('{"source": "A", "sample_id": 7, "duration_s": 3}\n')
+    assert read_jsonl(path).records["A"][0].sample_id == "7"
+
+
+def test_a_group_of_another_size_is_refused_naming_it(tmp_path: Path) -> None:
+    """Every GRPO group of a trace has one size: one 7-member group among 8-member groups is
+    refused naming its line, source and sample_id (it silently made the group size 1)."""
+    path = tmp_path / "groups.jsonl"
+    sizes = {"p0": 8, "p1": 7, "p2": 8}
+    path.write_text(
+        "".join(
+            f'{{"source": "A", "sample_id": "{p}", "duration_s": 3}}\n'
+            for p, size in sizes.items()
+            for _ in range(size)
+        )
+    )
+    with pytest.raises(
+        ValueError, match=r"groups.jsonl:9: GRPO group \(source 'A', sample_id 'p1'\) has 7"
+    ):
+        read_jsonl(path)
+
+
+def test_group_rejection_rejects_whole_groups() -> None:
+    """``group_reject_prob`` rejects GRPO groups whole (dynamic sampling's filter), leaving the
+    rest of the trace as it was drawn."""
+    profile = SourceProfile(name="A", median_s=10.0, sigma=0.5, group_reject_prob=0.4)
+    trace = generate_trace((profile,), samples_per_source=500, group_size=4, seed=0)
+    plain = generate_trace(
+        (SourceProfile(name="A", median_s=10.0, sigma=0.5),),
+        samples_per_source=500,
+        group_size=4,
+        seed=0,
+    )
+    records = trace.records["A"]
+    groups = [records[k : k + 4] for k in range(0, len(records), 4)]
+    assert all(len({r.accepted for r in g}) == 1 for g in groups)
+    assert 0.3 < sum(not g[0].accepted for g in groups) / len(groups) < 0.5
+    assert [r.duration_s for r in records] == [r.duration_s for r in plain.records["A"]]

@@ -1,4 +1,4 @@
-"""Per-rank equivalence run: the non-dedup baseline vs knitkit's dedup on one Case (test helper)."""
+"""Per-rank equivalence run of a toy Case through ``check_dedup_equivalence`` (test helper)."""
 
 from __future__ import annotations
 
@@ -10,23 +10,23 @@ import torch.distributed as dist
 from encoder_dedup.toy import Case, ItemView, ToyBackbone, ToyEncoder, item_view, unit_inputs
 from knitkit.encoder_dedup import (
     BackboneAssignment,
-    DedupEncoder,
     EncoderAssignment,
     LocalTransport,
     ProcessGroupTransport,
     RoutingPlan,
     build_routing_plan,
     sync_encoder_grads,
-    train_minibatch,
 )
+from knitkit.encoder_dedup.testing import check_dedup_equivalence
+from knitkit.integration.megatron import cpu as megatron_cpu
 from knitkit.types import UnitKey
 
 Report = dict[str, tuple[float, float]]
-"""Parameter name -> (norm of the difference, norm of the baseline gradient)."""
+"""Parameter name -> (max |dedup - baseline|, max |baseline|), from ``EquivalenceReport``'s rows."""
 
 
-def plan_for(case: Case) -> RoutingPlan:
-    """The dedup routing plan of a case: encoder round-robin over its ranks, backbone per (DP, CP, TP)."""
+def assignments_for(case: Case) -> tuple[EncoderAssignment, BackboneAssignment]:
+    """The encoder's round-robin partition over its ranks and the backbone's rows per (DP, CP, TP)."""
     layout = case.layout
     keys = sorted({ref.key for t in case.trajectories for ref in t.refs})
     rows = {ref.key: ref.num_tokens for t in case.trajectories for ref in t.refs}
@@ -50,17 +50,21 @@ def plan_for(case: Case) -> RoutingPlan:
         for c in range(layout.cp)
     ]
     backbone = BackboneAssignment(consumed, tp_groups if case.declare_tp_groups else ())
-    return build_routing_plan(encoder, backbone, layout.world)
+    return encoder, backbone
+
+
+def plan_for(case: Case) -> RoutingPlan:
+    """The dedup routing plan of a case: encoder round-robin over its ranks, backbone per (DP, CP, TP)."""
+    return build_routing_plan(*assignments_for(case), case.layout.world)
 
 
 def run_case(rank: int, case: Case) -> tuple[Report, int, int]:
-    """Gradients of baseline and dedup on this rank; returns (report, baseline encodes, dedup encodes)."""
+    """Gradients of baseline and dedup on this rank through ``check_dedup_equivalence``;
+    returns (report, baseline encodes, dedup encodes) of this rank."""
     layout = case.layout
     torch.manual_seed(0)
     dp_cp_group, cp_group, own = _groups(rank, case) if layout.world > 1 else (None, None, [])
     if layout.megatron:
-        import megatron_cpu
-
         megatron_cpu.initialize_model_parallel(
             tensor_parallel=layout.tp, context_parallel=layout.cp
         )
@@ -74,60 +78,34 @@ def run_case(rank: int, case: Case) -> tuple[Report, int, int]:
         d, c, _ = layout.coords(rank)
         views = [[item_view(case, p, c) for p in mb] for mb in case.micro_batches[d]]
         norm = float(sum(t.length for t in case.trajectories))
-        params = dict(_named(encoder, backbone))
-
-        base_encodes = 0
-        for items in views:
-            feats, count = _baseline_features(encoder, units, items)
-            base_encodes += count
-            backbone(items, feats, cp_group, norm).backward()
-        _reduce(params.values(), dp_cp_group)
-        baseline = {name: p.grad.clone() for name, p in params.items() if p.grad is not None}
-        for p in params.values():
-            p.grad = None
-
-        transport = ProcessGroupTransport() if layout.world > 1 else LocalTransport()
-        dedup = DedupEncoder(
-            plan_for(case).for_rank(rank),
-            transport,
-            hidden=encoder.projector.out_features,
-            dtype=dtype,
-            device=case.device,
-        )
 
         def finalize() -> None:
             _reduce(backbone.parameters(), dp_cp_group)
             sync_encoder_grads(encoder.parameters())
 
-        train_minibatch(
-            dedup,
-            lambda keys: encoder([units[k] for k in keys]),
-            lambda i, feats: backbone(views[i], feats, cp_group, norm),
-            finalize=finalize,
+        report = check_dedup_equivalence(
+            encoder,
+            backbone,
+            encode_fn=lambda keys: encoder([units[k] for k in keys]),
+            backbone_step=lambda i, feats: backbone(views[i], feats, cp_group, norm),
+            assignment=assignments_for(case),
+            hidden=encoder.projector.out_features,
+            transport=ProcessGroupTransport() if layout.world > 1 else LocalTransport(),
+            reduce_reference=lambda: _reduce(
+                [*encoder.parameters(), *backbone.parameters()], dp_cp_group
+            ),
+            reduce_dedup=finalize,
+            dtype=dtype,
+            device=case.device,
+            gather=False,
         )
-        report = {
-            name: (
-                float((p.grad.float() - baseline[name].float()).norm()),
-                float(baseline[name].float().norm()),
-            )
-            for name, p in params.items()
-            if name in baseline and p.grad is not None
-        }
-        missing = set(baseline) ^ {n for n, p in params.items() if p.grad is not None}
-        assert not missing, f"gradients present on one side only: {sorted(missing)}"
-        return report, base_encodes, dedup.encoded_units
+        rows = {c.name: (c.max_abs_diff, c.max_abs_ref) for c in report.gradients}
+        return rows, report.units_without_dedup, report.units_with_dedup
     finally:
         if layout.megatron:
-            import megatron_cpu
-
             megatron_cpu.destroy_model_parallel()
         for group in own:
             dist.destroy_process_group(group)
-
-
-def _named(encoder: ToyEncoder, backbone: ToyBackbone) -> Iterable[tuple[str, torch.nn.Parameter]]:
-    yield from (("encoder." + n, p) for n, p in encoder.named_parameters())
-    yield from (("backbone." + n, p) for n, p in backbone.named_parameters())
 
 
 def _baseline_features(

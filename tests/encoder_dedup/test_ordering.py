@@ -54,8 +54,9 @@ def _micro_batches(rank: int, model: Any, step: Any) -> None:
 
 def run_ordering(rank: int, overlap: bool, deferred_first: bool) -> dict[str, tuple[float, float]]:
     """Baseline vs dedup main_grads after finalize; dedup's backward before or after finalize."""
-    import megatron_cpu
     from megatron.core.distributed import finalize_model_grads
+
+    from knitkit.integration.megatron import cpu as megatron_cpu
 
     megatron_cpu.initialize_model_parallel()
     try:

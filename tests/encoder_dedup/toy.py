@@ -33,7 +33,7 @@ class Layout:
     encoder_ranks: tuple[int, ...] | None = None
     """Ranks that run the encoder (the encoder's own DP); ``None`` means every rank."""
     megatron: bool = False
-    """Build the backbone from megatron-core TP layers (needs ``tests/megatron_cpu.py``)."""
+    """Build the backbone from megatron-core TP layers (on CPU through ``knitkit.integration.megatron.cpu``)."""
 
     @property
     def world(self) -> int:
@@ -198,8 +198,9 @@ class ToyBackbone(nn.Module):
         self.norm1, self.norm2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
         self.local_heads = HEADS // tp
         if megatron:
-            import megatron_cpu
             from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+            from knitkit.integration.megatron import cpu as megatron_cpu
 
             cfg = megatron_cpu.model_parallel_config()
             init = nn.init.xavier_normal_

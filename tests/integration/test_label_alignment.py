@@ -1,10 +1,11 @@
-"""Next-token alignment from the SGLang writer to megatron_batch (issue 10, failure 2).
+"""Next-token alignment from the SGLang writer to megatron_batch (issue 10, failure 2; issue 22 item 17).
 
 Position t predicts token t+1 (NOTE [ Next-token alignment ] in knitkit/next_token.py): through
 writer -> store -> plan -> pack -> megatron_batch, with CP=1 and CP=2 (zigzag chunks cut the
 sequences, so a shift made per chunk would pair the wrong tokens), every generated token is a
-trained label exactly once, no prompt token is, and the rollout log-prob at each loss position
-is the one SGLang returned for that label token.
+trained label exactly once, no prompt or environment (tool response) token is, and the rollout
+log-prob at each loss position is the one SGLang returned for that label token. The plan mixes
+single-turn GRPO trajectories with multi-turn tool-agent episodes (NOTE [ Multi-turn trajectories ]).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
+import test_sglang_multiturn as multiturn
 from sglang_fixtures import load
 
 from knitkit.integration.megatron import megatron_batch
@@ -32,8 +34,9 @@ IMAGE_PAD = 151655
 FIELDS = ("tokens", "labels", "loss_mask", "logprobs")
 
 
-def _written() -> tuple[TrajectoryStore, dict[str, tuple[list[int], int, list[float]]]]:
-    """A recorded GRPO batch through the writer; per trajectory: tokens, prompt length, logprobs."""
+def _written() -> tuple[TrajectoryStore, dict[str, tuple[list[int], dict[int, float]]]]:
+    """A recorded GRPO batch and three copies of a recorded tool-agent episode through the
+    writer; per trajectory: its tokens and {index of a generated token: its SGLang log-prob}."""
     record = load("vlm_grpo_batch.json")
     body = record["request"]
     store = TrajectoryStore(MemoryBackend())
@@ -44,7 +47,14 @@ def _written() -> tuple[TrajectoryStore, dict[str, tuple[list[int], int, list[fl
         request = RolloutRequest(f"s0-{i}", "s0", "chart", 2, prompt, tuple(body["image_data"][0]))
         writer.add(request, raw)
         logprobs = [entry[0] for entry in raw["meta_info"]["output_token_logprobs"]]
-        expected[request.trajectory_id] = ([*prompt, *raw["output_ids"]], len(prompt), logprobs)
+        generated = dict(enumerate(logprobs, start=len(prompt)))
+        expected[request.trajectory_id] = ([*prompt, *raw["output_ids"]], generated)
+    agent = load("multi_turn_tool_agent.json")
+    for i in range(3):
+        request = multiturn.request_for(agent, f"agent-{i}")
+        multiturn.replay(writer, request, agent)
+        generated = {at: lp for at, _, lp in multiturn.generated(agent)}
+        expected[request.trajectory_id] = (multiturn.full_sequence(agent), generated)
     return store, expected
 
 
@@ -69,7 +79,8 @@ def _trained(
 
 @pytest.mark.parametrize("cp", [1, 2])
 def test_every_generated_token_is_a_label_once_with_its_logprob(cp: int) -> None:
-    """Each generated token is trained exactly once, at the position before it, with its own log-prob."""
+    """Each generated token is trained exactly once, at the position before it, with its own
+    log-prob; prompt and tool-response tokens never are."""
     store, expected = _written()
     ids = list(expected)
     plan = plan_minibatch(
@@ -92,9 +103,9 @@ def test_every_generated_token_is_a_label_once_with_its_logprob(cp: int) -> None
                     assert key not in trained, f"token {key} trained twice"
                     trained[key] = (label, logprob)
     wanted = {
-        (tid, t): (tokens[t], logprobs[t - prompt])
-        for tid, (tokens, prompt, logprobs) in expected.items()
-        for t in range(prompt, len(tokens))
+        (tid, t): (tokens[t], logprob)
+        for tid, (tokens, generated) in expected.items()
+        for t, logprob in generated.items()
     }
     assert set(trained) == set(wanted), (
         f"untrained generated tokens: {sorted(set(wanted) - set(trained))[:5]}; "

@@ -7,6 +7,7 @@ cannot hide or add a listener.
 
 from __future__ import annotations
 
+import inspect
 import json
 import socket
 import subprocess
@@ -18,6 +19,12 @@ import pytest
 from knitkit.integration.loopback import is_loopback
 
 psutil = pytest.importorskip("psutil")
+
+PROBE_TIMEOUT_S = 600.0
+"""Bound of one probe process (a runtime's start on a loaded machine: generous)."""
+probe_timeout = pytest.mark.timeout(PROBE_TIMEOUT_S + 60)
+"""Tests that run a probe get a pytest timeout above the probe's own bound, so the probe's
+``TimeoutExpired`` (with its output) is what a hang reports."""
 
 _LISTENERS = """
 import json, psutil
@@ -35,7 +42,7 @@ def _listeners():
 """
 
 
-def _listeners_of(body: str, timeout_s: float = 600.0) -> list[tuple[str, str, int]]:
+def _listeners_of(body: str, timeout_s: float = PROBE_TIMEOUT_S) -> list[tuple[str, str, int]]:
     """Run ``body`` (which calls ``_listeners()`` while its runtime is up) in a fresh process."""
     script = _LISTENERS + textwrap.dedent(body)
     done = subprocess.run(
@@ -50,7 +57,24 @@ def _off_loopback(listeners: list[tuple[str, str, int]]) -> list[tuple[str, str,
     return [entry for entry in listeners if not is_loopback(entry[1])]
 
 
+def test_every_probe_bound_fits_under_its_test_timeout() -> None:
+    """A test that runs a probe has its own pytest timeout, above the probe's bound (the suite's
+    default, 300 s, is below it), so a slow start fails with the probe's output, not a kill."""
+    probing = {
+        name: fn
+        for name, fn in globals().items()
+        if name.startswith("test_")
+        and name != test_every_probe_bound_fits_under_its_test_timeout.__name__
+        and "_listeners_of(" in inspect.getsource(fn)
+    }
+    assert probing
+    for name, fn in probing.items():
+        limits = [m.args[0] for m in getattr(fn, "pytestmark", []) if m.name == "timeout"]
+        assert limits and limits[0] > PROBE_TIMEOUT_S, (name, limits, PROBE_TIMEOUT_S)
+
+
 @pytest.mark.slow
+@probe_timeout
 def test_default_ray_runtime_listens_on_loopback_only() -> None:
     """Every listener of a Ray runtime started by ``start_ray()`` (gcs, raylet, workers,
     dashboard and runtime-env agents) is bound to loopback, and a task still runs on it."""
@@ -70,6 +94,7 @@ def test_default_ray_runtime_listens_on_loopback_only() -> None:
 
 
 @pytest.mark.slow
+@probe_timeout
 def test_default_transfer_queue_listens_on_loopback_only() -> None:
     """TransferQueue unpickles network payloads: its controller and storage units, and the Ray
     runtime ``start_transfer_queue()`` starts under them, listen on loopback only."""
@@ -97,6 +122,7 @@ def test_ray_multi_node_needs_an_explicit_address() -> None:
         start_ray(address="10.0.0.1:6379")
 
 
+@probe_timeout
 def test_mooncake_on_loopback_refuses_to_open_wildcard_listeners() -> None:
     """Single-node default: ``MooncakeBackend`` with its loopback ``local_hostname`` and no opt-in
     refuses to start, naming both wildcard listeners and the knobs, and nothing of the client
@@ -116,13 +142,13 @@ def test_mooncake_on_loopback_refuses_to_open_wildcard_listeners() -> None:
             else:
                 raise AssertionError("MooncakeBackend started wildcard listeners without opt-in")
             _listeners()
-        """,
-        timeout_s=600.0,
+        """
     )
     assert listeners and all(entry[0] == "mooncake_master" for entry in listeners), listeners
     assert _off_loopback(listeners) == [], listeners
 
 
+@probe_timeout
 def test_mooncake_opt_in_opens_exactly_the_documented_wildcard_listeners() -> None:
     """With ``allow_wildcard_listeners=True`` the master still listens on loopback only and the
     client's transfer engine opens exactly the two wildcard listeners Mooncake has no knob to
@@ -136,8 +162,7 @@ def test_mooncake_opt_in_opens_exactly_the_documented_wildcard_listeners() -> No
             backend = MooncakeBackend(address, allow_wildcard_listeners=True)
             _listeners()
             backend.close()
-        """,
-        timeout_s=600.0,
+        """
     )
     master = [entry for entry in listeners if entry[0] == "mooncake_master"]
     assert len(master) == 2 and _off_loopback(master) == [], listeners

@@ -4,25 +4,33 @@ An RL step runs forward-only passes over the same images before training: old lo
 policy, reference log-probs with a frozen reference model whose encoder is a different module.
 ``DedupVLMStep(model).run(..., forward_only=True)`` encodes each unique image once in the world
 (no graph kept, no gradient return route) and serves the cached rows to every (DP, TP) consumer.
-The reference is ``get_forward_backward_func()(forward_only=True)`` with every micro-batch
-re-encoding the images its placeholder tokens consume.
+Each pass is checked with ``knitkit.integration.megatron.testing.check_equivalence`` (its
+forward-only pass runs ``logprob_step``): the reference is ``get_forward_backward_func()(
+forward_only=True)`` with every micro-batch re-encoding the images its placeholder tokens
+consume; the check also asserts that the forward-only pass keeps no encoder graph, leaves no
+gradient and encodes each unique image once.
 
 Tolerance: log-probs must be bitwise identical. Both paths compute each image's features with the
 same ops on the same inputs (one image per ``encode`` call) and the backbone sees identical
-``decoder_input``; measured worst |difference| is 0 at DP2 and DP2 x TP2.
+``decoder_input``; measured worst |difference| is 0 at DP2 and DP2 x TP2. (The check's training
+pass is held to its fp32 defaults, every reference gradient above the floor.)
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import megatron_cpu
 import pytest
 import torch
 from dist import World
+
+from knitkit.encoder_dedup import EquivalenceReport
+from knitkit.integration.megatron import cpu as megatron_cpu
+from knitkit.integration.megatron.testing import VLMUnderTest, check_equivalence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -49,8 +57,9 @@ def logprob_step(
     return output, _logprobs
 
 
-def _perturbed(model: Any, seed: int) -> Any:
+def perturbed_model(seed: int) -> Any:
     """A reference model: same architecture, different weights (its encoder is a different module)."""
+    model = user.build_model(False)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.module.parameters():
@@ -58,98 +67,42 @@ def _perturbed(model: Any, seed: int) -> Any:
     return model
 
 
-def _forward_only(rank: int, tensor_parallel: int) -> dict[str, Any]:
-    """One rank: old and reference log-probs, unwrapped vs deduplicated, plus what dedup did."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from knitkit.integration.megatron import DedupVLMStep, MegatronLayout, feature_slices
-    from knitkit.storage import MemoryBackend, TrajectoryStore
-
+def _forward_only(rank: int, tensor_parallel: int) -> dict[str, EquivalenceReport]:
+    """One rank: the old (policy) and the reference model, each checked with its log-prob pass."""
     megatron_cpu.initialize_model_parallel(tensor_parallel=tensor_parallel)
     megatron_cpu.install_schedule_shim()
     try:
-        layout = MegatronLayout.from_parallel_state()
-        store = TrajectoryStore(MemoryBackend())
-        trajectories = user.grpo_trajectories(seed=0)
-        for trajectory in trajectories:
-            store.write(trajectory)
-        plan = user.plan_step(store, [t.trajectory_id for t in trajectories], layout)
-        route = layout.route(plan)
-        consumer = plan.consumer(*layout.coord[:2])
-        models = {"old": user.build_model(False), "ref": _perturbed(user.build_model(False), 7)}
-        for model in models.values():
-            model.config.finalize_model_grads_func = None  # inference models have no finalize
-
-        def pixels(key):  # type: ignore[no-untyped-def]
-            return torch.from_numpy(store.read(key))
-
-        result: dict[str, Any] = {"worst": 0.0, "encoded": 0, "graph": False, "grads": False}
-        logprobs: dict[str, torch.Tensor] = {}
-        for name, model in models.items():
-            vision = model.module.vision
-            encoded_keys: list[object] = []
-
-            def encode(keys, vision=vision, encoded_keys=encoded_keys):  # type: ignore[no-untyped-def]
-                encoded_keys.extend(keys)
-                rows = torch.cat([vision.encode(pixels(k)) for k in keys])
-                result["graph"] = result["graph"] or rows.requires_grad
-                return rows
-
-            iterator, data = user.knitkit_batches(store, plan, layout)
-            with iterator, torch.no_grad():
-                pieces = [feature_slices(mb) for mb in consumer.micro_batches]
-                with_images = (
-                    dict(batch, images=[(pixels(s.key), s.start, s.stop) for s in piece])
-                    for batch, piece in zip(data, pieces, strict=True)
-                )
-                expected = get_forward_backward_func()(
-                    forward_step_func=logprob_step,
-                    data_iterator=with_images,
-                    model=[model],
-                    num_microbatches=plan.num_micro_batches,
-                    seq_length=user.MAX_SEQ,
-                    micro_batch_size=1,
-                    forward_only=True,
-                )
-            iterator, data = user.knitkit_batches(store, plan, layout)
-            step = DedupVLMStep(model, vision="vision")
-            with iterator:  # no torch.no_grad(): the encoder must keep no graph on its own
-                got = step.run(
-                    forward_step_func=logprob_step,
-                    data_iterator=data,
-                    route=route,
-                    encode_fn=encode,
-                    num_microbatches=plan.num_micro_batches,
-                    seq_length=user.MAX_SEQ,
-                    micro_batch_size=1,
-                    forward_only=True,
-                )
-            assert len(got) == len(expected) == plan.num_micro_batches
-            for mine, ref in zip(got, expected, strict=True):
-                diff = (mine["logprobs"] - ref["logprobs"]).abs().max()
-                result["worst"] = max(result["worst"], float(diff))
-            logprobs[name] = torch.cat([out["logprobs"] for out in got])
-            result["encoded"] += len(encoded_keys)
-            result["grads"] = result["grads"] or any(
-                p.grad is not None or bool(p.main_grad.abs().sum() > 0) for p in vision.parameters()
+        providers = {
+            "old": functools.partial(user.build_model, False),
+            "ref": functools.partial(perturbed_model, 7),
+        }
+        return {
+            name: check_equivalence(
+                VLMUnderTest(
+                    provider=provider,
+                    forward_step=user.forward_step,
+                    forward_only_step=logprob_step,
+                ),
+                functools.partial(user.grpo_trajectories, 0),
             )
-            result["restored"] = type(vision) is user.VisionPath and model.module.vision is vision
-        result["models_differ"] = not torch.equal(logprobs["old"], logprobs["ref"])
-        return result
+            for name, provider in providers.items()
+        }
     finally:
         megatron_cpu.destroy_model_parallel()
 
 
-def _check(results: list[dict[str, Any]], passes: int = 2) -> None:
-    for rank, result in enumerate(results):
-        assert result["worst"] == 0.0, f"rank {rank}: log-probs differ by {result['worst']}"
-        assert not result["graph"], f"rank {rank}: the forward-only encoder kept a graph"
-        assert not result["grads"], f"rank {rank}: a forward-only pass left vision gradients"
-        assert result["restored"], f"rank {rank}: the vision path was not restored"
-        assert result["models_differ"], "old and reference models must give different log-probs"
-    unique = len({i.key for t in user.grpo_trajectories(0) for i in t.multimodal})
-    encoded = sum(r["encoded"] for r in results)
-    assert encoded == unique * passes, f"{encoded} encodings for {unique} unique images x {passes}"
+def _check(results: list[dict[str, EquivalenceReport]]) -> None:
+    reports = results[0]
+    logprobs = {}
+    for name, report in reports.items():
+        print(report.table())
+        report.raise_if_failed(expect_below_floor=())
+        row = next(c for c in report.outputs if c.name == "forward_only[logprobs]")
+        assert row.max_abs_diff == 0.0, f"{name}: log-probs differ by {row.max_abs_diff}"
+        logprobs[name] = row.max_abs_ref
+    assert logprobs["old"] != logprobs["ref"], (
+        "old and reference models must give different log-probs"
+    )
 
 
 @pytest.fixture(scope="module")

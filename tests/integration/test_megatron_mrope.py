@@ -5,31 +5,42 @@ loop is the reference here), and after store -> plan (CP split) -> pack, every p
 must be the reference row of its token; ``mrope_position_ids`` places a CP rank's rows at their
 full-sequence offsets, where megatron's THD RoPE reads them.
 
-Gradients: the same model and data with and without dedup (the reference re-encodes every image
-piece in every micro-batch), two mini-batches with an SGD update between. Tolerance (fp32): per
-parameter ``max|g_dedup - g_ref| <= 1e-5 + 1e-4 * max|g_ref|``; the worst relative error is
-printed (``-s``).
+Gradients: ``knitkit.integration.megatron.testing.check_equivalence`` on the same model with and
+without dedup (the reference hands every micro-batch the image pieces it consumes, so each is
+re-encoded in every micro-batch), the same mini-batch twice with an SGD update between. Tolerance
+(fp32): per parameter ``max|g_dedup - g_ref| <= 1e-4 * max(max|g_ref|, 1e-6)``; every reference
+gradient is above the floor and the worst relative error is asserted (table printed with ``-s``).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-import megatron_cpu
 import numpy as np
 import pytest
 import torch
 from dist import World
 
+from knitkit.integration.megatron import cpu as megatron_cpu
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import megatron_mrope as user
 
-from knitkit.integration.megatron import MROPE_FIELD, mrope_position_ids, mrope_positions
+from knitkit.encoder_dedup import EquivalenceReport, feature_slices
+from knitkit.integration.megatron import (
+    MROPE_FIELD,
+    mrope_batch,
+    mrope_position_ids,
+    mrope_positions,
+)
+from knitkit.integration.megatron.testing import VLMUnderTest, check_equivalence
 from knitkit.storage import (
     MemoryBackend,
+    MicroBatchPlan,
     PlannerConfig,
     Topology,
     Trajectory,
@@ -40,7 +51,7 @@ from knitkit.storage import (
 from knitkit.storage.planning import cp_chunks
 from knitkit.types import UnitKey
 
-ATOL, RTOL = 1e-5, 1e-4
+RTOL, FLOOR = 1e-4, 1e-6
 STEPS, LR = 2, 0.5
 
 
@@ -162,105 +173,63 @@ def test_packed_mrope_positions_equal_reference_per_sequence(cp: int) -> None:
     assert checked == len(trajectories) * cp
 
 
+def with_images(
+    micro_batches: Sequence[MicroBatchPlan],
+    batches: Iterable[Mapping[str, object]],
+    load: Callable[[UnitKey], torch.Tensor],
+) -> Iterator[dict[str, object]]:
+    """The model without dedup: each batch carries the (unit, first row, end row) pieces it consumes."""
+    for batch, micro_batch in zip(batches, micro_batches, strict=True):
+        pieces = feature_slices(micro_batch)
+        yield dict(batch, images=[(load(s.key), s.start, s.stop) for s in pieces])
+
+
 def _equivalence(
     rank: int, tensor_parallel: int, overlap: bool, use_te: bool = False, context_parallel: int = 1
-) -> dict[str, object]:
-    """One rank: the model without dedup and with it, on twin models; per-parameter gradient excess."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from knitkit.integration.megatron import DedupVLMStep, MegatronLayout, feature_slices
+) -> EquivalenceReport:
+    """One rank of ``check_equivalence``: the model without dedup and with it, twin builds."""
+    from megatron.core import parallel_state
 
     megatron_cpu.initialize_model_parallel(
         tensor_parallel=tensor_parallel, context_parallel=context_parallel
     )
     megatron_cpu.install_schedule_shim()
     try:
-        layout = MegatronLayout.from_parallel_state()
-        reference = user.build_model(overlap, use_te=use_te)
-        wrapped = user.build_model(overlap, use_te=use_te)
-        device = user._device()
-        step = DedupVLMStep(wrapped, vision="vision", tp_sharded_vision=True)
-        store = TrajectoryStore(MemoryBackend())
-
-        def unit(key: UnitKey) -> torch.Tensor:
-            return torch.from_numpy(store.read(key)).to(device)
-
-        def encode(keys: Sequence[UnitKey]) -> torch.Tensor:
-            return torch.cat([wrapped.module.vision.encode(unit(k)) for k in keys])
-
-        worst: dict[str, float] = {}
-        worst_relative = 0.0
-        encoded = references = 0
-        for mini_batch in range(STEPS):
-            trajectories = user.grpo_trajectories(seed=mini_batch)
-            for trajectory in trajectories:
-                store.write(trajectory)
-            plan = user.plan_step(store, [t.trajectory_id for t in trajectories], layout)
-            consumer = plan.consumer(*layout.coord[:2])
-
-            reference.zero_grad_buffer()
-            iterator, data = user.knitkit_batches(store, plan, layout, use_te=use_te)
-            with iterator:
-                pieces = [feature_slices(mb) for mb in consumer.micro_batches]
-                references += sum(len(p) for p in pieces)
-                with_images = (
-                    dict(batch, images=[(unit(s.key), s.start, s.stop) for s in piece])
-                    for batch, piece in zip(data, pieces, strict=True)
-                )
-                get_forward_backward_func()(
-                    forward_step_func=user.forward_step,
-                    data_iterator=with_images,
-                    model=[reference],
-                    num_microbatches=plan.num_micro_batches,
-                    seq_length=user.MAX_SEQ,
-                    micro_batch_size=1,
-                )
-
-            wrapped.zero_grad_buffer()
-            iterator, data = user.knitkit_batches(store, plan, layout, use_te=use_te)
-            with iterator:
-                step.run(
-                    forward_step_func=user.forward_step,
-                    data_iterator=data,
-                    route=layout.route(plan),
-                    encode_fn=encode,
-                    num_microbatches=plan.num_micro_batches,
-                    seq_length=user.MAX_SEQ,
-                    micro_batch_size=1,
-                )
-            encoded += step.last_encoded_units
-            for (name, ref), mine in zip(
-                reference.module.named_parameters(), wrapped.module.parameters(), strict=True
-            ):
-                diff = float((mine.main_grad - ref.main_grad).abs().max())
-                scale = float(ref.main_grad.abs().max())
-                worst[name] = max(worst.get(name, -1.0), diff - RTOL * scale)
-                worst_relative = max(worst_relative, diff / max(scale, 1e-12))
-                for param in (ref, mine):
-                    param.data.add_(param.main_grad, alpha=-LR)
-        return {
-            "worst_excess": worst,
-            "worst_relative": worst_relative,
-            "encoded": encoded,
-            "references": references,
-        }
+        to_batch = functools.partial(
+            mrope_batch,
+            use_te=use_te,
+            cp_size=context_parallel,
+            cp_rank=parallel_state.get_context_parallel_rank(),
+        )
+        subject = VLMUnderTest(
+            provider=functools.partial(user.build_model, overlap, use_te=use_te),
+            forward_step=user.forward_step,
+            tp_sharded_vision=True,
+            to_batch=to_batch,
+            reference_batches=with_images,
+            token_fields=("tokens", "labels", "loss_mask", MROPE_FIELD),
+        )
+        return check_equivalence(
+            subject,
+            functools.partial(user.grpo_trajectories, 0),
+            rtol=RTOL,
+            floor=FLOOR,
+            steps=STEPS,
+            lr=LR,
+        )
     finally:
         megatron_cpu.destroy_model_parallel()
 
 
-def _check(results: list[dict[str, object]], tensor_parallel: int) -> None:
-    for rank, result in enumerate(results):
-        worst = result["worst_excess"]
-        assert isinstance(worst, dict) and any(n.startswith("vision.") for n in worst)
-        bad = {name: excess for name, excess in worst.items() if excess > ATOL}
-        assert not bad, f"rank {rank}: gradients beyond {ATOL} + {RTOL}*max|g_ref|: {bad}"
-    print(f"worst relative gradient error: {max(float(r['worst_relative']) for r in results):.2e}")  # type: ignore[arg-type]
-    encoded = sum(int(r["encoded"]) for r in results)  # type: ignore[call-overload]
-    unique = sum(
-        len({i.key for t in user.grpo_trajectories(s) for i in t.multimodal}) for s in range(STEPS)
-    )
-    assert encoded == unique * tensor_parallel, (encoded, unique)
-    assert sum(int(r["references"]) for r in results) > encoded  # type: ignore[call-overload]
+def _check(results: list[EquivalenceReport], tensor_parallel: int) -> None:
+    report = results[0]
+    print(report.table())
+    report.raise_if_failed(expect_below_floor=())
+    assert report.worst_relative_error <= RTOL, report.worst_relative_error
+    assert any(c.name.startswith("vision.") and c.status == "ok" for c in report.gradients)
+    unique = len({i.key for t in user.grpo_trajectories(0) for i in t.multimodal})
+    assert report.units_with_dedup == unique * STEPS * tensor_parallel  # TP peers encode together
+    assert report.units_without_dedup > report.units_with_dedup
 
 
 def _example(rank: int, steps: int) -> list[dict[str, float]]:

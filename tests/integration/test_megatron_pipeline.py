@@ -9,28 +9,36 @@ schedule (interleaved with virtual chunks) with every micro-batch re-encoding it
 first stage; the wrapped step is ``DedupVLMStep``: only first-stage ranks encode (each unique image once in the stage), serve cached rows and run the
 deferred encoder backward before the first stage's ``finalize_model_grads``.
 
-Tolerance (fp32), per parameter on each stage: ``max|g_wrapped - g_ref| <= 1e-5 + 1e-4 *
-max|g_ref|`` (summation order only, as at PP=1); the worst excess is recorded per run.
+Each case is ``knitkit.integration.megatron.testing.check_equivalence`` with the chunks as the
+provider (rows named ``stage{s}.[chunk{c}.]<parameter>``). Tolerance (fp32), per parameter on each
+stage: ``max|g_wrapped - g_ref| <= 1e-4 * max(max|g_ref|, 1e-6)`` (summation order only, as at
+PP=1); every reference gradient is above the floor and the worst relative error is asserted.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import megatron_cpu
 import pytest
 import torch
 from dist import World
+
+from knitkit.encoder_dedup import EquivalenceReport, feature_slices
+from knitkit.integration.megatron import cpu as megatron_cpu
+from knitkit.integration.megatron import current_device
+from knitkit.integration.megatron.testing import VLMUnderTest, check_equivalence
+from knitkit.storage import MicroBatchPlan, PlannerConfig
+from knitkit.types import UnitKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import megatron_wrap as user
 
-ATOL, RTOL = 1e-5, 1e-4
+RTOL, FLOOR = 1e-4, 1e-6
 STEPS, LR = 2, 0.5
 
 
@@ -120,7 +128,7 @@ def build_pipelined_chunks(overlap_grad_reduce: bool, virtual: int | None = None
         DistributedDataParallel(
             config,
             DistributedDataParallelConfig(overlap_grad_reduce=overlap_grad_reduce),
-            PipelinedVLM(stage).to(user._device()),
+            PipelinedVLM(stage).to(current_device()),
             disable_bucketing=i > 0,  # as megatron's training loop wraps later chunks
         )
         for i, stage in enumerate(stages)
@@ -131,138 +139,42 @@ def build_pipelined_chunks(overlap_grad_reduce: bool, virtual: int | None = None
     return chunks
 
 
-def _pipeline_batches(
-    store: Any, plan: Any, layout: Any
-) -> tuple[Any, Iterator[Mapping[str, object]]]:
-    """Like the example's ``knitkit_batches``, but every tensor cloned out of the prefetch slot:
-    a pipeline holds several micro-batches in flight (see ``megatron_batches``)."""
-    from knitkit.integration.megatron import megatron_batch, megatron_batches
-    from knitkit.microbatch_iter import MicroBatchIterator, PackedMicroBatch
-    from knitkit.storage import pack
-
-    consumer = plan.consumer(*layout.coord[:2])
-    schema = store.schema(consumer.micro_batches[0].sequences[0].trajectory_id)
-    packed = (PackedMicroBatch(*pack(mb, schema, store.read_into)) for mb in consumer.micro_batches)
-    iterator = MicroBatchIterator(packed)
-
-    def to_batch(micro_batch: Any) -> dict[str, object]:
-        batch = megatron_batch(micro_batch, attention_mask=True)
-        device = user._device()
-        return {
-            k: v.to(device, copy=True) if isinstance(v, torch.Tensor) else v
-            for k, v in batch.items()
-        }
-
-    return iterator, megatron_batches(iterator, to_batch)
+def with_images(
+    micro_batches: Sequence[MicroBatchPlan],
+    batches: Iterable[Mapping[str, object]],
+    load: Callable[[UnitKey], torch.Tensor],
+) -> Iterator[dict[str, object]]:
+    """The unwrapped first stage's batches: each carries the image pieces it consumes."""
+    for batch, micro_batch in zip(batches, micro_batches, strict=True):
+        pieces = feature_slices(micro_batch)
+        yield dict(batch, images=[(load(s.key), s.start, s.stop) for s in pieces])
 
 
 def _equivalence(
     rank: int, overlap: bool, virtual: int | None, pipeline: int = 2
-) -> dict[str, Any]:
-    """One rank: reference and wrapped PP steps on twin models; per-parameter worst excess."""
+) -> EquivalenceReport:
+    """One rank of ``check_equivalence`` on the pipelined chunks (twin builds, two mini-batches)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from knitkit.integration.megatron import DedupVLMStep, MegatronLayout, feature_slices
-    from knitkit.storage import MemoryBackend, PlannerConfig, TrajectoryStore, plan_minibatch
 
     megatron_cpu.initialize_model_parallel(pipeline_parallel=pipeline)
     if virtual is not None:
         ps.set_virtual_pipeline_model_parallel_world_size(virtual)
     megatron_cpu.install_pipeline_shim()
     try:
-        layout = MegatronLayout.from_parallel_state()
-        reference = build_pipelined_chunks(overlap, virtual)
-        wrapped = build_pipelined_chunks(overlap, virtual)
-        model = wrapped if virtual else wrapped[0]
-        step = DedupVLMStep(model, vision="vision")
-        vision = wrapped[0].module.vision if ps.is_pipeline_first_stage() else None
-        store = TrajectoryStore(MemoryBackend())
-        # The interleaved schedule runs micro-batches in groups of PP: plan a multiple of it.
-        config = PlannerConfig(token_fields=("tokens",), scalar_fields=(), min_micro_batches=4)
-
-        def pixels(key):  # type: ignore[no-untyped-def]
-            return torch.from_numpy(store.read(key)).to(user._device())
-
-        def encode(keys):  # type: ignore[no-untyped-def]
-            assert vision is not None
-            return torch.cat([vision.encode(pixels(k)) for k in keys])
-
-        worst: dict[str, float] = {}
-        worst_abs = 0.0  # the largest |g_wrapped - g_ref| of any parameter, for the record
-        encoded, micro_batches = 0, []
-        for mini_batch in range(STEPS):
-            trajectories = user.grpo_trajectories(seed=mini_batch)
-            for trajectory in trajectories:
-                store.write(trajectory)
-            plan = plan_minibatch(
-                store.metas([t.trajectory_id for t in trajectories]),
-                layout.topology,
-                config,
-                encoders=[layout.encoder_topology()],
-            )
-            consumer = plan.consumer(*layout.coord[:2])
-            micro_batches.append(plan.num_micro_batches)
-
-            for chunk in reference:
-                chunk.zero_grad_buffer()
-            with contextlib.ExitStack() as stack:
-                feeds = []
-                for _ in reference:
-                    iterator, data = _pipeline_batches(store, plan, layout)
-                    stack.enter_context(iterator)
-                    feeds.append(data)
-                pieces = [feature_slices(mb) for mb in consumer.micro_batches]
-                feeds[0] = (
-                    dict(batch, images=[(pixels(s.key), s.start, s.stop) for s in piece])
-                    for batch, piece in zip(feeds[0], pieces, strict=True)
-                )
-                get_forward_backward_func()(
-                    forward_step_func=user.forward_step,
-                    data_iterator=feeds if virtual else feeds[0],
-                    model=reference,
-                    num_microbatches=plan.num_micro_batches,
-                    seq_length=user.MAX_SEQ,
-                    micro_batch_size=1,
-                )
-
-            for chunk in wrapped:
-                chunk.zero_grad_buffer()
-            with contextlib.ExitStack() as stack:
-                feeds = []
-                for _ in wrapped:
-                    iterator, data = _pipeline_batches(store, plan, layout)
-                    stack.enter_context(iterator)
-                    feeds.append(data)
-                step.run(
-                    forward_step_func=user.forward_step,
-                    data_iterator=feeds if virtual else feeds[0],
-                    route=layout.route(plan),
-                    encode_fn=encode,
-                    num_microbatches=plan.num_micro_batches,
-                    seq_length=user.MAX_SEQ,
-                    micro_batch_size=1,
-                )
-            encoded += step.last_encoded_units
-
-            for c, (ref_chunk, chunk) in enumerate(zip(reference, wrapped, strict=True)):
-                for (name, ref), mine in zip(
-                    ref_chunk.module.named_parameters(), chunk.module.parameters(), strict=True
-                ):
-                    diff = float((mine.main_grad - ref.main_grad).abs().max())
-                    worst_abs = max(worst_abs, diff)
-                    excess = diff - RTOL * float(ref.main_grad.abs().max())
-                    key = f"chunk{c}.{name}"
-                    worst[key] = max(worst.get(key, -1.0), float(excess))
-                    for param in (ref, mine):
-                        param.data.add_(param.main_grad, alpha=-LR)
-        return {
-            "stage": ps.get_pipeline_model_parallel_rank(),
-            "worst_excess": worst,
-            "worst_abs": worst_abs,
-            "encoded": encoded,
-            "micro_batches": micro_batches,
-        }
+        return check_equivalence(
+            VLMUnderTest(
+                provider=functools.partial(build_pipelined_chunks, overlap, virtual),
+                forward_step=user.forward_step,
+                reference_batches=with_images,
+            ),
+            functools.partial(user.grpo_trajectories, 0),
+            rtol=RTOL,
+            floor=FLOOR,
+            steps=STEPS,
+            lr=LR,
+            # The interleaved schedule runs micro-batches in groups of PP: plan a multiple of it.
+            planner=PlannerConfig(token_fields=("tokens",), scalar_fields=(), min_micro_batches=4),
+        )
     finally:
         megatron_cpu.destroy_model_parallel()
 
@@ -290,22 +202,17 @@ def world4() -> Iterator[World]:
         yield world
 
 
-def _check(results: list[dict[str, Any]], pipeline: int = 2) -> None:
-    stages = [r["stage"] for r in results]
-    assert sorted(stages) == sorted(s % pipeline for s in range(len(results))), stages
-    for rank, result in enumerate(results):
-        worst = result["worst_excess"]
-        has_vision = any(".vision." in name for name in worst)
-        assert has_vision == (result["stage"] == 0), f"rank {rank}: vision on stage {stages[rank]}"
-        bad = {name: excess for name, excess in worst.items() if excess > ATOL}
-        assert not bad, f"rank {rank}: gradients beyond {ATOL} + {RTOL}*max|g_ref|: {bad}"
-        assert result["micro_batches"] == results[0]["micro_batches"]
-        if result["stage"] != 0:
-            assert result["encoded"] == 0, f"rank {rank}: a later stage encoded"
-    unique = sum(
-        len({i.key for t in user.grpo_trajectories(s) for i in t.multimodal}) for s in range(STEPS)
-    )
-    assert sum(r["encoded"] for r in results) == unique
+def _check(results: list[EquivalenceReport], pipeline: int = 2) -> None:
+    report = results[0]
+    print(report.table())
+    report.raise_if_failed(expect_below_floor=())
+    assert report.worst_relative_error <= RTOL, report.worst_relative_error
+    stages = {c.name.split(".")[0] for c in report.gradients}
+    assert stages == {f"stage{s}" for s in range(pipeline)}, stages
+    vision = {c.name.split(".")[0] for c in report.gradients if ".vision." in c.name}
+    assert vision == {"stage0"}, f"vision parameters on {vision}: only the first stage holds them"
+    unique = len({i.key for t in user.grpo_trajectories(0) for i in t.multimodal})
+    assert report.units_with_dedup == unique * STEPS  # only the first stage encodes
 
 
 @pytest.mark.slow

@@ -212,14 +212,16 @@ def _consume(rings: dict[str, RingSpec], tp: dict[str, int]) -> dict[str, list[l
         got = []
         try:
             with MicroBatchConsumer(rings[name], rank, liveness_timeout_s=30) as consumer:
-                for mb in consumer:
-                    tokens = mb.fields.get("tokens")
-                    real = (
-                        []
-                        if tokens is None
-                        else tokens[(tokens & POSITION_MASK) == mb.fields["position_ids"]].tolist()
-                    )
-                    got.append([_digest(mb.fields), real])
+                for lease in consumer:
+                    with lease:  # the slot is reused once every TP rank released it
+                        fields = lease.fields
+                        tokens = fields.get("tokens")
+                        real = (
+                            []
+                            if tokens is None
+                            else tokens[(tokens & POSITION_MASK) == fields["position_ids"]].tolist()
+                        )
+                        got.append([_digest(fields), real])
         except BaseException as error:
             errors.append(error)
         out[f"{name}#{rank}"] = got
@@ -286,6 +288,10 @@ def test_dispatch_across_nodes_delivers_every_token_once(nodes: tuple[str, str])
         everything = np.concatenate([t.token_fields["tokens"] for t in trajectories])
         assert sorted(seen) == sorted(everything.tolist())
         assert sum(dispatcher.bytes_read().values()) == reference.bytes_read
+        assert dispatcher.metrics() == {
+            "knitkit/delivery/reorganizer_bytes_read": float(reference.bytes_read),
+            "knitkit/delivery/reorganizer_published": float(sum(published)),
+        }
         dispatcher.close()
         assert not [
             s.name for s in dispatcher.rings.values() if os.path.exists(f"/dev/shm/{s.name}")
@@ -353,8 +359,8 @@ def test_a_failing_reorganizer_actor_reports_its_error(nodes: tuple[str, str]) -
             MicroBatchConsumer(ring, 0) as consumer,
             pytest.raises(ReorganizerError, match=str(victim)),
         ):
-            for _ in consumer:
-                pass
+            for lease in consumer:
+                lease.release()
         with pytest.raises(KeyError):
             ray.get(list(done.values()))
     finally:

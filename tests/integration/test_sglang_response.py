@@ -11,6 +11,7 @@ from sglang_fixtures import load
 
 from knitkit.integration.sglang import (
     decode_routed_experts,
+    iter_sse_events,
     parse_generate_output,
     parse_weight_version,
 )
@@ -68,6 +69,28 @@ def test_inconsistent_logprobs_are_rejected() -> None:
     out["meta_info"]["output_token_logprobs"].pop()
     with pytest.raises(ValueError, match="output_token_logprobs for"):
         parse_generate_output(out)
+
+
+def test_completion_tokens_must_count_the_output_ids() -> None:
+    """``meta_info.completion_tokens`` is checked against ``output_ids`` (issue 22 item 18): a
+    truncated response, or one stream chunk passed as the whole output, is refused by request id."""
+    out = copy.deepcopy(load("vlm_grpo_batch.json")["response"][0])
+    rid = out["meta_info"]["id"]
+    del out["meta_info"]["output_token_logprobs"]  # so only the count can catch it
+    out["output_ids"].pop()
+    with pytest.raises(
+        ValueError, match=rf"request '{rid}': meta_info.completion_tokens=22 but 21"
+    ):
+        parse_generate_output(out)
+    out["meta_info"]["completion_tokens"] = 21
+    assert len(parse_generate_output(out).output_ids) == 21
+    del out["meta_info"]["completion_tokens"]  # engines that do not report it: nothing to check
+    assert len(parse_generate_output(out).output_ids) == 21
+    record = load("stream_incremental.json")
+    chunk = list(iter_sse_events(record["response_body"].splitlines()))[1]  # a delta of 4 of 5
+    chunk["meta_info"]["finish_reason"] = {"type": "stop", "matched": 151645}
+    with pytest.raises(ValueError, match=r"completion_tokens=5 but 4"):
+        parse_generate_output(chunk)
 
 
 def test_abort_and_error_outputs() -> None:

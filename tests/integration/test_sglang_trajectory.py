@@ -10,6 +10,7 @@ import pytest
 from sglang_fixtures import load
 
 from knitkit.integration.sglang import (
+    EnvironmentTokens,
     PayloadConfig,
     RolloutRequest,
     build_trajectory,
@@ -118,8 +119,8 @@ def test_partial_rollout_continues_across_a_weight_update() -> None:
         build_trajectory(request, outs[:1], PayloadConfig())
     with pytest.raises(ValueError, match="prompt_tokens=38"):
         build_trajectory(request, outs[1:], PayloadConfig())
-    with pytest.raises(ValueError, match="only its last output"):
-        build_trajectory(request, [outs[1], outs[1]], PayloadConfig())
+    with pytest.raises(ValueError, match=r"was aborted; continue it .* before the environment"):
+        build_trajectory(request, [outs[0], EnvironmentTokens((1, 2))], PayloadConfig())
 
 
 def test_issued_version_lowers_min_version() -> None:
@@ -244,8 +245,7 @@ def test_qwen_vl_request_stores_pixel_values_and_mrope_positions() -> None:
     """A Qwen-VL request with ``image_grid_thw``: the processor-expanded ids, the images' pixel
     values and the whole sequence's ``mrope_position_ids`` ``[T, 3]`` (prompt and generated
     tokens) equal to Qwen2.5-VL's ``get_rope_index`` land in the store."""
-    import torch
-    from test_megatron_mrope import _get_rope_index
+    from qwen_vl_reference import get_rope_index
 
     from knitkit.integration.megatron import MROPE_FIELD
     from knitkit.storage import MemoryBackend, TrajectoryStore
@@ -262,9 +262,9 @@ def test_qwen_vl_request_stores_pixel_values_and_mrope_positions() -> None:
         tokens = store.read(UnitKey(request.trajectory_id, "tokens"))
         assert tokens.tolist() == [*request.input_ids, *output["output_ids"]]
         positions = store.read(UnitKey(request.trajectory_id, MROPE_FIELD))
-        reference = _get_rope_index(torch.tensor(tokens), torch.tensor(grids), IMAGE_PAD, MERGE)
+        reference = get_rope_index("qwen2_5_vl", [tokens.tolist()], grids)[0]
         assert positions.shape == (len(tokens), 3)
-        assert np.array_equal(positions, reference.t().numpy())
+        assert np.array_equal(positions, reference.T)
         for ref, (t, h, w) in zip(trajectory.meta().multimodal, grids, strict=True):
             assert store.read(ref.key).shape == (t * h * w, 3 * PATCH * PATCH)
             assert ref.num_tokens == t * h * w // MERGE**2
@@ -274,7 +274,7 @@ def test_qwen_vl_grid_must_match_the_placeholder_runs() -> None:
     """A grid whose merged size differs from its placeholder run is an error naming the image."""
     requests, outputs = _decoded_requests("numpy")
     bad = dataclasses.replace(requests[0], image_grid_thw=((1, 4, 4), (1, 4, 4)))
-    with pytest.raises(ValueError, match=r"image 1: grid \(1, 4, 4\) makes 4 tokens"):
+    with pytest.raises(ValueError, match=r"'s0-0': image 1: grid \(1, 4, 4\) needs 4 image"):
         build_trajectory(
             bad, [parse_generate_output(outputs[0])], PayloadConfig(image_token_id=IMAGE_PAD)
         )
@@ -283,3 +283,158 @@ def test_qwen_vl_grid_must_match_the_placeholder_runs() -> None:
         build_trajectory(
             short, [parse_generate_output(outputs[0])], PayloadConfig(image_token_id=IMAGE_PAD)
         )
+
+
+VIDEO_PAD, VISION_START, VISION_END = 151656, 151652, 151653
+CHAT_USER, CHAT_ASSISTANT = [151644, 872, 198], [151645, 198, 151644, 77091, 198]
+
+
+def _answer(prompt_tokens: int, output_ids: list[int], version: str = "2") -> dict:
+    """A finished /generate output for ``prompt_tokens`` expanded ids, in SGLang's wire format."""
+    return {
+        "output_ids": output_ids,
+        "meta_info": {
+            "id": f"video-{prompt_tokens}",
+            "finish_reason": {"type": "stop", "matched": 151645},
+            "prompt_tokens": prompt_tokens,
+            "weight_version": version,
+            "completion_tokens": len(output_ids),
+            "output_token_logprobs": [[-0.25, t, None] for t in output_ids],
+        },
+    }
+
+
+def _qwen25_video_request() -> tuple[RolloutRequest, dict, int]:
+    """Qwen2.5-VL chat: an image (1, 4, 4) and a video (4, 4, 8) at fps 2, then the question.
+    Returns the request, its output and the length of the prompt through the video run."""
+    ids = [*CHAT_USER, VISION_START, *[IMAGE_PAD] * 4, VISION_END, VISION_START]
+    ids += [VIDEO_PAD] * (4 * 2 * 4)
+    through_video = len(ids)
+    ids += [VISION_END, 3838, 374, 6247, 30, *CHAT_ASSISTANT]
+    request = RolloutRequest(
+        "v0",
+        "s-video",
+        "video-qa",
+        1,
+        tuple(ids),
+        images=(b"png",),
+        image_grid_thw=((1, 4, 4),),
+        videos=(b"mp4 bytes",),
+        video_grid_thw=((4, 4, 8),),
+        second_per_grid_ts=(1.0,),
+    )
+    return request, _answer(len(ids), [785, 2781, 4933, 151645]), through_video
+
+
+QWEN25 = PayloadConfig(
+    image_token_id=IMAGE_PAD,
+    video_token_id=VIDEO_PAD,
+    tokens_per_second=2,
+    spatial_merge_size=MERGE,
+)
+
+
+def test_qwen2_5_vl_video_request_stores_its_unit_and_positions() -> None:
+    """Through the writer, a Qwen2.5-VL request with an image and a video stores the video as one
+    unit at its run and ``mrope_position_ids`` equal to transformers' positions: its prefill
+    through the video, then every later token (question and answer) as generation continues."""
+    from qwen_vl_reference import generation_positions
+
+    from knitkit.integration.megatron import MROPE_FIELD
+    from knitkit.integration.sglang import RolloutWriter
+    from knitkit.storage import MemoryBackend, TrajectoryStore
+    from knitkit.types import UnitKey
+
+    request, output, through_video = _qwen25_video_request()
+    store = TrajectoryStore(MemoryBackend())
+    meta = RolloutWriter(store, QWEN25).add(request, output)
+    assert meta is not None
+    tokens = [*request.input_ids, *output["output_ids"]]
+    expected = generation_positions(
+        "qwen2_5_vl",
+        tokens[:through_video],
+        len(tokens) - through_video,
+        request.image_grid_thw,
+        request.video_grid_thw,
+        request.second_per_grid_ts,
+    )
+    np.testing.assert_array_equal(store.read(UnitKey("v0", MROPE_FIELD)), expected.T)
+    video = [ref for ref in meta.multimodal if ref.key.field == "video"]
+    assert [(r.token_start, r.num_tokens) for r in video] == [(through_video - 32, 32)]
+    assert store.read(video[0].key).tobytes() == b"mp4 bytes"
+
+
+def test_qwen3_vl_video_is_one_unit_per_temporal_patch() -> None:
+    """A Qwen3-VL video (timestamp text, then one run per temporal patch): one unit per run from
+    ``encode_video``'s first axis, positions equal transformers' Qwen3-VL ``get_rope_index``."""
+    from qwen_vl_reference import get_rope_index
+
+    from knitkit.integration.megatron import MROPE_FIELD
+
+    ids = [*CHAT_USER, VISION_START]
+    for second in range(3):  # "<1.0 seconds>" etc., then the patch's run
+        ids += [27, 16 + second, 6486, VISION_START, *[VIDEO_PAD] * 4, VISION_END]
+    ids += [VISION_END, 3838, 30, *CHAT_ASSISTANT]
+    request = RolloutRequest(
+        "q3",
+        "s",
+        "video-qa",
+        1,
+        tuple(ids),
+        videos=(np.zeros((6, 56, 56, 3), np.uint8),),
+        video_grid_thw=((3, 4, 4),),
+    )
+    patches = np.arange(3 * 4 * 8, dtype=np.float32).reshape(3, 4, 8)
+    config = PayloadConfig(
+        image_token_id=IMAGE_PAD,
+        video_token_id=VIDEO_PAD,
+        mrope_scheme="qwen3_vl",
+        encode_video=lambda frames: patches,
+    )
+    output = parse_generate_output(_answer(len(ids), [40, 1490, 151645]))
+    trajectory = build_trajectory(request, [output], config)
+    tokens = [*ids, 40, 1490, 151645]
+    reference = get_rope_index("qwen3_vl", [tokens], video_grid_thw=[(3, 4, 4)])[0]
+    np.testing.assert_array_equal(trajectory.token_fields[MROPE_FIELD], reference.T)
+    units = trajectory.multimodal
+    assert [(u.token_start, u.num_tokens) for u in units] == [(8, 4), (17, 4), (26, 4)]
+    for k, unit in enumerate(units):
+        np.testing.assert_array_equal(unit.data, patches[k : k + 1])
+    with pytest.raises(ValueError, match=r"'q3', video 0: it spans 3 placeholder runs"):
+        build_trajectory(request, [output], dataclasses.replace(config, encode_video=None))
+
+
+def test_inconsistent_video_metadata_is_refused_and_nothing_stored() -> None:
+    """A video grid that does not match its run, missing timing or config: a ValueError naming the
+    trajectory and what to pass; the store stays empty."""
+    from knitkit.integration.sglang import RolloutWriter
+    from knitkit.storage import MemoryBackend, TrajectoryStore
+
+    request, output, _ = _qwen25_video_request()
+    store = TrajectoryStore(MemoryBackend())
+    writer = RolloutWriter(store, QWEN25)
+    cases = [
+        (
+            dataclasses.replace(request, video_grid_thw=((4, 4, 4),)),
+            QWEN25,
+            r"'v0': video 0: grid \(4, 4, 4\) needs 16 video tokens .* has 32",
+        ),
+        (
+            dataclasses.replace(request, second_per_grid_ts=()),
+            QWEN25,
+            "1 video_grid_thw but 0 second_per_grid_ts",
+        ),
+        (request, dataclasses.replace(QWEN25, tokens_per_second=None), "need tokens_per_second"),
+        (request, dataclasses.replace(QWEN25, video_token_id=None), "video_token_id"),
+        (dataclasses.replace(request, videos=()), QWEN25, "1 video_grid_thw for 0 videos"),
+        (
+            dataclasses.replace(request, videos=(b"a", b"b")),
+            QWEN25,
+            "1 video_grid_thw for 2 videos",
+        ),
+    ]
+    for bad, config, message in cases:
+        writer.config = config
+        with pytest.raises(ValueError, match=message):
+            writer.add(bad, output)
+    assert list(store.backend.keys()) == [] and writer.partial == ()

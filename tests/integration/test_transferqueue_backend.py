@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -163,3 +165,86 @@ def test_store_over_transferqueue_delivers_like_memory(connection: TransferQueue
     for got, expected in zip(delivered["tq"], delivered["memory"], strict=True):
         assert got.keys() == expected.keys()
         assert all(np.array_equal(got[k], expected[k]) for k in expected)
+
+
+_START = """
+import sys, time
+from knitkit.integration.transferqueue import start_transfer_queue
+started = time.monotonic()
+try:
+    start_transfer_queue(num_cpus=2)
+except ValueError as error:
+    print("REFUSED", round(time.monotonic() - started), error, flush=True)
+else:
+    print("STARTED", flush=True)
+"""
+
+_BUSY = """
+import time, ray
+from knitkit.integration.ray import start_ray
+from knitkit.integration.transferqueue import start_transfer_queue
+start_ray(num_cpus=3)
+
+@ray.remote(num_cpus=1)
+class Hog:
+    def ready(self):
+        return True
+
+hog = Hog.remote()
+ray.get(hog.ready.remote())
+started = time.monotonic()
+try:
+    start_transfer_queue(timeout_s=20)
+except TimeoutError as error:
+    print("TIMEOUT", round(time.monotonic() - started), error, flush=True)
+else:
+    print("STARTED", flush=True)
+try:
+    ray.get_actor("TransferQueueController", namespace="transfer_queue")
+    print("LEFT controller", flush=True)
+except ValueError:
+    print("CLEAN", flush=True)
+ray.shutdown()
+"""
+
+
+def _run(code: str, timeout_s: float) -> str:
+    """Run ``code`` in a fresh process (a Ray runtime of its own); its stdout."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"start_transfer_queue did not return within {timeout_s} s")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_too_few_cpus_for_transfer_queue_is_refused_at_once() -> None:
+    """``start_transfer_queue(num_cpus=2)``: TQ's controller and two storage units need 3
+    logical CPUs, so it would wait forever; it is refused at once, naming the CPUs and the fix
+    (the bound here covers Ray's own start on a loaded machine)."""
+    out = _run(_START, timeout_s=240)
+    assert out.startswith("REFUSED"), out
+    assert "needs 3 logical CPUs" in out and "num_cpus=3" in out
+
+
+def test_a_start_that_cannot_be_placed_times_out_and_cleans_up() -> None:
+    """Enough CPUs in the cluster but one held by another actor: the start gives up after
+    ``timeout_s`` with a ``TimeoutError`` naming the free CPUs, and kills what it started."""
+    out = _run(_BUSY, timeout_s=280)
+    lines = out.splitlines()
+    assert lines[0].startswith("TIMEOUT") and "free logical CPUs" in lines[0], out
+    assert 20 <= int(lines[0].split()[1]) < 200, out
+    assert lines[1] == "CLEAN", out
+
+
+def test_write_ranges_goes_through_whole_unit_replace(backend: TransferQueueBackend):
+    """TQ rewrites whole rows only: ``write_ranges`` (the Protocol's default) reads the unit,
+    pastes the rows and replaces it; the other rows are unchanged."""
+    key = UnitKey("t-wr", "logprobs")
+    backend.put(key, np.arange(10, dtype=np.float32))
+    backend.write_ranges(key, [(2, 4), (8, 9)], np.array([-1, -2, -3], dtype=np.float32))
+    np.testing.assert_array_equal(backend.read(key), [0, 1, -1, -2, 4, 5, 6, 7, -3, 9])
+    with pytest.raises(IndexError, match="t-wr/logprobs"):
+        backend.write_ranges(key, [(9, 11)], np.zeros(2, dtype=np.float32))

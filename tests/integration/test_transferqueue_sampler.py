@@ -239,3 +239,19 @@ def test_dp_shares_are_balanced_and_cached_for_late_ranks() -> None:
     assert not sampler.has_cached_result("p", "actor", config_of)
     with pytest.raises(ValueError, match="dp_rank=2"):
         sampler.sample([0], 1, dp_rank=2, partition=partition)
+
+
+def test_groups_of_different_sources_with_one_sample_id_stay_apart() -> None:
+    """Datasets number prompts independently: ("a", "17") and ("b", "17") are two GRPO groups, each
+    kept whole on one DP rank (as admission keys them), never merged into one."""
+    partition = DataPartitionStatus("p")
+    config = policy_config(
+        "streaming", train_batch_size=4, num_minibatches=1, sources=("a", "b"), group_size=2
+    )
+    sampler = AdmissionSampler(config, dp_size=2)
+    metas = [TrajectoryMeta(f"{s}{i}", "17", s, 0, 10, 0, 0) for s in "ab" for i in range(2)]
+    partition.set_custom_meta({i: trajectory_tags(m) for i, m in enumerate(metas)})
+    rank0, _ = sampler.sample(list(range(4)), 1, task_name="actor", dp_rank=0, partition=partition)
+    rank1, _ = sampler.sample(list(range(4)), 1, task_name="actor", dp_rank=1, partition=partition)
+    shares = sorted(sorted(metas[i].source for i in share) for share in (rank0, rank1))
+    assert shares == [["a", "a"], ["b", "b"]]

@@ -23,7 +23,7 @@ from knitkit.storage import (
     Topology,
     plan_minibatch,
 )
-from knitkit.storage.delivery import SlotRing
+from knitkit.storage.delivery.slot_ring import SlotRing
 from knitkit.types import TrajectoryMeta, UnitKey
 
 LENGTHS = [90, 140, 60, 200, 120, 80, 170, 50]

@@ -174,3 +174,34 @@ def test_big_endian_units_read_back_their_values(backend: UnitBackend) -> None:
     backend.put(key, np.arange(4, dtype=">i4"))
     assert backend.spec(key).dtype == "int32"
     np.testing.assert_array_equal(backend.read(key), [0, 1, 2, 3])
+
+
+def test_write_ranges_rewrites_exactly_those_rows(backend: UnitBackend) -> None:
+    """``write_ranges`` overwrites the given rows with ``values`` (their rows back to back) and
+    nothing else, buffered or already written out; bad ranges, dtypes or shapes and unknown keys
+    raise naming the key and leave the unit unchanged."""
+    key = UnitKey("t-wr", "routing")
+    array = np.arange(60, dtype=np.int32).reshape(20, 3)
+    backend.put(key, array)
+    want = array.copy()
+    first = -np.arange(6, dtype=np.int32).reshape(2, 3)
+    backend.write_ranges(key, [(2, 4)], first)  # a disk backend still buffers the unit here
+    want[2:4] = first
+    backend.flush()
+    second = -np.arange(100, 115, dtype=np.int32).reshape(5, 3)
+    backend.write_ranges(key, [(15, 18), (0, 2)], second)  # any order, in place on disk
+    want[15:18], want[0:2] = second[:3], second[3:]
+    np.testing.assert_array_equal(backend.read(key), want)
+    cases = [
+        (IndexError, [(18, 21)], np.zeros((3, 3), np.int32)),
+        (IndexError, [(0, 4), (3, 5)], np.zeros((5, 3), np.int32)),
+        (ValueError, [(0, 2)], np.zeros((2, 3), np.int64)),
+        (ValueError, [(0, 2)], np.zeros((3, 3), np.int32)),
+        (ValueError, [(0, 2)], np.zeros((2, 4), np.int32)),
+    ]
+    for error, ranges, values in cases:
+        with pytest.raises(error, match="t-wr/routing"):
+            backend.write_ranges(key, ranges, values)
+    with pytest.raises(KeyError, match="nope/routing"):
+        backend.write_ranges(UnitKey("nope", "routing"), [(0, 1)], np.zeros((1, 3), np.int32))
+    np.testing.assert_array_equal(backend.read(key), want)

@@ -9,15 +9,17 @@ import pytest
 from knitkit.storage.backends.segments import pid_alive
 from knitkit.storage.delivery import consumer as consumer_module
 from knitkit.storage.delivery.consumer import MicroBatchConsumer
-from knitkit.storage.delivery.liveness import Backoff
+from knitkit.storage.delivery.liveness import WaitSlices
 from knitkit.storage.delivery.publication import Publisher
 from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing
 
 
-def test_backoff_check_is_due_once_per_period() -> None:
+def test_wait_slices_check_is_due_once_per_period() -> None:
     """check_due() is False during the first period of waiting, then True at most once per
-    period (see NOTE [ Liveness checks off the poll path ])."""
-    backoff = Backoff(check_every_s=0.05)
+    period, and no slice sleeps past the next check (see NOTE [ Liveness checks off the poll
+    path ])."""
+    backoff = WaitSlices(check_every_s=0.05)
+    assert backoff.slice_s() <= 0.05
     assert not backoff.check_due()
     deadline = time.monotonic() + 30
     while not backoff.check_due():
@@ -26,9 +28,8 @@ def test_backoff_check_is_due_once_per_period() -> None:
 
 
 def test_waiting_consumer_checks_liveness_per_period_not_per_poll(monkeypatch) -> None:
-    """A consumer waiting 0.3 s on a live producer reads /proc about once per 10 ms period (at most
-    31 times), not once per poll (hundreds of times at 20 us .. 1 ms per poll), and still times
-    out with TimeoutError."""
+    """A consumer waiting 0.3 s on a live producer reads /proc about once per liveness period (at
+    most once per 10 ms), not once per wake, and still times out with TimeoutError."""
     calls = []
 
     def counted(pid: int) -> bool:

@@ -85,7 +85,7 @@ def _random_workload(seed: int) -> Workload:
 
 
 def _contract(num_trajectories: int, dp: int, keep_groups: bool) -> Workload:
-    """design.md's planner_ms workloads: GRPO groups of 8, 64k-token micro-batches, DP8 encoder
+    """The planner_ms workloads (benchmarks/README.md): GRPO groups of 8, 64k-token micro-batches, DP8 encoder
     (without groups: at least 20 micro-batches, more than the budget needs)."""
     config = PlannerConfig(
         max_tokens_per_micro_batch=65536,

@@ -153,7 +153,7 @@ def test_planner_ms_measures_the_contract_topology() -> None:
 
 
 def test_planner_figures_come_from_a_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    """planner_figures reports design.md's two keys, timed in a spawned child process: nothing
+    """planner_figures reports the contract's two planner keys, timed in a spawned child process: nothing
     is planned in this process (a counting planner patched in here is never called)."""
     calls: list[int] = []
 

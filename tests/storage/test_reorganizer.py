@@ -156,6 +156,10 @@ def test_exactly_once_through_processes(kind, tmp_path):
         units = list(backend.keys())
         needed = sum(backend.spec(k).nbytes * (cp if k.field == "reward" else 1) for k in units)
         assert sum(r.bytes_read for r in reorganizers) == 2 * needed
+        figures = [r.metrics() for r in reorganizers]
+        assert sum(f["knitkit/delivery/reorganizer_bytes_read"] for f in figures) == 2 * needed
+        published = sum(f["knitkit/delivery/reorganizer_published"] for f in figures)
+        assert published == sum(len(p.consumers[0].micro_batches) for p in plans) * len(figures)
     finally:
         for process in consumers:
             if process.is_alive():

@@ -137,12 +137,12 @@ def _killed_owner(directory: str) -> int:
     process.join(120)
     assert process.exitcode == -signal.SIGKILL
     assert process.pid is not None
-    assert len(_owned(directory, process.pid)) == 2  # its slab and its journal stay behind
+    assert len(_owned(directory, process.pid)) == 3  # its slab, journal and lock stay behind
     return process.pid
 
 
 def test_segments_of_a_sigkilled_owner_are_reclaimed(tmp_path: Path) -> None:
-    """A SIGKILLed owner leaves its slab and journal; the next backend's start-up sweep removes
+    """A SIGKILLed owner leaves its slab, journal and lock file; the next backend's start-up sweep removes
     them (slot rings it leaves to a person), and ``knitkit shm-clean`` removes both by hand;
     live owners' segments are kept."""
     directory = str(tmp_path)
@@ -157,10 +157,10 @@ def test_segments_of_a_sigkilled_owner_are_reclaimed(tmp_path: Path) -> None:
         fresh.close()
         dead = _killed_owner(directory)
         assert knitkit_main(["shm-clean", "--directory", directory, "--dry-run"]) == 0
-        assert len(_owned(directory, dead)) == 2
+        assert len(_owned(directory, dead)) == 3
         assert knitkit_main(["shm-clean", "--directory", directory]) == 0
         assert _owned(directory, dead) == [] and not os.path.exists(ring)
-        assert len(_owned(directory, os.getpid())) == 2
+        assert len(_owned(directory, os.getpid())) == 3
         np.testing.assert_array_equal(live.read(KEY), np.arange(8))
     finally:
         live.close()
@@ -188,7 +188,7 @@ def test_nothing_is_left_after_an_owner_is_signalled(tmp_path: Path, signum: int
     process.start()
     assert parent.poll(120) and parent.recv() == "ready"
     assert process.pid is not None
-    assert len(_owned(directory, process.pid)) == 2
+    assert len(_owned(directory, process.pid)) == 3
     os.kill(process.pid, signum)
     process.join(120)
     assert process.exitcode is not None and process.exitcode != 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -137,3 +138,43 @@ def test_corrupt_records_never_escape_the_slot(ring: SlotRing, data: st.DataObje
     for view in decoded.fields:
         assert np.dtype(view.dtype).kind in "biuf"
         assert view.offset >= 0 and view.offset + view.nbytes <= decoded.nbytes
+
+
+@pytest.mark.parametrize(
+    ("fields", "nbytes", "named"),
+    [
+        ((FieldView("empty", "int64", (2**64 - 1, 0), 0),), 64, r"field 'empty'.*cannot be viewed"),
+        ((FieldView("odd", "int64", (2,), 3),), 64, r"field 'odd'.*offset 3.*cannot be viewed"),
+        (
+            (FieldView("a", "int64", (8,), 0), FieldView("b", "int32", (4,), 0)),
+            64,
+            r"fields '[ab]' and '[ab]' overlap",
+        ),
+        (
+            (FieldView("x", "int64", (1,), 0), FieldView("x", "int64", (1,), 64)),
+            128,
+            r"field 'x' appears twice",
+        ),
+    ],
+    ids=["huge-zero-size", "misaligned", "overlapping", "duplicate-name"],
+)
+def test_fields_that_cannot_be_viewed_are_refused_naming_ring_and_field(
+    ring: SlotRing, fields: tuple[FieldView, ...], nbytes: int, named: str
+) -> None:
+    """A record whose field fits the slot but cannot be viewed (a dimension beyond the slot on a
+    zero-size field, an offset off the layout alignment), or whose fields overlap or share a
+    name, is refused at decode with an error naming the ring and the field."""
+    ring.write_meta(0, MicroBatchLayout(fields, nbytes))
+    with pytest.raises(RuntimeError, match=ring.spec.name) as info:
+        ring.read_meta(0)
+    assert re.search(named, str(info.value)), str(info.value)
+
+
+def test_empty_fields_may_share_an_offset(ring: SlotRing) -> None:
+    """Zero-size fields laid out by ``MicroBatchLayout.build`` (an idle rank's empty layout) sit
+    at the next field's offset: not an overlap."""
+    layout = MicroBatchLayout.build(
+        {"none": ("int64", (0, 3)), "tokens": ("int32", (5,)), "more": ("float32", (0,))}
+    )
+    ring.write_meta(1, layout)
+    assert ring.read_meta(1) == layout

@@ -7,6 +7,7 @@ import csv
 import json
 import sys
 
+from knitkit.admission import checks
 from knitkit.admission.policies import POLICY_NAMES, describe
 from knitkit.admission.predicates import SourceQuota
 from knitkit.admission.replay.runner import ProgressBar, Summary, run_replay
@@ -66,10 +67,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-staleness", type=int, default=None, help="drop trajectories older than this"
     )
+    parser.add_argument(
+        "--dynamic-sampling-rounds",
+        type=int,
+        default=None,
+        help="extra issue rounds a rollout step may add when rejected groups leave its train "
+        "batch short (DAPO dynamic sampling; 0: off)",
+    )
     parser.add_argument("--json", dest="json_out", default=None, help="write the summary here")
     parser.add_argument("--csv", dest="csv_out", default=None, help="write one row per policy")
     parser.add_argument("--plot", default=None, help="write a PNG figure here")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+_FLAG_CHECKS: tuple[tuple[str, str, str], ...] = (
+    ("minibatches", "--minibatches", "count>=1"),
+    ("train_batch_size", "--train-batch-size", "count>=1"),
+    ("slots", "--slots", "count>=1"),
+    ("max_staleness", "--max-staleness", "count>=0"),
+    ("seed", "--seed", "count>=0"),
+    ("dynamic_sampling_rounds", "--dynamic-sampling-rounds", "count>=0"),
+    ("rho", "--rho", "number>0"),
+    ("source_cap", "--source-cap", "number>0"),
+    ("oversample", "--oversample", "number>=0"),
+)
+"""Numeric flags: (argument, flag, kind); a bad value is refused naming the flag."""
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    for attr, flag, kind in _FLAG_CHECKS:
+        value = getattr(args, attr)
+        if value is None:
+            continue
+        if kind.startswith("count"):
+            checks.whole(value, flag, minimum=int(kind[-1]))
+        else:
+            checks.finite(value, flag, positive=kind == "number>0")
+
+
+def policy_list(text: str) -> list[str]:
+    """The policies of ``--policies``; refuses an empty list naming the flag."""
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    if not policies:
+        raise ValueError(
+            f"--policies {text!r} names no policy; choose from {', '.join(POLICY_NAMES)}"
+        )
+    return policies
 
 
 def _conflicts(args: argparse.Namespace) -> None:
@@ -83,6 +126,7 @@ def _conflicts(args: argparse.Namespace) -> None:
 
 def _load(args: argparse.Namespace) -> tuple[Trace, ReplaySettings]:
     _conflicts(args)
+    _check_flags(args)
     changes: dict[str, object] = {"num_minibatches": args.minibatches}
     for flag, name in (
         ("train_batch_size", "train_batch_size"),
@@ -91,34 +135,42 @@ def _load(args: argparse.Namespace) -> tuple[Trace, ReplaySettings]:
         ("slots", "rollout_slots"),
         ("source_cap", "source_cap"),
         ("max_staleness", "max_staleness"),
+        ("dynamic_sampling_rounds", "dynamic_sampling_rounds"),
     ):
         if getattr(args, flag) is not None:
             changes[name] = getattr(args, flag)
     shares = (
-        _parse_pairs(args.issue_shares, "--issue-shares", "math=0.5") if args.issue_shares else {}
+        _parse_pairs(args.issue_shares, "--issue-shares", "math=0.5", ratio=False)
+        if args.issue_shares
+        else {}
     )
     if shares:
         changes["issue_shares"] = shares
     if args.trace is None:
         chosen = preset(args.preset)
+        _check_shares(shares, [p.name for p in chosen.profiles])
         if args.seed is not None:
             changes["seed"] = args.seed
         settings = _with_batches(chosen.settings.with_(**changes), args.train_batches, None)
         return chosen.trace(settings), settings
     trace = read_jsonl(args.trace)
-    unknown = set(shares) - set(trace.sources)
-    if unknown:
-        raise ValueError(
-            f"--issue-shares names {sorted(unknown)}, not in the trace; sources: {trace.sources}"
-        )
+    _check_shares(shares, list(trace.sources))
     if args.quotas_file:
         changes.update(read_quotas_file(args.quotas_file))
     elif args.quotas:
-        changes["quota_ratios"] = _parse_pairs(args.quotas, "--quotas", "math=0.45")
+        changes["quota_ratios"] = _parse_pairs(args.quotas, "--quotas", "math=0.45", ratio=True)
     else:
         changes["quota_ratios"] = dict.fromkeys(trace.sources, 0.96 / len(trace.sources))
     settings = ReplaySettings(**changes)  # type: ignore[arg-type]
     return trace, _with_batches(settings, args.train_batches, trace)
+
+
+def _check_shares(shares: dict[str, float], sources: list[str]) -> None:
+    unknown = set(shares) - set(sources)
+    if unknown:
+        raise ValueError(
+            f"--issue-shares names {sorted(unknown)}, not in the trace; sources: {tuple(sources)}"
+        )
 
 
 def _with_batches(
@@ -135,6 +187,10 @@ def _with_batches(
             count = int(text)
         except ValueError:
             raise ValueError(f"--train-batches {text!r}: give a whole number or 'auto'") from None
+        if count < 2:
+            raise ValueError(
+                f"--train-batches {count}: give at least 2 (a warm-up batch and a measured one)"
+            )
     return settings.with_(train_batches=count, warmup=max(1, min(6, count // 4)))
 
 
@@ -201,17 +257,23 @@ _QUOTA_FIELDS: dict[str, type | tuple[type, ...]] = {
 """What a quota of ``--quotas-file`` may hold, with the JSON types each field takes."""
 
 
-def _parse_pairs(text: str, flag: str, example: str) -> dict[str, float]:
-    ratios = {}
+def _parse_pairs(text: str, flag: str, example: str, *, ratio: bool) -> dict[str, float]:
+    """``SOURCE=VALUE,...`` with finite values (in [0, 1] if ``ratio``), refused naming ``flag``."""
+    values = {}
     for item in text.split(","):
         source, sep, value = item.partition("=")
         try:
-            ratios[source.strip()] = float(value)
+            values[source.strip()] = float(value)
         except ValueError:
             sep = ""
         if not sep or not source.strip():
             raise ValueError(f"{flag} item {item!r}: expected SOURCE=RATIO, e.g. {example}")
-    return ratios
+        name = f"{flag} {source.strip()}"
+        if ratio:
+            checks.ratio(values[source.strip()], name)
+        else:
+            checks.finite(values[source.strip()], name)
+    return values
 
 
 def format_table(summary: Summary) -> str:
@@ -257,8 +319,8 @@ def write_csv(summary: Summary, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     try:
+        policies = policy_list(args.policies)
         trace, settings = _load(args)
         bar = (
             None

@@ -41,11 +41,15 @@ class RunRecord:
         starts = self.start_staleness.setdefault(train_batch, [])
         tokens = self.token_staleness.setdefault(train_batch, [])
         for job in jobs:
-            work = sum(s for _, s in job.segments) or 1.0
             versions = [v for v, _ in job.segments] or [job.version]
             starts.append(float(train_batch - min(versions)))
+            work = sum(s for _, s in job.segments)
+            # A 0 s trajectory has no segment; its tokens carry the version it ran at, the limit
+            # of ever shorter ones (counting it as staleness 0 made the metric jump at 0 s).
             mean = (
-                sum((train_batch - v) * s for v, s in job.segments) / work if job.segments else 0.0
+                sum((train_batch - v) * s for v, s in job.segments) / work
+                if work > 0
+                else float(train_batch - job.version)
             )
             tokens.append((mean, job.record.tokens or 1))
             self.source_staleness.setdefault(job.record.source, []).append(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -80,13 +80,12 @@ class RolloutPool:
         self.queue: deque[Job] = deque()
         self.running: dict[str, Job] = {}
         self._on_finish = on_finish
+        self._outstanding: Counter[str] = Counter()
         self.version = 0
 
     def outstanding(self, source: str) -> int:
         """Issued trajectories of ``source`` not yet finished (queued or running)."""
-        return sum(j.record.source == source for j in self.queue) + sum(
-            j.record.source == source for j in self.running.values()
-        )
+        return self._outstanding[source]
 
     def issue(self, step: int, prompts: Mapping[str, int], interleave: bool = True) -> int:
         """Queue ``prompts[source]`` GRPO groups per source; returns the trajectories queued.
@@ -114,6 +113,7 @@ class RolloutPool:
             for k in range(start, start + g):
                 rec = records[k]
                 self.queue.append(Job(rec, f"{source}#{k}", step, rec.duration_s, self.version))
+            self._outstanding[source] += g
         return len(order) * g
 
     def fill(self, penalty_s: float = 0.0) -> None:
@@ -137,6 +137,7 @@ class RolloutPool:
         if job.ticket != ticket or job.trajectory_id not in self.running:
             return
         del self.running[job.trajectory_id]
+        self._outstanding[job.record.source] -= 1
         job.close_segment(self.events.now)
         job.remaining_s = 0.0
         self._on_finish(job)
@@ -166,5 +167,6 @@ class RolloutPool:
         dropped = len(self.running)
         for job in self.running.values():
             job.ticket += 1
+            self._outstanding[job.record.source] -= 1
         self.running.clear()
         return dropped

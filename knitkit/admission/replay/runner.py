@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -25,14 +26,17 @@ Summary = dict[str, Any]
 
 
 class ProgressBar:
-    """A one-line text progress bar on stderr (only drawn when the stream is a terminal or forced)."""
+    """Progress on stderr: a redrawn bar on a terminal (or when forced), else one line per
+    finished run, so logs and pipes see progress without carriage returns."""
 
     def __init__(self, total: int, label: str, stream: TextIO | None = None, force: bool = False):
         self.total, self.label, self.done = total, label, 0
         self.stream = stream or sys.stderr
         self.enabled = force or self.stream.isatty()
+        self._start = time.perf_counter()
 
     def advance(self, steps: int = 1) -> None:
+        """Count ``steps`` more train batches replayed."""
         self.done = min(self.total, self.done + steps)
         if self.enabled:
             filled = round(30 * self.done / max(1, self.total))
@@ -41,6 +45,16 @@ class ProgressBar:
             )
             if self.done == self.total:
                 self.stream.write("\n")
+            self.stream.flush()
+
+    def finished(self, run: str) -> None:
+        """Say that ``run`` (the colocated reference or a policy) is done, when not drawing."""
+        if not self.enabled:
+            elapsed = time.perf_counter() - self._start
+            self.stream.write(
+                f"{self.label}: {run} done ({self.done}/{self.total} train batches, "
+                f"{elapsed:.1f} s)\n"
+            )
             self.stream.flush()
 
 
@@ -74,8 +88,13 @@ def run_replay(
     unknown = [p for p in policies if p not in POLICY_NAMES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICY_NAMES)}")
+    if not policies:
+        raise ValueError(f"no policy to replay; choose from {', '.join(POLICY_NAMES)}")
+    check_feedable(trace, settings)
     tick = progress.advance if progress else None
     colocated = run_colocated(trace, settings, tick)
+    if progress:
+        progress.finished("colocated")
     step_length = rollout_step_length(colocated, settings)
     train_time = settings.rho * step_length
     steps = range(settings.warmup, settings.train_batches)
@@ -88,6 +107,8 @@ def run_replay(
     out: dict[str, Summary] = {}
     for policy in policies:
         run = run_disaggregated(trace, settings, policy, train_time, tick)
+        if progress:
+            progress.finished(policy)
         tok, start = run.per_step(True), run.per_step(False)
         shortfall = violations(run, steps, n, bounds)
         span = run.train_end[steps[-1]] - run.train_end[steps[0] - 1]
@@ -130,6 +151,29 @@ def run_replay(
         "colocated_dropped": colocated.dropped,
         "settings": settings_block(settings, trace),
     }
+
+
+def check_feedable(trace: Trace, settings: ReplaySettings) -> None:
+    """Refuse settings the trace can never feed: issue shares or quotas naming a source it does
+    not have, or a lower-bounded source that is never issued."""
+    shares = settings.issue_shares
+    unknown = sorted(set(shares or {}) - set(trace.sources))
+    if unknown:
+        raise ValueError(
+            f"issue shares name {unknown}, not in the trace; sources: {list(trace.sources)}"
+        )
+    for quota in settings.quotas():
+        if quota.source not in trace.sources:
+            raise ValueError(
+                f"quota {quota.source!r} names a source not in the trace; "
+                f"sources: {list(trace.sources)}"
+            )
+        lower, _ = quota.bounds(settings.train_batch_size)
+        if lower and shares is not None and not shares.get(quota.source):
+            raise ValueError(
+                f"quota {quota.source!r} needs {lower} trajectories per train batch but its "
+                f"issue share is 0: give it a share (--issue-shares)"
+            )
 
 
 def settings_block(settings: ReplaySettings, trace: Trace) -> dict[str, Any]:

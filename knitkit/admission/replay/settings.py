@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from knitkit.admission import checks
 from knitkit.admission.predicates import SourceQuota
 from knitkit.admission.replay.trace import SourceProfile, Trace, generate_trace
 
@@ -42,13 +43,16 @@ class ReplaySettings:
     """'off' (colocated drops unfinished work), 'drain' (in-flight keeps its version), 'abort_resume'."""
     resume_penalty_s: float = 0.0
     max_ahead: int = 1
+    """Rollout step r starts only once the rollout runs version >= r - max_ahead."""
     trainer_lookahead: int = 1
     """Train batch k opens once the trainer started train batch k - trainer_lookahead (pull)."""
     max_staleness: int | None = None
     """Admission drops trajectories older than this many versions (``AdmissionConfig``)."""
     completion_quota: float | None = None
     """Partial-rollout completion quota: share of the newest rollout step completed (readiness)."""
-    """Rollout step r starts only once the rollout runs version >= r - max_ahead."""
+    dynamic_sampling_rounds: int = 10
+    """Extra issue rounds a rollout step may add when rejected groups leave its train batch
+    unable to fill (DAPO's dynamic sampling, ``max_num_gen_batches``); 0 turns it off."""
     group_atomic: bool = False
     """Admit whole GRPO groups atomically."""
     train_batches: int = 40
@@ -57,6 +61,25 @@ class ReplaySettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("train_batch_size", "num_minibatches", "rollout_slots", "train_batches"):
+            checks.whole(getattr(self, name), name, minimum=1)
+        for name in ("warmup", "max_ahead", "trainer_lookahead", "seed", "dynamic_sampling_rounds"):
+            checks.whole(getattr(self, name), name)
+        if self.max_staleness is not None:
+            checks.whole(self.max_staleness, "max_staleness")
+        checks.finite(self.rho, "rho", positive=True)
+        checks.finite(self.source_cap, "source_cap", positive=True)
+        for name in ("oversample", "sync_time_s", "resume_penalty_s"):
+            checks.finite(getattr(self, name), name)
+        for source, share in (self.issue_shares or {}).items():
+            checks.finite(share, f"issue_shares[{source!r}]")
+        if self.issue_shares is not None and not any(self.issue_shares.values()):
+            raise ValueError(f"issue_shares={dict(self.issue_shares)}: no source is issued")
+        for field_name in ("quota_ratios", "quota_max_ratios"):
+            for source, value in getattr(self, field_name).items():
+                checks.ratio(value, f"{field_name}[{source!r}]")
+        if self.completion_quota is not None:
+            checks.ratio(self.completion_quota, "completion_quota")
         if self.partial_rollout not in PARTIAL_MODES:
             raise ValueError(
                 f"partial_rollout={self.partial_rollout!r}; choose from {PARTIAL_MODES}"
@@ -68,10 +91,6 @@ class ReplaySettings:
                 f"warmup={self.warmup}, train_batches={self.train_batches}: need 1 <= warmup "
                 f"< train_batches (train_batches must exceed warmup)"
             )
-        if self.rho <= 0 or self.rollout_slots < 1 or self.oversample < 0:
-            raise ValueError("rho must be > 0, rollout_slots >= 1 and oversample >= 0")
-        if self.trainer_lookahead < 0:
-            raise ValueError(f"trainer_lookahead={self.trainer_lookahead}: must be >= 0")
 
     def quotas(self) -> tuple[SourceQuota, ...]:
         if self.quota_specs:
@@ -116,7 +135,7 @@ class Preset:
 # first, into 104 rollout slots; partial rollouts abort and resume at each sync. These free knobs
 # were set so that under `linear` the first mini-batch lands at ~0.75-0.8 of the interval from
 # rollout-step start to final admission, the observable of the paper's Figure 3(b) ("nearly
-# 80%"), with rho = 0.85 inside the regime design.md describes. Staleness figures are outputs
+# 80%"), with rho = 0.85 inside the regime the design describes (knitkit/admission/README.md). Staleness figures are outputs
 # of the replay; the admission README says how the knobs were chosen (and what else was seen).
 PRESETS: dict[str, Preset] = {
     "paper4": Preset(

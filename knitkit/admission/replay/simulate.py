@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable
 
 from knitkit.admission.controller import AdmissionController, MiniBatch
 from knitkit.admission.policies import build_controller
 from knitkit.admission.predicates import CompletionQuota
+from knitkit.admission.replay.feeder import Feeder
 from knitkit.admission.replay.metrics import RunRecord
 from knitkit.admission.replay.rollout import EventQueue, Job, RolloutPool
 from knitkit.admission.replay.settings import ReplaySettings
@@ -33,40 +33,6 @@ def _controller(policy: str, trace: Trace, settings: ReplaySettings) -> Admissio
     )
 
 
-def _prompts(
-    trace: Trace, settings: ReplaySettings, pool: RolloutPool, ctl: AdmissionController
-) -> dict[str, int]:
-    """GRPO groups to issue per source this rollout step, within each source's outstanding cap.
-
-    The order of the result is the issue order when ``settings.issue_order`` is 'slow_first'.
-    """
-    shares = settings.issue_shares or dict.fromkeys(trace.sources, 1.0 / len(trace.sources))
-    ready = ctl.ready_counts()
-    g = trace.group_size
-    prompts = {}
-    for source in trace.sources:
-        want = round(
-            (1 + settings.oversample) * settings.train_batch_size * shares.get(source, 0.0) / g
-        )
-        cap = math.ceil(settings.source_cap * want) * g
-        room = -(-(cap - pool.outstanding(source) - ready.get(source, 0)) // g)
-        # A step tops a source up to its per-step issue, counting the ready
-        # leftovers of earlier steps; adding a full step on top of them lets the ready pool
-        # (and staleness) grow with run length whenever the cap is looser than one step.
-        top_up = want - (pool.outstanding(source) + ready.get(source, 0)) // g
-        prompts[source] = max(0, min(top_up, room))
-    if settings.issue_order == "slow_first":
-        prompts = dict(sorted(prompts.items(), key=lambda kv: -trace.mean_duration(kv[0])))
-    return prompts
-
-
-def _issue(
-    step: int, trace: Trace, settings: ReplaySettings, pool: RolloutPool, ctl: AdmissionController
-) -> None:
-    prompts = _prompts(trace, settings, pool, ctl)
-    ctl.issued(step, pool.issue(step, prompts, interleave=settings.issue_order == "round_robin"))
-
-
 def run_disaggregated(
     trace: Trace,
     settings: ReplaySettings,
@@ -85,11 +51,16 @@ def run_disaggregated(
 
     def on_finish(job: Job) -> None:
         jobs[job.trajectory_id] = job
-        ctl.report(job.meta())
+        meta = job.meta()
+        feeder.reported(meta)
+        ctl.report(meta)
         pool.fill(settings.resume_penalty_s)
         admit()
+        feeder.top_up()
+        pool.fill(settings.resume_penalty_s)
 
     pool = RolloutPool(trace, settings.rollout_slots, events, on_finish)
+    feeder = Feeder(trace, settings, pool, ctl)
 
     def start_steps() -> None:
         while (
@@ -99,7 +70,7 @@ def run_disaggregated(
         ):
             step = state["steps"]
             record.step_start[step] = events.now
-            _issue(step, trace, settings, pool, ctl)
+            feeder.issue_step(step)
             state["steps"] += 1
             pool.fill(settings.resume_penalty_s)
 
@@ -154,9 +125,8 @@ def run_disaggregated(
     events.run_until(lambda: state["trained"] >= settings.train_batches)
     if state["trained"] < settings.train_batches:
         raise RuntimeError(
-            f"policy {policy!r} stalled after {state['trained']} train batches: the trace or the "
-            f"issue cannot feed the quotas; raise oversample (--oversample) or the short source's "
-            f"issue share (--issue-shares), or source_cap (--source-cap) if it is below 1"
+            f"policy {policy!r} stalled in train batch {ctl.train_batch} after "
+            f"{state['trained']} trained: {feeder.why_stalled()}"
         )
     return record
 
@@ -177,24 +147,27 @@ def run_colocated(
 
     def on_finish(job: Job) -> None:
         jobs[job.trajectory_id] = job
-        ctl.report(job.meta())
+        meta = job.meta()
+        feeder.reported(meta)
+        ctl.report(meta)
         pool.fill(settings.resume_penalty_s)
         while (mb := ctl.next_minibatch()) is not None:
             record.admit(mb.train_batch, mb.index, events.now, [t.source for t in mb.trajectories])
             closed.append(mb)
+        feeder.top_up()
+        pool.fill(settings.resume_penalty_s)
 
     pool = RolloutPool(trace, settings.rollout_slots, events, on_finish)
+    feeder = Feeder(trace, settings, pool, ctl)
     for k in range(settings.train_batches):
         pool.version = k
         record.step_start[k] = events.now
-        _issue(k, trace, settings, pool, ctl)
+        feeder.issue_step(k)
         pool.fill(settings.resume_penalty_s)
         events.run_until(lambda: len(closed) == settings.num_minibatches)
         if len(closed) < settings.num_minibatches:
             raise RuntimeError(
-                f"colocated replay stalled at train batch {k}: one rollout step cannot feed the "
-                f"quotas; raise oversample (--oversample) or the short source's issue share "
-                f"(--issue-shares)"
+                f"colocated replay stalled in train batch {k}: {feeder.why_stalled()}"
             )
         record.train_end[k] = events.now
         for mb in closed:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -56,6 +57,10 @@ class SourceProfile:
     """Durations are capped at ``cap_factor * median_s`` (max_new_tokens / timeout)."""
     tokens_per_s: float = 20.0
     accept_prob: float = 1.0
+    """Probability that one trajectory passes acceptance."""
+    group_reject_prob: float = 0.0
+    """Probability that a whole GRPO group is rejected (dynamic sampling drops groups whose
+    rewards are all equal), on top of ``accept_prob``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +107,7 @@ def generate_trace(
             profile.cap_factor * profile.median_s,
         )
         accepted = rng.random((samples_per_source, group_size)) < profile.accept_prob
+        accepted &= (rng.random(samples_per_source) >= profile.group_reject_prob)[:, None]
         records[profile.name] = tuple(
             TraceRecord(
                 profile.name,
@@ -129,7 +135,7 @@ def read_jsonl(path: str | Path) -> Trace:
 
     A bad record raises ValueError naming the file, the line and the field.
     """
-    by_source: dict[str, list[TraceRecord]] = {}
+    by_source: dict[str, list[tuple[int, TraceRecord]]] = {}
     line_no = 0
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
@@ -145,34 +151,40 @@ def read_jsonl(path: str | Path) -> Trace:
                 tokens = obj.get("tokens")
                 if isinstance(tokens, float) and tokens.is_integer():
                     tokens = int(tokens)  # 120.0 is a whole count; 120.5 is refused
+                sample = obj["sample_id"]
+                if type(sample) is int:
+                    sample = str(sample)  # prompt numbers are common ids; null is refused
                 rec = TraceRecord(
-                    obj["source"],
-                    str(obj["sample_id"]),
-                    obj["duration_s"],
-                    tokens,
-                    obj.get("accepted", True),
+                    obj["source"], sample, obj["duration_s"], tokens, obj.get("accepted", True)
                 )
             except ValueError as exc:  # json.JSONDecodeError is a ValueError
                 raise ValueError(
                     f"{path}:{line_no}: not a trace record: {exc} (need source, sample_id, "
                     f"duration_s; optional tokens, accepted)"
                 ) from exc
-            by_source.setdefault(rec.source, []).append(rec)
+            by_source.setdefault(rec.source, []).append((line_no, rec))
+    group_size = _group_size(by_source, path)
     try:
-        return Trace({s: tuple(r) for s, r in by_source.items()}, _group_size(by_source.values()))
+        return Trace({s: tuple(r for _, r in rows) for s, rows in by_source.items()}, group_size)
     except ValueError as exc:
         raise ValueError(f"{path}:1-{line_no}: {exc}") from exc
 
 
-def _group_size(per_source: Iterable[list[TraceRecord]]) -> int:
-    sizes = set()
-    for recs in per_source:
-        run = 1
-        for prev, rec in itertools.pairwise(recs):
-            if rec.sample_id == prev.sample_id:
-                run += 1
-            else:
-                sizes.add(run)
-                run = 1
-        sizes.add(run)
-    return sizes.pop() if len(sizes) == 1 else 1
+def _group_size(by_source: dict[str, list[tuple[int, TraceRecord]]], path: str | Path) -> int:
+    """The one size of every GRPO group (a run of records of a source with one sample_id)."""
+    groups: list[tuple[int, int, TraceRecord]] = []  # (size, first line, first record)
+    for rows in by_source.values():
+        for _, run in itertools.groupby(rows, key=lambda row: row[1].sample_id):
+            members = list(run)
+            groups.append((len(members), members[0][0], members[0][1]))
+    if not groups:
+        return 1  # an empty trace; Trace refuses it
+    common = Counter(size for size, _, _ in groups).most_common(1)[0][0]
+    for size, line, rec in groups:
+        if size != common:
+            raise ValueError(
+                f"{path}:{line}: GRPO group (source {rec.source!r}, sample_id {rec.sample_id!r}) "
+                f"has {size} trajectories, other groups {common}; consecutive records of a "
+                f"source with one sample_id form a group, and every group has the same size"
+            )
+    return common

@@ -1,18 +1,24 @@
-"""Unit backends: put / replace / ranged read / delete over memory, /dev/shm and safetensors (README step 3).
+"""Unit backends: put / replace / ranged read and write / delete over memory, /dev/shm and safetensors (README step 3).
 
-The face for backend authors: the ``UnitBackend`` Protocol, the shared read body
-(``ReadCounter``) and the validators every backend runs before it changes state.
+The face for backend authors: the ``UnitBackend`` Protocol (``check_backend``), the shared read
+and write bodies (``ReadCounter``, ``check_write``), the validators every backend runs before it
+changes state, ``UnitsLostError`` for units a backend can no longer read, and the owner-only
+finalizer for clean-ups of shared resources.
 """
 
-from knitkit.storage.backends.backend import UnitBackend, UnitSpec
+from knitkit.storage.backends.backend import UnitBackend, UnitSpec, check_backend
 from knitkit.storage.backends.disk import SafetensorsBackend
+from knitkit.storage.backends.lost import UnitsLostError, lost_units_in
 from knitkit.storage.backends.memory import MemoryBackend
+from knitkit.storage.backends.owner import OwnerFinalizer
 from knitkit.storage.backends.ranges import (
     ReadCounter,
     check_ranges,
     check_replacement,
+    check_write,
     copy_ranges,
     destination,
+    paste_ranges,
     rows_of,
     spec_of,
 )
@@ -24,16 +30,22 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "CorruptShardError",
     "MemoryBackend",
+    "OwnerFinalizer",
     "ReadCounter",
     "SafetensorsBackend",
     "SharedMemoryBackend",
     "UnitBackend",
     "UnitSpec",
+    "UnitsLostError",
+    "check_backend",
     "check_ranges",
     "check_replacement",
     "check_unit",
+    "check_write",
     "copy_ranges",
     "destination",
+    "lost_units_in",
+    "paste_ranges",
     "read_header",
     "rows_of",
     "spec_of",

@@ -40,6 +40,11 @@ class UnitBackend(Protocol):
     - ``read`` of an unknown key raises ``KeyError``; a range outside ``[0, shape[0]]`` raises
       ``IndexError``; both name the key. Ranges are concatenated along axis 0 in the given order.
     - ``bytes_read`` counts the payload bytes moved by ``read`` since construction.
+    - ``write_ranges`` overwrites rows of an existing unit (``check_write``'s errors).
+
+    Subclass it to inherit the defaults (``read_many``, ``write_ranges``, ``flush``,
+    ``durable``, ``metrics``); a class that only matches the Protocol must define every member
+    (``check_backend`` names what is missing when a store is built over it).
     """
 
     def put(self, key: UnitKey, array: np.ndarray) -> None: ...
@@ -65,6 +70,18 @@ class UnitBackend(Protocol):
         for unit, out in zip(reads, outs, strict=True):
             self.read(unit.key, unit.ranges, out=out)
 
+    def write_ranges(self, key: UnitKey, ranges: Sequence[SeqRange], values: np.ndarray) -> None:
+        """Overwrite rows ``ranges`` of an existing unit with ``values`` (their rows back to
+        back, the unit's dtype and row shape; see ``ranges.check_write``). This default reads
+        the whole unit, pastes the rows and ``replace``s it: all a backend with whole-unit
+        replace only can do; a backend that writes in place overrides it."""
+        from knitkit.storage.backends.ranges import check_write, paste_ranges
+
+        checked = check_write(key, self.spec(key), ranges, values)
+        unit = self.read(key)
+        paste_ranges(unit, checked, values)
+        self.replace(key, unit)
+
     def delete(self, key: UnitKey) -> None: ...
 
     def keys(self) -> Iterator[UnitKey]: ...
@@ -72,4 +89,51 @@ class UnitBackend(Protocol):
     @property
     def bytes_read(self) -> int: ...
 
+    def flush(self) -> None:
+        """Make every unit put so far readable by other processes and, on a durable backend,
+        persistent (a buffered backend writes its buffer). This default has nothing to do."""
+        return None
+
+    @property
+    def durable(self) -> bool:
+        """Whether units outlive every process that uses the backend, so a store rebuilt over it
+        after a crash reads them (``TrajectoryStore.load_state_dict``). Default: no."""
+        return False
+
+    def metrics(self) -> dict[str, float]:
+        """Backend figures for ``TrajectoryStore.metrics`` (``knitkit/storage/...`` keys, plain
+        floats). Default: none."""
+        return {}
+
     def close(self) -> None: ...
+
+
+PROTOCOL_MEMBERS = (
+    "put",
+    "replace",
+    "spec",
+    "read",
+    "read_many",
+    "write_ranges",
+    "delete",
+    "keys",
+    "bytes_read",
+    "flush",
+    "durable",
+    "metrics",
+    "close",
+)
+"""Every member of ``UnitBackend`` (what ``check_backend`` looks for)."""
+
+
+def check_backend(backend: object) -> None:
+    """Refuse, naming the missing members, an object that does not implement all of
+    ``UnitBackend`` (a wrapper that matches the Protocol without subclassing it lacks the
+    defaults, and would otherwise fail deep inside a reorganizer)."""
+    missing = [name for name in PROTOCOL_MEMBERS if not hasattr(backend, name)]
+    if missing:
+        raise TypeError(
+            f"{type(backend).__name__} does not implement the UnitBackend Protocol: it has no "
+            f"{missing}; subclass knitkit.storage.backends.UnitBackend to inherit the defaults "
+            "of read_many, write_ranges, flush, durable and metrics, or define them"
+        )

@@ -13,7 +13,13 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from knitkit.storage.backends.backend import UnitBackend, UnitSpec
-from knitkit.storage.backends.ranges import ReadCounter, check_replacement
+from knitkit.storage.backends.ranges import (
+    ReadCounter,
+    check_replacement,
+    check_write,
+    paste_ranges,
+    spec_of,
+)
 from knitkit.storage.backends.shard_files import OpenShards
 from knitkit.storage.backends.shard_header import CorruptShardError, ShardEntry, read_header
 from knitkit.storage.backends.validate import check_unit
@@ -31,6 +37,10 @@ class SafetensorsBackend(UnitBackend):
     hands another process a reader of the same files; a reader indexes shards flushed after it
     was made when it meets a key it does not know. A corrupt or truncated shard fails only the
     units it holds, with errors naming the file (``shard_header.py``).
+
+    Durable: a backend made over a directory that already holds shards (a run resumed after a
+    crash) indexes them at once, so a store rebuilt over it reads every unit flushed before
+    (``TrajectoryStore.load_state_dict``); units still buffered when the process died are lost.
     """
 
     def __init__(
@@ -48,6 +58,11 @@ class SafetensorsBackend(UnitBackend):
         """Units listed by a shard whose entry for them is invalid: the reason, naming the file."""
         self._corrupt: dict[str, str] = {}
         """Shards whose header cannot be read at all: the reason."""
+        self._scan_new_shards()
+
+    @property
+    def durable(self) -> bool:
+        return True
 
     @property
     def open_files(self) -> int:
@@ -91,6 +106,27 @@ class SafetensorsBackend(UnitBackend):
             written = os.pwritev(fd, [data.data], entry.offset)
         if written != data.nbytes:
             raise OSError(f"short write replacing unit {key} in {entry.shard}")
+
+    def write_ranges(self, key: UnitKey, ranges: Sequence[SeqRange], values: np.ndarray) -> None:
+        """Write the rows in place: into the buffer if the unit is not flushed yet, else one
+        ``pwritev`` per range at its offset in the shard (readers of the file see them)."""
+        pending = self._pending.get(key)
+        if pending is not None:
+            paste_ranges(pending, check_write(key, spec_of(pending), ranges, values), values)
+            return
+        entry = self._entry(key)
+        checked = check_write(key, entry.spec, ranges, values)
+        flat = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
+        row, at = entry.spec.row_nbytes, 0
+        with self._files.use(entry.shard, write=True) as fd:
+            for start, stop in checked:
+                size = (stop - start) * row
+                piece = flat[at : at + size].data
+                if size and os.pwritev(fd, [piece], entry.offset + start * row) != size:
+                    raise OSError(
+                        f"short write of rows [{start}, {stop}) of {key} in {entry.shard}"
+                    )
+                at += size
 
     def spec(self, key: UnitKey) -> UnitSpec:
         return self._entry(key).spec

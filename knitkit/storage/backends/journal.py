@@ -71,6 +71,11 @@ class UnitJournal:
         return os.fstat(self._require_fd()).st_size
 
     @property
+    def open(self) -> bool:
+        """Whether this instance still holds its descriptor (``close`` drops it)."""
+        return self._fd is not None
+
+    @property
     def offset(self) -> int:
         """Bytes of the current generation this instance has already replayed (readers)."""
         return self._offset

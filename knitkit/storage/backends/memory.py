@@ -7,7 +7,13 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from knitkit.storage.backends.backend import UnitBackend, UnitSpec
-from knitkit.storage.backends.ranges import ReadCounter, check_replacement, spec_of
+from knitkit.storage.backends.ranges import (
+    ReadCounter,
+    check_replacement,
+    check_write,
+    paste_ranges,
+    spec_of,
+)
 from knitkit.storage.backends.validate import check_unit
 from knitkit.types import SeqRange, UnitKey
 
@@ -28,6 +34,10 @@ class MemoryBackend(UnitBackend):
     def replace(self, key: UnitKey, array: np.ndarray) -> None:
         check_replacement(key, self.spec(key), array)
         np.copyto(self._units[key], array)
+
+    def write_ranges(self, key: UnitKey, ranges: Sequence[SeqRange], values: np.ndarray) -> None:
+        unit = self._unit(key)
+        paste_ranges(unit, check_write(key, spec_of(unit), ranges, values), values)
 
     def spec(self, key: UnitKey) -> UnitSpec:
         return spec_of(self._unit(key))

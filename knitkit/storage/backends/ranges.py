@@ -144,6 +144,36 @@ def copy_ranges(unit: np.ndarray, ranges: tuple[SeqRange, ...] | None, dst: np.n
         row += stop - start
 
 
+def paste_ranges(unit: np.ndarray, ranges: tuple[SeqRange, ...], values: np.ndarray) -> None:
+    """The inverse of ``copy_ranges``: ``values``' rows, back to back, into ``ranges`` of ``unit``."""
+    row = 0
+    for start, stop in ranges:
+        unit[start:stop] = values[row : row + stop - start]
+        row += stop - start
+
+
+def check_write(
+    key: UnitKey, spec: UnitSpec, ranges: Sequence[SeqRange], values: np.ndarray
+) -> tuple[SeqRange, ...]:
+    """Validate a ranged write (``UnitBackend.write_ranges``); returns the checked ranges.
+
+    The ranges obey ``check_ranges`` (in bounds, not overlapping; ``IndexError`` naming the key);
+    ``values`` must hold exactly their rows, back to back, with the unit's dtype and row shape
+    (``ValueError`` naming the key otherwise: nothing is cast).
+    """
+    if ranges is None:
+        raise TypeError(f"write_ranges of unit {key} needs ranges; use replace() for a whole unit")
+    checked = check_ranges(key, spec, ranges)
+    assert checked is not None
+    shape = (rows_of(spec, checked), *spec.shape[1:])
+    if values.dtype != np.dtype(spec.dtype) or tuple(values.shape) != shape:
+        raise ValueError(
+            f"write_ranges of unit {key}: the ranges need {spec.dtype}{list(shape)}, got "
+            f"{values.dtype}{list(values.shape)}"
+        )
+    return checked
+
+
 def check_replacement(key: UnitKey, spec: UnitSpec, array: np.ndarray) -> None:
     """``replace`` keeps a unit's dtype and shape; raise ``ValueError`` naming the key otherwise."""
     if np.dtype(spec.dtype) != array.dtype or tuple(spec.shape) != array.shape:

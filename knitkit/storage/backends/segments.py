@@ -1,36 +1,51 @@
 """Names of knitkit's /dev/shm segments: checked against path traversal, and reclaimed from dead owners.
 
-NOTE [ Segment names ]: every segment knitkit creates carries its creator's pid in its name
-(backend slabs and journals ``knitkit-<pid>-<hex>-...``, slot rings ``knitkit_<pid>_<hex>``), and
-the random part keeps a name from ever being reused, even after a failed creation. An owner
-unlinks its segments on every exit it sees (``close``, finalizers, SIGINT, SIGTERM); only SIGKILL
-(or a crash in C) leaves them behind. ``sweep_dead_segments`` removes the segments, owned by this
-user, whose creator pid no longer runs: a shared-memory backend calls it at start-up for backend
-segments, and ``knitkit shm-clean`` runs it by hand for rings too. A segment whose pid was
-reused by another process stays until that process exits (never removed while a live pid
-carries its name). Pids are only meaningful on one node and in one pid namespace: containers
-that share /dev/shm across pid namespaces must not sweep.
+NOTE [ Segment names ]: every segment knitkit creates carries a random part that keeps its name
+from ever being reused, even after a failed creation, and its creator's pid (backend slabs and
+journals ``knitkit-<pid>-<hex>-...``, slot rings ``knitkit_<pid>_<hex>``). The pid is only a
+hint for people: a pid means nothing in another pid namespace, and containers that share /dev/shm
+(``--ipc=host``, common for NCCL jobs) do not share pids. What says an owner is alive is a kernel
+lock (NOTE [ Owner locks ]). An owner unlinks its segments on every exit it sees (``close``,
+finalizers, SIGINT, SIGTERM); only SIGKILL (or a crash in C) leaves them behind, and
+``sweep_dead_segments`` removes them:
+- backend segments: the group ``knitkit-<pid>-<hex>-*`` goes once its lock file
+  ``knitkit-<pid>-<hex>-lock`` can be locked (its owner is dead, in whatever namespace it ran);
+  a group without a lock file (written by a knitkit before owner locks) goes only when its pid
+  is dead in this namespace, as before;
+- slot rings (``rings=True``, ``knitkit shm-clean`` only): a ring goes when the ring file itself
+  can be locked and its pid is dead here (a ring whose owner locks it is never removed while that
+  owner lives, in any namespace);
+- nothing else: names that are not knitkit's, other users' files, anything that is not a regular
+  file (a directory named like a segment is skipped, never a reason to fail).
+A shared-memory backend sweeps its directory at start-up (backend segments only).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
+import stat
+from collections import defaultdict
+from dataclasses import dataclass, field
 
 SHM_DIR = "/dev/shm"
 _MAX_NAME = 255
 _OWNED = re.compile(r"^knitkit[-_](\d+)[-_][0-9a-f]{8}([-_].*)?$")
 """Backend segments (``knitkit-<pid>-<hex>-...``) and slot rings (``knitkit_<pid>_<hex>``)."""
+_GROUP = re.compile(r"^(knitkit-\d+-[0-9a-f]{8})(-.*)?$")
+"""A backend owner's group: every segment named ``<group>-...``."""
+LOCK_SUFFIX = "-lock"
 
 
 def pid_alive(pid: int) -> bool:
-    """True if ``pid`` runs on this node and is not a zombie."""
+    """True if ``pid`` runs on this node, in this pid namespace, and is not a zombie."""
     if pid <= 0:
         return False
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            state = stat.read().rsplit(b")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            state = stat_file.read().rsplit(b")", 1)[1].split()[0]
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
     return state not in (b"Z", b"X")
@@ -59,33 +74,185 @@ def segment_pid(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+class OwnerLock:
+    """An exclusive ``flock`` on ``<directory>/<group>-lock``, held for the owner's lifetime.
+
+    NOTE [ Owner locks ]: an owner's segments are live exactly while its lock is held. The kernel
+    drops a ``flock`` when the last descriptor of its open file goes, so the lock dies with its
+    owner however the owner ends (SIGKILL included), and a lock is one inode: processes in
+    different pid namespaces that share the file system see the same lock. A sweeper removes a
+    group only while it holds the group's lock itself, so it never races a live owner. The lock
+    file is created and locked under a name the sweep ignores (``.<group>-lock``) and renamed into
+    place, so it is never visible unlocked; the owner creates it before its first segment and
+    unlinks it after its last. A forked child inherits the descriptor and keeps the lock (and the
+    segments) alive until it exits too: conservative, never a removal under a live reader. Nobody
+    calls ``LOCK_UN``: only closing the last descriptor releases it.
+
+    Why names and a lock, not anonymous ``memfd`` segments passed as descriptors: a memfd needs
+    no sweep and can be sealed against shrinking, but every reader must then receive a
+    descriptor for every slab, including slabs the owner creates later. Our readers are not
+    the owner's children: torchrun starts the trainer ranks, Ray starts reorganizer actors on
+    their node, and a reader follows the journal to slabs made after it attached. Passing fds
+    would need a Unix-socket rendezvous per reader and per new slab (``SCM_RIGHTS``), a server
+    thread in the owner, and a path for Ray workers that cannot inherit descriptors; a name in
+    a shared tmpfs needs none of that. What was wrong was only the liveness test, and a kernel
+    lock answers it correctly in every namespace.
+    """
+
+    def __init__(self, directory: str, group: str) -> None:
+        self.path = os.path.join(directory, check_segment_name(f"{group}{LOCK_SUFFIX}"))
+        staging = os.path.join(directory, f".{group}{LOCK_SUFFIX}")
+        fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(staging, self.path)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staging)
+            raise
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        """Unlink the lock file, then drop the lock (call after every segment is unlinked)."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        os.close(self._fd)
+        self._fd = None
+
+
+@dataclass(slots=True)
+class SweepReport:
+    """What a sweep removed (or would, in a dry run) and what it left and why."""
+
+    removed: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Paths that look like a dead owner's but could not be removed: the reason."""
+
+
 def sweep_dead_segments(
     directory: str = SHM_DIR, *, rings: bool = True, dry_run: bool = False
-) -> list[str]:
-    """Unlink this user's knitkit segments in ``directory`` whose creator pid is dead.
-
-    ``rings=False`` keeps slot rings (``knitkit_<pid>_...``): a ring is named by the process
-    that made its spec, which need not be the one that owns it, so only a person (``knitkit
-    shm-clean``) removes those. Returns the paths removed (or that would be, with ``dry_run``).
-    See NOTE [ Segment names ].
+) -> SweepReport:
+    """Unlink this user's knitkit segments in ``directory`` whose owner is dead (see
+    NOTE [ Segment names ] for exactly what goes and NOTE [ Owner locks ] for how liveness is
+    decided). ``rings=False`` keeps slot rings: a ring is named by the process that made its
+    spec, so only a person (``knitkit shm-clean``) removes those. Never raises for one entry it
+    cannot handle: the report says why it was skipped.
     """
-    removed: list[str] = []
+    report = SweepReport()
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
-        return removed
-    uid = os.getuid()
+        return report
+    groups: dict[str, list[str]] = defaultdict(list)
     for name in sorted(names):
-        pid = segment_pid(name)
-        if pid is None or pid == os.getpid() or pid_alive(pid):
+        if segment_pid(name) is None:
             continue
-        if not rings and name.startswith("knitkit_"):
+        if name.startswith("knitkit_"):
+            if rings:
+                _sweep_ring(directory, name, dry_run, report)
             continue
-        path = os.path.join(directory, name)
-        with contextlib.suppress(FileNotFoundError):
-            if os.lstat(path).st_uid != uid:
-                continue
+        match = _GROUP.match(name)
+        if match:
+            groups[match.group(1)].append(name)
+    for group, members in groups.items():
+        _sweep_group(directory, group, members, dry_run, report)
+    return report
+
+
+def _regular_and_mine(path: str, report: SweepReport) -> bool:
+    """A regular file owned by this user (anything else is skipped, with the reason)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        report.skipped[path] = f"cannot stat: {exc}"
+        return False
+    if not stat.S_ISREG(info.st_mode):
+        report.skipped[path] = "not a regular file"
+        return False
+    return info.st_uid == os.getuid()
+
+
+def _try_lock(path: str) -> int | None:
+    """A descriptor holding ``path``'s exclusive lock, or ``None`` if a live owner holds it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _unlink(paths: list[str], dry_run: bool, report: SweepReport) -> None:
+    for path in paths:
+        try:
             if not dry_run:
                 os.unlink(path)
-            removed.append(path)
-    return removed
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            report.skipped[path] = f"cannot unlink: {exc}"
+            continue
+        report.removed.append(path)
+
+
+def _sweep_group(
+    directory: str, group: str, members: list[str], dry_run: bool, report: SweepReport
+) -> None:
+    """One backend owner's segments: removed while holding its lock (or, lock-less, by pid)."""
+    lock = f"{group}{LOCK_SUFFIX}"
+    paths = [os.path.join(directory, n) for n in members if n != lock]
+    lock_path = os.path.join(directory, lock)
+    if lock not in members:  # written before owner locks: the pid rule, this namespace only
+        pid = segment_pid(group)
+        if pid is None or pid == os.getpid() or pid_alive(pid):
+            return
+        _unlink([p for p in paths if _regular_and_mine(p, report)], dry_run, report)
+        return
+    if not _regular_and_mine(lock_path, report):
+        return
+    try:
+        fd = _try_lock(lock_path)
+    except FileNotFoundError:
+        return  # its owner is closing right now
+    except OSError as exc:
+        report.skipped[lock_path] = f"cannot lock: {exc}"
+        return
+    if fd is None:
+        return  # a live owner holds it
+    try:
+        _unlink([p for p in paths if _regular_and_mine(p, report)], dry_run, report)
+        _unlink([lock_path], dry_run, report)
+    finally:
+        os.close(fd)
+
+
+def _sweep_ring(directory: str, name: str, dry_run: bool, report: SweepReport) -> None:
+    """A slot ring: removed if nobody holds its lock and its pid is dead here."""
+    path = os.path.join(directory, name)
+    pid = segment_pid(name)
+    if pid is None or pid == os.getpid() or pid_alive(pid):
+        return
+    if not _regular_and_mine(path, report):
+        return
+    try:
+        fd = _try_lock(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        report.skipped[path] = f"cannot lock: {exc}"
+        return
+    if fd is None:
+        return
+    try:
+        _unlink([path], dry_run, report)
+    finally:
+        os.close(fd)

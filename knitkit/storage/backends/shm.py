@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import uuid
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -12,9 +11,18 @@ import numpy as np
 
 from knitkit.storage.backends.backend import UnitBackend, UnitSpec
 from knitkit.storage.backends.journal import RESET, Record, UnitJournal
-from knitkit.storage.backends.ranges import ReadCounter, check_replacement, copy_ranges, spec_of
-from knitkit.storage.backends.segments import check_segment_name, sweep_dead_segments
-from knitkit.storage.backends.slab import Slab, unlink_quietly
+from knitkit.storage.backends.lost import UnitsLostError
+from knitkit.storage.backends.owner import OwnerFinalizer
+from knitkit.storage.backends.ranges import (
+    ReadCounter,
+    check_replacement,
+    check_write,
+    copy_ranges,
+    paste_ranges,
+    spec_of,
+)
+from knitkit.storage.backends.segments import OwnerLock, check_segment_name, sweep_dead_segments
+from knitkit.storage.backends.slab import SegmentTruncatedError, Slab, unlink_quietly
 from knitkit.storage.backends.validate import SUPPORTED_DTYPES, check_unit
 from knitkit.types import SeqRange, UnitKey, UnitRead
 
@@ -33,7 +41,15 @@ class SharedMemoryBackend(UnitBackend):
     (see NOTE [ Unit journal ] in ``journal.py``); ``view`` there returns arrays over the shared
     pages, no copy. The owner compacts the journal once its dead records outweigh the live ones,
     so it follows what is stored, not how long the backend has run. At start-up the owner
-    removes segments left in ``directory`` by owners that died (NOTE [ Segment names ]).
+    removes segments left in ``directory`` by owners that died (NOTE [ Segment names ]); its own
+    are kept alive by its owner lock (NOTE [ Owner locks ]). A forked child of the owner never
+    cleans up and reads as a reader (NOTE [ Owner-only clean-up ]); reading a slab another process
+    shrank raises ``UnitsLostError`` naming the units instead of a SIGBUS (NOTE [ Shrunk
+    segments ]). ``write_ranges`` writes rows in place: readers see them at once.
+
+    Not durable: the units die with their owner. After a crash its trajectories must be
+    re-written from a durable copy or re-issued (``TrajectoryStore.load_state_dict`` names the
+    units it cannot find).
     """
 
     def __init__(
@@ -50,13 +66,20 @@ class SharedMemoryBackend(UnitBackend):
         self._paths: list[str] = []
         self._units: dict[UnitKey, _Location] = {}
         self._owner = True
+        self._owner_pid = os.getpid()
         self._reads = ReadCounter()
         self._created = 0
-        self._journal = UnitJournal(os.path.join(directory, f"{self._prefix}-journal"), owner=True)
+        lock = OwnerLock(directory, self._prefix)  # first, so the sweep never sees us unlocked
+        try:
+            stem = os.path.join(directory, f"{self._prefix}-journal")
+            self._journal = UnitJournal(stem, owner=True)
+        except BaseException:
+            lock.release()
+            raise
         self._live_bytes = 0
         """Journal bytes a snapshot of the live state takes (slab and put records)."""
         self._put_bytes: dict[UnitKey, int] = {}
-        self._finalizer = weakref.finalize(self, _unlink_all, self._paths, self._journal)
+        self._finalizer = OwnerFinalizer(self, _unlink_all, self._paths, self._journal, lock)
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -68,6 +91,20 @@ class SharedMemoryBackend(UnitBackend):
         """Size of the unit journal now (it follows the live units, see ``_maybe_compact``)."""
         return self._journal.size
 
+    def metrics(self) -> dict[str, float]:
+        """What this backend holds in its directory (gauges):
+
+        - ``knitkit/storage/shm_bytes``: bytes of /dev/shm it occupies (slabs and journal);
+        - ``knitkit/storage/shm_used_bytes``: of the slabs, bytes allocated to live units;
+        - ``knitkit/storage/journal_bytes``: the unit journal's size.
+        """
+        journal = float(self._journal.size) if self._journal.open else 0.0
+        return {
+            "knitkit/storage/shm_bytes": float(sum(s.size for s in self._slabs)) + journal,
+            "knitkit/storage/shm_used_bytes": float(self.used_bytes),
+            "knitkit/storage/journal_bytes": journal,
+        }
+
     def put(self, key: UnitKey, array: np.ndarray) -> None:
         self._require_owner("put")
         value = check_unit(key, array)
@@ -75,6 +112,11 @@ class SharedMemoryBackend(UnitBackend):
             raise KeyError(f"unit {key} already exists; use replace() to update it")
         spec = spec_of(value)
         slab_index, offset = self._alloc(spec.nbytes)
+        try:
+            self._slabs[slab_index].check_size()  # NOTE [ Shrunk segments ] in slab.py
+        except SegmentTruncatedError:
+            self._slabs[slab_index].free(offset)
+            raise
         np.copyto(self._slabs[slab_index].array(offset, spec.dtype, spec.shape), value)
         self._units[key] = (slab_index, offset, spec)
         size = self._journal.append(_put_record(key, (slab_index, offset, spec)))
@@ -85,6 +127,12 @@ class SharedMemoryBackend(UnitBackend):
         self._require_owner("replace")
         check_replacement(key, self.spec(key), array)
         np.copyto(self._view(key), array)
+
+    def write_ranges(self, key: UnitKey, ranges: Sequence[SeqRange], values: np.ndarray) -> None:
+        """Write the rows in place, in the shared pages: readers see them at once."""
+        self._require_owner("write_ranges")
+        checked = check_write(key, self.spec(key), ranges, values)
+        paste_ranges(self._view(key), checked, values)
 
     def spec(self, key: UnitKey) -> UnitSpec:
         return self._locate(key)[2]
@@ -102,12 +150,17 @@ class SharedMemoryBackend(UnitBackend):
         and reusing each unit's stored spec: a micro-batch's dozen reads cost one lookup each."""
         if len(reads) != len(outs):
             raise ValueError(f"read_many got {len(reads)} reads but {len(outs)} outs; pair them")
+        self._check_fork()
         if not self._owner:
             self._follow_journal()
         slabs, units, moved = self._slabs, self._units, 0
+        sized: set[int] = set()
         try:
             for unit, out in zip(reads, outs, strict=True):
                 slab_index, offset, spec = units.get(unit.key) or self._lookup(unit.key)
+                if slab_index not in sized:  # once per slab and call
+                    self._check_slab(slab_index, reads)
+                    sized.add(slab_index)
                 checked, dst = ReadCounter.open(unit.key, spec, unit.ranges, out)
                 copy_ranges(slabs[slab_index].array(offset, spec.dtype, spec.shape), checked, dst)
                 moved += dst.nbytes
@@ -128,6 +181,9 @@ class SharedMemoryBackend(UnitBackend):
         self._maybe_compact()
 
     def keys(self) -> Iterator[UnitKey]:
+        self._check_fork()
+        if not self._owner:
+            self._follow_journal()
         return iter(list(self._units))
 
     @property
@@ -144,7 +200,7 @@ class SharedMemoryBackend(UnitBackend):
         self._slabs.clear()
         self._units.clear()
         if self._owner:
-            self._finalizer()
+            self._finalizer()  # a no-op in a forked child: NOTE [ Owner-only clean-up ]
         self._journal.close()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -170,6 +226,7 @@ class SharedMemoryBackend(UnitBackend):
             offset=state["journal_offset"],
         )
         self._owner = False
+        self._owner_pid = 0
         self._reads = ReadCounter()
         self.slab_bytes = 0
         self.directory = os.path.dirname(state["journal"])
@@ -208,9 +265,23 @@ class SharedMemoryBackend(UnitBackend):
         self._live_bytes = self._journal.size
 
     def _locate(self, key: UnitKey) -> _Location:
+        self._check_fork()
         if not self._owner:
             self._follow_journal()
         return self._lookup(key)
+
+    def _check_fork(self) -> None:
+        """In a forked child of the owner, become a reader of the parent's store: the child's
+        copy of the owner's state goes stale at once, and writing through it would corrupt the
+        parent's slabs and journal (see NOTE [ Owner-only clean-up ] in ``owner.py``)."""
+        if not self._owner or os.getpid() == self._owner_pid:
+            return
+        stem, generation = self._journal.stem, self._journal.generation
+        self._journal.close()  # the child's copy of the owner's append descriptor
+        self._owner, self._owner_pid = False, 0
+        self._units.clear()
+        self._put_bytes.clear()
+        self._journal = UnitJournal(stem, owner=False, generation=generation, offset=0)
 
     def _lookup(self, key: UnitKey) -> _Location:
         """The unit's location as this process knows it now (``_locate`` follows the journal)."""
@@ -281,12 +352,27 @@ class SharedMemoryBackend(UnitBackend):
 
     def _view(self, key: UnitKey) -> np.ndarray:
         slab_index, offset, spec = self._locate(key)
+        self._check_slab(slab_index, [UnitRead(key)])
         return self._slabs[slab_index].array(offset, spec.dtype, spec.shape)
 
+    def _check_slab(self, index: int, reads: Sequence[UnitRead]) -> None:
+        """Before ``reads`` touch slab ``index``: if another process shrank it, every unit it
+        holds is lost; raise ``UnitsLostError`` naming the ones these reads asked for (a
+        bounded list; the message names the segment) instead of dying of SIGBUS (see
+        NOTE [ Shrunk segments ] in ``slab.py``)."""
+        try:
+            self._slabs[index].check_size()
+        except SegmentTruncatedError as exc:
+            asked = dict.fromkeys(r.key for r in reads)
+            lost = [k for k in asked if (loc := self._units.get(k)) and loc[0] == index]
+            raise UnitsLostError(lost, self._slabs[index].path, str(exc)) from None
+
     def _require_owner(self, op: str) -> None:
+        self._check_fork()
         if not self._owner:
             raise RuntimeError(
-                f"{op}() on an attached shared-memory reader; write through the owner"
+                f"{op}() on an attached shared-memory reader (a pickled copy, or a forked "
+                "child's copy of the owner); write through the owner"
             )
 
 
@@ -305,7 +391,9 @@ def _put_record(key: UnitKey, location: _Location) -> Record:
     return ("put", str(key), slab, offset, spec.dtype, list(spec.shape))
 
 
-def _unlink_all(paths: list[str], journal: UnitJournal) -> None:
+def _unlink_all(paths: list[str], journal: UnitJournal, lock: OwnerLock) -> None:
+    """The owner's clean-up: slabs, journal, and last the lock (NOTE [ Owner locks ])."""
     for path in paths:
         unlink_quietly(path)
     journal.unlink()
+    lock.release()

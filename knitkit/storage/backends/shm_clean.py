@@ -1,9 +1,10 @@
 """Remove /dev/shm segments (slabs, journals, slot rings) left behind by knitkit processes that died.
 
-Only this user's segments whose creator pid no longer runs are removed (see NOTE [ Segment names ]
-in ``knitkit/storage/backends/segments.py``); live owners are never touched. Run it after a
-SIGKILLed trainer or reorganizer; do not run it where containers share /dev/shm across pid
-namespaces.
+Only this user's segments whose owner is dead are removed: a backend's segments once its owner
+lock is free, in any pid namespace that shares the directory (see NOTE [ Segment names ] in
+``knitkit/storage/backends/segments.py`` for exactly what goes); live owners are never touched.
+Run it after a SIGKILLed trainer or reorganizer. Entries it cannot remove are listed with the
+reason; they never stop it.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    removed = sweep_dead_segments(args.directory, dry_run=args.dry_run)
+    report = sweep_dead_segments(args.directory, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
-    for path in removed:
+    for path in report.removed:
         print(f"{verb} {path}")
-    print(f"{verb} {len(removed)} segment(s) of dead knitkit processes in {args.directory}")
+    for path, why in report.skipped.items():
+        print(f"skipped {path}: {why}")
+    print(f"{verb} {len(report.removed)} segment(s) of dead knitkit processes in {args.directory}")
     return 0

@@ -19,6 +19,10 @@ def _aligned(nbytes: int) -> int:
     return max(LAYOUT_ALIGNMENT, -(-nbytes // LAYOUT_ALIGNMENT) * LAYOUT_ALIGNMENT)
 
 
+class SegmentTruncatedError(OSError):
+    """A mapped shared-memory segment was shrunk under its readers; the message names it."""
+
+
 class Slab:
     """One shared-memory file with a first-fit allocator; other processes map it by path.
 
@@ -30,6 +34,18 @@ class Slab:
     ``FileNotFoundError``. The owner reserves every page at creation (``reserve``), so a full
     /dev/shm is an ``OSError`` there, never a SIGBUS on a later write; a failed creation leaves no
     file behind (and names are never reused, see NOTE [ Segment names ] in ``segments.py``).
+    Only the creating process unlinks: a forked child's copy never does (NOTE [ Owner-only
+    clean-up ] in ``owner.py``). Lifecycle table: docs/lifecycle.md.
+
+    NOTE [ Shrunk segments ]: any process of the same user can ``ftruncate`` a /dev/shm file, and
+    touching a mapped page past the file's new end is a SIGBUS that kills the process, not an
+    exception. So every access path checks the file's size first (``check_size``: one ``fstat``
+    on the descriptor kept open for that purpose): a put, each slab once per ``read_many``, each
+    ``read`` and ``view``. A shrunk slab then raises ``SegmentTruncatedError`` naming it, which
+    the backend turns into ``UnitsLostError`` naming the units the read asked for. The
+    check cannot cover a truncation between it and the copy that follows (microseconds), nor a
+    zero-copy view held across one; sealing the size (``F_SEAL_SHRINK``) would, but only
+    anonymous ``memfd`` segments can be sealed, and slabs keep names (NOTE [ Owner locks ]).
     """
 
     def __init__(self, path: str, size: int, *, owner: bool) -> None:
@@ -37,23 +53,27 @@ class Slab:
         self.size = size
         self.owner = owner
         check_segment_name(os.path.basename(path))
+        self._creator = os.getpid() if owner else 0
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if owner else os.O_RDONLY
         fd = os.open(path, flags, 0o600)
         try:
             if owner:
                 reserve(fd, path, size)
             elif os.fstat(fd).st_size < size:
-                raise ValueError(
-                    f"slab {path} holds {os.fstat(fd).st_size} bytes, its journal says {size}"
+                raise SegmentTruncatedError(
+                    f"shared-memory segment {path} holds {os.fstat(fd).st_size} bytes, its "
+                    f"journal says {size}: another process of this user shrank it; its units "
+                    "are lost"
                 )
             access = mmap.ACCESS_WRITE if owner else mmap.ACCESS_READ
             self._map: mmap.mmap | None = mmap.mmap(fd, size, access=access)
         except BaseException:
+            os.close(fd)
             if owner:
                 unlink_quietly(path)
             raise
-        finally:
-            os.close(fd)
+        self._fd: int | None = fd
+        """Kept open for ``check_size`` (NOTE [ Shrunk segments ])."""
         self.bytes = np.frombuffer(self._map, dtype=np.uint8)
         self._free: list[tuple[int, int]] = [(0, size)]
         """Free blocks ``(offset, size)`` sorted by offset, coalesced."""
@@ -92,10 +112,26 @@ class Slab:
         nbytes = count * np.dtype(dtype).itemsize
         return self.bytes[offset : offset + nbytes].view(dtype).reshape(shape)
 
+    def check_size(self) -> None:
+        """Raise ``SegmentTruncatedError`` if the file is now shorter than its mapping (a read
+        or write of the lost pages would be a SIGBUS; see NOTE [ Shrunk segments ])."""
+        if self._fd is None:
+            raise ValueError(f"slab {self.path} is closed")
+        now = os.fstat(self._fd).st_size
+        if now < self.size:
+            raise SegmentTruncatedError(
+                f"shared-memory segment {self.path} was truncated to {now} bytes under its "
+                f"{self.size}-byte mapping (another process of this user shrank it); its units "
+                "are lost: re-write them from a durable copy or re-issue their trajectories"
+            )
+
     def close(self) -> None:
-        """Unmap (once no view is left) and, in the owner, unlink the file."""
-        if self.owner:
+        """Unmap (once no view is left) and, in the creating process only, unlink the file."""
+        if self.owner and os.getpid() == self._creator:  # NOTE [ Owner-only clean-up ]
             unlink_quietly(self.path)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self.bytes = np.empty(0, dtype=np.uint8)
         if self._map is not None:
             # Views handed out may still be alive; the mapping then goes when they do.

@@ -1,4 +1,4 @@
-"""Planner timing on synthetic metadata: design.md's ``planner_ms`` benchmark keys."""
+"""Planner timing on synthetic metadata: the ``planner_ms`` keys of benchmarks/README.md's contract."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def planner_ms(
     collector (NOTE [ Planner and the garbage collector ]), so that collection runs at the next
     allocation after it returns, which the timing makes.
 
-    Default (design.md's ``planner_ms``): DP32 x CP2 x TP4, 4096 trajectories in GRPO groups of 8,
+    Default (the ``planner_ms`` workload of benchmarks/README.md): DP32 x CP2 x TP4, 4096 trajectories in GRPO groups of 8,
     lengths 1k-64k tokens, micro-batches of at most 64k tokens per consumer, one image per sample
     for a DP8 encoder. ``planner_ms.dp128_16k`` is DP128 x CP2 x TP4 with 16384 trajectories.
     """
@@ -47,7 +47,7 @@ def planner_ms(
 
 
 def planner_figures(repeats: int = 15, timeout_s: float = 600.0) -> dict[str, float]:
-    """design.md's ``planner_ms`` and ``planner_ms.dp128_16k``, timed in a fresh spawned process.
+    """The ``planner_ms`` and ``planner_ms.dp128_16k``, timed in a fresh spawned process.
 
     A fresh interpreter holds only knitkit and its imports, so neither a benchmark's earlier
     phases (their heap, their threads) nor its warm caches change the figures; ``timeout_s``

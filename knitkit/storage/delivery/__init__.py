@@ -1,29 +1,36 @@
 """Delivery: reorganizer processes, shared-memory publication, per-rank consumers (README steps 7-9).
 
-The face for engine adapters that host a reorganizer themselves (a Ray actor); users need only
+The face for engine adapters that host a reorganizer themselves (a Ray actor): they run a
+``ReorganizerHost`` and unlink the rings of hosts that died with ``unlink_ring``; users need only
 ``ReorganizerProcess``, ``RingSpec`` and ``MicroBatchConsumer`` from ``knitkit.storage``.
 """
 
 from knitkit.storage.delivery.consumer import (
+    ConsumerClosedError,
     MicroBatchConsumer,
     ReorganizerDiedError,
     ReorganizerError,
+    ReorganizerUnitsLostError,
 )
-from knitkit.storage.delivery.publication import Publisher
-from knitkit.storage.delivery.reorganizer import Reorganizer
-from knitkit.storage.delivery.reorganizer_process import Assignment, ReorganizerProcess
-from knitkit.storage.delivery.slot_ring import RingClosedError, RingSpec, SlotRing, unlink_ring
+from knitkit.storage.delivery.reorganizer import ReorganizerHost
+from knitkit.storage.delivery.reorganizer_process import ReorganizerProcess
+from knitkit.storage.delivery.slot_ring import (
+    RingClosedError,
+    RingSpec,
+    RingTruncatedError,
+    unlink_ring,
+)
 
 __all__ = [
-    "Assignment",
+    "ConsumerClosedError",
     "MicroBatchConsumer",
-    "Publisher",
-    "Reorganizer",
     "ReorganizerDiedError",
     "ReorganizerError",
+    "ReorganizerHost",
     "ReorganizerProcess",
+    "ReorganizerUnitsLostError",
     "RingClosedError",
     "RingSpec",
-    "SlotRing",
+    "RingTruncatedError",
     "unlink_ring",
 ]

@@ -1,4 +1,4 @@
-"""Consumer side of micro-batch publication: the next packed micro-batch as zero-copy views."""
+"""Consumer side of micro-batch publication: the next packed micro-batch as a lease on its slot."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import weakref
 from collections.abc import Iterator
 from functools import partial
 
+import numpy as np
+
+from knitkit.storage.backends.lost import UnitsLostError, lost_units_in
 from knitkit.storage.backends.segments import pid_alive
-from knitkit.storage.delivery.liveness import Backoff
+from knitkit.storage.delivery.liveness import WaitSlices
 from knitkit.storage.delivery.slot_ring import (
     DONE,
     FAILED,
@@ -20,128 +23,129 @@ from knitkit.storage.delivery.slot_ring import (
 )
 from knitkit.types import PackedMicroBatch
 
+CLOSE_WAIT_S = 10.0
+"""How long ``close()`` waits for a ``next_micro_batch()`` of another thread to leave (it leaves
+within one liveness period of NOTE [ Liveness checks off the poll path ])."""
+
+_ATTACHED: set[tuple[str, int]] = set()
+"""(ring name, consumer index) of every consumer attached in this process."""
+_ATTACHED_LOCK = threading.RLock()  # reentrant: a GC finalizer may run while it is held
+
 
 class ReorganizerError(RuntimeError):
     """The reorganizer feeding this consumer failed; the message carries its error."""
+
+
+class ReorganizerUnitsLostError(UnitsLostError, ReorganizerError):
+    """The reorganizer failed because units it had to read are lost; ``.keys`` names them
+    (see NOTE [ Lost units reach the trainer ]). Caught as either ``UnitsLostError`` or
+    ``ReorganizerError``."""
+
+
+def _failure(ring: str, text: str) -> ReorganizerError:
+    """The typed error for a ring that failed with ``text``: lost units stay named."""
+    lost = lost_units_in(text)
+    if lost:
+        return ReorganizerUnitsLostError(lost, f"the reorganizer of ring {ring!r}", text)
+    return ReorganizerError(f"reorganizer of ring {ring!r}: {text}")
 
 
 class ReorganizerDiedError(RuntimeError):
     """The reorganizer feeding this consumer died (or stopped beating) before finishing."""
 
 
-# NOTE [ Decode-ahead ]
-#
-# A consumer asks for its next micro-batch right after computing on the previous one, when its
-# caches hold the compute's working set, not ours: decoding the slot's layout and slicing the slot
-# then takes 100-200 us instead of the 25 us it takes warm (benchmarks/transfer.py, look-ahead
-# regime), several times per step, on the critical path. The slot of micro-batch s+1 is
-# normally published while the consumer still computes on s, so a daemon thread of the consumer
-# (`_DecodeAhead`) does that work then: each hand-out asks it for the next sequence number; it
-# waits (polling, at most `DECODE_AHEAD_PATIENCE_S`, so an idle trainer is not polled forever)
-# until that micro-batch is published, decodes its layout and slices its slot. The consumer uses
-# the result only if it is for exactly the sequence number it wants, otherwise (not ready yet,
-# or stale) it decodes itself, as without the thread: the slot of a micro-batch the consumer has
-# not taken cannot be reused, so a result for the wanted number is never torn, and a stale or
-# failed decode is dropped (the consumer's own decode raises any error). The thread holds no
-# reference to the consumer, stops on `close()` or when the consumer is garbage-collected, and
-# costs the training loop the GIL for one decode per micro-batch, during compute;
-# `decode_ahead=False` turns it off.
-
-DECODE_AHEAD_PATIENCE_S = 0.5
-"""How long the decode-ahead thread polls for a micro-batch not yet published before it leaves
-the wait to the consumer's own call (NOTE [ Decode-ahead ])."""
+class ConsumerClosedError(RuntimeError):
+    """A micro-batch was asked of a consumer that is closed (or was closed while it waited)."""
 
 
 class _Releases:
     """A consumer's release count: ``RELEASED[c]`` moves to ``s + 1`` once ``s`` and every
-    micro-batch before it were released (in any order). Kept apart from the consumer so the
-    decode-ahead thread can build hand-outs without holding the consumer alive."""
+    micro-batch before it were released (in any order). Thread-safe (a lease may be released by
+    any thread); kept apart from the consumer so leases do not keep it alive. Only the attaching
+    process releases: a forked child's copies of leases (a DataLoader worker) hand nothing back."""
 
     def __init__(self, ring: SlotRing, index: int):
         self._ring = ring
         self._index = index
-        self._released = ring.released(index)
+        self._pid = os.getpid()
+        self._lock = threading.RLock()  # reentrant: a dropped lease's finalizer may run under it
+        self._closed = False
+        self.count = ring.released(index)
         self._early: set[int] = set()
+        self._private: dict[int, int] = {}
+        """seq -> bytes of the private views handed out (NOTE [ Zero-copy hand-off ])."""
+
+    def private(self, seq: int, nbytes: int) -> memoryview:
+        """Lease ``seq``'s bytes through this process's copy-on-write mapping."""
+        with self._lock:
+            if self._closed:
+                raise ConsumerClosedError(
+                    f"consumer {self._index} of ring {self._ring.spec.name!r} is closed; its "
+                    "micro-batches can no longer be read"
+                )
+            self._private[seq] = nbytes
+            return self._ring.private_slot(seq, nbytes)
 
     def release(self, seq: int) -> None:
-        self._early.add(seq)
-        while self._released in self._early:
-            self._early.remove(self._released)
-            self._released += 1
-        self._ring.set_released(self._index, self._released)
-
-
-def _hand_out(ring: SlotRing, releases: _Releases, seq: int) -> PackedMicroBatch:
-    """Published micro-batch ``seq`` as read-only views over its slot."""
-    layout = ring.read_meta(seq)
-    buffer = ring.slot(seq, layout.nbytes).toreadonly()
-    return PackedMicroBatch(layout, buffer, partial(releases.release, seq), seq)
-
-
-class _DecodeAhead:
-    """The decode-ahead thread of one consumer (NOTE [ Decode-ahead ])."""
-
-    def __init__(self, ring: SlotRing, releases: _Releases, first: int):
-        self._ring = ring
-        self._releases = releases
-        self.want = first
-        self.ready: PackedMicroBatch | None = None
-        self._closing = False
-        self._kick = threading.Lock()  # held while there is nothing to do; released to wake
-        self._kick.acquire()
-        self._thread = threading.Thread(
-            target=self._run, name=f"knitkit-decode-ahead-{ring.spec.name}", daemon=True
-        )
-        self._thread.start()
-        self.request(first)
-
-    def request(self, seq: int) -> None:
-        """Prepare ``seq`` next (wakes the thread; cheap enough for every hand-out)."""
-        self.want = seq
-        if self._kick.locked():  # only the consumer releases it, only the thread takes it
-            self._kick.release()
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop the thread; it never blocks for longer than one poll or one decode."""
-        self._closing = True
-        if self._kick.locked():
-            self._kick.release()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        while True:
-            self._kick.acquire()
-            if self._closing:
+        with self._lock:
+            if self._closed or os.getpid() != self._pid:
                 return
-            want = self.want
-            try:
-                if self._wait_published(want):
-                    self.ready = _hand_out(self._ring, self._releases, want)
-            except Exception:  # dropped: the consumer's own decode raises it, with context
-                continue
+            # private copies go first: the slot's next occupant must be read from shared pages
+            self._ring.drop_private(seq, self._private.pop(seq, 0))
+            self._early.add(seq)
+            while self.count in self._early:
+                self._early.remove(self.count)
+                self.count += 1
+            self._ring.set_released(self._index, self.count)
 
-    def _wait_published(self, want: int) -> bool:
-        ring = self._ring
-        deadline = time.monotonic() + DECODE_AHEAD_PATIENCE_S
-        backoff = Backoff()
-        while ring.published <= want:
-            if self._closing or self.want != want or ring.state in (DONE, FAILED):
-                return False
-            if time.monotonic() > deadline:
-                return False
-            backoff.wait()
-        return True
+    def release_all(self, upto: int) -> None:
+        """Release every micro-batch before ``upto`` (a closing consumer hands all back)."""
+        for seq in range(self.count, upto):
+            self.release(seq)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
 
 
-class MicroBatchConsumer:
+class _SlotBytes:
+    """A slot's bytes under the array interface, read-only. numpy collapses a view's base to
+    the first object that is not an array, so every array (and tensor) over a lease's buffer
+    keeps this object alive: its finalizer releases a lease nobody released once nothing can
+    read the slot any more (a backstop; ``release()`` is the contract)."""
+
+    __slots__ = ("__array_interface__", "__weakref__", "view")
+
+    def __init__(self, view: np.ndarray) -> None:
+        self.view = view
+        interface = dict(view.__array_interface__)
+        interface["data"] = (interface["data"][0], True)
+        self.__array_interface__ = interface
+
+
+def _detach(ring: SlotRing, releases: _Releases, key: tuple[str, int]) -> None:
+    """Forget the attachment and unmap (``close()``, or GC of a consumer never closed)."""
+    releases.close()
+    index = key[1]
+    if ring.consumer_pid(index) == os.getpid():
+        ring.set_consumer_pid(index, 0)
+    ring.close()
+    with _ATTACHED_LOCK:
+        _ATTACHED.discard(key)
+
+
+class MicroBatchConsumer(Iterator[PackedMicroBatch]):
     """One TP rank's handle on its (DP, CP) group's slot ring (see NOTE [ Micro-batch publication protocol ] in publication.py).
 
-    ``next_micro_batch()`` returns micro-batches in publication order, each a ``PackedMicroBatch``
-    over the slot's first ``layout.nbytes`` bytes (read-only; ``seq`` counts micro-batches across
-    mini-batches), valid until ``release()``; the caller releases each
-    (in any order; the slot frees once every earlier one is released too). Iterating the consumer
-    releases each micro-batch when the next one is requested.
+    Every hand-out is a lease (``knitkit.types.PackedMicroBatch``) over the slot's first
+    ``layout.nbytes`` bytes, read-only, in publication order (``seq`` counts micro-batches
+    across mini-batches): its holder releases it exactly once (``release()`` or ``with lease:``;
+    in any order, the slot frees once every earlier one is released too); a lease dropped
+    unreleased is released once no array or tensor over its bytes is left. ``next_micro_batch()``
+    and iteration hand out the same leases and release nothing themselves; a
+    ``MicroBatchIterator`` owns the leases it pulls. ``take(n)`` iterates exactly ``n``.
+    The consumer starts no thread: the caller's thread (the iterator's prefetch thread) waits,
+    decodes and maps.
     """
 
     def __init__(
@@ -152,88 +156,173 @@ class MicroBatchConsumer:
         liveness_timeout_s: float = 30.0,
         startup_timeout_s: float = 120.0,
         wait_timeout_s: float = 600.0,
-        decode_ahead: bool = True,
     ):
         """Attach as TP consumer ``consumer_index``; see NOTE [ Micro-batch publication protocol ].
 
         ``liveness_timeout_s``: a producer that makes no progress this long counts as dead.
         ``wait_timeout_s``: the default bound of ``next_micro_batch`` (``math.inf`` to wait
         while the producer lives, e.g. for a mini-batch that is still being generated).
-        ``decode_ahead``: decode each next micro-batch's layout in a background thread while the
-        caller computes (NOTE [ Decode-ahead ]).
         """
         if not 0 <= consumer_index < spec.num_consumers:
             raise ValueError(
                 f"consumer_index={consumer_index} outside ring {spec.name!r}'s "
                 f"{spec.num_consumers} consumers"
             )
-        self._ring = SlotRing.attach(spec)
-        holder = self._ring.consumer_pid(consumer_index)
+        self.name = f"consumer {consumer_index} of ring {spec.name!r}"
+        key = (spec.name, consumer_index)
+        with _ATTACHED_LOCK:
+            if key in _ATTACHED:
+                raise ValueError(
+                    f"consumer_index={consumer_index} of ring {spec.name!r} is already attached "
+                    f"in this process (pid {os.getpid()}): two "
+                    "handles would move one release count and hand out every micro-batch twice; "
+                    "each TP rank attaches once, with its own index (close the other one first)"
+                )
+            _ATTACHED.add(key)
+        try:
+            ring = SlotRing.attach(spec)
+        except BaseException:
+            with _ATTACHED_LOCK:
+                _ATTACHED.discard(key)
+            raise
+        holder = ring.consumer_pid(consumer_index)
         if holder not in (0, os.getpid()) and pid_alive(holder):
-            self._ring.close()
+            ring.close()
+            with _ATTACHED_LOCK:
+                _ATTACHED.discard(key)
             raise ValueError(
                 f"consumer_index={consumer_index} of ring {spec.name!r} is attached by live pid "
                 f"{holder}; each TP rank attaches with its own index"
             )
-        self._ring.set_consumer_pid(consumer_index, os.getpid())
+        ring.set_consumer_pid(consumer_index, os.getpid())
+        self._ring = ring
         self._index = consumer_index
         self._wait_timeout_s = wait_timeout_s
         self._liveness_timeout_s = liveness_timeout_s
         self._startup_deadline = time.monotonic() + startup_timeout_s
-        self._releases = _Releases(self._ring, consumer_index)
-        self._next = self._ring.released(consumer_index)
-        self._current: PackedMicroBatch | None = None
-        self._ahead = _DecodeAhead(self._ring, self._releases, self._next) if decode_ahead else None
-        self._stop_ahead = weakref.finalize(self, self._ahead.stop) if self._ahead else None
-        self.decoded_ahead = 0
-        """Micro-batches handed out whose layout the decode-ahead thread had ready."""
+        self._releases = _Releases(ring, consumer_index)
+        self._next = ring.released(consumer_index)
+        self._busy = threading.Lock()
+        """Held by the thread inside ``next_micro_batch`` (one at a time)."""
+        self._closed = False
+        self._interrupted = threading.Event()
+        self._detach = weakref.finalize(self, _detach, ring, self._releases, key)
+        self._wait_s = self._decode_s = 0.0
+        self._handed_out = self._handed_out_bytes = 0
 
     @property
     def producer_bytes_read(self) -> int:
         """Bytes the reorganizer read from storage so far (for accounting)."""
         return self._ring.bytes_read
 
-    def next_micro_batch(self, timeout_s: float | None = None) -> PackedMicroBatch:
-        """Wait for the next published micro-batch; ``StopIteration`` when the producer is done.
+    def next_micro_batch(
+        self, timeout_s: float | None = None, *, cancel: threading.Event | None = None
+    ) -> PackedMicroBatch:
+        """Wait for the next published micro-batch and lease it; ``StopIteration`` when the
+        producer is done.
 
         Raises ``ReorganizerError`` if the producer failed, ``ReorganizerDiedError`` if it died
         or made no progress for ``liveness_timeout_s``, ``TimeoutError`` if ``timeout_s``
-        (default: the consumer's ``wait_timeout_s``) passes while it lives and published nothing.
+        (default: the consumer's ``wait_timeout_s``) passes while it lives and published nothing,
+        ``ConsumerClosedError`` at once if the consumer is (or gets) closed, ``InterruptedError``
+        once ``cancel`` is set (or ``interrupt()`` was called).
         """
-        seq = self._next
-        ahead = self._ahead
-        batch = ahead.ready if ahead is not None else None
-        if batch is not None and batch.seq == seq:
-            self.decoded_ahead += 1
-        else:
-            if self._ring.published <= seq:  # the usual look-ahead case skips the wait's set-up
-                self._wait_published(seq, self._wait_timeout_s if timeout_s is None else timeout_s)
-            batch = _hand_out(self._ring, self._releases, seq)
-        self._next = seq + 1
-        if ahead is not None:
-            ahead.request(seq + 1)
-        return batch
-
-    def __iter__(self) -> Iterator[PackedMicroBatch]:
-        return self
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"{self.name}: next_micro_batch() is already running in another thread; take "
+                "micro-batches from one thread at a time (one MicroBatchIterator at a time)"
+            )
+        try:
+            if self._closed:
+                raise ConsumerClosedError(f"{self.name} is closed")
+            timeout = self._wait_timeout_s if timeout_s is None else timeout_s
+            seq = self._next
+            ring = self._ring
+            start = time.perf_counter()
+            if ring.published <= seq:  # the usual look-ahead case skips the wait's set-up
+                self._wait_published(seq, timeout, cancel)
+            published = time.perf_counter()
+            ring.check_size()  # a truncated segment would SIGBUS below
+            layout = ring.read_meta(seq)
+            releases = self._releases
+            holder = _SlotBytes(np.frombuffer(ring.slot(seq, layout.nbytes), np.uint8))
+            release = weakref.finalize(holder, releases.release, seq)  # runs once: see _SlotBytes
+            release.atexit = False
+            lease = PackedMicroBatch(
+                layout,
+                np.asarray(holder),
+                release,
+                seq,
+                partial(releases.private, seq, layout.nbytes),
+            )
+            self._next = seq + 1
+            self._wait_s += published - start
+            self._decode_s += time.perf_counter() - published
+            self._handed_out += 1
+            self._handed_out_bytes += layout.nbytes
+            return lease
+        finally:
+            self._busy.release()
 
     def __next__(self) -> PackedMicroBatch:
-        if self._current is not None:
-            self._current.release()
-        self._current = self.next_micro_batch()
-        return self._current
+        """The next lease (``next_micro_batch()``); the caller releases it."""
+        if self._interrupted.is_set():
+            raise InterruptedError(f"{self.name} was interrupted")
+        return self.next_micro_batch(cancel=self._interrupted)
+
+    def take(self, count: int) -> Take:
+        """An iterator of exactly the next ``count`` leases: it never asks the ring for one more
+        (the next ones may not be packable yet), raises if the producer finishes early, and
+        closing it (a ``MicroBatchIterator`` over it does) leaves this consumer open."""
+        if count < 0:
+            raise ValueError(f"take({count}): the count must be >= 0")
+        return Take(self, count)
+
+    def interrupt(self) -> None:
+        """Make iteration (``next()``) waiting in another thread raise ``InterruptedError`` at
+        once, and every later ``next()``; for an owner about to close the consumer (a
+        ``MicroBatchIterator`` closing over it). ``take()`` iterators have their own."""
+        self._interrupted.set()
+        self._ring.wake_consumers()
+
+    def metrics(self) -> dict[str, float]:
+        """This consumer's figures, cumulative since it attached:
+
+        - ``knitkit/delivery/consumer_wait_s``: seconds spent waiting for publications (in the
+          prefetch thread under a ``MicroBatchIterator``: hidden behind compute if it kept up);
+        - ``knitkit/delivery/decode_s``: seconds decoding layouts and building leases;
+        - ``knitkit/delivery/handed_out``: micro-batches leased;
+        - ``knitkit/delivery/handed_out_bytes``: their bytes;
+        - ``knitkit/delivery/producer_bytes_read``: bytes its reorganizer read from storage (for
+          the whole ring, every TP consumer's share).
+        """
+        return {
+            "knitkit/delivery/consumer_wait_s": self._wait_s,
+            "knitkit/delivery/decode_s": self._decode_s,
+            "knitkit/delivery/handed_out": float(self._handed_out),
+            "knitkit/delivery/handed_out_bytes": float(self._handed_out_bytes),
+            "knitkit/delivery/producer_bytes_read": float(self._ring.bytes_read),
+        }
 
     def close(self) -> None:
-        """Release what this consumer still holds and unmap the ring (never unlinks it)."""
-        if self._stop_ahead is not None:
-            self._stop_ahead()  # once: stops and joins the thread
-            self._ahead = None
-        if self._current is not None:
-            self._current.release()
-            self._current = None
-        if self._ring.consumer_pid(self._index) == os.getpid():
-            self._ring.set_consumer_pid(self._index, 0)
-        self._ring.close()
+        """Release every lease handed out, unmap the ring (never unlink it), free the index.
+
+        Thread-safe and idempotent: a ``next_micro_batch()`` waiting in another thread raises
+        ``ConsumerClosedError`` at once (a ``MicroBatchIterator`` over it reports that error);
+        views of leases must not be used afterwards.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._ring.wake_consumers()
+        left = self._busy.acquire(timeout=CLOSE_WAIT_S)
+        try:
+            if left:  # otherwise a wait is still inside the mapping: leave it mapped
+                self._releases.release_all(self._next)
+                self._detach()
+        finally:
+            if left:
+                self._busy.release()
 
     def __enter__(self) -> MicroBatchConsumer:
         return self
@@ -241,25 +330,44 @@ class MicroBatchConsumer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _wait_published(self, seq: int, timeout_s: float) -> None:
+    def _wait_published(self, seq: int, timeout_s: float, cancel: threading.Event | None) -> None:
         ring = self._ring
-        deadline = time.monotonic() + timeout_s
-        backoff = Backoff()
-        while ring.published <= seq:
+        slices = WaitSlices(timeout_s)
+        while True:
+            seen = ring.notified  # before the checks: an event after them changes it
+            if ring.published > seq:
+                return
             state = ring.state
             if state == FAILED:
-                raise ReorganizerError(f"reorganizer of ring {ring.spec.name!r}: {ring.error()}")
+                raise _failure(ring.spec.name, ring.error())
             if state == DONE:
                 if ring.published <= seq:
                     raise StopIteration
-                break
-            if backoff.check_due():  # see NOTE [ Liveness checks off the poll path ] in liveness.py
-                self._check_alive(state)
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"no micro-batch {seq} from ring {ring.spec.name!r} within {timeout_s} s"
+                return
+            if self._closed:
+                raise ConsumerClosedError(
+                    f"{self.name} was closed while it waited for micro-batch {seq}"
                 )
-            backoff.wait()
+            if cancel is not None and cancel.is_set():
+                raise InterruptedError(
+                    f"{self.name}: the wait for micro-batch {seq} was interrupted"
+                )
+            if slices.check_due():  # see NOTE [ Liveness checks off the poll path ] in liveness.py
+                self._check_alive(state)
+                ring.check_size()
+            if slices.expired:
+                raise TimeoutError(self._timeout_message(seq, timeout_s))
+            ring.wait_notified(seen, slices.slice_s())  # NOTE [ Futex waits ] in atomic_words.py
+
+    def _timeout_message(self, seq: int, timeout_s: float) -> str:
+        message = f"no micro-batch {seq} from ring {self._ring.spec.name!r} within {timeout_s} s"
+        held = seq - self._releases.count
+        if held >= self._ring.spec.num_slots:
+            message += (
+                f"; {self.name} holds {held} unreleased micro-batches and the ring has "
+                f"{self._ring.spec.num_slots} slots: release each lease (`with lease:`)"
+            )
+        return message
 
     def _check_alive(self, state: int) -> None:
         ring = self._ring
@@ -283,3 +391,36 @@ class MicroBatchConsumer:
                 f"for {now - ring.heartbeat:.1f} s (liveness_timeout_s="
                 f"{self._liveness_timeout_s}): a read is stuck or the process is stopped"
             )
+
+
+class Take(Iterator[PackedMicroBatch]):
+    """Exactly ``count`` leases from a consumer (``MicroBatchConsumer.take``); closing it ends
+    it, interrupting a wait in another thread, and leaves the consumer open."""
+
+    def __init__(self, consumer: MicroBatchConsumer, count: int) -> None:
+        self._consumer = consumer
+        self.count = count
+        self.taken = 0
+        self._cancel = threading.Event()
+
+    def __next__(self) -> PackedMicroBatch:
+        if self.taken >= self.count or self._cancel.is_set():
+            raise StopIteration
+        try:
+            lease = self._consumer.next_micro_batch(cancel=self._cancel)
+        except StopIteration:
+            raise RuntimeError(
+                f"{self._consumer.name} finished after {self.taken} of the {self.count} "
+                "micro-batches this take expects: the plan and the reorganizer disagree"
+            ) from None
+        self.taken += 1
+        return lease
+
+    def interrupt(self) -> None:
+        """Make a ``next()`` waiting in another thread raise ``InterruptedError`` at once."""
+        self._cancel.set()
+        self._consumer._ring.wake_consumers()
+
+    def close(self) -> None:
+        """End the take (``interrupt``); the consumer stays open."""
+        self.interrupt()

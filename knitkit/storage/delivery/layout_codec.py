@@ -4,7 +4,9 @@ A consumer decodes one layout per micro-batch on its critical path, right after 
 compute with cold caches; JSON plus per-field dtype parsing took 150-300 us there. The binary form
 decodes with a handful of ``struct`` calls and checks every offset and size it decodes against the
 slot, so bytes another process wrote are data only: a corrupt or hostile record raises
-``LayoutDecodeError`` naming the field, never runs code and never yields a view past the slot.
+``LayoutDecodeError`` naming the field, never runs code and never yields a view past the slot, a
+misaligned view, a dimension larger than the slot, two fields over the same bytes or two fields
+of one name.
 
 Record (little-endian): a header (magic, ``nbytes``, table sizes), the field table (offset, dtype
 code, ndim, shape), ``cu_seqlens_padded`` as int64, the extras table (kind, int, float) and one
@@ -16,6 +18,7 @@ less a consumer pays for them right after it wakes up.
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 
@@ -23,7 +26,7 @@ import numpy as np
 
 from knitkit.storage.backends.validate import SUPPORTED_DTYPES
 from knitkit.storage.planning.plan import build_many
-from knitkit.types import FieldView, MicroBatchLayout, UnitKey
+from knitkit.types import LAYOUT_ALIGNMENT, FieldView, MicroBatchLayout, UnitKey
 
 _MAGIC = b"KKL1"
 _HEADER = struct.Struct("<4sq7I")
@@ -124,20 +127,31 @@ def decode_layout(blob: bytes, capacity: int) -> MicroBatchLayout:
     if strings.pop() or len(strings) != n_strings or n_strings < names + n_extra:
         raise LayoutDecodeError(f"{n_strings} strings expected, the record holds {len(strings)}")
     dtypes, shapes, offsets = [], [], []
+    spans: list[tuple[int, int, str]] = []
     for name, row in zip(strings, _FIELD.iter_unpack(blob[_HEADER.size : at]), strict=False):
         offset, code, ndim = row[0], row[1], row[2]
         if code >= len(DTYPES) or ndim > MAX_NDIM:
             raise LayoutDecodeError(f"field {name!r} has dtype code {code} and {ndim} dimensions")
         dtype, size = DTYPES[code]
         shape = row[3 : 3 + ndim]
-        if offset + size * math.prod(shape) > nbytes:
+        end = offset + size * math.prod(shape)
+        if end > nbytes:
             raise LayoutDecodeError(
                 f"field {name!r} ({dtype}{list(shape)} at offset {offset}) reaches past the "
                 f"layout's {nbytes} bytes"
             )
+        if offset % LAYOUT_ALIGNMENT or any(dim > capacity for dim in shape):
+            raise LayoutDecodeError(
+                f"field {name!r} ({dtype}{list(shape)} at offset {offset}) cannot be viewed: "
+                f"offsets are multiples of {LAYOUT_ALIGNMENT} and no dimension exceeds the "
+                f"slot's {capacity} bytes"
+            )
         dtypes.append(dtype)
         shapes.append(shape)
         offsets.append(offset)
+        if end > offset:
+            spans.append((offset, end, name))
+    _check_disjoint(strings[:n_fields], spans)
     # the consumer decodes every micro-batch right after waking: no __init__ frame per field
     fields = build_many(FieldView, n_fields, strings, dtypes, shapes, offsets)
     cu = struct.unpack_from(f"<{n_cu}q", blob, at)
@@ -159,3 +173,14 @@ def decode_layout(blob: bytes, capacity: int) -> MicroBatchLayout:
             raise LayoutDecodeError(f"extra {name!r} has kind {kind} and value {number}")
     trajectory_ids = tuple(strings[n_fields : n_fields + n_traj])
     return MicroBatchLayout(tuple(fields), nbytes, cu, trajectory_ids, units, extra)
+
+
+def _check_disjoint(names: list[str], spans: list[tuple[int, int, str]]) -> None:
+    """``LayoutDecodeError`` for two fields of one name or two non-empty fields over one byte."""
+    if len(set(names)) != len(names):
+        twice = next(name for name in names if names.count(name) > 1)
+        raise LayoutDecodeError(f"field {twice!r} appears twice")
+    spans.sort()
+    for (_, end, name), (start, _, following) in itertools.pairwise(spans):
+        if start < end:
+            raise LayoutDecodeError(f"fields {name!r} and {following!r} overlap")

@@ -1,26 +1,30 @@
-"""Polling schedule for processes that share a slot ring: how long to sleep, when to check liveness."""
+"""Wait slices for processes that share a slot ring: how long to block, when to check liveness."""
 
 from __future__ import annotations
 
+import math
 import time
 
+CHECK_EVERY_S = 0.05
+"""Liveness period of a waiting loop: a death (or a stop request) is seen within one period."""
 
-class Backoff:
-    """Sleep schedule for polling a shared word: spin briefly, then sleep up to ``max_s``.
 
-    NOTE [ Liveness checks off the poll path ]: a waiting loop polls a shared word every
-    20 us .. 1 ms, but a liveness check reads ``/proc`` (tens of us per pid). Run per poll, six
-    reorganizers waiting on their consumers' releases spent a large part of a core on it, and a
-    consumer paid it between publication and hand-off. Loops check liveness only when
-    ``check_due()`` says so: after ``check_every_s`` of waiting, then once per period, so a death
-    is still seen within a period plus a poll.
+class WaitSlices:
+    """The schedule of one waiting loop: block in slices that end at the next liveness check.
+
+    NOTE [ Liveness checks off the poll path ]: a waiting loop blocks on a shared word (NOTE
+    [ Futex waits ] in atomic_words.py) and is woken by the store it waits for, but a liveness
+    check reads ``/proc`` (tens of us per pid) and no store announces a death. Loops check
+    liveness only when ``check_due()`` says so: after ``check_every_s`` of waiting, then once
+    per period, and block at most until the next check (``slice_s``), so a death is seen within
+    a period and a waiter that is never woken still wakes once per period, not per poll.
     """
 
-    def __init__(self, max_s: float = 0.001, check_every_s: float = 0.01):
-        self._delay = 0.0
-        self._max = max_s
+    def __init__(self, timeout_s: float = math.inf, check_every_s: float = CHECK_EVERY_S):
+        now = time.monotonic()
+        self.deadline = now + timeout_s
         self._every = check_every_s
-        self._check_at = time.monotonic() + check_every_s
+        self._check_at = now + check_every_s
 
     def check_due(self) -> bool:
         """True once per ``check_every_s`` of waiting, never before the first period ends."""
@@ -30,7 +34,10 @@ class Backoff:
         self._check_at = now + self._every
         return True
 
-    def wait(self) -> None:
-        if self._delay:
-            time.sleep(self._delay)
-        self._delay = min(self._max, self._delay * 2 or 2e-5)
+    @property
+    def expired(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def slice_s(self) -> float:
+        """How long the next blocking wait may sleep: until the next check or the deadline."""
+        return max(0.0, min(self._check_at, self.deadline) - time.monotonic())

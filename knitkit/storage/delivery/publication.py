@@ -8,7 +8,7 @@ import threading
 from collections.abc import Iterator
 
 from knitkit.storage.backends.segments import pid_alive
-from knitkit.storage.delivery.liveness import Backoff
+from knitkit.storage.delivery.liveness import WaitSlices
 from knitkit.storage.delivery.slot_ring import (
     DONE,
     FAILED,
@@ -22,10 +22,12 @@ from knitkit.types import MicroBatchLayout
 
 # NOTE [ Micro-batch publication protocol ]
 #
+# Lifecycle table: docs/lifecycle.md.
+#
 # One ring per reorganizer: ONE /dev/shm segment holding a control block, per-slot metadata and
 # `num_slots` data slots of `slot_bytes`. Its pages are allocated once (posix_fallocate) by the
 # ring's owner and reused for every micro-batch of every mini-batch: fresh pages cost 5-10x the
-# copy on this kind of machine (notes/data_path.md section 2).
+# copy on a 2-core host like the CI machine (measured when the ring was designed).
 #
 # Roles. The OWNER creates and unlinks the segment (the process wrapper in the launcher, or the Ray
 # actor itself). The PRODUCER (one reorganizer loop) writes micro-batches. CONSUMERS (the group's TP
@@ -34,10 +36,11 @@ from knitkit.types import MicroBatchLayout
 # unlink it when they exit; the owner's own tracker registration is the backstop if the owner is
 # SIGKILLed.
 #
-# Single writer per word. Producer: STATE, PRODUCER_PID, HEARTBEAT, PUBLISHED, BYTES_READ,
-# ERROR_*, slot data and slot metadata. Owner: OWNER_PID, STOP (and PRODUCER_PID once, before the
-# producer starts, with the same value: the spawned child's pid). Consumer c: RELEASED[c] and
-# CONSUMER_PID[c].
+# Single writer per word. Producer: STATE, PRODUCER_PID, HEARTBEAT, PUBLISHED, NOTIFY,
+# BYTES_READ, ERROR_*, slot data and slot metadata. Owner: OWNER_PID, STOP (and PRODUCER_PID once,
+# before the producer starts, with the same value: the spawned child's pid). Consumer c:
+# RELEASED[c] and CONSUMER_PID[c] (one attachment per index: a second one, in another live
+# process or in the same process, is refused).
 #
 # Publication of micro-batch `seq` (0, 1, 2, ... across mini-batches) into slot `seq % num_slots`:
 #   1. producer waits until min_c RELEASED[c] > seq - num_slots (every consumer released the
@@ -45,25 +48,42 @@ from knitkit.types import MicroBatchLayout
 #      it gives up);
 #   2. writes the payload into the slot, then the slot metadata (seq, layout: data only, see
 #      layout_codec.py);
-#   3. stores PUBLISHED = seq + 1 last.
-# Consumer c wanting `seq` waits until PUBLISHED > seq, checks the slot's seq, and hands out
-# read-only zero-copy views; it stores RELEASED[c] = s + 1 for the highest s such that it has
-# released s and every micro-batch before it (releases may come in any order).
+#   3. stores PUBLISHED = seq + 1, then NOTIFY + 1 (and wakes NOTIFY's waiters).
+# Consumer c wanting `seq` reads NOTIFY, then waits until PUBLISHED > seq (blocking on NOTIFY
+# between checks: NOTE [ Futex waits ] in atomic_words.py), checks the slot's seq, and hands out
+# a lease (knitkit.types.PackedMicroBatch) of read-only zero-copy views, plus a copy-on-write
+# view of the same bytes for the CPU iterator (NOTE [ Zero-copy hand-off ] in
+# knitkit/microbatch_iter/worker.py). Each lease is released exactly once, by its holder (or,
+# as a backstop, once nothing views its bytes); on release the consumer drops its private copies
+# of the slot's pages, then stores RELEASED[c] = s + 1 for the highest s such that it has
+# released s and every micro-batch before it (releases may come in any order, from any thread)
+# and wakes the producer. The consumer starts no thread: whoever calls it (the training loop, or
+# the MicroBatchIterator's prefetch thread during compute) waits, decodes and maps.
 # PUBLISHED, RELEASED[c], STATE and ERROR_LEN are written with release stores and read with
 # acquire loads, which makes steps 2 -> 3 (and a consumer's reads -> its RELEASED store) hold on
 # weak memory models too: see NOTE [ Publication ordering ] in atomic_words.py. The slot seq
 # check catches a stale slot.
 #
 # Termination. The producer sets STATE=DONE after its last micro-batch, or STATE=FAILED with the
-# error text. A consumer that finds no new micro-batch raises if STATE is FAILED, stops if DONE,
-# and declares the producer dead if its pid is gone (or a zombie) or HEARTBEAT (CLOCK_MONOTONIC,
-# node-wide) is older than the liveness timeout. The owner sets STOP to make a producer blocked
-# on a full ring give up.
+# error text, each followed by NOTIFY + 1 and a wake. A consumer that finds no new micro-batch
+# raises if STATE is FAILED, stops if DONE, and declares the producer dead if its pid is gone (or
+# a zombie) or HEARTBEAT (CLOCK_MONOTONIC, node-wide) is older than the liveness timeout. The
+# owner sets STOP (and wakes the RELEASED words) to make a producer blocked on a full ring give up.
+# A consumer closed (or interrupted) from another thread of its process wakes NOTIFY and makes
+# its own wait raise at once (ConsumerClosedError / InterruptedError).
+#
+# Waiting. The producer waits for the lagging consumer's RELEASED word, a consumer for NOTIFY,
+# both in the kernel (NOTE [ Futex waits ]) in slices of one liveness period (NOTE [ Liveness
+# checks off the poll path ] in liveness.py). Every wait also checks the segment's size: a file
+# truncated under its mappings (another process of this user) would kill the process with SIGBUS
+# at the next access, so it raises RingTruncatedError naming the ring instead (checked at attach,
+# per hand-out, per acquired slot and once per period while waiting; a truncation in the
+# microseconds between a check and an access still faults).
 #
 # Liveness is progress, not thread life. HEARTBEAT is written by a producer thread every
 # HEARTBEAT_S only while the producer is IDLE (waiting for its next assignment); while it is BUSY
 # (`with publisher.busy():` around an assignment) only the producer's own loop writes it: at every
-# slot acquired, every poll of a full ring and every publication. A read that blocks therefore
+# slot acquired, every wait slice on a full ring and every publication. A read that blocks therefore
 # stops the heartbeat and consumers raise ReorganizerDiedError after the liveness timeout, while
 # a producer waiting for work or for its consumers stays alive.
 #
@@ -104,18 +124,24 @@ class Publisher:
                 f"micro-batch {self._next} needs {nbytes} bytes but ring {spec.name!r} has "
                 f"slot_bytes={spec.slot_bytes}; size the slots for the largest micro-batch"
             )
-        backoff = Backoff()
-        while self.ring.min_released() <= self._next - spec.num_slots:
+        self.ring.check_size()
+        slices = WaitSlices()
+        while True:
+            lagging, released = self.ring.lagging()
+            if released > self._next - spec.num_slots:
+                break
             self.ring.beat()
             if self.ring.stop_requested:
                 raise RingClosedError(f"ring {spec.name!r}: its owner asked the producer to stop")
-            if backoff.check_due():  # see NOTE [ Liveness checks off the poll path ] in liveness.py
+            if slices.check_due():  # see NOTE [ Liveness checks off the poll path ] in liveness.py
                 if not pid_alive(self.ring.owner_pid):
                     raise RingClosedError(
                         f"ring {spec.name!r}: owner pid {self.ring.owner_pid} died"
                     )
                 self._check_consumers()
-            backoff.wait()
+                self.ring.check_size()
+            # blocks until the lagging consumer releases (NOTE [ Futex waits ] in atomic_words.py)
+            self.ring.wait_released(lagging, released, slices.slice_s())
         self.ring.beat()
         self._acquired = self._next
         return self.ring.slot(self._next, nbytes)

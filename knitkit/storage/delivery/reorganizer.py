@@ -1,9 +1,20 @@
-"""The reorganizer loop: read one consumer's assignment, pack it micro-batch by micro-batch, publish."""
+"""The reorganizer loop (read one consumer's assignment, pack it, publish) and the object that hosts it."""
 
 from __future__ import annotations
 
-from knitkit.storage.backends.backend import UnitBackend
+import os
+import traceback
+
+from knitkit.storage.backends.backend import UnitBackend, check_backend
+from knitkit.storage.backends.lost import UnitsLostError
+from knitkit.storage.backends.segments import pid_alive
 from knitkit.storage.delivery.publication import Publisher
+from knitkit.storage.delivery.slot_ring import (
+    ConsumerDiedError,
+    RingClosedError,
+    RingSpec,
+    SlotRing,
+)
 from knitkit.storage.planning.packing import RowSpec, pack_into_batched, pack_layout
 from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan, MicroBatchPlan
 from knitkit.types import MicroBatchLayout, UnitKey, UnitRead
@@ -35,12 +46,10 @@ class Reorganizer:
                 "micro_batch": index,
                 "num_micro_batches": count,
             }
-            before = self.backend.bytes_read
             if isinstance(plan, ConsumerPlan):
                 self._publish_backbone(plan.micro_batches[index], extra)
             else:
                 self._publish_encoder(plan.micro_batches[index], extra)
-            self.publisher.ring.add_bytes_read(self.backend.bytes_read - before)
         return count
 
     def _publish_backbone(
@@ -48,8 +57,9 @@ class Reorganizer:
     ) -> None:
         layout = pack_layout(micro_batch, self._schema, extra)
         slot = self.publisher.acquire(layout.nbytes)
+        before = self.backend.bytes_read
         pack_into_batched(micro_batch, layout, slot, self.backend.read_many)
-        self.publisher.publish(layout)
+        self._publish(layout, before)
 
     def _publish_encoder(
         self, units: tuple[UnitKey, ...], extra: dict[str, int | float | str]
@@ -59,7 +69,14 @@ class Reorganizer:
         layout = MicroBatchLayout.of_units(specs, extra=extra)
         slot = self.publisher.acquire(layout.nbytes)
         views = layout.unit_views(slot)
+        before = self.backend.bytes_read
         self.backend.read_many([UnitRead(key) for key in views], list(views.values()))
+        self._publish(layout, before)
+
+    def _publish(self, layout: MicroBatchLayout, bytes_read_before: int) -> None:
+        """Count the bytes read for this micro-batch, then publish it: a consumer that sees a
+        micro-batch also sees the ring's byte count include it."""
+        self.publisher.ring.add_bytes_read(self.backend.bytes_read - bytes_read_before)
         self.publisher.publish(layout)
 
     def _learn_schema(self, plan: ConsumerPlan) -> None:
@@ -86,3 +103,98 @@ class Reorganizer:
                 "learn them from; submit the plan returned by TrajectoryStore.register (it "
                 "carries every field's schema)"
             )
+
+
+class ReorganizerHost:
+    """One reorganizer as a host process runs it: the producer side of its ring and the loop.
+
+    Hosts (``ReorganizerProcess``'s spawned child, ``knitkit.integration.ray``'s actor) only
+    call ``deliver`` per assignment, then ``finish`` or ``fail``, and ``close``. The host keeps
+    the publication protocol's promises to consumers (NOTE [ Micro-batch publication protocol ]):
+    liveness beats only with progress while an assignment runs, and whatever ends an assignment
+    early is written to the ring (FAILED and the reason) before it propagates, so consumers
+    raise instead of waiting. ``owns_ring=False`` attaches to a ring its launcher created (and
+    will unlink); ``owns_ring=True`` creates it and unlinks it in ``close``. The backend stays
+    the caller's: ``close`` never closes it. A backend may offer two optional hooks:
+    ``resolve(keys)``, called once per assignment before its reads (``RayBackend``: one
+    directory call), and ``release(keys)`` after it.
+    """
+
+    def __init__(self, backend: UnitBackend, spec: RingSpec, *, owns_ring: bool = False) -> None:
+        check_backend(backend)  # a wrapper handed over without a store fails here, named
+        self.spec = spec
+        self.backend = backend
+        self._ring = SlotRing.create(spec) if owns_ring else SlotRing.attach(spec)
+        self._owns_ring = owns_ring
+        self._publisher = Publisher(self._ring)
+        try:
+            self._publisher.start()
+        except BaseException:
+            self.close()
+            raise
+        self._reorganizer = Reorganizer(backend, self._publisher)
+
+    @property
+    def bytes_read(self) -> int:
+        """Payload bytes read from the backend for this ring so far."""
+        return self._ring.bytes_read
+
+    @property
+    def published(self) -> int:
+        """Micro-batches published into this ring so far."""
+        return self._ring.published
+
+    @property
+    def abandoned(self) -> bool:
+        """The ring's owner asked the producer to stop, or died: an idle host should leave."""
+        return self._ring.stop_requested or not pid_alive(self._ring.owner_pid)
+
+    def deliver(self, minibatch_id: str, plan: ConsumerPlan | EncoderRankPlan) -> int:
+        """Read, pack and publish every micro-batch of ``plan`` in order; returns how many.
+
+        Raises what stopped it (``RingClosedError``: the owner stopped the ring;
+        ``ConsumerDiedError``: a consumer died holding a slot; anything the backend raised)
+        after writing it to the ring for the consumers.
+        """
+        resolve = getattr(self.backend, "resolve", None)
+        release = getattr(self.backend, "release", None)
+        keys = [read.key for read in plan.reads()] if resolve or release else []
+        try:
+            with self._publisher.busy():  # see NOTE [ Micro-batch publication protocol ]: liveness
+                if resolve is not None:
+                    resolve(keys)
+                return self._reorganizer.deliver(minibatch_id, plan)
+        except (RingClosedError, ConsumerDiedError) as error:
+            self.fail(str(error))
+            raise
+        except UnitsLostError as error:  # keys first: the ring keeps 4096 bytes of the text
+            self.fail(f"{error}\nreorganizer pid {os.getpid()}:\n{traceback.format_exc()}")
+            raise
+        except BaseException:
+            self.fail(f"reorganizer pid {os.getpid()} failed:\n{traceback.format_exc()}")
+            raise
+        finally:
+            if release is not None:
+                release(keys)
+
+    def finish(self) -> None:
+        """No more assignments: consumers stop after the last published micro-batch (a ring
+        that already failed keeps its error)."""
+        if not self._ring.failed:
+            self._publisher.finish()
+
+    def fail(self, message: str) -> None:
+        """End the ring with an error: consumers raise ``ReorganizerError`` with ``message`` (a
+        ring that already failed keeps its first error)."""
+        if not self._ring.failed:
+            self._publisher.fail(message)
+
+    def stop(self) -> None:
+        """Make a ``deliver`` blocked on a full ring give up (the owner's STOP; any thread)."""
+        self._ring.request_stop()
+
+    def close(self) -> None:
+        """Stop the heartbeat and unmap the ring; unlink it if this host owns it."""
+        self._publisher.close()
+        if self._owns_ring:
+            self._ring.unlink()

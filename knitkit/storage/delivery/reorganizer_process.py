@@ -6,17 +6,15 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import threading
 import traceback
-import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.process import BaseProcess
-from types import FrameType
+from multiprocessing.context import SpawnProcess
 
-from knitkit.storage.backends.backend import UnitBackend
-from knitkit.storage.backends.segments import pid_alive
-from knitkit.storage.delivery.publication import Publisher
-from knitkit.storage.delivery.reorganizer import Reorganizer
+from knitkit.storage.backends.backend import UnitBackend, check_backend
+from knitkit.storage.backends.owner import OwnerFinalizer
+from knitkit.storage.delivery.reorganizer import ReorganizerHost
+from knitkit.storage.delivery.sigterm import sigterm_exits
 from knitkit.storage.delivery.slot_ring import (
     ConsumerDiedError,
     RingClosedError,
@@ -27,24 +25,34 @@ from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan
 
 # NOTE [ Reorganizer process shutdown ]
 #
+# Lifecycle table: docs/lifecycle.md.
 # The launcher (this module's ReorganizerProcess, in the trainer or driver process) OWNS the ring:
 # it creates it before spawning the child and unlinks it in close(). close() runs on every exit
-# path: explicit close / `with`, an exception, SIGINT (KeyboardInterrupt), SIGTERM (turned into
-# SystemExit while the launcher's SIGTERM handler is the default one) and interpreter exit
-# (weakref.finalize). If the launcher is SIGKILLed, its resource tracker unlinks the ring.
-# close(): set STOP (the child's loop and a producer blocked on a full ring give up), join for
-# `join_timeout_s`, then terminate and finally kill the child, then unlink the ring.
+# path: explicit close / `with`, an exception, SIGINT (KeyboardInterrupt), SIGTERM (a SystemExit
+# where it was SIG_DFL: NOTE [ SIGTERM while reorganizers are open ] in sigterm.py) and
+# interpreter exit (the finalizer). If the launcher is SIGKILLed, its resource tracker unlinks
+# the ring. close(): set STOP (the child's loop and a producer blocked on a full ring give up),
+# join for `join_timeout_s`, then terminate and finally kill the child, then unlink the ring.
 # The child ignores SIGINT (the launcher decides), polls its assignment queue with a timeout and
 # exits when STOP is set or the launcher's pid is gone, so it never outlives its owner for long.
-# Whatever ends the child's loop is written to the ring (DONE or FAILED + traceback), so consumers
-# raise instead of waiting; a killed child is caught by the consumers' liveness check. A consumer
-# that died holding a slot ends the child's loop the same way (FAILED, naming the consumer).
+# Whatever ends the child's loop is written to the ring (DONE or FAILED + reason; ReorganizerHost),
+# so consumers raise instead of waiting; a killed child is caught by the consumers' liveness
+# check. A consumer that died holding a slot ends the child's loop the same way (FAILED, naming
+# the consumer).
+#
+# Fork. A forked copy of the launcher (a DataLoader worker, os.fork) inherits this object, its
+# finalizer and multiprocessing's exit hook. None of them may touch the launcher's reorganizer:
+# the finalizer runs only in the launcher (NOTE [ Owner-only clean-up ] in backends/owner.py), so
+# close() and interpreter exit in the fork do nothing; and the child process handle
+# (_ReorganizerChild) is daemonic and joinable in the launcher only, so multiprocessing's exit
+# hook in the fork neither SIGTERMs it (it terminates the daemonic children it lists, and a fork
+# lists its parent's) nor fails joining it. submit()/finish() in a fork raise, naming the owner.
 
 _POLL_S = 0.2
 
 
 @dataclass(frozen=True, slots=True)
-class Assignment:
+class _Assignment:
     """One mini-batch's work for one reorganizer (a backbone (DP, CP) group or an encoder rank)."""
 
     minibatch_id: str
@@ -58,19 +66,18 @@ class ReorganizerProcess:
         self, backend: UnitBackend, spec: RingSpec, *, join_timeout_s: float = 5.0
     ) -> None:
         """``backend`` must pickle into a reader of the same units (shared-memory or disk)."""
-        _exit_on_sigterm()
+        check_backend(backend)  # in the launcher, before a child is spawned to fail on it
         self.spec = spec
         self.join_timeout_s = join_timeout_s
         self.ring = SlotRing.create(spec)
-        ctx = mp.get_context("spawn")
-        self._assignments: mp.Queue[Assignment | None] = ctx.Queue()
-        self._process = ctx.Process(
+        self._assignments: mp.Queue[_Assignment | None] = mp.get_context("spawn").Queue()
+        self._process = _ReorganizerChild(
             target=_serve,
             args=(backend, spec, self._assignments),
             name=f"knitkit-reorganizer-{spec.name}",
-            daemon=True,
         )
-        self._finalizer = weakref.finalize(
+        sigterm_exits.hold()  # see NOTE [ SIGTERM while reorganizers are open ]
+        self._finalizer = OwnerFinalizer(
             self, _shutdown, self.ring, self._process, self._assignments, join_timeout_s
         )
         try:
@@ -89,11 +96,22 @@ class ReorganizerProcess:
         """Payload bytes the child read from its backend so far."""
         return self.ring.bytes_read
 
+    def metrics(self) -> dict[str, float]:
+        """This reorganizer's figures, cumulative since it started (sum them over a launcher's
+        reorganizers):
+
+        - ``knitkit/delivery/reorganizer_bytes_read``: payload bytes read from the backend;
+        - ``knitkit/delivery/reorganizer_published``: micro-batches published.
+        """
+        return {
+            "knitkit/delivery/reorganizer_bytes_read": float(self.ring.bytes_read),
+            "knitkit/delivery/reorganizer_published": float(self.ring.published),
+        }
+
     def submit(self, minibatch_id: str, plan: ConsumerPlan | EncoderRankPlan) -> None:
         """Queue one mini-batch's assignment; its micro-batches follow the previous ones'."""
-        if not self._finalizer.alive:
-            raise RuntimeError(f"reorganizer {self.spec.name!r} is closed; start a new one")
-        self._assignments.put(Assignment(minibatch_id, plan))
+        self._check_usable()
+        self._assignments.put(_Assignment(minibatch_id, plan))
 
     def finish(self, timeout_s: float = 60.0) -> bool:
         """No more assignments: the child publishes what it has, marks DONE and exits.
@@ -101,15 +119,14 @@ class ReorganizerProcess:
         Waits up to ``timeout_s`` for that (its consumers must read everything first); returns
         whether the child has exited. ``close()`` stops it either way.
         """
+        self._check_usable()
         self._assignments.put(None)
         self._process.join(timeout_s)
         return not self._process.is_alive()
 
     def close(self) -> None:
-        """Stop the child (if still running) and unlink the ring; idempotent.
-
-        See NOTE [ Reorganizer process shutdown ] for the order and every path that runs it.
-        """
+        """Stop the child (if still running) and unlink the ring; idempotent; in a forked copy
+        of the launcher, nothing. See NOTE [ Reorganizer process shutdown ]."""
         self._finalizer()
 
     def __enter__(self) -> ReorganizerProcess:
@@ -118,60 +135,82 @@ class ReorganizerProcess:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _check_usable(self) -> None:
+        if not self._finalizer.in_owner:
+            raise RuntimeError(
+                f"reorganizer {self.spec.name!r} belongs to pid {self._finalizer.pid}; this is a "
+                f"forked copy (pid {os.getpid()}): start a reorganizer in this process instead"
+            )
+        if not self._finalizer.alive:
+            raise RuntimeError(f"reorganizer {self.spec.name!r} is closed; start a new one")
+
+
+class _ReorganizerChild(SpawnProcess):
+    """The spawned reorganizer; a child of its launcher only, not of a fork of the launcher (see
+    NOTE [ Reorganizer process shutdown ]): daemonic and joinable in the launcher alone."""
+
+    def __init__(self, target: Callable[..., None], args: tuple[object, ...], name: str) -> None:
+        super().__init__(target=target, args=args, name=name)
+        self._launcher_pid = os.getpid()
+
+    @property
+    def daemon(self) -> bool:
+        return os.getpid() == self._launcher_pid
+
+    @daemon.setter
+    def daemon(self, value: bool) -> None:
+        raise AttributeError("a reorganizer process is daemonic in its launcher only")
+
+    def join(self, timeout: float | None = None) -> None:
+        if os.getpid() == self._launcher_pid:
+            super().join(timeout)
+
 
 def _shutdown(
-    ring: SlotRing, process: BaseProcess, assignments: mp.Queue[Assignment | None], join_s: float
+    ring: SlotRing,
+    process: _ReorganizerChild,
+    assignments: mp.Queue[_Assignment | None],
+    join_s: float,
 ) -> None:
-    ring.request_stop()
-    if process.pid is not None:
-        process.join(join_s)
-        if process.is_alive():
-            process.terminate()
+    try:
+        ring.request_stop()
+        if process.pid is not None:
             process.join(join_s)
-        if process.is_alive():
-            process.kill()
-            process.join()
-    assignments.close()
-    assignments.cancel_join_thread()
-    ring.close()
-    ring.unlink()
+            if process.is_alive():
+                process.terminate()
+                process.join(join_s)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        assignments.close()
+        assignments.cancel_join_thread()
+        ring.close()
+        ring.unlink()
+    finally:
+        sigterm_exits.release()
 
 
-def _serve(backend: UnitBackend, spec: RingSpec, assignments: mp.Queue[Assignment | None]) -> None:
+def _serve(backend: UnitBackend, spec: RingSpec, assignments: mp.Queue[_Assignment | None]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # see NOTE [ Reorganizer process shutdown ]
-    publisher = Publisher(SlotRing.attach(spec))
-    publisher.start()
-    reorganizer = Reorganizer(backend, publisher)
+    host = ReorganizerHost(backend, spec)
     try:
         while True:
             try:
                 item = assignments.get(timeout=_POLL_S)
             except queue.Empty:
-                if publisher.ring.stop_requested or not pid_alive(publisher.ring.owner_pid):
-                    raise RingClosedError(f"ring {spec.name!r} closed by its owner") from None
+                if host.abandoned:
+                    host.fail(f"ring {spec.name!r} closed by its owner")
+                    return
                 continue
             if item is None:
-                break
-            with publisher.busy():  # NOTE [ Micro-batch publication protocol ]: liveness
-                reorganizer.deliver(item.minibatch_id, item.plan)
-        publisher.finish()
-    except (RingClosedError, ConsumerDiedError) as exc:
-        publisher.fail(str(exc))
+                host.finish()
+                return
+            host.deliver(item.minibatch_id, item.plan)
+    except (RingClosedError, ConsumerDiedError):
+        return  # the host wrote the reason to the ring; nothing else to report
     except BaseException:
-        publisher.fail(f"reorganizer pid {os.getpid()} failed:\n{traceback.format_exc()}")
+        host.fail(f"reorganizer pid {os.getpid()} failed:\n{traceback.format_exc()}")
         raise
     finally:
-        publisher.close()
+        host.close()
         backend.close()
-
-
-def _exit_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit so ``finally`` blocks and finalizers unlink shared memory."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _raise_system_exit)
-
-
-def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)

@@ -24,11 +24,13 @@ from knitkit.types import MicroBatchLayout
 STARTING, RUNNING, DONE, FAILED = 0, 1, 2, 3
 _MAGIC = 0x4B4E4954_52494E47
 _MAGIC_W, _STATE_W, _PRODUCER_PID_W, _OWNER_PID_W = 0, 1, 2, 3
-_PUBLISHED_W, _BYTES_READ_W, _STOP_W, _ERROR_LEN_W, _HEARTBEAT_W = 4, 5, 6, 7, 8
+_PUBLISHED_W, _BYTES_READ_W, _STOP_W, _ERROR_LEN_W, _HEARTBEAT_W, _NOTIFY_W = 4, 5, 6, 7, 8, 9
 _RELEASED_W = 16
 """RELEASED[c] is word ``_RELEASED_W + c``; CONSUMER_PID[c] follows the RELEASED words."""
 _ERROR_BYTES = 4096
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE
+_MADV_POPULATE_READ = 22
+"""Linux >= 5.14: fault a range's pages in (read) without touching them from Python."""
 _META_HEADER = struct.Struct("<qq")
 """Before each slot's layout record: the micro-batch's seq and the record's length."""
 HEARTBEAT_S = 0.05
@@ -41,6 +43,10 @@ class RingClosedError(RuntimeError):
 
 class ConsumerDiedError(RuntimeError):
     """A consumer died holding a slot the producer waits for; the ring can never move again."""
+
+
+class RingTruncatedError(RuntimeError):
+    """The ring's segment file is shorter than the ring: a process of this user truncated it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +109,10 @@ class SlotRing:
         self._buf = buf
         self._owner = owner
         self._mmap: mmap.mmap | None = None
+        self._fd: int | None = None
+        """Attached rings keep the segment's file open to check its size (``check_size``)."""
+        self._private: mmap.mmap | None = None
+        self._populate = True
         self.words = np.frombuffer(buf, np.int64, spec._num_words)
         self._atomic = AtomicWords(self.words)
         self._heartbeat = np.frombuffer(buf, np.float64, 1, 8 * _HEARTBEAT_W)
@@ -143,15 +153,24 @@ class SlotRing:
                 "first and keep it until every producer and consumer has closed"
             ) from None
         try:
+            _check_size(spec, fd)
             mapped = mmap.mmap(fd, spec.segment_bytes)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         ring = cls(spec, memoryview(mapped), None)
         ring._mmap = mapped
+        ring._fd = fd
         if ring.words[_MAGIC_W] != _MAGIC:
             ring.close()
             raise ValueError(f"/dev/shm/{spec.name} is not a knitkit slot ring")
         return ring
+
+    def check_size(self) -> None:
+        """Raise ``RingTruncatedError`` if the segment file shrank under this mapping (reading a
+        page past its end would kill the process with SIGBUS); attached rings only, one fstat."""
+        if self._fd is not None:
+            _check_size(self.spec, self._fd)
 
     # -- control words (each has a single writer; see NOTE [ Micro-batch publication protocol ]) --
     @property
@@ -159,7 +178,9 @@ class SlotRing:
         return self._atomic.load_acquire(_STATE_W)
 
     def set_state(self, state: int) -> None:
+        """Producer: store STATE and notify waiting consumers (NOTE [ Futex waits ])."""
         self._atomic.store_release(_STATE_W, state)
+        self._notify()
 
     @property
     def failed(self) -> bool:
@@ -183,8 +204,29 @@ class SlotRing:
         return self._atomic.load_acquire(_PUBLISHED_W)
 
     def set_published(self, count: int) -> None:
-        """Release store: the slots and metadata written before become visible with it."""
+        """Release store: the slots and metadata written before become visible with it; then
+        notify waiting consumers."""
         self._atomic.store_release(_PUBLISHED_W, count)
+        self._notify()
+
+    @property
+    def notified(self) -> int:
+        """Producer events so far (publications, state changes): what consumers wait on."""
+        return self._atomic.load_acquire(_NOTIFY_W)
+
+    def wait_notified(self, seen: int, timeout_s: float) -> None:
+        """Consumer: sleep until the producer's next event after ``seen`` (``notified``), at
+        most ``timeout_s``; may return early (NOTE [ Futex waits ] in atomic_words.py)."""
+        self._atomic.wait(_NOTIFY_W, seen, timeout_s)
+
+    def wake_consumers(self) -> None:
+        """Wake every waiting consumer (they look again); for a close or an interrupt."""
+        self._atomic.wake(_NOTIFY_W)
+
+    def _notify(self) -> None:
+        # NOTIFY has one writer, the producer: a plain read of its own word is current
+        self._atomic.store_release(_NOTIFY_W, int(self.words[_NOTIFY_W]) + 1)
+        self._atomic.wake(_NOTIFY_W)
 
     @property
     def bytes_read(self) -> int:
@@ -199,17 +241,33 @@ class SlotRing:
         return bool(self.words[_STOP_W])
 
     def request_stop(self) -> None:
+        """Owner: ask the producer to stop, waking it if it waits for a release."""
         self.words[_STOP_W] = 1
+        for consumer in range(self.spec.num_consumers):
+            self._atomic.wake(_RELEASED_W + consumer)
 
     def min_released(self) -> int:
-        return min(self.released(c) for c in range(self.spec.num_consumers))
+        return self.lagging()[1]
+
+    def lagging(self) -> tuple[int, int]:
+        """The consumer that released the fewest micro-batches, and its count."""
+        counts = [self.released(c) for c in range(self.spec.num_consumers)]
+        least = min(counts)
+        return counts.index(least), least
 
     def released(self, consumer: int) -> int:
         """Consumer's release count (acquire: its reads of released slots are finished)."""
         return self._atomic.load_acquire(_RELEASED_W + consumer)
 
     def set_released(self, consumer: int, count: int) -> None:
+        """Consumer: release store of its count, then wake a producer waiting for it."""
         self._atomic.store_release(_RELEASED_W + consumer, count)
+        self._atomic.wake(_RELEASED_W + consumer)
+
+    def wait_released(self, consumer: int, seen: int, timeout_s: float) -> None:
+        """Producer: sleep while ``consumer``'s count is ``seen``, at most ``timeout_s``; may
+        return early (NOTE [ Futex waits ] in atomic_words.py)."""
+        self._atomic.wait(_RELEASED_W + consumer, seen, timeout_s)
 
     def consumer_pid(self, consumer: int) -> int:
         """Pid of the process attached as ``consumer`` (0: none attached yet)."""
@@ -222,6 +280,38 @@ class SlotRing:
     def slot(self, seq: int, nbytes: int) -> memoryview:
         start = self._data_at + (seq % self._num_slots) * self.spec.slot_bytes
         return self._buf[start : start + nbytes]
+
+    def private_slot(self, seq: int, nbytes: int) -> memoryview:
+        """The first ``nbytes`` of ``seq``'s slot through a private copy-on-write mapping of the
+        data region, its pages faulted in: writes stay in this process (NOTE [ Zero-copy
+        hand-off ] in knitkit/microbatch_iter/worker.py); ``drop_private`` before the release."""
+        if self._private is None:
+            if self._fd is None:
+                raise RuntimeError(
+                    f"slot ring {self.spec.name!r}: only attached rings map privately"
+                )
+            length = self._num_slots * self.spec.slot_bytes
+            self._private = mmap.mmap(
+                self._fd,
+                length,
+                flags=mmap.MAP_PRIVATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                offset=self._data_at,
+            )
+        start = (seq % self._num_slots) * self.spec.slot_bytes
+        if self._populate and nbytes:
+            try:  # fault the pages in here (the prefetch thread), not in the training step
+                self._private.madvise(_MADV_POPULATE_READ, *_pages(start, nbytes))
+            except OSError:
+                self._populate = False  # kernel < 5.14: the first reads fault them in
+        return memoryview(self._private)[start : start + nbytes]
+
+    def drop_private(self, seq: int, nbytes: int) -> None:
+        """Drop this process's private copies of ``seq``'s slot pages (MADV_DONTNEED), so the
+        slot's next occupant is read from the shared pages again."""
+        if self._private is not None and nbytes:
+            start = (seq % self._num_slots) * self.spec.slot_bytes
+            self._private.madvise(mmap.MADV_DONTNEED, *_pages(start, nbytes))
 
     def write_meta(self, seq: int, layout: MicroBatchLayout) -> None:
         blob = encode_layout(layout)
@@ -286,6 +376,12 @@ class SlotRing:
                 self._mmap.close()
         except BufferError:
             pass  # a caller still holds zero-copy views; the mapping goes with them
+        if self._private is not None:
+            with contextlib.suppress(BufferError):
+                self._private.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def unlink(self) -> None:
         """Remove the segment name (owner only); idempotent."""
@@ -303,6 +399,22 @@ def unlink_ring(name: str) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def _check_size(spec: RingSpec, fd: int) -> None:
+    size = os.fstat(fd).st_size
+    if size < spec.segment_bytes:
+        raise RingTruncatedError(
+            f"slot ring {spec.name!r} (/dev/shm/{spec.name}) is {size} bytes, shorter than the "
+            f"ring's {spec.segment_bytes}: a process of this user truncated it under its "
+            "consumers; restart its reorganizer (and keep other jobs out of this /dev/shm)"
+        )
+
+
+def _pages(start: int, nbytes: int) -> tuple[int, int]:
+    """``[start, start + nbytes)`` widened to whole pages, as madvise wants it."""
+    low = start - start % _PAGE
+    return low, _round_up(start + nbytes, _PAGE) - low
 
 
 def _round_up(value: int, multiple: int) -> int:

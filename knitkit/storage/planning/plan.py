@@ -28,9 +28,11 @@ class Topology:
     """With sequence parallelism every CP chunk must also split evenly over TP ranks."""
 
     def __post_init__(self) -> None:
-        if min(self.dp, self.cp, self.tp) < 1:
+        for name in ("dp", "cp", "tp"):
+            _check_size(f"Topology.{name}", getattr(self, name))
+        if not isinstance(self.sequence_parallel, bool):
             raise ValueError(
-                f"topology sizes must be >= 1, got dp={self.dp} cp={self.cp} tp={self.tp}"
+                f"Topology.sequence_parallel={self.sequence_parallel!r} must be True or False"
             )
 
     @property
@@ -50,6 +52,34 @@ class EncoderTopology:
     tp: int = 1
     kinds: tuple[str, ...] = ("image", "video")
     """Multimodal unit kinds (``UnitKey.field``) this encoder consumes."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or "/" in self.name:
+            raise ValueError(
+                f"EncoderTopology.name={self.name!r} must be a non-empty string without '/' "
+                "(its consumers are named '<name>/dp<r>')"
+            )
+        _check_size(f"EncoderTopology({self.name!r}).dp", self.dp)
+        _check_size(f"EncoderTopology({self.name!r}).tp", self.tp)
+        kinds = self.kinds
+        if isinstance(kinds, list):
+            kinds = tuple(kinds)
+            object.__setattr__(self, "kinds", kinds)
+        if (
+            not isinstance(kinds, tuple)
+            or not kinds
+            or not all(isinstance(k, str) and k for k in kinds)
+        ):
+            raise ValueError(
+                f"EncoderTopology({self.name!r}).kinds={kinds!r} must be a non-empty tuple of "
+                "multimodal kinds such as ('image', 'video')"
+            )
+
+
+def _check_size(what: str, value: object) -> None:
+    """A parallel size is an int >= 1 (not a bool, not a float)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what}={value!r} must be an int >= 1")
 
 
 @dataclass(frozen=True, slots=True)

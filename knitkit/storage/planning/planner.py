@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
 from operator import attrgetter
@@ -84,23 +86,45 @@ def plan_minibatch(
     Trajectories with ``accepted=False`` are dropped. Every DP rank gets the same number of
     micro-batches; every real token lands on exactly one (DP, CP) consumer.
     """
-    # NOTE [ Planner and the garbage collector ]: a plan is some 4 tracked objects per
-    # (trajectory, CP rank) (a slice and its chunk tuples), 130k at DP128 x CP2 with 16k
-    # trajectories, none in a cycle. With the collector on, every 700 allocations would rescan
-    # the young ones and, in a small heap, whole-heap collections would rescan the plan built so
-    # far (up to half the planner's time at 16k in a fresh interpreter). Paused, the collector
-    # scans them once, at the first allocation after the call (at most one young-generation
-    # pass, a few ms at 16k; less when an older plan was freed meanwhile, as freeing lowers the
-    # count): the caller pays that, and ``planner_ms`` counts it. The pause is process-wide
-    # (other threads' garbage waits for it too); a collector the caller disabled stays
-    # disabled.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with _collector_paused():  # see NOTE [ Planner and the garbage collector ]
         return _plan(metas, topology, config or PlannerConfig(), encoders, minibatch_id)
+
+
+# NOTE [ Planner and the garbage collector ]: a plan is some 4 tracked objects per
+# (trajectory, CP rank) (a slice and its chunk tuples), 130k at DP128 x CP2 with 16k
+# trajectories, none in a cycle. With the collector on, every 700 allocations would rescan
+# the young ones and, in a small heap, whole-heap collections would rescan the plan built so
+# far (up to half the planner's time at 16k in a fresh interpreter). Paused, the collector
+# scans them once, at the first allocation after the call (at most one young-generation
+# pass, a few ms at 16k; less when an older plan was freed meanwhile, as freeing lowers the
+# count): the caller pays that, and ``planner_ms`` counts it. The collector's switch is
+# process-wide, so the pause is one process-wide count under a lock: the first planner in
+# pauses it, the last one out switches it back on if it was on, so no planner runs with it on
+# and threads planning at once never leave it off; a collector that was off when the first
+# planner went in stays off (one switched off while planners run is switched back on: the
+# switch does not say who turned it). Other threads' garbage waits for the pause too.
+# Process-wide state knitkit touches: docs/lifecycle.md.
+_pause_lock = threading.Lock()
+_pausing = 0
+_resume = False
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause the garbage collector while planning, shared by every planning thread."""
+    global _pausing, _resume
+    with _pause_lock:
+        if _pausing == 0:
+            _resume = gc.isenabled()
+            gc.disable()
+        _pausing += 1
+    try:
+        yield
     finally:
-        if was_enabled:
-            gc.enable()
+        with _pause_lock:
+            _pausing -= 1
+            if _pausing == 0 and _resume:
+                gc.enable()
 
 
 def _plan(
@@ -110,6 +134,7 @@ def _plan(
     encoders: Sequence[EncoderTopology],
     minibatch_id: str,
 ) -> MiniBatchPlan:
+    _check_layout(topology, config, encoders)
     columns = MetaColumns.of(metas)
     lengths = np.array(columns.num_tokens, dtype=np.int64)
     padded = padded_lengths(lengths, topology.pad_multiple * config.pad_multiple)
@@ -127,6 +152,38 @@ def _plan(
         for e in encoders
     )
     return MiniBatchPlan(minibatch_id, topology, consumers, encoder_plans)
+
+
+def _check_layout(
+    topology: Topology, config: PlannerConfig, encoders: Sequence[EncoderTopology]
+) -> None:
+    """The planner's non-metadata inputs, checked before any work (``TypeError`` / ``ValueError``
+    naming the argument): values are validated at construction, so only types and the
+    encoders' names (they name consumers, so they must be unique) are left."""
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a Topology, got {type(topology).__name__}")
+    if not isinstance(config, PlannerConfig):
+        raise TypeError(f"config must be a PlannerConfig, got {type(config).__name__}")
+    for what in ("token_fields", "scalar_fields"):
+        value = getattr(config, what)
+        if not isinstance(value, tuple) or not all(isinstance(f, str) and f for f in value):
+            raise TypeError(
+                f"PlannerConfig.{what}={value!r} must be a tuple of field names, e.g. ('tokens',)"
+            )
+    both = sorted(set(config.token_fields) & set(config.scalar_fields))
+    if both:
+        raise ValueError(f"fields {both} are both per-token and scalar in the PlannerConfig")
+    names = []
+    for encoder in encoders:
+        if not isinstance(encoder, EncoderTopology):
+            raise TypeError(f"encoders must be EncoderTopology values, got {encoder!r}")
+        names.append(encoder.name)
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(
+            f"encoders {twice} are given twice; each encoder needs its own name (it names its "
+            "consumers '<name>/dp<r>')"
+        )
 
 
 def _balance_dp(columns: MetaColumns, costs: np.ndarray, dp: int, keep_groups: bool) -> np.ndarray:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from knitkit.storage.backends.backend import UnitSpec
-from knitkit.types import TrajectoryMeta, UnitKey
+from knitkit.types import SeqRange, TrajectoryMeta, UnitKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,8 @@ class TrajectoryRecord:
     fields: dict[str, UnitKey] = field(default_factory=dict)
     token_fields: set[str] = field(default_factory=set)
     inputs: tuple[UnitKey, ...] = ()
+    partial: dict[str, list[SeqRange]] = field(default_factory=dict)
+    """Written-back fields not yet complete: the token ranges written so far (sorted, merged)."""
 
 
 class HierarchicalIndex:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 from knitkit.storage.planning.plan import MiniBatchPlan
 from knitkit.types import UnitKey
@@ -73,6 +74,35 @@ class ConsumerLedger:
         self._counts = +self._counts
         del self._outstanding[minibatch_id]
         return self._trajectories.pop(minibatch_id)
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """Every registered mini-batch's outstanding consumers (with the units each still reads)
+        and trajectories, as plain data."""
+        return {
+            minibatch_id: {
+                "consumers": {c: sorted(map(str, keys)) for c, keys in pending.items()},
+                "trajectories": sorted(self._trajectories[minibatch_id]),
+            }
+            for minibatch_id, pending in self._outstanding.items()
+        }
+
+    def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
+        """Restore ``state_dict``'s mini-batches into an empty ledger (validated by the caller)."""
+        if self._outstanding:
+            raise ValueError("load_state_dict needs an empty ledger")
+        for minibatch_id, entry in state.items():
+            pending = {
+                c: frozenset(UnitKey.parse(k) for k in keys)
+                for c, keys in entry["consumers"].items()
+            }
+            self._outstanding[minibatch_id] = pending
+            self._trajectories[minibatch_id] = frozenset(entry["trajectories"])
+            for keys in pending.values():
+                self._counts.update(keys)
+
+    def minibatches(self) -> tuple[str, ...]:
+        """Registered mini-batches not yet closed."""
+        return tuple(self._outstanding)
 
     def needed(self, key: UnitKey) -> bool:
         return self._counts[key] > 0

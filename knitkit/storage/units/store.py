@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
-from knitkit.storage.backends.backend import UnitBackend
-from knitkit.storage.backends.validate import check_unit
+from knitkit.storage.backends.backend import UnitBackend, UnitSpec, check_backend
+from knitkit.storage.backends.lost import UnitsLostError
+from knitkit.storage.backends.ranges import check_write, paste_ranges
+from knitkit.storage.backends.validate import check_dtype, check_name, check_unit
 from knitkit.storage.planning.packing import RowSpec
 from knitkit.storage.planning.plan import MiniBatchPlan
+from knitkit.storage.units import state as store_state
+from knitkit.storage.units.coverage import cover, gaps
 from knitkit.storage.units.index import HierarchicalIndex, IndexEntry, TrajectoryRecord
 from knitkit.storage.units.lifetime import ConsumerLedger
 from knitkit.storage.units.payload import Trajectory
+from knitkit.storage.units.retention import DeferredDeletes
+from knitkit.storage.units.state import LoadedState
 from knitkit.types import SeqRange, TrajectoryMeta, UnitKey, UnitRead
 
 
@@ -24,14 +31,28 @@ class TrajectoryStore:
     mini-batch's last consumer is done, everything its trajectories still hold (fields nobody
     read, multimodal units no other trajectory references). ``release`` frees trajectories that
     never enter a plan (filtered out, or left over at the end of a train batch).
+
+    Write-back: a pass writes per-token outputs with ``write_ranges`` into fields declared with
+    ``declare_field``; ``field_complete`` says when every token of a trajectory's field is in.
+
+    Checkpoints: ``state_dict`` / ``load_state_dict`` (torch's convention) save and restore the
+    index; the units stay in the backend, so only a durable backend (``SafetensorsBackend``)
+    resumes after a crash. Shared memory and memory are not durable: their trajectories must be
+    re-written from a durable copy or re-issued (``load_state_dict`` names the missing units).
     """
 
     def __init__(self, backend: UnitBackend) -> None:
+        check_backend(backend)
         self.backend = backend
         self.index = HierarchicalIndex()
         self._ledger = ConsumerLedger()
         self._fields: dict[str, RowSpec] = {}
-        """dtype and row shape of every field name stored so far (the plans' schema)."""
+        """dtype and row shape of every field name stored or declared so far (the plans' schema)."""
+        self._declared: set[str] = set()
+        """Fields declared for write-back: a plan may name them before they are written."""
+        self._unit_bytes: dict[UnitKey, int] = {}
+        """Payload bytes of every unit the store holds (own fields and multimodal inputs)."""
+        self._retained = DeferredDeletes()
 
     def write(self, trajectory: Trajectory) -> TrajectoryMeta:
         """Store a trajectory as atomic units; a multimodal input already stored is referenced, not copied.
@@ -50,14 +71,25 @@ class TrajectoryStore:
             for k, m in zip(inputs, trajectory.multimodal, strict=True)
             if not self.index.is_input(k)
         }
+        for key in units:
+            if self._retained.revive(key):  # an id written again: the old state loses its unit
+                self.backend.delete(key)
         written: list[UnitKey] = []
+        revived: list[UnitKey] = []
         try:
             for key, array in (*units.items(), *fresh_inputs.items()):
+                if key in fresh_inputs and self._retained.revive(key):
+                    revived.append(
+                        key
+                    )  # same content, same bytes: NOTE [ Units outlive their last state ]
+                    continue
                 self.backend.put(key, array)
                 written.append(key)
         except BaseException:
             for key in written:
                 self.backend.delete(key)
+            for key in revived:
+                self._retained.defer(key)
             raise
         record = TrajectoryRecord(
             trajectory.meta(inputs),
@@ -66,6 +98,8 @@ class TrajectoryStore:
             inputs,
         )
         self.index.add(record)
+        for key, array in (*units.items(), *fresh_inputs.items()):
+            self._unit_bytes[key] = int(np.asarray(array).nbytes)
         for key, array in units.items():
             self._learn_field(key.field, array, key.field in record.token_fields)
         return record.meta
@@ -92,12 +126,102 @@ class TrajectoryStore:
         if field in record.fields:
             self.backend.replace(key, array)
         else:
+            if self._retained.revive(key):
+                self.backend.delete(key)
             self.backend.put(key, array)
             record.fields[field] = key
             if array.ndim and array.shape[0] == record.meta.num_tokens:
                 record.token_fields.add(field)
+        record.partial.pop(field, None)
+        self._unit_bytes[key] = int(array.nbytes)
         self._learn_field(field, array, field in record.token_fields)
         return IndexEntry(trajectory_id, key, self.backend.spec(key), field in record.token_fields)
+
+    def declare_field(
+        self, name: str, dtype: str | np.dtype, row_shape: Sequence[int] = ()
+    ) -> None:
+        """Declare a per-token field that passes write back (``write_ranges``): its dtype and the
+        shape of one token's row (``()`` for one value per token).
+
+        A plan may pack a declared field before any trajectory has it (``register`` accepts
+        it; check ``field_complete`` before a pass reads it). Declaring again with the same spec
+        does nothing; a different spec than declared or stored is a ``ValueError``.
+        """
+        check_name("field name", name)
+        resolved = np.dtype(dtype)
+        check_dtype(UnitKey("declared", name), resolved)
+        spec = (resolved.name, tuple(int(n) for n in row_shape))
+        known = self._fields.get(name)
+        if known is not None and known != spec:
+            raise ValueError(
+                f"field {name!r} is {known[0]} with rows {list(known[1])} in this store; "
+                f"cannot declare it {spec[0]} with rows {list(spec[1])}"
+            )
+        self._fields[name] = spec
+        self._declared.add(name)
+
+    def write_ranges(
+        self, trajectory_id: str, field: str, ranges: Sequence[SeqRange], values: np.ndarray
+    ) -> IndexEntry:
+        """Write token ``ranges`` of a per-token field: ``values`` holds their rows back to back.
+
+        The first write of a declared field creates its unit (the trajectory's length, the
+        declared dtype and row shape, zeros until written); later writes move only the given
+        rows, in place where the backend can (``UnitBackend.write_ranges``). Ranges must lie in
+        ``[0, num_tokens]`` and not overlap (``IndexError``); ``values`` must have the declared
+        dtype and row shape and exactly the ranges' rows (``ValueError``); errors name the
+        trajectory and field, and nothing is written.
+        """
+        record = self.index.record(trajectory_id)
+        spec = self._fields.get(field)
+        if spec is None or (field not in self._declared and field not in record.fields):
+            raise KeyError(
+                f"trajectory {trajectory_id!r}: field {field!r} is not declared; call "
+                "declare_field(name, dtype, row_shape) before writing it back"
+            )
+        if field in record.fields and field not in record.token_fields:
+            raise ValueError(
+                f"trajectory {trajectory_id!r}: field {field!r} is per-trajectory, not per-token; "
+                "rewrite it whole with update()"
+            )
+        key = UnitKey(trajectory_id, field)
+        values = np.asarray(values)
+        length = record.meta.num_tokens
+        dtype, row = spec
+        checked = check_write(key, UnitSpec(dtype, (length, *row)), ranges, values)
+        if field in record.fields:
+            self.backend.write_ranges(key, checked, values)
+        else:
+            unit = np.zeros((length, *row), dtype=dtype)
+            paste_ranges(unit, checked, values)
+            if self._retained.revive(key):
+                self.backend.delete(key)
+            self.backend.put(key, unit)
+            record.fields[field] = key
+            record.token_fields.add(field)
+            record.partial[field] = []
+            self._unit_bytes[key] = int(unit.nbytes)
+        if field in record.partial:
+            written = cover(record.partial[field], checked)
+            if gaps(written, length):
+                record.partial[field] = written
+            else:
+                del record.partial[field]
+        return IndexEntry(trajectory_id, key, UnitSpec(dtype, (length, *row)), True)
+
+    def field_complete(self, trajectory_id: str, field: str) -> bool:
+        """Whether every token of the trajectory's ``field`` has been written."""
+        record = self.index.record(trajectory_id)
+        return field in record.fields and field not in record.partial
+
+    def missing_ranges(self, trajectory_id: str, field: str) -> tuple[SeqRange, ...]:
+        """The token ranges of the trajectory's per-token ``field`` not written yet."""
+        record = self.index.record(trajectory_id)
+        if field not in record.fields:
+            return ((0, record.meta.num_tokens),) if record.meta.num_tokens else ()
+        if field not in record.partial:
+            return ()
+        return gaps(record.partial[field], record.meta.num_tokens)
 
     def read(
         self, key: UnitKey, ranges: Sequence[SeqRange] | None = None, out: np.ndarray | None = None
@@ -117,6 +241,30 @@ class TrajectoryStore:
     @property
     def bytes_read(self) -> int:
         return self.backend.bytes_read
+
+    def metrics(self) -> dict[str, float]:
+        """Run figures (flat, ``knitkit/storage/...``, plain floats):
+
+        - ``bytes_read``: payload bytes read through this process's backend (cumulative);
+        - ``units_live``, ``bytes_live``: units the store holds (own fields and multimodal
+          inputs, each once) and their payload bytes;
+        - ``trajectories_live``: trajectories in the index;
+        - ``minibatches_registered``: registered mini-batches not yet finished or aborted;
+        - ``deletes_deferred``: durable units kept for a saved state (NOTE [ Units outlive
+          their last state ] in ``retention.py``);
+        - the backend's own figures (``SharedMemoryBackend``: ``shm_bytes``,
+          ``shm_used_bytes``, ``journal_bytes``).
+        """
+        out = {
+            "knitkit/storage/bytes_read": float(self.backend.bytes_read),
+            "knitkit/storage/units_live": float(len(self._unit_bytes)),
+            "knitkit/storage/bytes_live": float(sum(self._unit_bytes.values())),
+            "knitkit/storage/trajectories_live": float(len(self.index)),
+            "knitkit/storage/minibatches_registered": float(len(self._ledger.minibatches())),
+            "knitkit/storage/deletes_deferred": float(self._retained.pending),
+        }
+        out.update(self.backend.metrics())
+        return out
 
     def meta(self, trajectory_id: str) -> TrajectoryMeta:
         return self.index.record(trajectory_id).meta
@@ -140,16 +288,13 @@ class TrajectoryStore:
 
         The returned plan carries every field's dtype and row shape (``ConsumerPlan.schema``),
         so a consumer without trajectories (an idle DP rank) still gets a valid empty layout:
-        submit it, not the planner's, to the reorganizers. Unknown units raise ``KeyError``, a
-        trajectory planned twice or already registered ``ValueError``, before any change.
+        submit it, not the planner's, to the reorganizers. Raises before any change:
+        ``ValueError`` naming the trajectory and field when a trajectory lacks a field the plan
+        packs (a declared write-back field may still be unwritten), ``KeyError`` for unknown
+        trajectories or multimodal units, ``UnitsLostError`` naming units the index holds but
+        the backend lost, ``ValueError`` for a trajectory planned twice or already registered.
         """
-        live = set(self.backend.keys())
-        for consumer, reads in plan.reads_by_consumer().items():
-            missing = [str(r.key) for r in reads if r.key not in live]
-            if missing:
-                raise KeyError(
-                    f"plan {plan.minibatch_id!r}: consumer {consumer} reads unknown units {missing[:5]}"
-                )
+        self._check_plan_units(plan)
         self._ledger.register(plan)
         fields = {f for c in plan.consumers for mb in c.micro_batches for f in mb.token_fields}
         fields |= {f for c in plan.consumers for mb in c.micro_batches for f in mb.scalar_fields}
@@ -185,8 +330,154 @@ class TrajectoryStore:
                 )
         return tuple(self._release(ids))
 
+    def state_dict(self) -> dict[str, Any]:
+        """The index as plain data (ints, strings, lists, dicts; JSON- and torch-saveable):
+        every trajectory's metadata, unit keys, per-token fields and written-back ranges, the
+        field schema and declarations, and every registered mini-batch's outstanding consumers.
+
+        The units are not in it: the backend is flushed, and on a durable backend its units
+        stay readable by a store rebuilt over it (``load_state_dict``); units this state names
+        are kept through later frees until two newer states were taken (NOTE [ Units outlive
+        their last state ] in ``retention.py``). Save each state before taking the next.
+        """
+        self.backend.flush()
+        records = [self.index.record(t) for t in self.index.trajectory_ids()]
+        state = store_state.encode(
+            records, self._fields, self._declared, self._unit_bytes, self._ledger.state_dict()
+        )
+        if self.backend.durable:
+            for key in self._retained.taken(self._unit_bytes):
+                self.backend.delete(key)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> LoadedState:
+        """Restore ``state_dict``'s index into this (empty) store over the backend holding the
+        units (for a crash: a ``SafetensorsBackend`` over the same directory).
+
+        Units the state names but the backend lacks raise ``UnitsLostError`` naming them
+        (``strict=True``), or (``strict=False``) their trajectories are left out, with any
+        registered mini-batch that planned them, and named in the result: re-issue those
+        trajectories (shared memory and memory never survive their process, so there every
+        unit is missing). Units the backend holds that the state does not name (written after
+        the state was taken, or freed before the crash) are deleted and named in the result.
+        """
+        if len(self.index) or self._ledger.minibatches():
+            raise ValueError("load_state_dict needs an empty store; build a new TrajectoryStore")
+        loaded = store_state.decode(state)
+        known = {r.meta.trajectory_id for r in loaded.records}
+        if len(known) != len(loaded.records):
+            raise ValueError("store state: a trajectory appears twice in 'trajectories'")
+        for mb, entry in loaded.minibatches.items():
+            strays = sorted(set(entry["trajectories"]) - known)
+            if strays:
+                raise ValueError(
+                    f"store state: mini-batch {mb!r} plans trajectories {strays[:5]} the state "
+                    "does not hold; it is not a TrajectoryStore.state_dict()"
+                )
+        named = loaded.units()
+        live = set(self.backend.keys())
+        missing = tuple(sorted((k for k in named if k not in live), key=str))
+        if missing and strict:
+            durable = (
+                ""
+                if self.backend.durable
+                else (
+                    f"; {type(self.backend).__name__} is not durable, its units die with their "
+                    "owner: re-write these trajectories from a durable copy or re-issue them"
+                )
+            )
+            raise UnitsLostError(
+                missing,
+                f"{type(self.backend).__name__} (store state)",
+                f"named by the state but not in the backend{durable}; "
+                "load_state_dict(state, strict=False) leaves their trajectories out",
+            )
+        lost = set(missing)
+        dropped = {
+            r.meta.trajectory_id
+            for r in loaded.records
+            if any(k in lost for k in (*r.fields.values(), *r.inputs))
+        }
+        dropped_mbs = [
+            mb
+            for mb, entry in loaded.minibatches.items()
+            if dropped.intersection(entry["trajectories"])
+        ]
+        for record in loaded.records:
+            if record.meta.trajectory_id not in dropped:
+                self.index.add(record)
+        kept = {
+            k
+            for r in loaded.records
+            if r.meta.trajectory_id not in dropped
+            for k in (*r.fields.values(), *r.inputs)
+        }
+        self._ledger.load_state_dict(
+            {mb: e for mb, e in loaded.minibatches.items() if mb not in dropped_mbs}
+        )
+        self._fields = dict(loaded.schema)
+        self._declared = set(loaded.declared)
+        self._unit_bytes = {k: loaded.unit_bytes.get(k, 0) for k in kept}
+        deleted = sorted((k for k in live if k not in kept), key=str)
+        for key in deleted:
+            self.backend.delete(key)
+        if self.backend.durable:
+            self._retained.taken(kept)  # the checkpoint just loaded may be needed again
+        return LoadedState(missing, tuple(sorted(dropped)), tuple(dropped_mbs), tuple(deleted))
+
     def close(self) -> None:
         self.backend.close()
+
+    def _check_plan_units(self, plan: MiniBatchPlan) -> None:
+        """``register``'s checks of every unit the plan reads (see NOTE [ Plans read stored
+        fields ])."""
+        live = set(self.backend.keys())
+        lost: list[UnitKey] = []
+        for consumer, reads in plan.reads_by_consumer().items():
+            for key in (r.key for r in reads):
+                if key in live:
+                    continue
+                if self.index.is_input(key):
+                    lost.append(key)
+                    continue
+                record = self.index.get(key.owner)
+                if record is None:
+                    raise KeyError(
+                        f"plan {plan.minibatch_id!r}: consumer {consumer} reads unit {key}, but "
+                        "no stored trajectory (or multimodal input) owns it; plan only "
+                        "trajectories this store holds"
+                    )
+                if key.field in record.fields:
+                    lost.append(key)
+                elif key.field not in self._declared:
+                    raise ValueError(self._missing_field(plan, key))
+        if lost:
+            raise UnitsLostError(
+                sorted(set(lost), key=str),
+                type(self.backend).__name__,
+                f"plan {plan.minibatch_id!r} reads them",
+            )
+
+    def _missing_field(self, plan: MiniBatchPlan, key: UnitKey) -> str:
+        # NOTE [ Plans read stored fields ]: the planner sees metadata only, so it cannot know
+        # which fields a trajectory holds; a plan that packs a field some of its trajectories
+        # lack (rollouts with and without logprobs mixed) would otherwise fail inside a
+        # reorganizer, mid-delivery, as an unknown unit. The store has the index, so
+        # registration refuses it, naming the trajectory and field. A field declared for
+        # write-back is exempt: a pass produces it before the pass that reads it starts.
+        tids = {
+            s.trajectory_id for c in plan.consumers for mb in c.micro_batches for s in mb.sequences
+        }
+        having = sorted(
+            t for t in tids if (r := self.index.get(t)) is not None and key.field in r.fields
+        )
+        others = f" while {having[:3]} have it" if having else ""
+        return (
+            f"plan {plan.minibatch_id!r}: trajectory {key.owner!r} has no field {key.field!r}, "
+            f"which the plan packs{others}; write the field for every trajectory of the plan "
+            "(update, or declare_field + write_ranges), leave it out of the planner's fields, "
+            "or plan these trajectories apart"
+        )
 
     def _release(self, trajectory_ids: Iterable[str]) -> list[UnitKey]:
         # A multimodal unit is freed with the last trajectory that references it; by then no
@@ -195,9 +486,18 @@ class TrajectoryStore:
         for tid in trajectory_ids:
             record, orphans = self.index.remove(tid)
             for key in (*record.fields.values(), *orphans):
-                self.backend.delete(key)
+                self._delete(key)
                 freed.append(key)
         return freed
+
+    def _delete(self, key: UnitKey) -> None:
+        """Free one unit; on a durable backend one a saved state names waits (NOTE [ Units
+        outlive their last state ] in ``retention.py``)."""
+        self._unit_bytes.pop(key, None)
+        if self.backend.durable and self._retained.holds(key):
+            self._retained.defer(key)
+        else:
+            self.backend.delete(key)
 
     def _learn_field(self, name: str, array: np.ndarray, per_token: bool) -> None:
         """Remember a field's dtype and row (or value) shape from the first unit stored for it."""
@@ -211,5 +511,6 @@ class TrajectoryStore:
         if record is None or record.fields.get(key.field) != key:
             return False
         del record.fields[key.field]
-        self.backend.delete(key)
+        record.partial.pop(key.field, None)
+        self._delete(key)
         return True

@@ -1,20 +1,26 @@
-"""Test-only shim: run megatron-core 0.16.1 parallel state and tensor-parallel layers on CPU with gloo.
+"""Run megatron-core's ``parallel_state`` and tensor-parallel layers on CPU with gloo (for tests and checks).
 
-megatron-core assumes CUDA in a few places (``torch.cuda.current_device()`` as an allocation device,
-the CUDA RNG tracker). This module patches exactly those, process-locally, so that real
-``parallel_state`` groups and real ``ColumnParallelLinear`` / ``RowParallelLinear`` layers run in a
-spawned gloo world (see ``tests/dist.py``). It is imported by tests only; ``knitkit/`` never imports
-megatron. Extend it by ADDING functions (e.g. schedule or DDP shims), one documented job each.
+megatron-core 0.16.1 assumes CUDA in a few places (``torch.cuda.current_device()`` as an allocation
+device, the CUDA RNG tracker, ``device="cuda"`` in the schedules, the ViT's position ids, p2p
+synchronisation). The functions here patch exactly those, process-locally (one module's ``torch``
+reference at a time; ``torch.cuda.current_device`` in this process), and patch NOTHING when CUDA is
+present: megatron-core then runs as in production. This lets real ``parallel_state`` groups,
+``ColumnParallelLinear`` / ``RowParallelLinear``, ``GPTModel``, Megatron DDP, ``finalize_model_grads``
+and the no-pipelining and 1F1B schedules run in a gloo world, which is how knitkit's own tests and
+``knitkit.integration.megatron.testing`` check gradient equivalence on a CPU-only machine.
 
-Usage inside a rank of a ``tests.dist.World``::
+Usage on every rank of an initialised gloo world::
 
-    import megatron_cpu
-    megatron_cpu.initialize_model_parallel(tensor_parallel=2, context_parallel=1)
-    layer = ColumnParallelLinear(8, 16, config=megatron_cpu.model_parallel_config(), ...)
+    from knitkit.integration.megatron import cpu
+
+    cpu.initialize_model_parallel(tensor_parallel=2)
+    cpu.install_schedule_shim()            # get_forward_backward_func() and Megatron DDP
+    layer = ColumnParallelLinear(8, 16, config=cpu.model_parallel_config(), ...)
     ...
-    megatron_cpu.destroy_model_parallel()
+    cpu.destroy_model_parallel()
 
-Facts this relies on are in ``/work/shared/notes/megatron.md`` section 2 (tested on 0.16.1).
+Extend it by ADDING ``install_*`` functions, one documented job each; never patch more than the
+one call megatron makes. Tested against megatron-core 0.16.1 (the line numbers below are its).
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ def initialize_model_parallel(
     if torch.cuda.is_available():
         tp_random.model_parallel_cuda_manual_seed(seed)
     else:
-        # NOTE: the CUDA RNG tracker cannot seed on CPU; the inference tracker's fork() is a
+        # The CUDA RNG tracker cannot seed on CPU; the inference tracker's fork() is a
         # no-op, which is all TP layers need when initialised on CPU from torch's global seed.
         tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
@@ -98,7 +104,7 @@ class _SchedulesTorch:
 
 def _zeros_on_cpu(*args: object, **kwargs: object) -> torch.Tensor:
     kwargs["device"] = "cpu"
-    return torch.zeros(*args, **kwargs)  # type: ignore[call-overload,no-any-return]
+    return torch.zeros(*args, **kwargs)  # type: ignore[call-overload]
 
 
 def install_schedule_shim() -> None:
@@ -116,13 +122,13 @@ def install_schedule_shim() -> None:
     from megatron.core.pipeline_parallel import schedules
 
     if not isinstance(schedules.torch, _SchedulesTorch):
-        schedules.torch = _SchedulesTorch()  # type: ignore[assignment]
+        schedules.torch = _SchedulesTorch()
 
 
 class _CudaIsCpu(torch.Tensor):
     """A tensor whose ``.cuda()`` stays on the CPU and returns a plain tensor."""
 
-    def cuda(self, *args: object, **kwargs: object) -> torch.Tensor:  # type: ignore[override]
+    def cuda(self, *args: object, **kwargs: object) -> torch.Tensor:
         return self.as_subclass(torch.Tensor)
 
 
@@ -136,7 +142,7 @@ class _VisionTorch:
 
 
 def _arange_on_cpu(*args: object, **kwargs: object) -> torch.Tensor:
-    return torch.arange(*args, **kwargs).as_subclass(_CudaIsCpu)  # type: ignore[call-overload,no-any-return]
+    return torch.arange(*args, **kwargs).as_subclass(_CudaIsCpu)  # type: ignore[call-overload]
 
 
 def install_vision_shim() -> None:
@@ -155,7 +161,7 @@ def install_vision_shim() -> None:
     from megatron.core.models.vision import clip_vit_model
 
     if not isinstance(clip_vit_model.torch, _VisionTorch):
-        clip_vit_model.torch = _VisionTorch()  # type: ignore[assignment]
+        clip_vit_model.torch = _VisionTorch()
     fused_softmax.get_default_causal_mask = _causal_mask_on_cpu
 
 
@@ -244,4 +250,4 @@ def install_pipeline_shim() -> None:
     from megatron.core.pipeline_parallel import p2p_communication
 
     if not isinstance(p2p_communication.torch, _P2PTorch):
-        p2p_communication.torch = _P2PTorch()  # type: ignore[assignment]
+        p2p_communication.torch = _P2PTorch()

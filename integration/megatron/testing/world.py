@@ -1,0 +1,217 @@
+"""Spawned torch.distributed worlds: start N ranks once, run picklable functions on all of them.
+
+Usage (a function must be importable at module level, since ranks are spawned processes)::
+
+    from knitkit.integration.megatron.testing import World, run_world
+
+    def check(rank: int, scale: float) -> float:
+        t = torch.full((1,), float(rank) * scale)
+        dist.all_reduce(t)
+        return float(t)
+
+    assert run_world(check, 2, 1.5) == [1.5, 1.5]   # one-shot world
+
+    with World(4) as world:                          # one world, many jobs
+        world.run(check, 1.0)
+        world.run(check, 2.0)
+
+NOTE [ World lifetime and failures ]: each rank is a spawned process that initialises the default
+process group once (gloo on CPU, NCCL with one GPU per rank) and then serves jobs from its inbox.
+A job is ``fn(rank, *args)`` run on every rank; results come back in rank order. If any rank raises,
+the others may be blocked inside a collective, so the world is torn down (terminated) and
+``WorkerError`` carries every traceback that arrived; the next ``run`` spawns a fresh world. A job
+that does not finish within its timeout tears the world down the same way, so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.context import SpawnProcess
+from multiprocessing.queues import Queue
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_STOP = "stop"
+_READY = "ready"
+_STARTUP_S = 300.0
+"""Limit for spawning a world (importing torch and joining the process group) on a loaded machine."""
+
+
+class WorkerError(RuntimeError):
+    """A rank of a spawned world raised, died, or ran past its timeout."""
+
+
+def default_backend(size: int) -> str:
+    """NCCL when there is a GPU for each of ``size`` ranks, else gloo."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "nccl" if gpus >= size else "gloo"
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _serve(
+    rank: int, size: int, port: int, backend: str, inbox: Queue[Any], outbox: Queue[Any]
+) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=120),
+    )
+    outbox.put((rank, True, _READY))
+    while True:
+        job = inbox.get()
+        if job == _STOP:
+            break
+        fn, args = job
+        try:
+            outbox.put((rank, True, fn(rank, *args)))
+        except BaseException:
+            outbox.put((rank, False, traceback.format_exc()))
+
+
+@dataclass(slots=True)
+class World:
+    """A reusable world of ``size`` spawned ranks with an initialised default process group."""
+
+    size: int
+    backend: str = "gloo"
+    timeout_s: float = 120.0
+    """Default limit for one ``run`` (spawning the world has its own, longer limit)."""
+    _procs: list[SpawnProcess] = field(default_factory=list)
+    _inboxes: list[Queue[Any]] = field(default_factory=list)
+    _outbox: Queue[Any] | None = None
+
+    def __enter__(self) -> World:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """Run ``fn(rank, *args)`` on every rank; return the results in rank order.
+
+        A failure or timeout tears the world down (see NOTE [ World lifetime and failures ]).
+        """
+        if not self._procs:
+            self._start()
+        assert self._outbox is not None
+        for inbox in self._inboxes:
+            inbox.put((fn, args))
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        waited = 0.0
+        while len(results) + len(errors) < self.size:
+            try:
+                rank, ok, value = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                waited += 1.0
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead or waited >= limit:
+                    self._terminate()
+                    why = f"ranks {dead} died" if dead else f"timed out after {limit:.0f} s"
+                    raise WorkerError(
+                        f"{fn.__name__}: {why}; finished ranks: {sorted(results)}; "
+                        + _format(errors)
+                    ) from None
+                continue
+            if ok:
+                results[rank] = value
+            else:
+                errors[rank] = value
+                self._drain(errors, results)
+                self._terminate()
+                raise WorkerError(
+                    f"{fn.__name__} failed on ranks {sorted(errors)}:\n{_format(errors)}"
+                )
+        return [results[r] for r in range(self.size)]
+
+    def close(self) -> None:
+        """Stop every rank (politely, then by force)."""
+        for inbox in self._inboxes:
+            inbox.put(_STOP)
+        for proc in self._procs:
+            proc.join(timeout=5)
+        self._terminate()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(self.size)]
+        self._procs = [
+            ctx.Process(
+                target=_serve,
+                args=(rank, self.size, port, self.backend, self._inboxes[rank], self._outbox),
+                daemon=True,
+            )
+            for rank in range(self.size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        ready: set[int] = set()
+        waited = 0.0
+        while len(ready) < self.size:
+            try:
+                rank, _, _ = self._outbox.get(timeout=1.0)
+                ready.add(rank)
+            except queue.Empty:
+                waited += 1.0
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead or waited >= _STARTUP_S:
+                    self._terminate()
+                    why = f"ranks {dead} died" if dead else f"not ready after {_STARTUP_S:.0f} s"
+                    raise WorkerError(f"starting a world of {self.size}: {why}") from None
+
+    def _drain(self, errors: dict[int, str], results: dict[int, Any]) -> None:
+        """Collect what other ranks report shortly after a failure, so every traceback is shown."""
+        assert self._outbox is not None
+        try:
+            while True:
+                rank, ok, value = self._outbox.get(timeout=2.0)
+                (results if ok else errors)[rank] = value
+        except queue.Empty:
+            pass
+
+    def _terminate(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+            proc.join(timeout=5)
+        self._procs, self._inboxes, self._outbox = [], [], None
+
+
+def run_world(
+    fn: Callable[..., Any],
+    size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+) -> list[Any]:
+    """Spawn a world of ``size`` ranks, run ``fn(rank, *args)`` on each, tear it down."""
+    with World(size, backend, timeout_s) as world:
+        return world.run(fn, *args)
+
+
+def _format(errors: dict[int, str]) -> str:
+    return "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(errors.items()))

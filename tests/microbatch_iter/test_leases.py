@@ -1,0 +1,239 @@
+"""The iterator over a ring consumer: it owns every lease it pulls, whatever wraps the consumer;
+one prefetch thread; bounded takes; private views; clear errors when the consumer goes away."""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from knitkit.microbatch_iter import MicroBatchIterator
+from knitkit.storage.delivery.consumer import ConsumerClosedError, MicroBatchConsumer
+from knitkit.storage.delivery.publication import Publisher
+from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing
+from knitkit.types import MicroBatchLayout
+
+BOUND_S = 60.0
+"""Generous bound for a wait on a loaded machine."""
+ROWS = 256
+
+
+def expected(value: int) -> np.ndarray:
+    return np.arange(ROWS, dtype=np.int64) + 1000 * value
+
+
+class Ring:
+    """A slot ring, its owner and a started publisher; ``publish(v)`` packs ``expected(v)``."""
+
+    def __init__(self, num_slots: int, num_consumers: int = 1) -> None:
+        self.spec = RingSpec.new(
+            num_slots=num_slots, slot_bytes=1 << 16, num_consumers=num_consumers
+        )
+        self.owner = SlotRing.create(self.spec)
+        self.publisher = Publisher(SlotRing.attach(self.spec))
+        self.publisher.start()
+
+    def publish(self, value: int) -> None:
+        layout = MicroBatchLayout.build({"x": ("int64", (ROWS,))}, extra={"value": value})
+        layout.numpy_views(self.publisher.acquire(layout.nbytes))["x"][:] = expected(value)
+        self.publisher.publish(layout)
+
+    def produce(self, count: int, *, finish: bool = True) -> threading.Thread:
+        def run() -> None:
+            for value in range(count):
+                self.publish(value)
+            if finish:
+                self.publisher.finish()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        self.owner.request_stop()
+        self.publisher.close()
+        self.owner.close()
+        self.owner.unlink()
+
+
+@pytest.fixture
+def make_ring() -> Iterator:
+    made: list[Ring] = []
+
+    def make(num_slots: int, num_consumers: int = 1) -> Ring:
+        made.append(Ring(num_slots, num_consumers))
+        return made[-1]
+
+    yield make
+    for ring in made:
+        ring.close()
+
+
+def _hold_and_check(observer: SlotRing, mb, value: int) -> None:
+    """Hold ``mb`` long enough for a wrongly released slot to be refilled, then check it."""
+    deadline = time.monotonic() + 0.05
+    while time.monotonic() < deadline:
+        assert observer.released(0) <= mb.index, "a held micro-batch's slot was released"
+        time.sleep(0.005)
+    assert np.array_equal(mb["x"].numpy(), expected(value)), f"micro-batch {value} was overwritten"
+
+
+def test_a_generator_wrapped_consumer_never_loses_a_held_slot(make_ring):
+    """One iteration contract: the iterator owns each lease it pulls, also through a generator
+    that wraps the consumer (no sniffing, no release by the consumer's own iteration). The slot
+    the training loop holds is never released under it (a 2-slot ring would refill it at once),
+    and every micro-batch is released exactly once in the end."""
+    ring = make_ring(num_slots=2)
+    ring.produce(12)
+    observer = SlotRing.attach(ring.spec)
+    consumer = MicroBatchConsumer(ring.spec, 0, liveness_timeout_s=BOUND_S)
+    wrapped = (lease for lease in consumer)
+    seen = []
+    with MicroBatchIterator(
+        wrapped, MicroBatchIterator.Config(depth=2, next_timeout_s=BOUND_S), device="cpu"
+    ) as it:
+        for mb in it:
+            _hold_and_check(observer, mb, mb.index)
+            seen.append(mb.layout.extra["value"])
+    assert seen == list(range(12))
+    assert observer.released(0) == 12
+    consumer.close()
+    observer.close()
+
+
+def test_an_in_place_write_stays_with_the_writing_rank(make_ring):
+    """Zero-copy CPU tensors are private copy-on-write views: a rank's in-place write into a
+    yielded tensor changes its own view only; its TP peer reads the published bytes, and the
+    writer reads every later occupant of the same slots correctly (NOTE [ Zero-copy hand-off ])."""
+    ring = make_ring(num_slots=2, num_consumers=2)
+    count = 8
+    ring.produce(count)
+    peer_may_read = [threading.Event() for _ in range(count)]
+    peer_saw: list[np.ndarray] = []
+
+    def peer() -> None:
+        with MicroBatchConsumer(ring.spec, 1, liveness_timeout_s=BOUND_S) as consumer:
+            for value in range(count):
+                assert peer_may_read[value].wait(BOUND_S)
+                lease = consumer.next_micro_batch(timeout_s=BOUND_S)
+                peer_saw.append(lease.fields["x"].copy())
+                lease.release()
+
+    peer_thread = threading.Thread(target=peer)
+    peer_thread.start()
+    consumer = MicroBatchConsumer(ring.spec, 0, liveness_timeout_s=BOUND_S)
+    with MicroBatchIterator(
+        consumer, MicroBatchIterator.Config(depth=2, next_timeout_s=BOUND_S), device="cpu"
+    ) as it:
+        for mb in it:
+            assert mb.flat.untyped_storage().nbytes() <= ring.spec.slot_bytes  # no staging copy
+            assert np.array_equal(mb["x"].numpy(), expected(mb.index))
+            mb["x"].mul_(0).sub_(1)  # e.g. a user masking a field in place
+            assert (mb["x"] == -1).all()  # the writer sees its write
+            peer_may_read[mb.index].set()
+        assert it.stats.count == count and it.pool.allocations == 0
+    peer_thread.join(BOUND_S)
+    assert len(peer_saw) == count
+    for value, x in enumerate(peer_saw):
+        assert np.array_equal(x, expected(value)), f"the peer saw the writer's change in {value}"
+
+
+def test_a_bounded_take_never_pulls_ahead_and_leaves_the_consumer_open(make_ring):
+    """A per-(mini-batch, pass) iterator over ``consumer.take(n)``: exactly n micro-batches even
+    with a deeper prefetch and more published (the next pass's may not be packable yet: the
+    consumer is never asked for n + 1); closing the iterator leaves the consumer open for the
+    next take, which continues in order; a take the producer cannot fill raises."""
+    ring = make_ring(num_slots=8)
+    ring.produce(5).join(BOUND_S)
+    consumer = MicroBatchConsumer(ring.spec, 0, liveness_timeout_s=BOUND_S)
+    config = MicroBatchIterator.Config(depth=4, next_timeout_s=BOUND_S)
+    with MicroBatchIterator(consumer.take(3), config, device="cpu") as it:
+        first = [mb.layout.extra["value"] for mb in it]
+        assert consumer.metrics()["knitkit/delivery/handed_out"] == 3
+    assert first == [0, 1, 2]
+    with MicroBatchIterator(consumer.take(2), config, device="cpu") as it:
+        second = [(mb.layout.extra["value"], int(mb["x"][0])) for mb in it]
+    assert second == [(3, 3000), (4, 4000)]
+    assert ring.owner.released(0) == 5
+    with (
+        MicroBatchIterator(consumer.take(1), config, device="cpu") as it,
+        pytest.raises(RuntimeError, match="finished after 0 of the 1"),
+    ):
+        next(it)
+    consumer.close()
+
+
+def test_closing_an_iterator_whose_take_waits_returns_at_once(make_ring):
+    """The prefetch thread waiting inside a take for a micro-batch not yet published is
+    interrupted by close(): close returns without the join timeout or a warning, and the
+    consumer serves the next take once the micro-batch comes."""
+    ring = make_ring(num_slots=2)
+    consumer = MicroBatchConsumer(ring.spec, 0, liveness_timeout_s=BOUND_S)
+    config = MicroBatchIterator.Config(depth=2, join_timeout_s=BOUND_S, next_timeout_s=BOUND_S)
+    it = MicroBatchIterator(consumer.take(1), config, device="cpu")
+    time.sleep(0.05)  # the thread is now (most likely) blocked in the consumer's wait
+    start = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        it.close()
+    assert time.monotonic() - start < BOUND_S / 3
+    ring.publish(0)
+    with MicroBatchIterator(consumer.take(1), config, device="cpu") as again:
+        assert [int(mb["x"][0]) for mb in again] == [0]
+    consumer.close()
+
+
+def test_a_consumer_closed_under_the_iterator_fails_its_next_at_once(make_ring):
+    """Closing the consumer while the iterator's thread waits in it: the loop's next next()
+    raises ConsumerClosedError naming the consumer at once, not a 'never started' error after
+    the start-up timeout."""
+    ring = make_ring(num_slots=2)
+    ring.produce(1, finish=False)
+    consumer = MicroBatchConsumer(ring.spec, 0, startup_timeout_s=120.0)
+    with MicroBatchIterator(
+        consumer, MicroBatchIterator.Config(depth=2, next_timeout_s=BOUND_S), device="cpu"
+    ) as it:
+        assert next(it).index == 0
+        start = time.monotonic()
+        consumer.close()
+        with pytest.raises(ConsumerClosedError, match=f"consumer 0 of ring '{ring.spec.name}'"):
+            next(it)
+        assert time.monotonic() - start < BOUND_S / 3
+
+
+def test_next_from_a_second_thread_names_the_owner_and_claim_hands_over(counting_source):
+    """The thread that calls next() first owns the iterator; another thread's next() raises
+    naming both threads and claim(); after claim() the new thread consumes, in order."""
+    it = MicroBatchIterator(counting_source(4), device="cpu")
+    got: list[int] = []
+    worker = threading.Thread(target=lambda: got.append(next(it).index), name="loop-a")
+    worker.start()
+    worker.join(BOUND_S)
+    with pytest.raises(RuntimeError, match=r"'loop-a'.*claim\(\)"):
+        next(it)
+    it.claim()
+    got += [mb.index for mb in it]
+    assert got == [0, 1, 2, 3]
+
+
+def test_metrics_are_flat_namespaced_floats(make_ring):
+    """metrics() of the iterator and the consumer: flat {knitkit/delivery/...: float}, counting
+    what was delivered."""
+    ring = make_ring(num_slots=4)
+    ring.produce(3)
+    consumer = MicroBatchConsumer(ring.spec, 0, liveness_timeout_s=BOUND_S)
+    with MicroBatchIterator(consumer.take(3), device="cpu") as it:
+        nbytes = sum(mb.layout.nbytes for mb in it)
+        figures = it.metrics()
+    assert figures["knitkit/delivery/micro_batches"] == 3.0
+    assert figures["knitkit/delivery/bytes"] == float(nbytes)
+    assert figures["knitkit/delivery/exposed_wait_s"] >= 0.0
+    both = {**figures, **consumer.metrics()}
+    assert all(k.startswith("knitkit/delivery/") and type(v) is float for k, v in both.items())
+    assert both["knitkit/delivery/handed_out"] == 3.0
+    assert both["knitkit/delivery/handed_out_bytes"] == float(nbytes)
+    consumer.close()
