@@ -286,13 +286,13 @@ class DedupVLMStep:
     def _chunks(self) -> list[torch.nn.Module]:
         return list(self.model) if isinstance(self.model, list) else [self.model]
 
-    def _feed(self, data_iterator: Iterable[object]) -> tuple[Iterable[object], _CountingIterator]:
+    def _feed(self, data_iterator: Iterable[object]) -> tuple[Iterable[object], CountingIterator]:
         """The schedule's data iterator(s), the vision chunk's counted (it says which micro-batch runs)."""
         if len(self._chunks()) == 1:
-            feed = _CountingIterator(iter(data_iterator))
+            feed = CountingIterator(iter(data_iterator))
             return feed, feed
         first, *rest = data_iterator  # one iterator per virtual-pipeline chunk
-        feed = _CountingIterator(iter(first))  # type: ignore[call-overload]
+        feed = CountingIterator(iter(first))  # type: ignore[call-overload]
         return [feed, *rest], feed
 
     def _module_at(self, dotted: str) -> torch.nn.Module:
@@ -368,13 +368,13 @@ class _VisionPath:
 
 
 @dataclass(slots=True)
-class _CountingIterator:
+class CountingIterator:
     """The schedule's data iterator: counts micro-batches so the lookup knows which one runs."""
 
     source: Iterator[object]
     count: int = 0
 
-    def __iter__(self) -> _CountingIterator:
+    def __iter__(self) -> CountingIterator:
         return self
 
     def __next__(self) -> object:
@@ -386,7 +386,7 @@ class _CountingIterator:
 class _CachedFeatures(torch.nn.Module):
     """Stands in for the vision path: the current micro-batch's features from the dedup cache."""
 
-    def __init__(self, dedup: DedupEncoder, feed: _CountingIterator) -> None:
+    def __init__(self, dedup: DedupEncoder, feed: CountingIterator) -> None:
         super().__init__()
         self._dedup, self._feed = dedup, feed
 

@@ -94,11 +94,3 @@ def owned_grad(ddp: Any, param: torch.nn.Parameter) -> torch.Tensor:
             hi = min(end, bucket.offset + (rank + 1) * shard)
             return flat[max(lo - start, 0) : max(hi - start, 0)]
     raise ValueError("a trainable parameter is in none of megatron DDP's buffers")
-
-
-def device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )

@@ -8,22 +8,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from knitkit.encoder_dedup import RowSlice
+from knitkit.integration.megatron.step import CountingIterator
 from knitkit.types import UnitKey
-
-
-class Counted:
-    """An iterator that counts what it hands out (which micro-batch the schedule is running)."""
-
-    def __init__(self, source: Iterator[object]) -> None:
-        self._source, self.count = source, 0
-
-    def __iter__(self) -> Counted:
-        return self
-
-    def __next__(self) -> object:
-        item = next(self._source)
-        self.count += 1
-        return item
 
 
 class ReencodingVision(torch.nn.Module):
@@ -46,7 +32,7 @@ class ReencodingVision(torch.nn.Module):
         encode: Callable[[torch.Tensor], torch.Tensor],
         load: Callable[[UnitKey], torch.Tensor],
         slices: Sequence[Sequence[RowSlice]],
-        feed: Counted,
+        feed: CountingIterator,
         empty: torch.Tensor,
     ) -> None:
         super().__init__()

@@ -13,12 +13,12 @@ import torch.distributed as dist
 
 from knitkit.encoder_dedup import Comparison, EquivalenceReport, Tolerance, feature_slices
 from knitkit.integration.megatron.batch import megatron_batches
+from knitkit.integration.megatron.device import current_device
 from knitkit.integration.megatron.pipeline import PipelineStage
-from knitkit.integration.megatron.step import DedupVLMStep
+from knitkit.integration.megatron.step import CountingIterator, DedupVLMStep
 from knitkit.integration.megatron.te import batch_for, te_available
 from knitkit.integration.megatron.testing.models import (
     build,
-    device,
     grad_of,
     module_at,
     owned_grad,
@@ -26,7 +26,7 @@ from knitkit.integration.megatron.testing.models import (
     unit_encoder,
     unwrap,
 )
-from knitkit.integration.megatron.testing.reference import Counted, ReencodingVision, swapped
+from knitkit.integration.megatron.testing.reference import ReencodingVision, swapped
 from knitkit.integration.megatron.testing.subject import VLMUnderTest, resolve
 from knitkit.integration.megatron.topology import MegatronLayout
 from knitkit.microbatch_iter import MicroBatch, MicroBatchIterator, PackedMicroBatch
@@ -235,7 +235,7 @@ class CheckRun:
                 if not forward_only:
                     self.reencoded += sum(len(feature_slices(mb)) for mb in micro_batches)
             elif self.encoders:
-                feeds[0] = feed = Counted(feeds[0])
+                feeds[0] = feed = CountingIterator(feeds[0])
                 stand_in = ReencodingVision(
                     module_at(unwrap(self.reference[0]), subject.vision),
                     self.encoders[0],
@@ -243,7 +243,10 @@ class CheckRun:
                     [feature_slices(mb) for mb in micro_batches],
                     feed,
                     torch.zeros(
-                        0, self.config.hidden_size, dtype=self.config.params_dtype, device=device()
+                        0,
+                        self.config.hidden_size,
+                        dtype=self.config.params_dtype,
+                        device=current_device(),
                     ),
                 )
                 swap = swapped(unwrap(self.reference[0]), subject.vision, stand_in)
@@ -312,12 +315,12 @@ class CheckRun:
                     PackedMicroBatch(*pack(mb, schema, self.store.read_into))
                     for mb in micro_batches
                 )
-                iterator = stack.enter_context(MicroBatchIterator(packed, device=device()))
+                iterator = stack.enter_context(MicroBatchIterator(packed, device=current_device()))
                 feeds.append(megatron_batches(iterator, functools.partial(_copied, to_batch)))
             yield feeds, micro_batches
 
     def _load(self, key: UnitKey) -> torch.Tensor:
-        return torch.from_numpy(self.store.read(key)).to(device())
+        return torch.from_numpy(self.store.read(key)).to(current_device())
 
     def _seq_length(self) -> int:
         """The longest micro-batch of the plan on any consumer (the same on every rank)."""
