@@ -9,6 +9,7 @@ a script) and by the tests.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -165,12 +166,12 @@ def memory_store(trajectories: Sequence[Trajectory]) -> tuple[TrajectoryStore, l
     return store, [t.trajectory_id for t in trajectories]
 
 
-def launch(
-    train: Callable[..., list[dict[str, float]]], units: str, *, vision_shim: bool = False
-) -> None:
-    """Run ``train(observe=...)`` on every rank of this torchrun world at TP = world size; rank 0
-    prints ``step i: loss L, <units>`` per step (``units`` formats the encoded-units figure)
-    and, with ``--tensorboard DIR``, writes every step's figures there.
+@contextlib.contextmanager
+def megatron_world(
+    tensor_parallel: int | None = None, *, vision_shim: bool = False
+) -> Iterator[None]:
+    """This torchrun world with megatron's ``parallel_state`` at ``tensor_parallel`` (default:
+    the world size; DP is what the world leaves), torn down on exit.
 
     On GPUs: NCCL, one device per local rank. Without CUDA: gloo, with knitkit's CPU shim for
     the few places megatron-core assumes CUDA (``knitkit.integration.megatron.cpu``; with
@@ -179,37 +180,54 @@ def launch(
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    parser = argparse.ArgumentParser(description="a knitkit example of a Megatron VLM step")
-    parser.add_argument(
-        "--tensorboard",
-        metavar="DIR",
-        help="rank 0 also writes each step's knitkit/... figures here (knitkit[tensorboard])",
-    )
-    args = parser.parse_args()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+        tp = tensor_parallel or dist.get_world_size()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         model_parallel_cuda_manual_seed(1234)
     else:
         from knitkit.integration.megatron import cpu
 
         dist.init_process_group("gloo")
-        cpu.initialize_model_parallel(tensor_parallel=dist.get_world_size(), seed=1234)
+        tp = tensor_parallel or dist.get_world_size()
+        cpu.initialize_model_parallel(tensor_parallel=tp, seed=1234)
         cpu.install_schedule_shim()
         if vision_shim:
             cpu.install_vision_shim()
     try:
-        with ExitStack() as stack:
-            observers: list[MetricsObserver] = []
-            if dist.get_rank() == 0:
-                observers.append(functools.partial(_print_step, units))
-                if args.tensorboard:
-                    observers.append(stack.enter_context(TensorBoardObserver(args.tensorboard)))
-            train(observe=FanOut(*observers))
+        yield
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def tensorboard_argument(parser: argparse.ArgumentParser) -> None:
+    """``--tensorboard DIR``: rank 0 also logs each step's figures there."""
+    parser.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="rank 0 also writes each step's knitkit/... figures here (knitkit[tensorboard])",
+    )
+
+
+def launch(
+    train: Callable[..., list[dict[str, float]]], units: str, *, vision_shim: bool = False
+) -> None:
+    """Run ``train(observe=...)`` on every rank of this torchrun world at TP = world size
+    (``megatron_world``); rank 0 prints ``step i: loss L, <units>`` per step (``units`` formats
+    the encoded-units figure) and, with ``--tensorboard DIR``, writes every step's figures there.
+    """
+    parser = argparse.ArgumentParser(description="a knitkit example of a Megatron VLM step")
+    tensorboard_argument(parser)
+    args = parser.parse_args()
+    with megatron_world(vision_shim=vision_shim), ExitStack() as stack:
+        observers: list[MetricsObserver] = []
+        if dist.get_rank() == 0:
+            observers.append(functools.partial(_print_step, units))
+            if args.tensorboard:
+                observers.append(stack.enter_context(TensorBoardObserver(args.tensorboard)))
+        train(observe=FanOut(*observers))
 
 
 def _print_step(units: str, step: int, metrics: Mapping[str, float]) -> None:

@@ -20,7 +20,9 @@ PER_STEP = (
     "knitkit/admission/quota/A/target",
     "knitkit/storage/units_live",
     "knitkit/storage/shm_used_bytes",
-    "knitkit/reorganizer/bytes_read",
+    "knitkit/delivery/reorganizer_bytes_read",
+    "knitkit/job/write_back_bytes",
+    "knitkit/job/passes_consumed",
     "knitkit/delivery/micro_batches",
     "knitkit/delivery/exposed_wait_s",
     "knitkit/delivery/decode_s",
@@ -28,7 +30,7 @@ PER_STEP = (
     "knitkit/dedup/encode_s",
     "knitkit/demo/loss",
 )
-"""Figures the demo logs at every optimizer step (admission, storage, delivery, dedup, loss)."""
+"""Figures the demo logs at every optimizer step (admission, storage, delivery, job, dedup, loss)."""
 
 
 def _demo(*args: str, timeout: float = 280) -> subprocess.CompletedProcess[str]:
@@ -42,10 +44,12 @@ def _demo(*args: str, timeout: float = 280) -> subprocess.CompletedProcess[str]:
 
 
 def test_demo_runs_end_to_end_and_reports(tmp_path: Path) -> None:
-    """One train batch through admission, store, reorganizers, prefetch and dedup training.
+    """One train batch through the driver and rank handles: admission, store, reorganizers,
+    prefetch, an old-log-prob pass written back, and dedup training.
 
-    Invariants: knitkit reads exactly the bytes trainers consume; every unit is freed; every
-    complete train batch meets its quotas; each unique image is encoded once per mini-batch.
+    Invariants: knitkit reads exactly the bytes trainers consume over both passes; every unit is
+    freed; every complete train batch meets its quotas; each unique image is encoded once per
+    mini-batch in each pass; the old log-probs of every token come back through the store.
     """
     out = tmp_path / "out"
     proc = _demo("--out", str(out), "--train-batches", "1", "--replay-train-batches", "8")
@@ -61,7 +65,7 @@ def test_demo_runs_end_to_end_and_reports(tmp_path: Path) -> None:
         assert figures[f"live.{policy}.train_batches_meeting_quotas"] == batches
     assert figures["live.knittrans.first_minibatch_fraction"] < 1.0
     assert figures["live.barrier.first_minibatch_fraction"] == 1.0
-    # 64 trajectories = 8 GRPO groups of 8, one image each: 8 encodings with dedup.
+    # 64 trajectories = 8 GRPO groups of 8, one image each: 8 encodings with dedup (train pass).
     assert figures["encoder.dedup_units"] == 8
     assert figures["encoder.dup_units"] == 8 * 8 * 2  # every trajectory on both CP ranks
     assert len(figures["loss"]) == 4 and all(math.isfinite(x) for x in figures["loss"])
@@ -84,9 +88,10 @@ def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 def _check_metrics(out: Path, figures: dict) -> None:
     """The demo's per-step figures reach TensorBoard and the JSON lines, one point per optimizer
     step, with values that agree with the run: 64 trajectories admitted in 4 mini-batches of whole
-    GRPO groups, one unique image per group encoded, each source's quota target 16, cumulative
-    counters never falling, the last bytes-read figure equal to the report's, the logged loss the
-    report's loss."""
+    GRPO groups, one unique image per group encoded in each of the two passes, every token's old
+    log-prob written back (4 bytes each), both passes consumed per step, each source's quota
+    target 16, cumulative counters never falling, the last bytes-read figure equal to the
+    report's, the logged loss the report's loss."""
     series = _scalars(out / "tensorboard")
     steps = [1, 2, 3, 4]
     for name in PER_STEP:
@@ -94,18 +99,22 @@ def _check_metrics(out: Path, figures: dict) -> None:
     value = {name: [v for _, v in points] for name, points in series.items()}
     sizes = value["knitkit/admission/last_minibatch/size"]
     assert sum(sizes) == 64 and all(s > 0 and s % 8 == 0 for s in sizes), sizes
-    assert value["knitkit/dedup/units_encoded"] == [s / 8 for s in sizes]
+    assert value["knitkit/dedup/units_encoded"] == [2 * s / 8 for s in sizes]  # two passes
+    assert value["knitkit/job/passes_consumed"] == [2.0 * (i + 1) for i in range(4)]
     assert value["knitkit/admission/admitted"] == [sum(sizes[: i + 1]) for i in range(4)]
     assert value["knitkit/admission/quota/A/target"] == [16.0] * 4  # ceil(0.24 * 64)
     assert all(v >= 0 for v in value["knitkit/admission/last_minibatch/staleness_mean"])
     for counter in (
-        "knitkit/reorganizer/bytes_read",
+        "knitkit/delivery/reorganizer_bytes_read",
+        "knitkit/job/write_back_bytes",
+        "knitkit/job/passes_consumed",
         "knitkit/delivery/micro_batches",
         "knitkit/delivery/exposed_wait_s",
         "knitkit/delivery/decode_s",
     ):
         assert all(b >= a >= 0 for a, b in pairwise(value[counter])), counter
-    assert value["knitkit/reorganizer/bytes_read"][-1] == figures["bytes.knitkit_read"]
+    assert value["knitkit/delivery/reorganizer_bytes_read"][-1] == figures["bytes.knitkit_read"]
+    assert value["knitkit/job/write_back_bytes"][-1] == figures["passes.written_back_bytes"] > 0
     assert value["knitkit/storage/units_live"][0] > value["knitkit/storage/units_live"][-1] > 0
     assert all(v > 0 for v in value["knitkit/storage/shm_used_bytes"])
     assert all(v > 0 for v in value["knitkit/dedup/encode_s"])

@@ -23,6 +23,7 @@ FACES = {
     "knitkit.storage.planning",
     "knitkit.microbatch_iter",
     "knitkit.encoder_dedup",
+    "knitkit.job",
 }
 NOTE_TREES = ("knitkit", "integration")
 NOTE_NAME = re.compile(r"NOTE(?:[ \t]|\n[ \t]*#?[ \t]*)\[ ([A-Z0-9][^\]]*?) \]")
@@ -103,6 +104,8 @@ LIFECYCLE_NOTES = (
     "Planner and the garbage collector",
     "Slab lifetime",
     "Owner-only clean-up",
+    "Driver threads",
+    "Records over slot rings",
 )
 
 

@@ -25,6 +25,7 @@ from knitkit.integration.megatron.pipeline import (
     StepRefused,
     check_microbatches_agree,
 )
+from knitkit.integration.megatron.rank import MegatronPass, MegatronRank
 from knitkit.integration.megatron.step import DedupVLMStep
 from knitkit.integration.megatron.te import (
     FP8_PAD_MULTIPLE,
@@ -47,6 +48,8 @@ __all__ = [
     "LayerSpecs",
     "MRopeScheme",
     "MegatronLayout",
+    "MegatronPass",
+    "MegatronRank",
     "PipelineStage",
     "StepRefused",
     "batch_for",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import ray
 from ray.actor import ActorHandle
@@ -43,6 +44,11 @@ class RayDispatcher:
     with ``MicroBatchConsumer(dispatcher.rings[name], tp_rank)`` on that node. Every actor reads
     from ``backend``, which must pickle into a reader of the same units (``RayBackend`` does,
     on any node).
+
+    It is also a ``knitkit.job.ReorganizerPool``: ``Driver.Config(...).build(pool=dispatcher)``
+    serves a job's passes through these actors (``submit`` per group and pass, ``check`` raises
+    a failed ``deliver``'s error, ``replace`` restarts a group's actor on a fresh ring). Build it
+    with the job's layout: ``pipeline`` stages (each stage's TP ranks read the group's ring).
     """
 
     def __init__(
@@ -53,11 +59,12 @@ class RayDispatcher:
         encoders: Sequence[EncoderTopology] = (),
         placement: Mapping[str, str] | None = None,
         ring: RingConfig | None = None,
+        pipeline: int = 1,
     ) -> None:
         self.topology = topology
-        ring = ring or RingConfig()
+        ring = self._ring = ring or RingConfig()
         groups = {
-            f"backbone/dp{d}/cp{c}": topology.tp
+            f"backbone/dp{d}/cp{c}": topology.tp * pipeline
             for d in range(topology.dp)
             for c in range(topology.cp)
         }
@@ -69,17 +76,16 @@ class RayDispatcher:
                 f"placement names unknown consumer groups {unknown}; known: {sorted(groups)}"
             )
         here = ray.get_runtime_context().get_node_id()
+        self._backend, self._sizes = backend, groups
+        self._placement = {name: placement.get(name, here) for name in groups}
         self.rings: dict[str, RingSpec] = {}
         self._actors: dict[str, ActorHandle] = {}
-        for name, num_consumers in groups.items():
-            spec = RingSpec.new(
-                num_slots=ring.num_slots, slot_bytes=ring.slot_bytes, num_consumers=num_consumers
-            )
-            self.rings[name] = spec
-            self._actors[name] = ReorganizerActor.options(  # type: ignore[attr-defined]
-                scheduling_strategy=_on(placement.get(name, here)),
-                name=f"knitkit-reorganizer/{spec.name}",
-            ).remote(backend, spec)
+        self._pending: dict[str, list[ray.ObjectRef]] = {name: [] for name in groups}
+        self._retired_read = self._retired_published = 0
+        """Figures of replaced actors, taken before they closed."""
+        """Per group, the ``deliver`` calls ``submit`` queued that ``check`` has not seen end."""
+        for name in groups:
+            self._start(name)
         self.nodes: dict[str, tuple[str, int]] = dict(
             zip(groups, ray.get([a.where.remote() for a in self._actors.values()]), strict=True)
         )
@@ -105,6 +111,66 @@ class RayDispatcher:
             for name, assignment in assignments.items()
         }
 
+    def submit(
+        self, name: str, minibatch_id: str, assignment: ConsumerPlan | EncoderRankPlan
+    ) -> None:
+        """Queue one assignment on group ``name``'s actor (``ReorganizerPool``); its outcome is
+        seen by ``check``."""
+        if name not in self._actors:
+            raise KeyError(
+                f"no reorganizer for consumer group {name!r}; groups: {sorted(self._actors)}"
+            )
+        self._pending[name].append(self._actors[name].deliver.remote(minibatch_id, assignment))
+
+    def check(self) -> None:
+        """Raise ``ReorganizerFailedError`` naming the group whose ``deliver`` failed (the
+        actor's error, or its death); finished calls are forgotten (``ReorganizerPool``)."""
+        from knitkit.job import ReorganizerFailedError
+
+        for name, refs in self._pending.items():
+            if not refs:
+                continue
+            done, left = ray.wait(refs, num_returns=len(refs), timeout=0)
+            self._pending[name] = left
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except (ray.exceptions.RayError, RuntimeError) as error:
+                    raise ReorganizerFailedError(
+                        f"the reorganizer actor of {name} (ring {self.rings[name].name!r}) "
+                        f"failed: {error}"
+                    ) from None
+
+    def replace(self, name: str) -> RingSpec:
+        """Retire group ``name``'s actor and start a fresh one on a new ring, on the same node;
+        returns the new ring (``ReorganizerPool``: consumers attach to it, the caller re-submits
+        the group's unfinished assignments)."""
+        old, old_spec = self._actors[name], self.rings[name]
+        try:
+            figures: list[int] = ray.get(
+                [old.bytes_read.remote(), old.published.remote()], timeout=30
+            )
+            self._retired_read += figures[0]
+            self._retired_published += figures[1]
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass  # a dead actor's figures are gone with it
+        try:
+            ray.get(old.close.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            ray.wait(
+                [
+                    _unlink_ring.options(scheduling_strategy=_on(self.nodes[name][0])).remote(
+                        old_spec.name
+                    )
+                ],
+                timeout=30,
+            )
+        ray.kill(old)
+        self._pending[name] = []
+        self._start(name)
+        self.nodes[name] = cast(tuple[str, int], ray.get(self._actors[name].where.remote()))
+        return self.rings[name]
+
     def bytes_read(self) -> dict[str, int]:
         """Payload bytes each reorganizer read from storage so far."""
         return dict(
@@ -125,8 +191,10 @@ class RayDispatcher:
         read: list[int] = ray.get([a.bytes_read.remote() for a in actors])
         published: list[int] = ray.get([a.published.remote() for a in actors])
         return {
-            "knitkit/delivery/reorganizer_bytes_read": float(sum(read)),
-            "knitkit/delivery/reorganizer_published": float(sum(published)),
+            "knitkit/delivery/reorganizer_bytes_read": float(sum(read) + self._retired_read),
+            "knitkit/delivery/reorganizer_published": float(
+                sum(published) + self._retired_published
+            ),
         }
 
     def finish(self) -> None:
@@ -163,6 +231,18 @@ class RayDispatcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _start(self, name: str) -> None:
+        """A fresh actor (and ring) for group ``name`` on its node."""
+        ring = self._ring
+        spec = RingSpec.new(
+            num_slots=ring.num_slots, slot_bytes=ring.slot_bytes, num_consumers=self._sizes[name]
+        )
+        self.rings[name] = spec
+        self._actors[name] = ReorganizerActor.options(  # type: ignore[attr-defined]
+            scheduling_strategy=_on(self._placement[name]),
+            name=f"knitkit-reorganizer/{spec.name}",
+        ).remote(self._backend, spec)
 
 
 @ray.remote(num_cpus=0)

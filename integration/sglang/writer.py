@@ -1,12 +1,12 @@
-"""Streaming rollout into a ``TrajectoryStore``: each finished SGLang output becomes a stored trajectory."""
+"""Streaming rollout into a store: each finished SGLang output becomes a stored trajectory."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from knitkit.next_token import next_token_fields
-from knitkit.storage import TrajectoryStore
+from knitkit.storage import Trajectory
 from knitkit.types import TrajectoryMeta
 
 from .response import GenerateOutput, parse_generate_output
@@ -19,6 +19,13 @@ from .trajectory import (
     check_prompt_tokens,
 )
 from .vision import ImageInput
+
+
+class TrajectorySink(Protocol):
+    """Where finished trajectories go: a ``knitkit.storage.TrajectoryStore`` or a
+    ``knitkit.job.Driver`` (which also reports each one to admission)."""
+
+    def write(self, trajectory: Trajectory) -> TrajectoryMeta: ...
 
 
 class RolloutWriter:
@@ -38,7 +45,7 @@ class RolloutWriter:
     Not thread-safe: feed it from the one loop that collects the rollout's outputs.
     """
 
-    def __init__(self, store: TrajectoryStore, config: PayloadConfig | None = None) -> None:
+    def __init__(self, store: TrajectorySink, config: PayloadConfig | None = None) -> None:
         self.store = store
         self.config = config or PayloadConfig()
         self._held: dict[str, list[Segment]] = {}

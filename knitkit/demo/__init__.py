@@ -1,9 +1,10 @@
-"""End-to-end demo: rollout stand-in -> admission -> shared-memory store -> planner -> reorganizer
-processes -> prefetch iterator -> a small VLM trained with encoder dedup over DP x CP gloo ranks.
+"""End-to-end demo: rollout stand-in -> a knitkit.job Driver (admission, shared-memory store,
+planner, reorganizer processes) -> DP x CP gloo ranks, each a RankHandle, running two passes per
+mini-batch (old log-probs, forward-only and written back; then training with encoder dedup).
 
 Prints a progress line per optimizer step and a report at the end; each step's knitkit/... figures
-(admission, storage, delivery, dedup, loss) go to OUT/tensorboard (`tensorboard --logdir OUT`)
-and OUT/metrics.jsonl.
+(admission, storage, delivery, job, dedup, loss) go to OUT/tensorboard (`tensorboard --logdir
+OUT`) and OUT/metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from knitkit.admission.replay import ProgressBar, preset, run_replay
-from knitkit.demo.figures import LOSS
 from knitkit.demo.model import ModelSize
 from knitkit.demo.pipeline import PipelineConfig, run_pipeline
 from knitkit.demo.report import plot_report, print_report, summarize
 from knitkit.demo.rollout import RolloutConfig, default_sources
+from knitkit.demo.trainer import LOSS
 from knitkit.metrics import (
     FanOut,
     JsonlObserver,

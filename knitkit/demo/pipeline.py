@@ -1,35 +1,29 @@
-"""The demo's live pipeline: rollout stand-in -> admission -> store -> planner -> reorganizers -> trainers."""
+"""The demo's main job: a driver in this process, training ranks spawned, each a RankHandle."""
 
 from __future__ import annotations
 
 import math
 import multiprocessing as mp
-import socket
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from multiprocessing.context import SpawnProcess
 
-from knitkit.admission import MiniBatch, SourceQuota, build_controller
-from knitkit.demo.figures import StepLog
+from knitkit.admission import AdmissionController, MiniBatch, SourceQuota, build_controller
+from knitkit.demo.accounting import BytesMoved, account
 from knitkit.demo.model import ModelSize
 from knitkit.demo.rollout import RolloutConfig, stream_completions
-from knitkit.demo.trainer import RankSetup, StepResult, run_rank
+from knitkit.demo.trainer import PASSES, RankSetup, free_port, run_rank
+from knitkit.job import Driver
 from knitkit.metrics import MetricsObserver
 from knitkit.storage import (
     EncoderTopology,
-    MiniBatchPlan,
     PlannerConfig,
-    ReorganizerProcess,
-    RingSpec,
     SharedMemoryBackend,
     Topology,
     TrajectoryStore,
-    plan_minibatch,
 )
-from knitkit.storage.baselines import RankPosition, share_reads
-
-TOKEN_FIELDS = ("tokens", "labels", "old_logprobs", "loss_mask", "routing")
+from knitkit.types import TrajectoryMeta
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,19 +52,23 @@ class AdmissionRecord:
     train_batch: list[int] = field(default_factory=list)
     composition: list[dict[str, int]] = field(default_factory=list)
 
+    def add(self, train_batch: int, sources: Mapping[str, int], time_s: float) -> None:
+        self.times_s.append(time_s)
+        self.train_batch.append(train_batch)
+        self.composition.append(dict(sources))
+
 
 @dataclass(slots=True)
 class PipelineResult:
     """Everything the report needs from the live run."""
 
-    steps: list[list[StepResult]] = field(default_factory=list)
-    """Per optimizer step (mini-batch), every rank's result."""
+    steps: list[dict[str, float]] = field(default_factory=list)
+    """Per optimizer step (released mini-batch), the figures the driver pushed."""
     admission: dict[str, AdmissionRecord] = field(default_factory=dict)
     quotas: dict[str, int] = field(default_factory=dict)
     num_minibatches: int = 0
     knitkit_bytes_read: int = 0
-    sample_level_bytes: int = 0
-    bytes_consumed: int = 0
+    bytes: BytesMoved = field(default_factory=BytesMoved)
     units_left: int = -1
     wall_s: float = 0.0
 
@@ -80,7 +78,7 @@ def run_pipeline(
 ) -> PipelineResult:
     """Stream the rollout through admission into training; returns the measurements.
 
-    ``progress`` gets status lines; ``observe`` each optimizer step's figures (``StepLog``).
+    ``progress`` gets status lines; ``observe`` each optimizer step's figures.
     """
     start = time.perf_counter()
     result = PipelineResult(num_minibatches=config.num_minibatches)
@@ -99,165 +97,109 @@ def run_pipeline(
     }
     result.admission = {name: AdmissionRecord() for name in controllers}
     result.quotas = {s: math.ceil(config.quota_ratio * config.train_batch_size) for s in sources}
-    topology = Topology(dp=config.dp, cp=config.cp)
-    world = config.dp * config.cp
-    encoder_ranks = tuple(range(0, world, max(1, world // config.encoder_dp)))[: config.encoder_dp]
-    planner = PlannerConfig(
-        token_fields=TOKEN_FIELDS,
-        scalar_fields=("advantage",),
-        max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
-        keep_groups=False,
-    )
-    total_minibatches = config.train_batches * config.num_minibatches
-    with ExitStack() as stack:
-        store = TrajectoryStore(SharedMemoryBackend(slab_bytes=64 << 20))
-        stack.callback(store.close)
-        slot_bytes = 8 << 20
-        backbone = [
-            stack.enter_context(
-                ReorganizerProcess(
-                    store.backend, RingSpec.new(num_slots=4, slot_bytes=slot_bytes, num_consumers=1)
-                )
+
+    def record(step: int, figures: Mapping[str, float]) -> None:
+        result.steps.append(dict(figures))
+        observe(step, figures)
+
+    store = TrajectoryStore(SharedMemoryBackend(slab_bytes=64 << 20))
+    driver = Driver.Config(
+        passes=PASSES,
+        topology=Topology(dp=config.dp, cp=config.cp),
+        encoders=(EncoderTopology("vision", dp=config.encoder_dp),),
+        planner=PlannerConfig(max_tokens_per_micro_batch=config.max_tokens_per_micro_batch),
+        max_minibatches=config.train_batches * config.num_minibatches,
+        slot_bytes=8 << 20,
+        num_slots=4,
+        write_back_slot_bytes=1 << 20,
+        schedule_slot_bytes=1 << 20,
+    ).build(admission=controllers["knittrans"], store=store, observe=record)
+    try:
+        with driver:
+            ranks = _start_ranks(config, driver)
+            world = config.dp * config.cp
+            progress(
+                f"started {world} trainer ranks (DP={config.dp} x CP={config.cp}), "
+                f"{world + config.encoder_dp} reorganizer processes"
             )
-            for _ in range(world)
-        ]
-        encoders = [
-            stack.enter_context(
-                ReorganizerProcess(
-                    store.backend, RingSpec.new(num_slots=4, slot_bytes=slot_bytes, num_consumers=1)
-                )
+            for completion in stream_completions(config.rollout):
+                meta = driver.write(completion.trajectory)
+                _admissions(driver, result, controllers["barrier"], meta, completion.time_s)
+            driver.finish()
+            _drain(driver, ranks)
+            result.knitkit_bytes_read = int(
+                driver.metrics()["knitkit/delivery/reorganizer_bytes_read"]
             )
-            for _ in range(config.encoder_dp)
-        ]
-        setup = RankSetup(
-            world=world,
-            cp=config.cp,
-            port=_free_port(),
-            backbone_rings=tuple(r.spec for r in backbone),
-            encoder_rings=tuple(r.spec for r in encoders),
-            encoder_ranks=encoder_ranks,
-            size=config.size,
-            lr=config.lr,
-            prefetch_depth=config.prefetch_depth,
-        )
-        ctx = mp.get_context("spawn")
-        plan_queues = [ctx.Queue() for _ in range(world)]
-        results = ctx.Queue()
-        trainers = [
-            ctx.Process(target=run_rank, args=(r, setup, plan_queues[r], results), daemon=True)
-            for r in range(world)
-        ]
-        for p in trainers:
-            p.start()
-        stack.callback(_stop, trainers, plan_queues)
-        progress(
-            f"started {world} trainer ranks (DP={config.dp} x CP={config.cp}), "
-            f"{world + config.encoder_dp} reorganizer processes"
-        )
-        log = StepLog(observe, store, (*backbone, *encoders))
-        trained = 0
-        pending: list[MiniBatchPlan] = []
-        for completion in stream_completions(config.rollout):
-            trajectory = completion.trajectory
-            meta = store.write(trajectory)
-            for name, controller in controllers.items():
-                controller.report(meta)
-                while (mb := controller.next_minibatch()) is not None:
-                    _record(result.admission[name], mb, completion.time_s)
-                    if name == "knittrans" and trained + len(pending) < total_minibatches:
-                        plan = plan_minibatch(
-                            mb.trajectories,
-                            topology,
-                            planner,
-                            (EncoderTopology("vision", dp=config.encoder_dp),),
-                            f"tb{mb.train_batch}-mb{mb.index}",
-                        )
-                        plan = store.register(plan)
-                        log.admitted(plan.minibatch_id, controller)
-                        _account(result, store, plan)
-                        for reorganizer, consumer in zip(backbone, plan.consumers, strict=True):
-                            reorganizer.submit(plan.minibatch_id, consumer)
-                        for reorganizer, rank_plan in zip(
-                            encoders, plan.encoders[0].ranks, strict=True
-                        ):
-                            reorganizer.submit(plan.minibatch_id, rank_plan)
-                        for q in plan_queues:
-                            q.put(plan)
-                        pending.append(plan)
-            while pending and not results.empty():
-                trained = _collect(result, results, world, store, pending, trained, log)
-        while pending:
-            trained = _collect(result, results, world, store, pending, trained, log)
-        unused = [m.trajectory_id for m in store.metas()]
-        store.release(unused)
         result.units_left = len(list(store.backend.keys()))
-        result.knitkit_bytes_read = sum(r.bytes_read for r in (*backbone, *encoders))
+    finally:
+        store.close()
     result.wall_s = time.perf_counter() - start
     return result
 
 
+def _start_ranks(config: PipelineConfig, driver: Driver) -> list[SpawnProcess]:
+    """One spawned process per (DP, CP) rank, each attached by the driver's spec alone."""
+    world = config.dp * config.cp
+    encoder_ranks = tuple(range(0, world, max(1, world // config.encoder_dp)))[: config.encoder_dp]
+    setup = RankSetup(
+        spec_json=driver.rank_spec().to_json(),
+        world=world,
+        cp=config.cp,
+        port=free_port(),
+        encoder_ranks=encoder_ranks,
+        size=config.size,
+        lr=config.lr,
+        prefetch_depth=config.prefetch_depth,
+    )
+    ctx = mp.get_context("spawn")
+    ranks = [ctx.Process(target=run_rank, args=(r, setup), daemon=True) for r in range(world)]
+    for rank in ranks:
+        rank.start()
+    return ranks
+
+
+def _admissions(
+    driver: Driver,
+    result: PipelineResult,
+    barrier: AdmissionController,
+    meta: TrajectoryMeta,
+    time_s: float,
+) -> None:
+    """Note the knittrans mini-batches the driver just admitted (with the bytes each pass will
+    move), and run the barrier policy on the same stream for comparison."""
+    knittrans = result.admission["knittrans"]
+    for minibatch_id in driver.minibatches()[len(knittrans.times_s) :]:
+        ledger = driver.ledger(minibatch_id)
+        knittrans.add(ledger.train_batch, ledger.sources, time_s)
+        account(result.bytes, driver.store, ledger.plan, PASSES)
+    barrier.report(meta)
+    while (mb := barrier.next_minibatch()) is not None:
+        _record(result.admission["barrier"], mb, time_s)
+
+
 def _record(record: AdmissionRecord, mb: MiniBatch, time_s: float) -> None:
-    record.times_s.append(time_s)
-    record.train_batch.append(mb.train_batch)
     counts: dict[str, int] = {}
     for meta in mb.trajectories:
         counts[meta.source] = counts.get(meta.source, 0) + 1
-    record.composition.append(counts)
+    record.add(mb.train_batch, counts, time_s)
 
 
-def _account(result: PipelineResult, store: TrajectoryStore, plan: MiniBatchPlan) -> None:
-    """Bytes this plan consumes, and what a sample-level read of the same plan would move."""
-    spec = store.backend.spec
-    for consumer in plan.consumers:
-        for read in consumer.reads():
-            rows = spec(read.key)
-            if read.ranges is None:
-                result.bytes_consumed += rows.nbytes
-            else:
-                result.bytes_consumed += rows.row_nbytes * sum(b - a for a, b in read.ranges)
-        position = RankPosition(consumer.dp_rank, consumer.cp_rank, 0)
-        result.sample_level_bytes += sum(spec(k).nbytes for k in share_reads(plan, position))
-    for rank in plan.encoders[0].ranks:
-        result.bytes_consumed += sum(spec(k).nbytes for k in rank.units)
-
-
-def _collect(
-    result: PipelineResult,
-    results: mp.Queue,
-    world: int,
-    store: TrajectoryStore,
-    pending: list[MiniBatchPlan],
-    trained: int,
-    log: StepLog,
-) -> int:
-    """Wait for every rank's result of the oldest pending mini-batch, free its units, log the step."""
-    plan = pending.pop(0)
-    step = []
-    for _ in range(world):
-        item = results.get(timeout=300)
-        if isinstance(item, str):
-            raise RuntimeError(f"a training rank failed:\n{item}")
-        step.append(item)
-    step.sort(key=lambda r: r.rank)
-    result.steps.append(step)
-    for consumer in plan.consumers:
-        store.consumed(plan.minibatch_id, consumer.name)
-    for rank in plan.encoders[0].ranks:
-        store.consumed(plan.minibatch_id, rank.name)
-    log.log(plan.minibatch_id, step[0].loss, [r.metrics for r in step])
-    return trained + 1
-
-
-def _stop(trainers: list, plan_queues: list) -> None:
-    for q in plan_queues:
-        q.put(None)
-    for p in trainers:
-        p.join(30)
-        if p.is_alive():
-            p.terminate()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _drain(driver: Driver, ranks: list[SpawnProcess]) -> None:
+    """Wait for every admitted mini-batch to be trained, watching the rank processes."""
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            driver.drain(timeout_s=1.0)
+            break
+        except TimeoutError:
+            dead = [r for r, p in enumerate(ranks) if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"training ranks {dead} exited with codes {[ranks[r].exitcode for r in dead]}"
+                    if dead
+                    else "training timed out"
+                ) from None
+    for rank in ranks:
+        rank.join(60)
+        if rank.is_alive():
+            rank.terminate()

@@ -10,10 +10,14 @@ from knitkit.demo.pipeline import AdmissionRecord, PipelineResult
 
 def summarize(replay: dict[str, Any], live: PipelineResult) -> dict[str, Any]:
     """Flat figures of the whole run (also written as JSON)."""
-    ranks = [r for step in live.steps for r in step]
-    dedup_s = sum(r.dedup_encoder_s for r in ranks)
-    dup_s = sum(r.dup_encoder_s for r in ranks)
-    micro = sum(r.micro_batches for r in ranks)
+    steps = live.steps
+    last = steps[-1] if steps else {}
+
+    def total(name: str) -> float:
+        return float(sum(step.get(name, 0.0) for step in steps))
+
+    micro = last.get("knitkit/delivery/micro_batches", 0.0)
+    dedup_s, dup_s = total("knitkit/demo/dedup_encoder_s"), total("knitkit/demo/dup_encoder_s")
     out: dict[str, Any] = {
         f"replay.{name}.{key}": figures[key]
         for name, figures in replay["policies"].items()
@@ -25,23 +29,27 @@ def summarize(replay: dict[str, Any], live: PipelineResult) -> dict[str, Any]:
         complete = _complete_train_batches(record, live.num_minibatches)
         out[f"live.{name}.train_batches_meeting_quotas"] = _quota_ok(record, live.quotas, complete)
         out[f"live.{name}.train_batches"] = len(complete)
+    consumed = live.bytes.consumed
     out.update(
         {
             "bytes.knitkit_read": live.knitkit_bytes_read,
-            "bytes.consumed": live.bytes_consumed,
-            "bytes.sample_level_read": live.sample_level_bytes,
-            "bytes.knitkit_ratio": live.knitkit_bytes_read / max(1, live.bytes_consumed),
-            "bytes.sample_level_ratio": live.sample_level_bytes / max(1, live.bytes_consumed),
+            "bytes.consumed": consumed,
+            "bytes.sample_level_read": live.bytes.sample_level,
+            "bytes.knitkit_ratio": live.knitkit_bytes_read / max(1, consumed),
+            "bytes.sample_level_ratio": live.bytes.sample_level / max(1, consumed),
             "prefetch.exposed_wait_ms_per_micro": 1e3
-            * sum(r.exposed_wait_s for r in ranks)
-            / max(1, micro),
-            "prefetch.stage_ms_per_micro": 1e3 * sum(r.stage_s for r in ranks) / max(1, micro),
+            * last.get("knitkit/delivery/exposed_wait_s", 0.0)
+            / max(1.0, micro),
+            "prefetch.stage_ms_per_micro": 1e3
+            * last.get("knitkit/delivery/stage_s", 0.0)
+            / max(1.0, micro),
             "encoder.dup_s": dup_s,
             "encoder.dedup_s": dedup_s,
             "encoder.time_ratio": dup_s / dedup_s if dedup_s else float("nan"),
-            "encoder.dup_units": sum(r.dup_units_encoded for r in ranks),
-            "encoder.dedup_units": sum(r.units_encoded for r in ranks),
-            "loss": [step[0].loss for step in live.steps],
+            "encoder.dup_units": int(total("knitkit/demo/dup_units")),
+            "encoder.dedup_units": int(total("knitkit/demo/dedup_units")),
+            "passes.written_back_bytes": last.get("knitkit/job/write_back_bytes", 0.0),
+            "loss": [step["knitkit/demo/loss"] for step in steps],
             "units_left_in_store": live.units_left,
             "live.wall_s": live.wall_s,
         }
@@ -67,7 +75,9 @@ def print_report(figures: dict[str, Any], replay_policies: list[str]) -> None:
             f"{figures[f'live.{name}.train_batches']:<3d}"
             f"{figures[f'live.{name}.first_minibatch_fraction']:>18.0%}"
         )
-    print("\n== Data path (DP=2 x CP=2, reorganizer processes, shared memory) ==")
+    print(
+        "\n== Data path (DP=2 x CP=2, reorganizer processes, shared memory; 2 passes per step) =="
+    )
     consumed = figures["bytes.consumed"]
     print(f"bytes consumed by trainers      {consumed / 2**20:10.2f} MiB")
     print(
@@ -81,6 +91,10 @@ def print_report(figures: dict[str, Any], replay_policies: list[str]) -> None:
     print(
         f"exposed wait per micro-batch    {figures['prefetch.exposed_wait_ms_per_micro']:10.2f} ms"
         f"  (staging {figures['prefetch.stage_ms_per_micro']:.2f} ms, hidden by the prefetch thread)"
+    )
+    print(
+        f"old log-probs written back      {figures['passes.written_back_bytes'] / 2**20:10.2f} MiB"
+        "  (forward-only pass -> store -> train pass)"
     )
     print(f"units left in the store         {figures['units_left_in_store']:10d}")
     print("\n== Encoder dedup ==")

@@ -99,7 +99,7 @@ def _trajectory(
     noise: float,
     advantage: np.float32,
 ) -> Trajectory:
-    """Token ids, next-token labels, old log-probs, loss mask, MoE routing and a GRPO advantage.
+    """Token ids, next-token labels, rollout log-probs, loss mask, MoE routing and a GRPO advantage.
 
     Responses follow a fixed next-token rule except for a ``noise`` fraction of random tokens;
     the reward is the rule-following fraction, so the group-relative advantage teaches the rule
@@ -121,15 +121,15 @@ def _trajectory(
     )
     token_aligned: dict[str, np.ndarray] = {
         "tokens": tokens,
-        "old_logprobs": np.full(length, -np.log(config.vocab), np.float32),
+        "logprobs": np.full(length, -np.log(config.vocab), np.float32),
         "loss_mask": generated,
         "routing": routing,
     }
     return Trajectory(
         trajectory_id=trajectory_id,
         sample_id=sample_id,
-        # see NOTE [ Next-token alignment ]: labels, mask and old log-probs at the predicting position
-        token_fields=next_token_fields(token_aligned, ("loss_mask", "old_logprobs")),
+        # see NOTE [ Next-token alignment ]: labels, mask and log-probs at the predicting position
+        token_fields=next_token_fields(token_aligned, ("loss_mask", "logprobs")),
         scalars={"advantage": advantage},
         multimodal=(MultimodalInput("image", image, PROMPT_TOKENS, patches),),
         source=source,

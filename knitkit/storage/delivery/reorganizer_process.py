@@ -16,6 +16,7 @@ from knitkit.storage.backends.owner import OwnerFinalizer
 from knitkit.storage.delivery.reorganizer import ReorganizerHost
 from knitkit.storage.delivery.sigterm import sigterm_exits
 from knitkit.storage.delivery.slot_ring import (
+    DONE,
     ConsumerDiedError,
     RingClosedError,
     RingSpec,
@@ -107,6 +108,19 @@ class ReorganizerProcess:
             "knitkit/delivery/reorganizer_bytes_read": float(self.ring.bytes_read),
             "knitkit/delivery/reorganizer_published": float(self.ring.published),
         }
+
+    def failure(self) -> str | None:
+        """Why the child stopped serving, or ``None`` while it serves or after it finished
+        normally: the error it wrote to the ring (a failed read, a consumer that died holding a
+        slot), else, if it exited without one (killed, crashed), its pid and exit code. For a
+        launcher that watches its reorganizers (``knitkit.job``'s driver) rather than waiting for
+        a consumer to hit the error."""
+        if self.ring.failed:
+            return self.ring.error()
+        code = self._process.exitcode if self._finalizer.in_owner else None
+        if code is not None and not (code == 0 and self.ring.state == DONE):
+            return f"reorganizer process pid {self.pid} exited with code {code}"
+        return None
 
     def submit(self, minibatch_id: str, plan: ConsumerPlan | EncoderRankPlan) -> None:
         """Queue one mini-batch's assignment; its micro-batches follow the previous ones'."""

@@ -72,7 +72,8 @@ def pack_layout(
 def unit_reads(
     micro_batch: MicroBatchPlan, views: Mapping[str, np.ndarray]
 ) -> tuple[list[UnitRead], list[np.ndarray]]:
-    """Every unit read of ``micro_batch`` with the slice of ``views`` it lands in, in packing order.
+    """Every unit read of ``micro_batch`` with the slice of ``views`` it lands in, in packing order
+    (NOTE [ Packing order ] in plan.py; ``MicroBatchPlan.unpack`` is its inverse).
 
     Adjacent ranges are merged (CP rank ``cp - 1`` reads its two chunks as one run), so a backend
     moves each contiguous run with one copy.

@@ -9,6 +9,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
+
 from knitkit.types import MultimodalRef, SeqRange, UnitKey, UnitRead
 
 if TYPE_CHECKING:
@@ -151,6 +153,67 @@ class MicroBatchPlan:
             out.extend(UnitRead(UnitKey(seq.trajectory_id, f)) for f in self.scalar_fields)
         return tuple(out)
 
+    def unpack(self, values: np.ndarray) -> tuple[SequenceRows, ...]:
+        """The exact inverse of packing one per-token field of this micro-batch on its consumer.
+
+        ``values`` holds one row per packed token of this CP rank (``num_tokens`` rows, padding
+        included, in packing order: NOTE [ Packing order ]), e.g. a forward-only pass's per-token
+        log-probs. Returns, per sequence with real tokens here, its trajectory, the token ranges
+        this rank holds (CP chunks clipped to the real tokens, touching chunks joined) and their
+        rows back to back (views of ``values``); padding rows are dropped. Pure: what
+        ``TrajectoryStore.write_ranges`` takes, so every real token lands where it came from.
+        """
+        values = np.asarray(values)
+        if values.ndim == 0 or values.shape[0] != self.num_tokens:
+            raise ValueError(
+                f"micro-batch {self.index}: {values.shape[0] if values.ndim else 'no'} rows to "
+                f"unpack but it packs {self.num_tokens} tokens on this consumer (padding "
+                "included); pass one row per packed token, in packing order"
+            )
+        out: list[SequenceRows] = []
+        offset = 0
+        for seq in self.sequences:
+            ranges: list[SeqRange] = []
+            rows: list[np.ndarray] = []
+            for start, stop in seq.chunks:
+                real = min(stop, seq.num_tokens)
+                if real > start:
+                    if ranges and ranges[-1][1] == start:
+                        ranges[-1] = (ranges[-1][0], real)
+                    else:
+                        ranges.append((start, real))
+                    rows.append(values[offset : offset + real - start])
+                offset += stop - start
+            if ranges:
+                joined = rows[0] if len(rows) == 1 else np.concatenate(rows)
+                out.append(SequenceRows(seq.trajectory_id, tuple(ranges), joined))
+        return tuple(out)
+
+    def with_fields(
+        self, token_fields: tuple[str, ...], scalar_fields: tuple[str, ...]
+    ) -> MicroBatchPlan:
+        """This micro-batch carrying only the given fields (same sequences, same packing)."""
+        return MicroBatchPlan(self.index, self.sequences, token_fields, scalar_fields)
+
+
+# NOTE [ Packing order ]: a consumer's packed micro-batch lays its sequences back to back in
+# plan order, each as its CP chunks in ``SequenceSlice.chunks`` order (one chunk at CP=1, chunks
+# r and 2cp-1-r at CP rank r), every chunk ``stop - start`` rows long, padding rows (positions
+# >= ``num_tokens``) included at their place: ``packing.pack_layout`` sizes fields that way,
+# ``packing.unit_reads`` / ``fill_generated`` fill them, and ``MicroBatchPlan.unpack`` reads
+# them back. Change all three together.
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceRows:
+    """One trajectory's rows of an unpacked per-token field: where they go, and the rows."""
+
+    trajectory_id: str
+    ranges: tuple[SeqRange, ...]
+    """Token ranges in the trajectory (disjoint, increasing), real tokens only."""
+    rows: np.ndarray
+    """The ranges' rows back to back (``sum(stop - start)`` rows)."""
+
 
 @dataclass(frozen=True, slots=True)
 class FieldSchema:
@@ -243,6 +306,35 @@ class MiniBatchPlan:
         out = {c.name: c.reads() for c in self.consumers}
         out.update({r.name: r.reads() for e in self.encoders for r in e.ranks})
         return out
+
+    def with_fields(self, fields: Iterable[str]) -> MiniBatchPlan:
+        """This plan with every backbone micro-batch carrying only ``fields`` (a pass's reads).
+
+        The same trajectories, chunks and micro-batches (one plan serves every pass): per-token
+        and scalar fields keep their planned order, the schema keeps its entries for them, the
+        encoders' plans are unchanged. ``ValueError`` names fields the plan does not carry.
+        """
+        wanted = set(fields)
+        planned = {f for c in self.consumers for mb in c.micro_batches for f in mb.token_fields}
+        planned |= {f for c in self.consumers for mb in c.micro_batches for f in mb.scalar_fields}
+        unknown = sorted(wanted - planned)
+        if unknown and self.num_micro_batches:
+            raise ValueError(
+                f"plan {self.minibatch_id!r} carries no fields {unknown} (it carries "
+                f"{sorted(planned)}); plan the mini-batch with every field its passes read"
+            )
+        consumers = []
+        for consumer in self.consumers:
+            micro_batches = tuple(
+                mb.with_fields(
+                    tuple(f for f in mb.token_fields if f in wanted),
+                    tuple(f for f in mb.scalar_fields if f in wanted),
+                )
+                for mb in consumer.micro_batches
+            )
+            schema = tuple(f for f in consumer.schema if f.name in wanted)
+            consumers.append(replace(consumer, micro_batches=micro_batches, schema=schema))
+        return replace(self, consumers=tuple(consumers))
 
     def with_schema(self, schema: Mapping[str, tuple[str, tuple[int, ...]]]) -> MiniBatchPlan:
         """This plan with ``schema`` (``{field: (dtype, row shape)}``) given to every consumer."""

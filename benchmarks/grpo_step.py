@@ -1,0 +1,257 @@
+"""One GRPO step on megatron-core, knitkit's path vs the unwrapped loop: data wait, CPU of every process, bytes read.
+
+Runs ``examples/grpo_megatron.py``'s loop under torchrun (4 ranks, DP2 x TP2; gloo on CPU) twice
+in one run, on the same admitted mini-batches:
+
+- knitkit: the driver on rank 0 (admission, shared-memory store, one reorganizer process per
+  (DP, CP) group and per encoder rank), the Megatron per-rank handle on every rank, three passes
+  per step (old log-probs, reference log-probs: forward-only with write-back; train), each
+  unique image encoded once per pass. The rollout is fed before the first step (its cost is
+  the rollout's, not the data path's), so the driver may serve ahead.
+- plain: the same loop without knitkit (``examples/grpo/plain.py``): each rank builds its share
+  of the mini-batch from the rollout's outputs (generated before the clock starts), one
+  trajectory per micro-batch, the vision path in every micro-batch.
+
+Both run the same model and the same fixed extra compute per token (``--work``: 128 x 128
+matmuls per 64 tokens of each micro-batch, real CPU work standing in for a bigger model, not a
+sleep). Per step: the exposed data wait (a rank's time in the data path: waiting for a pass,
+its batches, encoder inputs, write-backs; for plain, building its share), wall time, the CPU
+seconds of every process (the ranks, and each rank's main thread alone: the rest is knitkit's
+prefetch and ring threads, rank 0's driver threads, and gloo's communication threads, busier in
+the plain loop's many micro-batches; the reorganizers and other children of rank 0), and bytes
+read (knitkit: by the reorganizers from the store;
+plain: the tokens and images each rank loads). Figures are medians over steps 2.. (step 1
+warms up), summed or maxed over ranks as named.
+
+    python benchmarks/grpo_step.py [--quick] [--json PATH] [--steps N] [--work W]
+
+JSON keys (``<path>`` = knitkit, plain): ``<path>.exposed_wait_s_per_step`` (max over ranks),
+``<path>.exposed_wait_s_per_step.mean_rank``, ``<path>.exposed_wait_s_per_step.<kind>`` (the
+slowest rank's wait of one kind: ``pass``, ``encoder_inputs``, ``batch``, ``write_back``,
+``done``; ``load`` for plain), ``<path>.step_s``, ``<path>.cpu_s_per_step``
+(every process), ``<path>.cpu_s_per_step.ranks``, ``.rank<r>``, ``.rank<r>.main_thread``,
+``knitkit.cpu_s_per_step.reorganizers``, ``.other_children``, ``<path>.bytes_read_per_step``,
+``knitkit.images_encoded_per_step``, ``plain.images_encoded_per_step``, ``steps``, ``work``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 4
+WAIT_KINDS = {
+    "pass": "waiting for the next pass",
+    "encoder_inputs": "reading encoder inputs",
+    "batch": "waiting for micro-batches",
+    "write_back": "sending write-backs",
+    "done": "finishing passes",
+    "load": "loading its share (plain)",
+}
+"""The parts of the exposed data wait (``StepClock`` kinds)."""
+
+
+# ----- inside torchrun: one rank --------------------------------------------------------------
+def _children_cpu() -> dict[str, float]:
+    """CPU seconds of this process's descendants, by kind (reorganizers, others), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"reorganizers_cpu_s": 0.0, "other_children_cpu_s": 0.0}
+    todo, seen = [os.getpid()], set()
+    while todo:
+        pid = todo.pop()
+        for task in Path(f"/proc/{pid}/task").glob("*/children"):
+            try:
+                todo += [int(c) for c in task.read_text().split()]
+            except OSError:
+                continue
+        if pid == os.getpid() or pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        cpu = (int(fields[11]) + int(fields[12])) / tick
+        kind = "reorganizers_cpu_s" if b"spawn_main" in cmdline else "other_children_cpu_s"
+        out[kind] += cpu
+    return out
+
+
+def _worker(out_dir: Path, steps: int, work: float) -> None:
+    sys.path.insert(0, str(ROOT / "examples"))
+    import megatron_common as common
+    import torch.distributed as dist
+    from grpo.clock import StepClock
+    from grpo.config import GRPOConfig
+    from grpo.knit import knitkit_loop
+    from grpo.plain import _group, plain_loop
+    from grpo.rollout import parse_trajectory_id
+    from grpo_megatron import new_trainer
+
+    def say(text: str) -> None:
+        if dist.get_rank() == 0:
+            print(f"[grpo_step] {text}", file=sys.stderr, flush=True)
+
+    run = GRPOConfig(steps=steps)
+    with common.megatron_world(tensor_parallel=2):
+        rank = dist.get_rank()
+        probe = _children_cpu if rank == 0 else None
+        say(f"knitkit path: {steps} steps")
+        trainer = new_trainer(run)
+        trainer.work_per_token = work
+        knit = knitkit_loop(run, trainer, clock=StepClock(probe), feed_ahead=True)
+        say("plain loop: the same mini-batches")
+        for record in knit:  # the rollout's outputs exist before the plain loop reads them
+            for tid in record.trajectory_ids:
+                _group(run.rollout, *parse_trajectory_id(tid)[:2])
+        plain_trainer = new_trainer(run)
+        plain_trainer.work_per_token = work
+        minibatches = [record.trajectory_ids for record in knit]
+        plain = plain_loop(run, plain_trainer, minibatches, clock=StepClock(probe))
+        result = {
+            path: [{"figures": r.figures, "timings": r.timings} for r in history]
+            for path, history in (("knitkit", knit), ("plain", plain))
+        }
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+        say("done")
+
+
+# ----- the launcher: torchrun, then the table ---------------------------------------------------
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+Ranks = list[dict[str, list[dict[str, dict[str, float]]]]]
+"""Per rank, per path, per step: ``{"figures": ..., "timings": ...}`` as the workers wrote it."""
+
+
+def _series(ranks: Ranks, path: str, key: str) -> list[list[float]]:
+    """``[step][rank]`` values of one timing over the measured steps (2.., or 1 if alone)."""
+    steps = len(ranks[0][path])
+    measured = range(1, steps) if steps > 1 else range(steps)
+    return [[rank[path][s]["timings"].get(key, 0.0) for rank in ranks] for s in measured]
+
+
+def summarise(ranks: Ranks) -> dict[str, float]:
+    """The flat figures: medians over the measured steps."""
+    out: dict[str, float] = {}
+    for path in ("knitkit", "plain"):
+        waits = _series(ranks, path, "data_wait_s")
+        out[f"{path}.exposed_wait_s_per_step"] = _median([max(w) for w in waits])
+        out[f"{path}.exposed_wait_s_per_step.mean_rank"] = _median([sum(w) / WORLD for w in waits])
+        kinds = sorted(
+            {k for rank in ranks for step in rank[path] for k in step["timings"]} - {"data_wait_s"}
+        )
+        for kind in (k for k in kinds if k.startswith("data_wait_s.")):
+            name = kind.removeprefix("data_wait_s.")
+            out[f"{path}.exposed_wait_s_per_step.{name}"] = _median(
+                [max(w) for w in _series(ranks, path, kind)]
+            )
+        out[f"{path}.step_s"] = _median([max(w) for w in _series(ranks, path, "wall_s")])
+        cpu = _series(ranks, path, "cpu_s")
+        main = _series(ranks, path, "main_thread_cpu_s")
+        for r in range(WORLD):
+            out[f"{path}.cpu_s_per_step.rank{r}"] = _median([step[r] for step in cpu])
+            out[f"{path}.cpu_s_per_step.rank{r}.main_thread"] = _median([step[r] for step in main])
+        ranks_cpu = _median([sum(step) for step in cpu])
+        out[f"{path}.cpu_s_per_step.ranks"] = ranks_cpu
+        children = 0.0
+        for kind in ("reorganizers", "other_children"):  # probed on rank 0 only
+            value = _median([step[0] for step in _series(ranks, path, f"{kind}_cpu_s")])
+            children += value
+            if path == "knitkit":
+                out[f"{path}.cpu_s_per_step.{kind}"] = value
+        out[f"{path}.cpu_s_per_step"] = ranks_cpu + children
+        out[f"{path}.bytes_read_per_step"] = _median(
+            [sum(step) for step in _series(ranks, path, "bytes_read")]
+        )
+        steps = len(ranks[0][path])
+        out[f"{path}.images_encoded_per_step"] = _median(
+            [
+                ranks[0][path][s]["figures"]["images_encoded"]
+                for s in range(min(1, steps - 1), steps)
+            ]
+        )
+    return out
+
+
+def _table(figures: dict[str, float]) -> str:
+    rows = [
+        ("exposed data wait per step, slowest rank (s)", "exposed_wait_s_per_step", "{:.4f}"),
+        ("  mean over ranks (s)", "exposed_wait_s_per_step.mean_rank", "{:.4f}"),
+        *(
+            (f"  {label}, slowest rank (s)", f"exposed_wait_s_per_step.{kind}", "{:.4f}")
+            for kind, label in WAIT_KINDS.items()
+        ),
+        ("step wall time (s)", "step_s", "{:.3f}"),
+        ("CPU s per step, every process", "cpu_s_per_step", "{:.3f}"),
+        ("  the 4 ranks (rank 0 with the driver)", "cpu_s_per_step.ranks", "{:.3f}"),
+        *(
+            (f"  rank {r} (main thread)", f"cpu_s_per_step.rank{r}.main_thread", "{:.3f}")
+            for r in range(WORLD)
+        ),
+        ("  reorganizer processes", "cpu_s_per_step.reorganizers", "{:.3f}"),
+        ("  other children of rank 0", "cpu_s_per_step.other_children", "{:.3f}"),
+        ("bytes read per step", "bytes_read_per_step", "{:,.0f}"),
+        ("image encodings per train pass", "images_encoded_per_step", "{:.0f}"),
+    ]
+    lines = [f"{'per step (median over steps 2..)':<46} {'knitkit':>12} {'plain':>12}"]
+    for label, key, fmt in rows:
+        cells = []
+        for path in ("knitkit", "plain"):
+            value = figures.get(f"{path}.{key}")
+            cells.append(fmt.format(value) if value is not None else "-")
+        lines.append(f"{label:<46} {cells[0]:>12} {cells[1]:>12}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps, less extra work")
+    parser.add_argument("--json", metavar="PATH", help="write the flat JSON figures here")
+    parser.add_argument("--steps", type=int, help="optimizer steps per path (default 6, quick 3)")
+    parser.add_argument(
+        "--work", type=float, help="matmuls per 64 tokens per micro-batch (default 8, quick 2)"
+    )
+    parser.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    steps = args.steps or (3 if args.quick else 6)
+    work = args.work if args.work is not None else (2.0 if args.quick else 8.0)
+    if args.worker:
+        _worker(Path(args.worker), steps, work)
+        return 0
+    print(f"[grpo_step] torchrun: {WORLD} ranks, {steps} steps, work {work}", file=sys.stderr)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="grpo-step-") as tmp:
+        command = [
+            sys.executable,
+            *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD)),
+            str(Path(__file__).resolve()),
+            *("--worker", tmp, "--steps", str(steps), "--work", str(work)),
+        ]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, timeout=1200)
+        if done.returncode:
+            print(f"[grpo_step] torchrun failed with code {done.returncode}", file=sys.stderr)
+            return done.returncode
+        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    figures = summarise(ranks) | {"steps": float(steps), "work": work}
+    print(_table(figures))
+    print(f"[grpo_step] {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(figures, out, indent=1, sort_keys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

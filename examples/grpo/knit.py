@@ -1,0 +1,229 @@
+"""The knitkit path: the driver on global rank 0 (admission, store, reorganizers), a Megatron per-rank handle on every rank."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch.distributed as dist
+
+from grpo.clock import StepClock
+from grpo.config import GRPOConfig
+from grpo.loss import token_weights
+from grpo.rollout import Group, RolloutStandIn
+from grpo.train import Dedup, StepRecord, Trainer, figure_names
+from knitkit.admission import SourceQuota, build_controller
+from knitkit.integration.megatron import (
+    DedupVLMStep,
+    MegatronLayout,
+    MegatronRank,
+    megatron_batch,
+)
+from knitkit.integration.sglang import PayloadConfig, RolloutWriter
+from knitkit.job import Driver, Output, Pass, RankHandle, broadcast_rank_spec
+from knitkit.metrics import MetricsObserver, merge
+from knitkit.microbatch_iter import MicroBatch
+from knitkit.storage import MiniBatchPlan, PlannerConfig, Trajectory
+from knitkit.types import TrajectoryMeta
+
+ROLLOUT = ("tokens", "labels", "loss_mask")
+"""Stored fields of the SGLang adapter every pass reads (next-token aligned)."""
+PASSES = (
+    Pass("old", reads=ROLLOUT, writes=(Output("old_logprobs"),), forward_only=True, encodes=True),
+    Pass("ref", reads=ROLLOUT, writes=(Output("ref_logprobs"),), forward_only=True, encodes=True),
+    Pass(
+        "train",
+        reads=(*ROLLOUT, "advantage", "reward", "old_logprobs", "ref_logprobs"),
+        encodes=True,
+    ),
+)
+"""GRPO's step: old log-probs and reference log-probs (forward-only, written back), then train."""
+WRITES = {"old": "old_logprobs", "ref": "ref_logprobs"}
+"""The field each forward-only pass writes, from the ``logprobs`` its loss dicts hold."""
+
+
+@dataclass(slots=True)
+class ScoredSink:
+    """Where ``RolloutWriter`` writes: the driver, each trajectory with its reward and advantage added.
+
+    The SGLang adapter builds a trajectory from the request and ``/generate`` output alone; GRPO's
+    scalars come from the whole group, known when its ``n`` outputs are in (``score`` first).
+    """
+
+    driver: Driver
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def score(self, group: Group) -> None:
+        for request, reward, advantage in zip(
+            group.requests, group.rewards, group.advantages, strict=True
+        ):
+            self.scores[request.trajectory_id] = {"reward": reward, "advantage": advantage}
+
+    def write(self, trajectory: Trajectory) -> TrajectoryMeta:
+        scalars = self.scores.pop(trajectory.trajectory_id)
+        trajectory.scalars = {k: np.float32(v) for k, v in scalars.items()}
+        return self.driver.write(trajectory)
+
+
+def build_driver(run: GRPOConfig, layout: MegatronLayout) -> Driver:
+    """The driver: knittrans admission with a source quota, planning for this Megatron layout."""
+    rollout = run.rollout
+    admission = build_controller(
+        "knittrans",
+        train_batch_size=run.train_batch_size,
+        num_minibatches=run.num_minibatches,
+        sources=rollout.sources,
+        quotas=[SourceQuota(source=run.quota_source, min_ratio=run.quota_ratio)],
+        group_size=rollout.group_size,
+    )
+    return Driver.Config(
+        passes=PASSES,
+        topology=layout.topology,
+        encoders=(layout.encoder_topology(),),
+        planner=PlannerConfig(max_tokens_per_micro_batch=run.max_tokens_per_micro_batch),
+        max_minibatches=run.steps,
+        slot_bytes=1 << 20,
+        write_back_slot_bytes=1 << 20,
+        schedule_slot_bytes=1 << 20,
+    ).build(admission=admission)
+
+
+def grpo_batch(micro_batch: MicroBatch, *, sequences: int) -> dict[str, object]:
+    """``megatron_batch`` (block-causal mask: megatron's local attention, CP = 1) plus GRPO's
+    per-token ``weights`` for a mini-batch of ``sequences`` trajectories."""
+    batch = megatron_batch(micro_batch, attention_mask=True)
+    padded = micro_batch["cu_seqlens_padded"].long()
+    loss_mask = batch["loss_mask"][0]
+    batch["weights"] = token_weights(loss_mask, padded[1:] - padded[:-1], sequences)[None]
+    return batch
+
+
+def trajectory_ids(plan: MiniBatchPlan) -> tuple[str, ...]:
+    """Every trajectory of a mini-batch (each once: CP rank 0's slices), sorted."""
+    return tuple(
+        sorted(
+            s.trajectory_id
+            for consumer in plan.consumers
+            if consumer.cp_rank == 0
+            for mb in consumer.micro_batches
+            for s in mb.sequences
+        )
+    )
+
+
+def knitkit_loop(
+    run: GRPOConfig,
+    trainer: Trainer,
+    observe: MetricsObserver | None = None,
+    *,
+    clock: StepClock | None = None,
+    feed_ahead: bool = False,
+) -> list[StepRecord]:
+    """``run.steps`` GRPO steps fed by knitkit: the driver on global rank 0, a handle on every rank.
+
+    Rank 0 writes the stand-in's groups through the SGLang adapter into the driver until the
+    step's mini-batch is admitted (``feed_ahead``: every step's, before the first); then every
+    rank takes the step's passes from its handle (old log-probs, reference log-probs, train),
+    each under ``DedupVLMStep.run``. ``clock`` times each step's data path on this rank.
+    """
+    layout = MegatronLayout.from_parallel_state()
+    driver = build_driver(run, layout) if dist.get_rank() == 0 else None
+    try:
+        spec = broadcast_rank_spec(driver.rank_spec() if driver else None, src=0)
+        handle = MegatronRank.from_parallel_state(
+            spec,
+            to_batch=functools.partial(grpo_batch, sequences=run.minibatch_size),
+            config=RankHandle.Config(depth=2),
+        )
+        try:
+            history = _steps(
+                run, trainer, driver, handle, observe, clock or StepClock(), feed_ahead
+            )
+        finally:
+            handle.close()
+        if driver is not None:
+            driver.drain()  # every pass consumed and every mini-batch released; raises its failure
+        return history
+    finally:
+        if driver is not None:
+            driver.close()
+
+
+def _steps(
+    run: GRPOConfig,
+    trainer: Trainer,
+    driver: Driver | None,
+    handle: MegatronRank,
+    observe: MetricsObserver | None,
+    clock: StepClock,
+    feed_ahead: bool,
+) -> list[StepRecord]:
+    models = {"old": trainer.policy, "ref": trainer.reference, "train": trainer.policy}
+    dedup = {id(m): DedupVLMStep(m, vision="vision") for m in (trainer.policy, trainer.reference)}
+    feed = _Feed(run, driver) if driver is not None else None
+    history = []
+    for step in range(1, run.steps + 1):
+        if feed is not None and (step == 1 or not feed_ahead):
+            feed.until_admitted(run.steps if feed_ahead else step)
+            if feed_ahead or step == run.steps:
+                feed.driver.finish()
+        read_before = _bytes_read(driver)
+        clock.start()
+        figures: dict[str, float] = {}
+        ids: tuple[str, ...] = ()
+        for _ in PASSES:
+            with clock.data("pass"):
+                work = handle.next_pass()
+                if work is None:
+                    raise RuntimeError(f"the driver finished before step {step}'s passes")
+            with clock.data("encoder_inputs"):
+                work.work.encoder_inputs()  # this rank's unique images, read once per pass
+            model = models[work.pass_.name]
+            encode = work.encode_fn(model.module.vision.encode)
+            route = Dedup(dedup[id(model)], work.route, encode)
+            data = clock.timed(work.data_iterator())
+            with work:
+                if work.pass_.forward_only:
+                    out = trainer.logprobs(model, data, work.num_micro_batches, route)
+                    with clock.data("write_back"):
+                        work.write_back_outputs(out, {WRITES[work.pass_.name]: "logprobs"})
+                else:
+                    figures = trainer.train(data, work.num_micro_batches, route)
+                    ids = trajectory_ids(work.work.plan)
+                with clock.data("done"):
+                    work.done()
+        timings = clock.stop()
+        if driver is not None:  # the reorganizers read for every rank
+            timings["bytes_read"] = _bytes_read(driver) - read_before
+        history.append(StepRecord(step, ids, figures, timings))
+        if observe is not None:
+            extra = feed.driver.metrics() if feed is not None else {}
+            observe(step, merge(extra, handle.metrics(), figure_names(figures)))
+    return history
+
+
+def _bytes_read(driver: Driver | None) -> float:
+    """Payload bytes the driver's reorganizers have read from the store so far."""
+    if driver is None:
+        return 0.0
+    return driver.metrics().get("knitkit/delivery/reorganizer_bytes_read", 0.0)
+
+
+class _Feed:
+    """Rank 0's rollout: the stand-in's groups through the SGLang adapter into the driver."""
+
+    def __init__(self, run: GRPOConfig, driver: Driver) -> None:
+        self.driver = driver
+        self.rollout = RolloutStandIn(run.rollout)
+        self.sink = ScoredSink(driver)
+        self.writer = RolloutWriter(
+            self.sink, PayloadConfig(image_token_id=run.rollout.image_token)
+        )
+
+    def until_admitted(self, count: int) -> None:
+        """Write groups until ``count`` mini-batches are admitted."""
+        while len(self.driver.minibatches()) < count:
+            group = self.rollout.next_group()
+            self.sink.score(group)
+            self.writer.add_batch(group.requests, group.outputs)

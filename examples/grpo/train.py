@@ -1,0 +1,160 @@
+"""One rank's GRPO step on megatron-core: forward-only log-prob passes, the train pass, the optimizer step.
+
+Both data paths (knitkit's handles and the plain reference loop) run their micro-batches through
+the same ``Trainer``; they differ only in where the batches come from and in ``dedup``: knitkit
+runs the schedule inside ``DedupVLMStep.run`` (each unique image encoded once per pass), the
+plain loop calls ``get_forward_backward_func()`` with the vision path inside every micro-batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from grpo.loss import Batch, LossConfig, logprob_step, loss_scale, train_step
+from knitkit.encoder_dedup import EncodeFn, RankRoute
+from knitkit.integration.megatron import DedupVLMStep, current_device
+
+FIGURES = ("loss", "pg", "kl", "nll", "reward", "clipped", "sequences")
+"""Per-step sums of the train pass (``loss.grpo_loss``), over the world."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One optimizer step as both loops report it."""
+
+    step: int
+    trajectory_ids: tuple[str, ...]
+    """The mini-batch's trajectories, sorted."""
+    figures: dict[str, float]
+    """``FIGURES`` of the step, summed over the world."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """This rank's ``StepClock`` figures of the step (``data_wait_s``, ``wall_s``, ``cpu_s``)."""
+
+
+def figure_names(figures: dict[str, float]) -> dict[str, float]:
+    """The step's figures named for ``knitkit.metrics`` (``knitkit/grpo/<figure>``)."""
+    return {f"knitkit/grpo/{name}": value for name, value in figures.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Dedup:
+    """What ``DedupVLMStep.run`` needs beyond the schedule's arguments, for one pass."""
+
+    step: DedupVLMStep
+    route: RankRoute
+    encode: EncodeFn
+
+
+@dataclass(kw_only=True, slots=True)
+class Trainer:
+    """One rank's policy, frozen reference, optimizer and loss."""
+
+    policy: Any
+    reference: Any
+    optimizer: Any
+    loss: LossConfig
+    seq_length: int
+    """Megatron's ``seq_length`` (an upper bound on a micro-batch's tokens)."""
+    work_per_token: float = 0.0
+    """Extra fixed CPU work per micro-batch, in 128 x 128 matmuls per 64 tokens (benchmarks:
+    stands in for a bigger model; real compute, never a sleep; no effect on the results)."""
+    gradients: list[list[torch.Tensor]] | None = None
+    """When a list, each train pass appends a copy of this rank's reduced gradients
+    (``main_grad`` after megatron's finalize, in ``parameters()`` order): the equivalence check."""
+
+    def logprobs(
+        self, model: Any, data: Iterable[Batch], num_microbatches: int, dedup: Dedup | None
+    ) -> list[dict[str, torch.Tensor]]:
+        """A forward-only pass of ``model``: per micro-batch, ``{"logprobs": log p(label) [b, s]}``."""
+        with torch.no_grad():
+            return list(self._schedule(model, logprob_step, data, num_microbatches, True, dedup))
+
+    def train(
+        self, data: Iterable[Batch], num_microbatches: int, dedup: Dedup | None
+    ) -> dict[str, float]:
+        """The train pass and the optimizer step; the step's ``FIGURES`` summed over the world,
+        and ``images_encoded``: the vision path's runs on every rank (one per unique image with
+        dedup, one per micro-batch's image on every TP rank without)."""
+        self.policy.zero_grad_buffer()
+        step = functools.partial(train_step, self.loss, loss_scale(num_microbatches))
+        counted = _ImageCount(iter(data))
+        out = self._schedule(self.policy, step, counted, num_microbatches, False, dedup)
+        if self.gradients is not None:
+            self.gradients.append([p.main_grad.detach().clone() for p in self.policy.parameters()])
+        self.optimizer.step()
+        encoded = counted.images if dedup is None else dedup.step.last_encoded_units
+        return reduce_figures(out) | {"images_encoded": world_sum(encoded)}
+
+    def _schedule(
+        self,
+        model: Any,
+        forward_step: Any,
+        data: Iterable[Batch],
+        num_microbatches: int,
+        forward_only: bool,
+        dedup: Dedup | None,
+    ) -> Sequence[dict[str, torch.Tensor]]:
+        if self.work_per_token:
+            data = _with_work(data, self.work_per_token)
+        kwargs: dict[str, Any] = {
+            "forward_step_func": forward_step,
+            "data_iterator": iter(data),
+            "num_microbatches": num_microbatches,
+            "seq_length": self.seq_length,
+            "micro_batch_size": 1,
+            "forward_only": forward_only,
+        }
+        if dedup is not None:
+            return dedup.step.run(route=dedup.route, encode_fn=dedup.encode, **kwargs)
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(model=model, **kwargs)
+
+
+class _ImageCount:
+    """The data iterator, counting the images the batches hand the vision path."""
+
+    def __init__(self, source: Iterator[Batch]) -> None:
+        self._source, self.images = source, 0
+
+    def __iter__(self) -> _ImageCount:
+        return self
+
+    def __next__(self) -> Batch:
+        batch = next(self._source)
+        self.images += len(batch.get("images") or ())
+        return batch
+
+
+def _with_work(batches: Iterable[Batch], per_token: float) -> Iterator[Batch]:
+    """``batches``, each followed by its share of fixed CPU work (see ``Trainer.work_per_token``)."""
+    weight = torch.randn(128, 128, generator=torch.Generator().manual_seed(0)) / 12
+    for batch in batches:
+        x = torch.ones(128, 128)
+        for _ in range(round(batch["tokens"].numel() / 64 * per_token)):
+            x = torch.tanh(x @ weight)
+        yield batch
+
+
+def world_sum(value: float) -> float:
+    """``value`` summed over every rank."""
+    total = torch.tensor([float(value)], dtype=torch.float64, device=current_device())
+    dist.all_reduce(total)
+    return float(total[0])
+
+
+def reduce_figures(out: Sequence[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Sum the micro-batches' figures on this rank, then over DP (TP peers hold the same values)."""
+    from megatron.core import parallel_state
+
+    local = torch.zeros(len(FIGURES), dtype=torch.float64, device=current_device())
+    for item in out:
+        local += torch.stack([item[name].double() for name in FIGURES])
+    dist.all_reduce(local, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return dict(zip(FIGURES, local.tolist(), strict=True))

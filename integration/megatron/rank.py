@@ -1,0 +1,231 @@
+"""The per-rank job handle on megatron-core: placed by ``parallel_state``, yielding megatron batches per pass."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+
+from knitkit.encoder_dedup import RankRoute
+from knitkit.integration.megatron.batch import megatron_batch, megatron_batches
+from knitkit.integration.megatron.device import current_device
+from knitkit.integration.megatron.mrope import MROPE_FIELD
+from knitkit.integration.megatron.topology import MegatronLayout
+from knitkit.job import Pass, PassWork, RankCoords, RankHandle, RankSpec
+from knitkit.microbatch_iter import MicroBatch
+from knitkit.storage import MiniBatchPlan
+from knitkit.types import UnitKey
+
+ToBatch = Callable[[MicroBatch], Mapping[str, object]]
+"""A packed micro-batch -> the dict a forward step takes (``megatron_batch``, ``mrope_batch``)."""
+
+_CONSUMED = frozenset({"tokens", "labels", "loss_mask", "logprobs", MROPE_FIELD})
+"""Stored fields the batch builders already turn into megatron's names."""
+
+
+class MegatronRank:
+    """A ``RankHandle`` for one megatron-core rank: its coordinates from ``parallel_state``,
+    each pass's micro-batches as the data iterator ``get_forward_backward_func()`` consumes,
+    the dedup route for ``DedupVLMStep.run``, and write-back of per-token outputs.
+
+    ``for work in rank.passes():`` yields a ``MegatronPass`` per (mini-batch, pass), in the
+    driver's order, the same on every rank.
+    """
+
+    def __init__(self, handle: RankHandle, layout: MegatronLayout, to_batch: ToBatch) -> None:
+        self.handle = handle
+        self.layout = layout
+        self._to_batch = to_batch
+
+    @classmethod
+    def from_parallel_state(
+        cls,
+        spec: RankSpec,
+        *,
+        to_batch: ToBatch | None = None,
+        config: RankHandle.Config | None = None,
+        sequence_parallel: bool = False,
+    ) -> MegatronRank:
+        """Attach this rank to the job (a collective: every rank of the world calls it).
+
+        Coordinates come from ``MegatronLayout.from_parallel_state()``: the (DP, CP) group's
+        ring as consumer ``stage * tp + tp_rank``, the schedule as the global rank, and, on the
+        first pipeline stage, the encoder rank ``MegatronLayout.encoder_topology`` places here
+        (TP-sharded when ``spec.encoders[0].tp > 1``). ``to_batch`` defaults to
+        ``megatron_batch`` at the layout's CP size. ``ValueError`` names any mismatch between
+        the driver's spec and megatron's layout.
+        """
+        from megatron.core import parallel_state as ps
+
+        layout = MegatronLayout.from_parallel_state(sequence_parallel=sequence_parallel)
+        if spec.topology != layout.topology:
+            raise ValueError(
+                f"the driver plans for {spec.topology} but megatron runs {layout.topology}; build "
+                "Driver.Config(topology=MegatronLayout.from_parallel_state().topology, ...)"
+            )
+        stages = ps.get_pipeline_model_parallel_world_size()
+        if spec.pipeline != stages:
+            raise ValueError(
+                f"the driver serves {spec.pipeline} pipeline stages, megatron runs {stages}; "
+                "build Driver.Config(pipeline=...) to match"
+            )
+        stage = ps.get_pipeline_model_parallel_rank()
+        dp, cp, tp = layout.coord
+        encoder_rank, consumer = None, 0
+        if spec.encoders and stage == 0:
+            encoder = spec.encoders[0]
+            sharded = encoder.tp > 1
+            expected = layout.encoder_topology(encoder.name, encoder.kinds, tp_sharded=sharded)
+            if encoder != expected:
+                raise ValueError(
+                    f"the driver's encoder is {encoder}, megatron's layout gives {expected}; "
+                    "build Driver.Config(encoders=(layout.encoder_topology(...),))"
+                )
+            encoder_rank = layout.dp_cp_ranks[layout.rank] if sharded else layout.rank
+            consumer = tp if sharded else 0
+        coords = RankCoords(dist.get_rank(), dp, cp, tp, stage, encoder_rank, consumer)
+        route = None
+        if spec.encoders:
+            route = functools.partial(layout.route, encoder=spec.encoders[0].name)
+        handle = RankHandle(spec, coords, config, device=current_device(), route=route)
+        batch = to_batch or functools.partial(megatron_batch, cp_size=layout.topology.cp)
+        return cls(handle, layout, batch)
+
+    def passes(self) -> Iterator[MegatronPass]:
+        """Every pass the driver serves, in order, until it finishes."""
+        while (work := self.next_pass()) is not None:
+            yield work
+
+    def next_pass(self, timeout_s: float | None = None) -> MegatronPass | None:
+        """The next (mini-batch, pass), or ``None`` once the driver finished."""
+        work = self.handle.next_pass(timeout_s)
+        return None if work is None else MegatronPass(work, self)
+
+    def metrics(self) -> dict[str, float]:
+        return self.handle.metrics()
+
+    def close(self) -> None:
+        self.handle.close()
+
+    def __enter__(self) -> MegatronRank:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def batch(self, work: PassWork, micro_batch: MicroBatch) -> Mapping[str, object]:
+        """``to_batch(micro_batch)`` plus every other field the pass reads: per-token fields
+        ``[1, T, ...]`` under their own names, scalar fields spread over each sequence's local
+        tokens (padding included) as ``[1, T, ...]``."""
+        batch = dict(self._to_batch(micro_batch))
+        clone = self.handle.spec.pipeline > 1  # several micro-batches in flight
+        scalars = (
+            set(work.consumer.micro_batches[0].scalar_fields) if work.num_micro_batches else set()
+        )
+        for name in work.pass_.reads:
+            if name in batch or name in _CONSUMED:
+                continue
+            value = micro_batch[name]
+            if name in scalars:
+                padded = micro_batch["cu_seqlens_padded"]
+                local = (padded[1:] - padded[:-1]) // self.layout.topology.cp
+                value = value.repeat_interleave(local.long(), dim=0)
+            batch[name] = (value.clone() if clone else value)[None]
+        return batch
+
+
+class MegatronPass:
+    """One pass on a megatron rank: its ``PassWork`` (``work``) plus what ``DedupVLMStep.run``
+    and its caller need: ``data_iterator()``, ``route``, ``encode_fn(...)`` and
+    ``write_back_outputs(...)``. Leaving ``with`` finishes the pass (``PassWork.done``)."""
+
+    def __init__(self, work: PassWork, rank: MegatronRank) -> None:
+        self.work = work
+        self._rank = rank
+
+    @property
+    def minibatch_id(self) -> str:
+        return self.work.minibatch_id
+
+    @property
+    def pass_(self) -> Pass:
+        return self.work.pass_
+
+    @property
+    def forward_only(self) -> bool:
+        return self.work.pass_.forward_only
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.work.num_micro_batches
+
+    @property
+    def route(self) -> RankRoute:
+        """This rank's dedup route (``MegatronLayout.route`` of the mini-batch's plan)."""
+        return self.work.route
+
+    @property
+    def plan(self) -> MiniBatchPlan:
+        """The mini-batch's one plan, restricted to this pass's fields."""
+        return self.work.plan
+
+    def encoder_inputs(self) -> dict[UnitKey, torch.Tensor]:
+        """This rank's unique units of the pass, by key (``PassWork.encoder_inputs``)."""
+        return self.work.encoder_inputs()
+
+    def data_iterator(self) -> Iterator[Mapping[str, object]]:
+        """The schedule's data iterator: this pass's micro-batches, prefetched, as megatron
+        batches (``get_forward_backward_func()(data_iterator=...)``)."""
+        micro_batches = self.work.micro_batches()
+        return megatron_batches(micro_batches, functools.partial(self._rank.batch, self.work))
+
+    def encode_fn(
+        self, encode: Callable[[torch.Tensor], torch.Tensor]
+    ) -> Callable[[Sequence[UnitKey]], torch.Tensor]:
+        """``DedupVLMStep.run``'s ``encode_fn``: ``encode(unit input)`` for each key, in order,
+        on this rank's encoder inputs of the pass (read from its ring once, when first needed)."""
+
+        def encode_fn(keys: Sequence[UnitKey]) -> torch.Tensor:
+            inputs = self.work.encoder_inputs()
+            return torch.cat([encode(inputs[key]) for key in keys])
+
+        return encode_fn
+
+    def write_back_outputs(
+        self, outputs: Sequence[Mapping[str, torch.Tensor]], fields: Mapping[str, str]
+    ) -> None:
+        """Write megatron's per-token outputs back: ``outputs`` is what the schedule returned
+        (one dict per micro-batch on the last stage, nothing elsewhere), ``fields`` maps each
+        field the pass writes to the key holding its packed CP-local ``[T]`` / ``[1, T]``
+        values. Only the group's writer rank (TP 0 of the last stage) sends."""
+        if not self._rank.handle.writer:
+            return
+        if len(outputs) != self.work.num_micro_batches:
+            raise ValueError(
+                f"pass {self.work.pass_.name!r}: {len(outputs)} outputs for "
+                f"{self.work.num_micro_batches} micro-batches; pass what the schedule returned "
+                "on the last pipeline stage"
+            )
+        for index, output in enumerate(outputs):
+            self.work.write_back(index, {name: output[key] for name, key in fields.items()})
+
+    def report(self, figures: Mapping[str, float]) -> None:
+        """Figures for the driver's observer (``PassWork.report``)."""
+        self.work.report(figures)
+
+    def done(self) -> None:
+        self.work.done()
+
+    def __enter__(self) -> MegatronPass:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.work.__exit__(exc_type, exc, tb)

@@ -1,0 +1,176 @@
+"""A collector thread per (DP, CP) group: its writer rank's outputs into the store, its pass ends into the ledger."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Mapping
+
+import numpy as np
+
+from knitkit.job.core import JobCore
+from knitkit.job.errors import RankFailedError, WriteBackMissingError
+from knitkit.job.ledger import MiniBatchLedger
+from knitkit.job.passes import Pass
+from knitkit.job.records import Record, RecordReader
+from knitkit.metrics import merge, sum_over
+from knitkit.storage import ReorganizerDiedError, ReorganizerError, RingSpec
+from knitkit.storage.delivery import ConsumerClosedError
+
+ATTACH_POLL_S = 0.05
+"""How often a collector looks for its writer rank's ring before the rank has created it."""
+
+
+class Collector:
+    """Drains one group's write-back ring (see NOTE [ Driver threads ] in driver.py).
+
+    A ``values`` record is one micro-batch's outputs in packed CP-local order: the plan's
+    ``unpack`` undoes packing and the CP split, the store's ``write_ranges`` writes them. A
+    ``done`` record ends the group's pass (checked complete); after the last pass the group's
+    units are freed, and after the last group the mini-batch is released and its figures
+    queued for the observer. An ``error`` record, or the writer rank's death, fails the job.
+    """
+
+    def __init__(self, core: JobCore, group: str, spec: RingSpec, liveness_timeout_s: float):
+        self.core, self.group, self.spec = core, group, spec
+        self.liveness_timeout_s = liveness_timeout_s
+        self.reader: RecordReader | None = None
+        self.thread = threading.Thread(
+            target=self._run, name=f"knitkit-driver-{group}", daemon=True
+        )
+
+    def close(self) -> None:
+        """Make the thread leave (a wait for the next record raises at once)."""
+        with self.core.lock:
+            reader = self.reader
+        if reader is not None:
+            reader.close()
+
+    def _run(self) -> None:
+        core = self.core
+        try:
+            reader = self._attach()
+            if reader is None:
+                return
+            while True:
+                try:
+                    record = reader.next(math.inf)
+                except ConsumerClosedError:
+                    return
+                except (ReorganizerDiedError, ReorganizerError) as error:
+                    if core.stopping.is_set():
+                        return
+                    raise RankFailedError(
+                        f"the writer rank of {self.group} stopped: {error}; restart the job's ranks"
+                    ) from error
+                if record is None:
+                    return
+                with core.lock:
+                    self._apply(record)
+        except BaseException as error:
+            if not core.stopping.is_set():
+                core.fail(error)
+
+    def _attach(self) -> RecordReader | None:
+        """The writer rank creates its ring when it starts: wait for it (until stopped)."""
+        core = self.core
+        while not core.stopping.is_set():
+            try:
+                reader = RecordReader(self.spec, 0, liveness_timeout_s=self.liveness_timeout_s)
+            except (FileNotFoundError, ValueError):  # not created, or not initialised yet
+                core.stopping.wait(ATTACH_POLL_S)
+                continue
+            with core.lock:
+                if not core.stopping.is_set():
+                    self.reader = reader
+                    return reader
+            reader.close()
+        return None
+
+    def _apply(self, record: Record) -> None:
+        """One record from the group's writer rank (under the lock)."""
+        core, header = self.core, record.header
+        kind = header.get("kind")
+        if kind == "error":
+            raise RankFailedError(
+                f"rank {header.get('rank')} ({self.group}) failed in pass {header.get('pass')!r} "
+                f"of mini-batch {header.get('mb')!r}:\n{header.get('message')}"
+            )
+        ledger = core.ledger.minibatches.get(str(header.get("mb")))
+        pass_ = next((p for p in core.passes if p.name == header.get("pass")), None)
+        if ledger is None or pass_ is None or not ledger.passes[pass_.name].served:
+            raise RankFailedError(
+                f"{self.group} sent a {kind!r} record for pass {header.get('pass')!r} of "
+                f"mini-batch {header.get('mb')!r}, which is not being served"
+            )
+        if kind == "values":
+            self._store(ledger, pass_, int(header["index"]), record.arrays)
+        elif kind == "done":
+            self._done(ledger, pass_, {k: float(v[0]) for k, v in record.arrays.items()})
+        else:
+            raise RankFailedError(f"{self.group} sent a record of unknown kind {kind!r}")
+        core.lock.notify_all()
+
+    def _store(
+        self, ledger: MiniBatchLedger, pass_: Pass, index: int, arrays: Mapping[str, np.ndarray]
+    ) -> None:
+        """Write one micro-batch's outputs into the stored trajectories (packing undone)."""
+        core = self.core
+        expected = {o.name for o in pass_.writes}
+        if set(arrays) != expected:
+            raise RankFailedError(
+                f"{self.group} wrote back {sorted(arrays)} for pass {pass_.name!r}, which writes "
+                f"{sorted(expected)}"
+            )
+        consumer = next(c for c in ledger.plan.consumers if c.name == self.group)
+        micro_batch = consumer.micro_batches[index]
+        for name, rows in arrays.items():
+            for piece in micro_batch.unpack(rows):
+                core.store.write_ranges(piece.trajectory_id, name, piece.ranges, piece.rows)
+            ledger.passes[pass_.name].received[name].setdefault(self.group, set()).add(index)
+            core.ledger.counts["write_back_bytes"] += int(rows.nbytes)
+        core.ledger.counts["write_back_records"] += 1
+
+    def _done(self, ledger: MiniBatchLedger, pass_: Pass, figures: dict[str, float]) -> None:
+        """The group finished ``pass_``: check its outputs, note it, free what is done."""
+        core = self.core
+        lacking = {
+            o.name: indices
+            for o in pass_.writes
+            if (indices := ledger.lacking(o.name, pass_).get(self.group))
+        }
+        if lacking:
+            raise WriteBackMissingError(
+                f"{self.group} finished pass {pass_.name!r} of mini-batch {ledger.minibatch_id!r} "
+                f"without outputs for micro-batches {lacking}"
+            )
+        state = ledger.passes[pass_.name]
+        state.done.add(self.group)
+        state.figures[self.group] = figures
+        if ledger.consumed(pass_.name):
+            core.ledger.counts["passes_consumed"] += 1
+        if pass_ is core.passes[-1]:
+            self._release(ledger)
+
+    def _release(self, ledger: MiniBatchLedger) -> None:
+        """The group finished the last pass: free its units; after the last group, the rest of
+        the mini-batch's, and queue its figures for the observer."""
+        core = self.core
+        core.store.consumed(ledger.minibatch_id, self.group)
+        ledger.store_consumers.discard(self.group)
+        if not ledger.consumed(core.passes[-1].name):
+            return
+        for name in sorted(ledger.store_consumers):
+            core.store.consumed(ledger.minibatch_id, name)
+        ledger.store_consumers.clear()
+        del core.ledger.minibatches[ledger.minibatch_id]
+        core.ledger.released += 1
+        ranks = [f for p in ledger.passes.values() for f in p.figures.values()]
+        core.ledger.to_observe.append(
+            merge(
+                ledger.admission_figures,
+                core.parts_metrics(),
+                core.job_metrics(),
+                sum_over(ranks),
+            )
+        )

@@ -1,0 +1,81 @@
+"""What the driver's parts share: one lock, the store, the passes, the pool, the ledger, the failure."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import traceback
+from dataclasses import dataclass, field
+
+from knitkit.job.errors import DriverFailedError, JobError
+from knitkit.job.ledger import JobLedger
+from knitkit.job.passes import Pass, rollout_fields, written_by
+from knitkit.job.pool import ReorganizerPool
+from knitkit.job.records import RecordWriter
+from knitkit.metrics import merge
+from knitkit.storage import TrajectoryStore
+
+
+@dataclass(slots=True)
+class JobCore:
+    """The driver's shared state; every field is read and written under ``lock`` (see NOTE
+    [ Driver threads ] in driver.py), except the thread-safe ``stopping`` event."""
+
+    passes: tuple[Pass, ...]
+    store: TrajectoryStore
+    pool: ReorganizerPool
+    schedule: RecordWriter
+    """The driver -> ranks ring (the scheduler publishes; ``fail`` fails it for every rank)."""
+    lock: threading.Condition = field(
+        default_factory=lambda: threading.Condition(threading.RLock())
+    )
+    ledger: JobLedger = field(default_factory=JobLedger)
+    stopping: threading.Event = field(default_factory=threading.Event)
+    failure: BaseException | None = None
+    rollout: tuple[str, ...] = ()
+    """Fields the passes read that no pass writes: the trajectories bring them."""
+    writer_of: dict[str, Pass] = field(default_factory=dict)
+    """Written field -> the pass that writes it."""
+
+    def __post_init__(self) -> None:
+        self.rollout = rollout_fields(self.passes)
+        self.writer_of = written_by(self.passes)
+
+    def fail(self, error: BaseException) -> None:
+        """Record the first failure, wake every waiter, and fail the schedule so every rank
+        raises ``DriverFailedError`` with its message."""
+        with self.lock:
+            if self.failure is not None:
+                return
+            self.failure = error
+            self.lock.notify_all()
+        text = "".join(traceback.format_exception_only(type(error), error)).strip()
+        with contextlib.suppress(Exception):  # a closing ring: the failure is recorded anyway
+            self.schedule.fail(f"the driver failed: {text}")
+
+    def raise_failure(self) -> None:
+        """Raise the recorded failure: the job error itself, anything else wrapped."""
+        failure = self.failure
+        if failure is None:
+            return
+        if isinstance(failure, JobError):
+            raise failure
+        raise DriverFailedError(f"the driver failed: {failure!r}") from failure
+
+    def job_metrics(self) -> dict[str, float]:
+        """The driver's own figures (see ``Driver.metrics``)."""
+        counts = self.ledger.counts
+        return {
+            "knitkit/job/minibatches_admitted": float(len(self.ledger.order)),
+            "knitkit/job/minibatches_released": float(self.ledger.released),
+            "knitkit/job/passes_served": float(counts["passes_served"]),
+            "knitkit/job/passes_consumed": float(counts["passes_consumed"]),
+            "knitkit/job/write_back_records": float(counts["write_back_records"]),
+            "knitkit/job/write_back_bytes": float(counts["write_back_bytes"]),
+            "knitkit/job/pass_wait_s": self.ledger.wait_s,
+            "knitkit/job/trajectories_waiting": float(len(self.ledger.waiting)),
+        }
+
+    def parts_metrics(self) -> dict[str, float]:
+        """The store's and the reorganizers' figures."""
+        return merge(self.store.metrics(), self.pool.metrics())

@@ -1,0 +1,444 @@
+"""The driver: trajectories in, admitted mini-batches planned once and served pass by pass, write-backs stored."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from knitkit.admission import AdmissionController, Shortfall
+from knitkit.job.collect import Collector
+from knitkit.job.core import JobCore
+from knitkit.job.intake import Intake
+from knitkit.job.ledger import MiniBatchLedger, Progress
+from knitkit.job.passes import Pass, check_passes
+from knitkit.job.pool import ProcessPool, ReorganizerPool
+from knitkit.job.records import RecordWriter
+from knitkit.job.serving import IDLE_S, Scheduler
+from knitkit.job.spec import RankSpec, encoder_rank_name, group_name
+from knitkit.metrics import MetricsObserver, merge
+from knitkit.storage import (
+    EncoderTopology,
+    PlannerConfig,
+    RingSpec,
+    SharedMemoryBackend,
+    Topology,
+    Trajectory,
+    TrajectoryStore,
+)
+from knitkit.types import TrajectoryMeta
+
+# NOTE [ Driver threads ]:
+# Lifecycle table: docs/lifecycle.md. A driver runs one scheduler thread (``serving.py``) and one
+# collector thread per (DP, CP) group (``collect.py``); callers' threads only write trajectories
+# and read state. Every piece of state lives under ONE lock (``JobCore.lock``: the store and the
+# admission controller are not thread-safe):
+# - ``write`` (any caller thread) stores, reports, admits, plans and registers under the lock
+#   (``intake.py``): admission is irrevocable, so a mini-batch is planned once, at once, in
+#   admission order.
+# - The scheduler serves (mini-batch, pass) pairs strictly in order: it waits (condition
+#   variable, woken by collectors) until the pass's reads are produced, then, outside the lock,
+#   queues the pass's assignments on the reorganizers and publishes its schedule record. One
+#   thread doing both keeps every ring's order equal to the schedule's, which keeps every rank on
+#   the same pass of the same mini-batch (their collectives match). It also pushes released
+#   mini-batches' figures to the observer (one thread, steps in order) and checks the pool's
+#   health between waits.
+# - A collector drains its group's write-back ring, stores outputs and records pass ends. It
+#   never waits for the scheduler: a writer rank may run a whole pass ahead of it, and a full
+#   write-back ring and a full schedule ring must not wait for each other.
+# A failure anywhere is recorded once (``JobCore.fail``): every waiting call raises it, the
+# schedule ring fails with its message so every rank raises ``DriverFailedError``, and
+# ``close`` stops everything in a bounded time (``stop`` releases the scheduler from a full
+# ring, closing their consumers releases the collectors).
+
+
+class Driver:
+    """Owns the store, admission, the planner and the reorganizers of one job; serves its ranks.
+
+    Build with ``Driver.Config(...).build(admission=...)``; give each rank ``rank_spec()``.
+    ``write`` takes completed trajectories (thread-safe; ``RolloutWriter(driver)`` works), admits
+    mini-batches, plans each once for the backbone and encoder topologies, and a scheduler
+    thread serves every pass of each in order (see NOTE [ Driver threads ]). A mini-batch's
+    units are freed once every declared pass consumed it. ``produced`` / ``consumed`` answer
+    like TransferQueue's production and consumption status; ``progress``, ``metrics`` and the
+    ``observe`` hook give the run's figures.
+
+    Its state, for checkpoints: ``ledger(...)`` / the core's ``JobLedger`` (every unreleased
+    mini-batch: trajectories, registered plan, per pass served / groups done / outputs received /
+    figures, produced fields; the serving order; the waiting trajectories; counters), the
+    scheduler's cursor and the intake's field classification and open GRPO groups, next to
+    ``admission.state_dict()`` and ``store.state_dict()``.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """The job's shape and the driver's knobs; runtime objects are ``build`` arguments."""
+
+        passes: tuple[Pass, ...]
+        """The step's passes, in order (see ``Pass``)."""
+        topology: Topology
+        """The backbone's DP x CP x TP."""
+        encoders: tuple[EncoderTopology, ...] = ()
+        """At most one multimodal encoder, with its own topology."""
+        pipeline: int = 1
+        """Pipeline stages: every stage's TP ranks read their (DP, CP) group's ring."""
+        planner: PlannerConfig = field(default_factory=PlannerConfig)
+        """Budgets and balance; its ``token_fields`` / ``scalar_fields`` are replaced by the
+        passes' reads."""
+        max_minibatches: int | None = None
+        """Stop admitting after this many mini-batches (later trajectories are stored and
+        released at close); ``None``: admit as long as trajectories come."""
+        slot_bytes: int = 64 << 20
+        """Data rings: the largest packed micro-batch (or encoder micro-batch) must fit."""
+        num_slots: int = 2
+        """Data rings: micro-batches a reorganizer may publish ahead of its ranks."""
+        schedule_slot_bytes: int = 4 << 20
+        """Schedule ring: the largest mini-batch plan (JSON) must fit."""
+        schedule_slots: int = 4
+        """Schedule ring: passes the driver may publish ahead of the slowest rank."""
+        write_back_slot_bytes: int = 8 << 20
+        """Write-back rings: one micro-batch's outputs must fit."""
+        write_back_slots: int = 4
+        liveness_timeout_s: float = 30.0
+        """A producer (reorganizer, writer rank, the driver) silent this long counts as dead."""
+        wait_timeout_s: float = 600.0
+        """Default bound of every blocking call (``drain``, a rank's wait for its next pass)."""
+        pass_timeout_s: float = 1800.0
+        """How long the scheduler waits for the fields a pass reads before it fails with
+        ``WriteBackMissingError`` (a writer rank that stopped, or never started)."""
+        join_timeout_s: float = 10.0
+        """How long ``close`` waits for each thread and reorganizer."""
+
+        def build(
+            self,
+            *,
+            admission: AdmissionController,
+            store: TrajectoryStore | None = None,
+            pool: ReorganizerPool | None = None,
+            observe: MetricsObserver | None = None,
+        ) -> Driver:
+            """A running driver. ``store`` defaults to a fresh shared-memory store the driver
+            closes; ``pool`` to one reorganizer process per consumer group (on this node);
+            ``observe`` gets every released mini-batch's figures (step 1, 2, ...)."""
+            return Driver(self, admission=admission, store=store, pool=pool, observe=observe)
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        admission: AdmissionController,
+        store: TrajectoryStore | None = None,
+        pool: ReorganizerPool | None = None,
+        observe: MetricsObserver | None = None,
+    ) -> None:
+        self.config = config
+        passes = check_passes(config.passes)
+        _check_encoders(config, passes)
+        self.admission = admission
+        with contextlib.ExitStack() as undo:
+            self._owns_store = store is None
+            self.store = store if store is not None else TrajectoryStore(SharedMemoryBackend())
+            if self._owns_store:
+                undo.callback(self.store.close)
+            for output in (o for p in passes for o in p.writes):
+                self.store.declare_field(output.name, output.dtype, output.row_shape)
+            groups = _groups(config)
+            if pool is None:
+                pool = ProcessPool(
+                    self.store.backend,
+                    groups,
+                    num_slots=config.num_slots,
+                    slot_bytes=config.slot_bytes,
+                    join_timeout_s=config.join_timeout_s,
+                )
+                undo.callback(pool.close)
+            missing = sorted(set(groups) - set(pool.rings))
+            if missing:
+                raise ValueError(f"the reorganizer pool serves no rings for groups {missing}")
+            t = config.topology
+            # driver -> every rank (see NOTE [ Records over slot rings ] in records.py)
+            schedule = RecordWriter(
+                RingSpec.new(
+                    num_slots=config.schedule_slots,
+                    slot_bytes=config.schedule_slot_bytes,
+                    num_consumers=t.dp * t.cp * t.tp * config.pipeline,
+                ),
+                owns_ring=True,
+            )
+            undo.callback(schedule.close)
+            self._core = JobCore(passes, self.store, pool, schedule)
+            self._intake = Intake(
+                self._core,
+                admission,
+                t,
+                config.encoders,
+                config.planner,
+                config.max_minibatches,
+            )
+            self._scheduler = Scheduler(self._core, observe, pass_timeout_s=config.pass_timeout_s)
+            self._write_back = {
+                group_name(d, c): RingSpec.new(
+                    num_slots=config.write_back_slots,
+                    slot_bytes=config.write_back_slot_bytes,
+                    num_consumers=1,
+                )
+                for d in range(t.dp)
+                for c in range(t.cp)
+            }
+            self._collectors = [
+                Collector(self._core, name, spec, config.liveness_timeout_s)
+                for name, spec in self._write_back.items()
+            ]
+            self._closed = False
+            for thread in (self._scheduler.thread, *(c.thread for c in self._collectors)):
+                thread.start()
+            undo.pop_all()
+
+    @property
+    def passes(self) -> tuple[Pass, ...]:
+        return self._core.passes
+
+    @property
+    def pool(self) -> ReorganizerPool:
+        """The reorganizers (for monitoring, and for recovery: ``pool.replace(group)``)."""
+        return self._core.pool
+
+    # ----- writing ------------------------------------------------------------------------------
+    def write(self, trajectory: Trajectory) -> TrajectoryMeta:
+        """Store a completed trajectory, report it to admission, and admit (plan, register) every
+        mini-batch that becomes admissible; returns its metadata. Thread-safe.
+
+        The trajectory must carry every field a pass reads that no pass writes (``ValueError``
+        naming trajectory and field, nothing stored). Same signature as ``TrajectoryStore.write``,
+        so a rollout writer that takes a store (``RolloutWriter(driver)``) feeds the driver.
+        """
+        core = self._core
+        with core.lock:
+            self._check_open()
+            meta = self._intake.write(trajectory)
+            core.lock.notify_all()
+            return meta
+
+    def issued(self, rollout_step: int, count: int) -> None:
+        """Tell admission ``count`` more trajectories were issued in ``rollout_step``."""
+        with self._core.lock:
+            self.admission.issued(rollout_step, count)
+
+    def shortfall(self, in_flight: Mapping[str, int] | None = None) -> Shortfall:
+        """What the open train batch still lacks (``AdmissionController.shortfall``)."""
+        with self._core.lock:
+            return self.admission.shortfall(in_flight)
+
+    def finish(self) -> None:
+        """No more mini-batches: once every admitted one is served, ranks' ``passes()`` end."""
+        with self._core.lock:
+            self._scheduler.finishing = True
+            self._core.lock.notify_all()
+
+    # ----- what ranks need, and what the job did -------------------------------------------------
+    def rank_spec(self, **extra: object) -> RankSpec:
+        """What every rank needs (``RankHandle(spec, coords)``); ``extra`` travels with it."""
+        c = self.config
+        return RankSpec(
+            topology=c.topology,
+            pipeline=c.pipeline,
+            passes=self.passes,
+            encoders=c.encoders,
+            rings=dict(self._core.pool.rings),
+            schedule=self._core.schedule.spec,
+            write_back=dict(self._write_back),
+            liveness_timeout_s=c.liveness_timeout_s,
+            wait_timeout_s=c.wait_timeout_s,
+            extra=dict(extra),
+        )
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Wait until every admitted mini-batch is consumed by every pass, released and observed.
+
+        Raises the driver's failure, or ``TimeoutError`` after ``timeout_s`` (default
+        ``Config.wait_timeout_s``) naming what is still outstanding.
+        """
+        timeout = self.config.wait_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        core = self._core
+        with core.lock:
+            while True:
+                core.raise_failure()
+                ledger = core.ledger
+                if ledger.released == len(ledger.order) and ledger.observed == ledger.released:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"drain: {len(ledger.order) - ledger.released} mini-batches not "
+                        f"consumed after {timeout} s: {self._outstanding()}"
+                    )
+                core.lock.wait(min(left, IDLE_S))
+
+    def produced(self, minibatch_id: str, field: str) -> bool:
+        """Whether ``field`` is in the store for every trajectory of the admitted mini-batch
+        (rollout fields: from admission on; written fields: once every output arrived)."""
+        core = self._core
+        with core.lock:
+            core.ledger.position(minibatch_id)
+            if field not in core.rollout and field not in core.writer_of:
+                raise KeyError(f"no pass reads or writes field {field!r}")
+            ledger = core.ledger.minibatches.get(minibatch_id)
+            return ledger is None or field in core.rollout or field in ledger.produced
+
+    def consumed(self, minibatch_id: str, pass_name: str) -> bool:
+        """Whether every (DP, CP) group finished ``pass_name`` of the mini-batch."""
+        core = self._core
+        with core.lock:
+            self._pass(pass_name)
+            core.ledger.position(minibatch_id)
+            ledger = core.ledger.minibatches.get(minibatch_id)
+            return ledger is None or ledger.consumed(pass_name)
+
+    def consumers(self, minibatch_id: str, pass_name: str) -> tuple[str, ...]:
+        """The (DP, CP) groups that finished ``pass_name`` of an unreleased mini-batch."""
+        with self._core.lock:
+            self._pass(pass_name)
+            return tuple(sorted(self.ledger(minibatch_id).passes[pass_name].done))
+
+    def minibatches(self) -> tuple[str, ...]:
+        """Every admitted mini-batch's id (``tb<train batch>-mb<index>``), in serving order."""
+        with self._core.lock:
+            return tuple(self._core.ledger.order)
+
+    def ledger(self, minibatch_id: str) -> MiniBatchLedger:
+        """The live ledger of an unreleased mini-batch (it changes as the job goes on)."""
+        core = self._core
+        with core.lock:
+            core.ledger.position(minibatch_id)
+            try:
+                return core.ledger.minibatches[minibatch_id]
+            except KeyError:
+                raise KeyError(
+                    f"mini-batch {minibatch_id!r} is released (every pass consumed it)"
+                ) from None
+
+    def progress(self) -> Progress:
+        core = self._core
+        with core.lock:
+            ledger = core.ledger
+            live = ledger.minibatches.values()
+            served = {
+                p.name: ledger.released + sum(g.passes[p.name].served for g in live)
+                for p in self.passes
+            }
+            consumed = {
+                p.name: ledger.released + sum(g.consumed(p.name) for g in live) for p in self.passes
+            }
+            return Progress(
+                len(ledger.order),
+                ledger.released,
+                served,
+                consumed,
+                len(ledger.waiting),
+                self._scheduler.blocked,
+            )
+
+    def metrics(self) -> dict[str, float]:
+        """The run's figures: admission's, the store's, the reorganizers' and the driver's own
+        (``knitkit/job/...``; counters cumulative):
+
+        - ``minibatches_admitted``, ``minibatches_released``: mini-batches so far;
+        - ``passes_served``, ``passes_consumed``: (mini-batch, pass) pairs so far;
+        - ``write_back_records``, ``write_back_bytes``: outputs received from writer ranks;
+        - ``pass_wait_s``: seconds the scheduler waited for passes' reads to be produced;
+        - ``trajectories_waiting``: stored trajectories in no admitted mini-batch (now).
+        """
+        core = self._core
+        with core.lock:
+            return merge(self.admission.metrics(), core.parts_metrics(), core.job_metrics())
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that stopped the driver, if any."""
+        return self._core.failure
+
+    def close(self) -> None:
+        """Stop the threads, the reorganizers and the rings; free every unreleased trajectory;
+        close the store if the driver made it. Idempotent; each step bounded by
+        ``join_timeout_s``."""
+        core = self._core
+        with core.lock:
+            if self._closed:
+                return
+            self._closed = True
+            core.stopping.set()
+            core.lock.notify_all()
+        core.schedule.stop()
+        join = self.config.join_timeout_s
+        self._scheduler.thread.join(join)
+        for collector in self._collectors:
+            collector.close()
+        for collector in self._collectors:
+            collector.thread.join(join)
+        core.pool.close()
+        if not self._scheduler.finished:
+            reason = f": {core.failure}" if core.failure else ""
+            core.schedule.fail(f"the driver closed before serving everything{reason}")
+        core.schedule.close()
+        with core.lock:
+            for minibatch_id in list(core.ledger.minibatches):
+                self.store.abort(minibatch_id)
+            self.store.release(sorted(core.ledger.waiting))
+            core.ledger.minibatches.clear()
+            core.ledger.waiting.clear()
+        if self._owns_store:
+            self.store.close()
+
+    def __enter__(self) -> Driver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the driver is closed; build a new one")
+        self._core.raise_failure()
+
+    def _pass(self, name: str) -> Pass:
+        for p in self.passes:
+            if p.name == name:
+                return p
+        raise KeyError(f"no pass {name!r}; passes: {[p.name for p in self.passes]}")
+
+    def _outstanding(self) -> str:
+        parts = []
+        for ledger in list(self._core.ledger.minibatches.values())[:3]:
+            for p in self.passes:
+                state = ledger.passes[p.name]
+                left = sorted(set(ledger.groups) - state.done)
+                if left:
+                    served = "served" if state.served else "not served yet"
+                    parts.append(f"{ledger.minibatch_id}/{p.name} ({served}) waits for {left}")
+                    break
+        blocked = self._scheduler.blocked
+        return "; ".join(parts + ([blocked] if blocked else [])) or "observer calls pending"
+
+
+def _check_encoders(config: Driver.Config, passes: tuple[Pass, ...]) -> None:
+    if len(config.encoders) > 1:
+        raise ValueError(
+            f"Driver.Config.encoders has {len(config.encoders)} encoders; a job serves one "
+            "encoder ring per rank, give at most one"
+        )
+    if any(p.encodes for p in passes) and not config.encoders:
+        raise ValueError(
+            "a pass has encodes=True but Driver.Config.encoders is empty; give the encoder's "
+            "EncoderTopology, or set encodes=False"
+        )
+
+
+def _groups(config: Driver.Config) -> dict[str, int]:
+    """Every consumer group of the job with its ring's number of consumers."""
+    t = config.topology
+    groups = {group_name(d, c): t.tp * config.pipeline for d in range(t.dp) for c in range(t.cp)}
+    for encoder in config.encoders:
+        groups.update({encoder_rank_name(encoder.name, r): encoder.tp for r in range(encoder.dp)})
+    return groups

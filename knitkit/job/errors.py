@@ -1,0 +1,28 @@
+"""The job's errors: typed on both sides, each naming the mini-batch, pass, group or rank involved."""
+
+from __future__ import annotations
+
+
+class JobError(RuntimeError):
+    """Base of every error the driver or a rank handle raises about the job itself."""
+
+
+class DriverFailedError(JobError):
+    """The driver failed (ranks: its message; driver calls: wraps the first failure)."""
+
+
+class DriverDiedError(JobError):
+    """Ranks: the driver process is gone (or stopped making progress) before finishing."""
+
+
+class RankFailedError(JobError):
+    """Driver: a rank raised inside a pass (its traceback travels here) or its process died."""
+
+
+class ReorganizerFailedError(JobError):
+    """Driver: a reorganizer of the pool failed or died; names its consumer group."""
+
+
+class WriteBackMissingError(JobError):
+    """A pass's write-back is incomplete: a rank finished it without writing every micro-batch's
+    outputs, or the driver waited ``pass_timeout_s`` for fields a later pass reads."""

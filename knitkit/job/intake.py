@@ -1,0 +1,133 @@
+"""Trajectories in: store, report to admission, and plan every admitted mini-batch once."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+
+from knitkit.admission import AdmissionController
+from knitkit.job.core import JobCore
+from knitkit.job.ledger import new_ledger
+from knitkit.storage import EncoderTopology, PlannerConfig, Topology, Trajectory, plan_minibatch
+from knitkit.types import TrajectoryMeta
+
+
+class Intake:
+    """The driver's writing side (called under the core's lock): checks a trajectory against
+    the passes' reads, stores it, reports it, frees what admission will never admit, and plans
+    and registers each admitted mini-batch into the ledger, in admission order.
+
+    Holds the field classification (per-token or scalar, learnt from the first trajectory) and
+    the incomplete GRPO groups it mirrors from admission; the waiting trajectories are in the
+    ledger.
+    """
+
+    def __init__(
+        self,
+        core: JobCore,
+        admission: AdmissionController,
+        topology: Topology,
+        encoders: Sequence[EncoderTopology],
+        planner: PlannerConfig,
+        max_minibatches: int | None,
+    ) -> None:
+        self.core = core
+        self.admission = admission
+        self.topology, self.encoders, self.planner = topology, tuple(encoders), planner
+        self.max_minibatches = max_minibatches
+        self.token_fields: tuple[str, ...] | None = None
+        """Rollout fields stored per token (``None`` until the first trajectory)."""
+        self.scalar_fields: tuple[str, ...] = ()
+        self.groups_open: dict[tuple[str, str], list[TrajectoryMeta]] = {}
+        """Incomplete GRPO groups by (source, sample id), as admission keeps them."""
+
+    def write(self, trajectory: Trajectory) -> TrajectoryMeta:
+        self._classify(trajectory)
+        store, ledger = self.core.store, self.core.ledger
+        meta = store.write(trajectory)
+        try:
+            self.admission.report(meta)
+        except BaseException:
+            store.release([meta.trajectory_id])
+            raise
+        ledger.waiting.add(meta.trajectory_id)
+        self._drop_rejected(meta)
+        try:
+            self._admit()
+        except BaseException as error:  # admission is irrevocable: the job cannot go on
+            self.core.fail(error)
+            raise
+        return meta
+
+    def _classify(self, trajectory: Trajectory) -> None:
+        """Check the trajectory brings every rollout field, each per-token or scalar as before."""
+        rollout = self.core.rollout
+        token = tuple(f for f in rollout if f in trajectory.token_fields)
+        scalar = tuple(f for f in rollout if f in trajectory.scalars)
+        missing = [f for f in rollout if f not in token and f not in scalar]
+        if missing:
+            readers = {f: [p.name for p in self.core.passes if f in p.reads] for f in missing}
+            raise ValueError(
+                f"trajectory {trajectory.trajectory_id!r} has no field(s) {missing}, which "
+                f"passes read ({readers}) and no pass writes; write them with every trajectory"
+            )
+        if self.token_fields is None:
+            self.token_fields, self.scalar_fields = token, scalar
+        elif (token, scalar) != (self.token_fields, self.scalar_fields):
+            raise ValueError(
+                f"trajectory {trajectory.trajectory_id!r} carries per-token {list(token)} and "
+                f"scalar {list(scalar)}, but earlier trajectories carry per-token "
+                f"{list(self.token_fields)} and scalar {list(self.scalar_fields)}"
+            )
+
+    def _drop_rejected(self, meta: TrajectoryMeta) -> None:
+        """Free trajectories admission will never admit: rejected, with their GRPO group."""
+        size = self.admission.config.group_size
+        if size == 1:
+            group = [meta]
+        else:
+            group = self.groups_open.setdefault((meta.source, meta.sample_id), [])
+            group.append(meta)
+            if len(group) < size:
+                return
+            del self.groups_open[(meta.source, meta.sample_id)]
+        if not all(m.accepted for m in group):
+            ids = [m.trajectory_id for m in group]
+            self.core.store.release(ids)
+            self.core.ledger.waiting.difference_update(ids)
+
+    def _admit(self) -> None:
+        """Plan and register every mini-batch admission admits now (irrevocably: at once)."""
+        ledger = self.core.ledger
+        while self.max_minibatches is None or len(ledger.order) < self.max_minibatches:
+            admitted = self.admission.next_minibatch()
+            if admitted is None:
+                return
+            minibatch_id = f"tb{admitted.train_batch}-mb{admitted.index}"
+            plan = plan_minibatch(
+                admitted.trajectories, self.topology, self._planner(), self.encoders, minibatch_id
+            )
+            plan = self.core.store.register(plan)
+            sources = dict(Counter(m.source for m in admitted.trajectories))
+            ledger.minibatches[minibatch_id] = new_ledger(
+                minibatch_id,
+                admitted.train_batch,
+                admitted.index,
+                sources,
+                plan,
+                self.core.passes,
+                self.admission.metrics(),
+            )
+            ledger.order.append(minibatch_id)
+            ledger.waiting.difference_update(m.trajectory_id for m in admitted.trajectories)
+
+    def _planner(self) -> PlannerConfig:
+        """The planner config with every field some pass reads, per-token or scalar."""
+        reads = {f for p in self.core.passes for f in p.reads}
+        written = [o.name for p in self.core.passes for o in p.writes]
+        token = [f for f in (*(self.token_fields or ()), *written) if f in reads]
+        scalar = [f for f in self.scalar_fields if f in reads]
+        return dataclasses.replace(
+            self.planner, token_fields=tuple(token), scalar_fields=tuple(scalar)
+        )

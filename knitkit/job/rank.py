@@ -1,0 +1,257 @@
+"""The per-rank handle: the schedule, this rank's data and encoder rings, and its write-back ring."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from knitkit.encoder_dedup import RankRoute
+from knitkit.job.errors import DriverDiedError, DriverFailedError
+from knitkit.job.records import RecordReader, RecordWriter
+from knitkit.job.spec import RankCoords, RankSpec, encoder_rank_name, group_name
+from knitkit.job.work import PassWork, Route
+from knitkit.metrics import merge, sum_over
+from knitkit.microbatch_iter import MicroBatchIterator
+from knitkit.storage import (
+    MicroBatchConsumer,
+    MiniBatchPlan,
+    ReorganizerDiedError,
+    ReorganizerError,
+)
+from knitkit.types import UnitKey
+
+_ITERATOR_FIGURES = (
+    "knitkit/delivery/exposed_wait_s",
+    "knitkit/delivery/first_wait_s",
+    "knitkit/delivery/fetch_s",
+    "knitkit/delivery/stage_s",
+    "knitkit/delivery/micro_batches",
+    "knitkit/delivery/bytes",
+    "knitkit/delivery/h2d_s",
+)
+
+
+class Taken(Protocol):
+    """A bounded take from a ring consumer (``MicroBatchConsumer.take``): how many it handed out."""
+
+    taken: int
+
+
+class RankHandle:
+    """One training rank's handle on the job: ``for work in rank.passes():`` yields a
+    ``PassWork`` per (mini-batch, pass) in the driver's serving order, the same on every rank.
+
+    It attaches once: to the schedule (every rank), its (DP, CP) group's data ring (as consumer
+    ``stage * tp + tp``), its encoder rank's ring (if it encodes) and, on the group's writer
+    rank (TP 0, last stage), creates the write-back ring to the driver. Nothing else is needed
+    than the driver's ``RankSpec`` and where the rank sits (``RankCoords``).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """Prefetch settings of every pass's iterator; the device is a runtime argument."""
+
+        depth: int = 2
+        """Micro-batches staged ahead of the one the training loop holds."""
+        slot_nbytes: int = 0
+        """Bytes each staging slot gets at start-up (size it to the token budget)."""
+        next_timeout_s: float = 600.0
+        """Bound of one micro-batch's wait (a pass's data follows its schedule record)."""
+
+    def __init__(
+        self,
+        spec: RankSpec,
+        coords: RankCoords,
+        config: Config | None = None,
+        *,
+        device: torch.device | str | None = None,
+        route: Route | None = None,
+    ) -> None:
+        """``route(plan)`` gives this rank's dedup route for passes that encode
+        (``MegatronLayout.route``, or ``route_minibatch(...).for_rank(rank)``)."""
+        coords.check(spec)
+        self.spec, self.coords = spec, coords
+        self.config = config or RankHandle.Config()
+        self.device = device
+        self._route = route
+        self.writer = coords.is_writer(spec)
+        self._plans: dict[str, MiniBatchPlan] = {}
+        self._current: PassWork | None = None
+        self._totals: dict[str, float] = dict.fromkeys(_ITERATOR_FIGURES, 0.0)
+        self._closed = False
+        waits = {
+            "liveness_timeout_s": spec.liveness_timeout_s,
+            "wait_timeout_s": spec.wait_timeout_s,
+        }
+        group = group_name(coords.dp, coords.cp)
+        with contextlib.ExitStack() as stack:
+            self._schedule = RecordReader(spec.schedule, coords.rank, **waits)
+            stack.callback(self._schedule.close)
+            self._data = MicroBatchConsumer(spec.rings[group], coords.consumer_index(spec), **waits)
+            stack.callback(self._data.close)
+            self._units: MicroBatchConsumer | None = None
+            if coords.encoder_rank is not None:
+                name = encoder_rank_name(spec.encoders[0].name, coords.encoder_rank)
+                self._units = MicroBatchConsumer(spec.rings[name], coords.encoder_consumer, **waits)
+                stack.callback(self._units.close)
+            # the writer rank creates its write-back ring (see NOTE [ Records over slot rings ]
+            # in records.py): the driver's collector attaches once it exists
+            self._writeback = (
+                RecordWriter(spec.write_back[group], owns_ring=True) if self.writer else None
+            )
+            stack.pop_all()
+
+    def passes(self) -> Iterator[PassWork]:
+        """Every pass the driver serves, in order, until it finishes (see ``next_pass``)."""
+        while (work := self.next_pass()) is not None:
+            yield work
+
+    def next_pass(self, timeout_s: float | None = None) -> PassWork | None:
+        """The next (mini-batch, pass), or ``None`` once the driver finished; an unfinished
+        previous one is finished first (``done``). Waits at most ``timeout_s`` (default: the
+        spec's ``wait_timeout_s``); raises ``DriverFailedError`` / ``DriverDiedError``."""
+        if self._closed:
+            raise RuntimeError("the rank handle is closed")
+        if self._current is not None:
+            self._current.done()
+            self._current = None
+        try:
+            record = self._schedule.next(timeout_s)
+        except ReorganizerDiedError as error:
+            raise DriverDiedError(
+                f"rank {self.coords.rank}: the driver is gone ({error})"
+            ) from None
+        except ReorganizerError as error:
+            raise DriverFailedError(f"rank {self.coords.rank}: {error}") from None
+        if record is None:
+            return None
+        minibatch_id, name = str(record.header["mb"]), str(record.header["pass"])
+        if "plan" in record.arrays:
+            self._plans[minibatch_id] = MiniBatchPlan.from_json(
+                record.arrays["plan"].tobytes().decode()
+            )
+        pass_ = next(p for p in self.spec.passes if p.name == name)
+        plan = self._plans[minibatch_id]
+        if pass_ is self.spec.passes[-1]:
+            del self._plans[minibatch_id]
+        self._current = PassWork(self, minibatch_id, pass_, plan.with_fields(pass_.reads))
+        return self._current
+
+    def metrics(self) -> dict[str, float]:
+        """This rank's delivery figures, cumulative since it attached: its ring consumers'
+        (``knitkit/delivery/consumer_wait_s``, ``decode_s``, ``handed_out``, ...) and every
+        pass's prefetch iterator's, added up (``exposed_wait_s``, ``micro_batches``, ...)."""
+        consumers = [self._data.metrics()]
+        if self._units is not None:
+            consumers.append(self._units.metrics())
+        return merge(sum_over(consumers), self._totals)
+
+    def close(self) -> None:
+        """Finish nothing more: detach from every ring; the writer ends its write-back ring
+        (the driver's collector stops after its last record). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._writeback is not None:
+            self._writeback.finish()
+            self._writeback.close()
+        for consumer in (self._data, self._units):
+            if consumer is not None:
+                consumer.close()
+        self._schedule.close()
+
+    def __enter__(self) -> RankHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----- for PassWork --------------------------------------------------------------------------
+    def route_of(self, plan: MiniBatchPlan) -> RankRoute:
+        if self._route is None:
+            raise RuntimeError(
+                "this RankHandle has no route function; build it with route=... (e.g. "
+                "MegatronLayout.route) to run the encoder with dedup"
+            )
+        return self._route(plan)
+
+    def iterate(self, count: int) -> tuple[MicroBatchIterator, Taken]:
+        """A prefetch iterator over exactly ``count`` micro-batches of the data ring."""
+        take = self._data.take(count)
+        config = MicroBatchIterator.Config(
+            depth=self.config.depth,
+            slot_nbytes=self.config.slot_nbytes,
+            next_timeout_s=self.config.next_timeout_s,
+        )
+        return config.build(take, device=self.device), take
+
+    def read_encoder_inputs(self, work: PassWork) -> dict[UnitKey, torch.Tensor]:
+        """This rank's encoder micro-batches of ``work``, units copied out, leases released."""
+        count = work.encoder_micro_batches()
+        if count == 0 or self._units is None:
+            return {}
+        out: dict[UnitKey, torch.Tensor] = {}
+        for lease in self._units.take(count):
+            with lease:
+                for key, view in lease.layout.unit_views(lease.buffer).items():
+                    out[key] = torch.from_numpy(np.array(view)).to(self.device or "cpu")
+        return out
+
+    def end_pass(
+        self, work: PassWork, iterator: MicroBatchIterator | None, take: Taken | None
+    ) -> None:
+        """Close the pass's iterator (adding its figures up), then take and release whatever
+        of the pass the loop never read, so the rings stay in step with the schedule."""
+        taken_by_loop = work.num_micro_batches if iterator is None else 0
+        if iterator is not None:
+            figures = iterator.metrics()
+            taken_by_loop = iterator.stats.count
+            iterator.close()
+            for name in _ITERATOR_FIGURES:
+                self._totals[name] += figures[name]
+        left = work.num_micro_batches - (take.taken if take is not None else 0)
+        for lease in self._data.take(left):
+            lease.release()
+        if work.pass_.encodes:
+            work.encoder_inputs()  # unread units are read (and dropped): the ring moves on
+        if iterator is not None and taken_by_loop < work.num_micro_batches:
+            raise RuntimeError(
+                f"rank {self.coords.rank}: pass {work.pass_.name!r} of {work.minibatch_id!r} "
+                f"ended after {taken_by_loop} of its {work.num_micro_batches} micro-batches; "
+                "train every micro-batch of a pass (every rank runs the same schedule)"
+            )
+
+    def send(
+        self,
+        work: PassWork,
+        kind: str,
+        header: Mapping[str, str | int],
+        arrays: Mapping[str, np.ndarray],
+    ) -> None:
+        """One record to the driver (writer ranks)."""
+        if self._writeback is None:
+            return
+        full: dict[str, str | int] = {
+            "kind": kind,
+            "mb": work.minibatch_id,
+            "pass": work.pass_.name,
+            "rank": self.coords.rank,
+            **header,
+        }
+        try:
+            self._writeback.send(full, arrays)
+        except (RuntimeError, OSError) as error:
+            raise DriverDiedError(
+                f"rank {self.coords.rank}: cannot reach the driver ({error})"
+            ) from None
+
+    def abandon(self, work: PassWork, message: str) -> None:
+        """The pass raised: tell the driver (writer ranks), leave the rings as they are."""
+        if self._writeback is not None:
+            with contextlib.suppress(Exception):
+                self.send(work, "error", {"message": message[-3000:]}, {})

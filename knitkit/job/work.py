@@ -1,0 +1,195 @@
+"""One pass of one mini-batch on one rank: its plan, micro-batches, encoder inputs and write-back."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Mapping
+from functools import cached_property
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from knitkit.encoder_dedup import RankRoute
+from knitkit.job.errors import WriteBackMissingError
+from knitkit.job.passes import Pass
+from knitkit.microbatch_iter import MicroBatchIterator
+from knitkit.storage import ConsumerPlan, MiniBatchPlan
+from knitkit.types import UnitKey
+
+if TYPE_CHECKING:
+    from knitkit.job.rank import RankHandle, Taken
+
+Route = Callable[[MiniBatchPlan], RankRoute]
+"""Computes a rank's dedup route from a mini-batch plan (e.g. ``MegatronLayout.route``)."""
+
+
+class PassWork:
+    """What one rank does for one (mini-batch, pass): built by ``RankHandle.next_pass``.
+
+    Use it as a context manager (or call ``done()``): leaving it checks that every micro-batch
+    was taken and, on the group's writer rank, that every output was written back, then tells
+    the driver the pass is finished. An exception inside the block reaches the driver too
+    (writer ranks), so both sides fail with the rank's error.
+    """
+
+    def __init__(self, rank: RankHandle, minibatch_id: str, pass_: Pass, plan: MiniBatchPlan):
+        self.minibatch_id = minibatch_id
+        self.pass_ = pass_
+        self.plan = plan
+        """The mini-batch's one plan, restricted to this pass's fields."""
+        self._rank = rank
+        coords = rank.coords
+        self.consumer: ConsumerPlan = plan.consumer(coords.dp, coords.cp)
+        """This rank's (DP, CP) share, micro-batch by micro-batch."""
+        self._iterator: MicroBatchIterator | None = None
+        self._take: Taken | None = None
+        self._inputs: dict[UnitKey, torch.Tensor] | None = None
+        self._written: dict[int, set[str]] = {}
+        self._figures: dict[str, float] = {}
+        self.finished = False
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches of this pass on every rank (the same count on every DP rank)."""
+        return len(self.consumer.micro_batches)
+
+    @property
+    def forward_only(self) -> bool:
+        return self.pass_.forward_only
+
+    @cached_property
+    def route(self) -> RankRoute:
+        """This rank's encoder-dedup route for the mini-batch (``RankHandle(route=...)``)."""
+        return self._rank.route_of(self.plan)
+
+    def encoder_inputs(self) -> dict[UnitKey, torch.Tensor]:
+        """The unique multimodal units this rank encodes in this pass, by key, on the rank's
+        device (read from its encoder ring once per encoding pass; empty if it encodes none)."""
+        if self._inputs is None:
+            self._inputs = self._rank.read_encoder_inputs(self)
+        return self._inputs
+
+    def encoder_micro_batches(self) -> int:
+        """How many encoder micro-batches this rank's encoder ring carries for this pass."""
+        coords = self._rank.coords
+        if not self.pass_.encodes or coords.encoder_rank is None:
+            return 0
+        encoder = self._rank.spec.encoders[0].name
+        return len(self.plan.encoder(encoder).ranks[coords.encoder_rank].micro_batches)
+
+    def micro_batches(self) -> MicroBatchIterator:
+        """The pass's micro-batches, prefetched: exactly ``num_micro_batches`` from the rank's
+        ring (``MicroBatchIterator`` over ``take``), never one of the next pass. Once per pass."""
+        if self._iterator is not None:
+            raise RuntimeError(
+                f"pass {self.pass_.name!r} of {self.minibatch_id!r}: micro_batches() was already "
+                "called; iterate the one iterator it returned"
+            )
+        self._iterator, self._take = self._rank.iterate(self.num_micro_batches)
+        return self._iterator
+
+    def write_back(self, index: int, values: Mapping[str, torch.Tensor | np.ndarray]) -> None:
+        """Send micro-batch ``index``'s per-token outputs (one entry per field the pass writes):
+        packed and CP-local as the micro-batch came, ``[T, *row]`` or ``[1, T, *row]``, padding
+        included; cast to the declared dtype. Only the group's writer rank sends (TP rank 0 of
+        the last stage); on other ranks this does nothing."""
+        if not self._rank.writer:
+            return
+        writes = {o.name: o for o in self.pass_.writes}
+        if set(values) != set(writes):
+            raise ValueError(
+                f"pass {self.pass_.name!r} writes {sorted(writes)}; write_back got "
+                f"{sorted(values)} for micro-batch {index}"
+            )
+        if not 0 <= index < self.num_micro_batches:
+            raise IndexError(
+                f"micro-batch {index} outside pass {self.pass_.name!r}'s "
+                f"{self.num_micro_batches} micro-batches"
+            )
+        tokens = self.consumer.micro_batches[index].num_tokens
+        arrays = {}
+        for name, value in values.items():
+            output = writes[name]
+            rows = _rows(value, output.dtype)
+            if rows.ndim == len(output.row_shape) + 2 and rows.shape[0] == 1:
+                rows = rows[0]
+            if rows.shape != (tokens, *output.row_shape):
+                raise ValueError(
+                    f"pass {self.pass_.name!r}, micro-batch {index}, field {name!r}: got shape "
+                    f"{tuple(rows.shape)}, expected {(tokens, *output.row_shape)} (one row per "
+                    "packed token of this rank, padding included)"
+                )
+            arrays[name] = rows
+        if self.consumer.micro_batches[index].sequences:
+            self._rank.send(self, "values", {"index": index}, arrays)
+        self._written.setdefault(index, set()).update(arrays)
+
+    def report(self, figures: Mapping[str, float]) -> None:
+        """Figures (``knitkit/...`` names) to hand the driver with this pass's end (writer
+        ranks; the driver sums them over groups and passes for its observer)."""
+        self._figures.update({k: float(v) for k, v in figures.items()})
+
+    def done(self) -> None:
+        """Finish the pass: check the micro-batches and write-backs, release what is left,
+        tell the driver (a failed check reaches it as the rank's error). Idempotent."""
+        if self.finished:
+            return
+        self.finished = True
+        try:
+            self._rank.end_pass(self, self._iterator, self._take)
+            self._check_written()
+        except BaseException as error:
+            self._rank.abandon(self, f"{type(error).__name__}: {error}")
+            raise
+        figures = {k: np.array([v], np.float64) for k, v in self._figures.items()}
+        self._rank.send(self, "done", {}, figures)
+
+    def _check_written(self) -> None:
+        """On the writer rank: every micro-batch with tokens got every output of the pass."""
+        if not (self._rank.writer and self.pass_.writes):
+            return
+        lacking = {
+            o.name: [
+                mb.index
+                for mb in self.consumer.micro_batches
+                if mb.sequences and o.name not in self._written.get(mb.index, set())
+            ]
+            for o in self.pass_.writes
+        }
+        lacking = {name: v for name, v in lacking.items() if v}
+        if lacking:
+            raise WriteBackMissingError(
+                f"rank {self._rank.coords.rank} finished pass {self.pass_.name!r} of "
+                f"{self.minibatch_id!r} without writing back micro-batches {lacking}"
+            )
+
+    def __enter__(self) -> PassWork:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.done()
+            return
+        if not self.finished:
+            self.finished = True
+            if self._iterator is not None:
+                self._iterator.close()  # stop its prefetch thread; the rank is failing anyway
+            message = "".join(traceback.format_exception(exc_type, exc, tb))
+            self._rank.abandon(self, message)
+
+
+def _rows(value: torch.Tensor | np.ndarray, dtype: str) -> np.ndarray:
+    """``value`` as a host numpy array of ``dtype`` (bfloat16 tensors go through float32)."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if value.dtype == torch.bfloat16:
+            value = value.float()
+        value = value.cpu().numpy()
+    return np.ascontiguousarray(np.asarray(value).astype(dtype, copy=False))

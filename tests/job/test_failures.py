@@ -1,0 +1,202 @@
+"""Nothing hangs: write-back gaps, a dead reorganizer, rank or driver end in typed, named errors."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+from typing import Any
+
+import pytest
+from job_harness import (
+    Hold,
+    controller,
+    driver_config,
+    grid,
+    join,
+    run_ranks,
+    serve_driver,
+    trajectories,
+    wait_for,
+)
+
+from knitkit.job import (
+    DriverDiedError,
+    ProcessPool,
+    RankCoords,
+    RankFailedError,
+    RankHandle,
+    RankSpec,
+    ReorganizerFailedError,
+    WriteBackMissingError,
+)
+
+
+def test_a_missing_write_back_is_named_on_the_rank_and_the_driver() -> None:
+    """A writer rank that ends the forward-only pass without micro-batch 0's output raises
+    ``WriteBackMissingError`` naming the pass and micro-batch; the driver fails with the rank's
+    error (``RankFailedError``) instead of waiting for the field."""
+    data = trajectories(2, 2, seed=7)
+    with driver_config(1, 1, 1, 1).build(admission=controller(data, 2)) as driver:
+        threads, seen = run_ranks(driver.rank_spec(), grid(1, 1, 1, 1), skip_write=("tb0-mb0", 0))
+        for trajectory in data:
+            driver.write(trajectory)
+        with pytest.raises(
+            RankFailedError, match=r"WriteBackMissingError.*'old'.*\{'old_lp': \[0\]\}"
+        ):
+            driver.drain(60)
+        join(threads)
+    assert seen[0].error.startswith("WriteBackMissingError"), seen[0].error
+    assert "'old' of 'tb0-mb0'" in seen[0].error
+
+
+def test_the_driver_bounds_its_wait_for_a_pass_reads() -> None:
+    """A writer that stops sending (a stuck rank) fails the driver after ``pass_timeout_s`` with
+    ``WriteBackMissingError`` naming the mini-batch, pass, field and group; the rank, once it
+    moves again, learns the driver failed (typed) instead of waiting for work."""
+    data = trajectories(2, 2, seed=8)
+    hold = Hold("tb0-mb0", "old")
+    config = driver_config(1, 1, 1, 1, pass_timeout_s=1.0)
+    with config.build(admission=controller(data, 2)) as driver:
+        threads, seen = run_ranks(driver.rank_spec(), grid(1, 1, 1, 1), hold=hold)
+        for trajectory in data:
+            driver.write(trajectory)
+        with pytest.raises(
+            WriteBackMissingError,
+            match=r"tb0-mb0/train waits for old_lp from \['backbone/dp0/cp0'\].*pass_timeout_s",
+        ):
+            driver.drain(60)
+        hold.release.set()
+        join(threads)
+    assert seen[0].error.startswith("DriverFailedError"), seen[0].error
+    assert "WriteBackMissingError" in seen[0].error
+
+
+def test_a_dead_reorganizer_is_named_on_the_driver_and_typed_on_the_ranks() -> None:
+    """A reorganizer process killed mid-job: the driver fails with ``ReorganizerFailedError``
+    naming its group; every rank stops with a typed error (the dead ring's
+    ``ReorganizerDiedError``, or the driver's failure), none waits."""
+    data = trajectories(2, 2, seed=9)
+    with driver_config(2, 1, 1, 1).build(admission=controller(data, 2)) as driver:
+        threads, seen = run_ranks(driver.rank_spec(), grid(2, 1, 1, 1))
+        assert isinstance(driver.pool, ProcessPool)
+        os.kill(driver.pool.pids()["backbone/dp1/cp0"] or 0, signal.SIGKILL)
+        for trajectory in data:
+            try:
+                driver.write(trajectory)
+            except ReorganizerFailedError:
+                break
+        with pytest.raises(ReorganizerFailedError, match=r"backbone/dp1/cp0.*exited with code -9"):
+            driver.drain(60)
+        join(threads)
+    for s in seen:
+        assert s.error.startswith(("ReorganizerDiedError", "DriverFailedError")), s.error
+
+
+def test_a_dead_writer_rank_fails_the_driver_with_a_named_error() -> None:
+    """A writer rank's process SIGKILLed inside a pass: the driver's collector sees its
+    write-back ring's producer gone and fails with ``RankFailedError`` naming the group."""
+    data = trajectories(2, 2, seed=10)
+    ctx = mp.get_context("spawn")
+    with driver_config(1, 1, 1, 1, liveness_timeout_s=5.0).build(
+        admission=controller(data, 2)
+    ) as driver:
+        reached = ctx.Event()
+        rank = ctx.Process(
+            target=_held_rank, args=(driver.rank_spec().to_json(), reached), daemon=True
+        )
+        rank.start()
+        for trajectory in data:
+            driver.write(trajectory)
+        assert reached.wait(120), "the rank process did not take its first pass"
+        wait_for(lambda: "old_lp from" in driver.progress().blocked, what="waiting for old_lp")
+        os.kill(rank.pid or 0, signal.SIGKILL)
+        with pytest.raises(RankFailedError, match=r"writer rank of backbone/dp0/cp0 stopped"):
+            driver.drain(60)
+        rank.join(30)
+
+
+def _held_rank(spec_json: str, reached: Any) -> None:
+    """A rank that attaches, takes its first pass, says so, and never moves (until killed)."""
+    with RankHandle(RankSpec.from_json(spec_json), RankCoords(0, 0, encoder_rank=0)) as rank:
+        rank.next_pass()
+        reached.set()
+        threading.Event().wait(300)
+
+
+def test_ranks_raise_driver_died_when_the_driver_process_dies() -> None:
+    """The driver's process SIGKILLed while a rank waits for its next pass: the rank raises
+    ``DriverDiedError`` within the liveness bound instead of waiting for work."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    process = ctx.Process(target=serve_driver, args=(theirs,))  # it starts reorganizers
+    process.start()
+    try:
+        wait_for(lambda: ours.poll(0.2) or not process.is_alive(), 120, "driver started")
+        assert process.is_alive(), f"the driver process exited with {process.exitcode}"
+        spec = RankSpec.from_json(ours.recv_bytes().decode())
+        with RankHandle(spec, RankCoords(0, 0, encoder_rank=0)) as rank:
+            os.kill(process.pid or 0, signal.SIGKILL)
+            with pytest.raises(DriverDiedError, match="the driver is gone"):
+                rank.next_pass(timeout_s=60)
+    finally:
+        process.kill()
+        process.join(30)
+
+
+def test_a_pool_member_is_replaced_by_a_fresh_one_on_a_new_ring() -> None:
+    """The recovery hook issue 21 builds on: ``ProcessPool.replace(group)`` retires a dead
+    member and starts a fresh reorganizer on a new ring that serves re-submitted assignments
+    from the store; the pool's health check passes again and its byte counts keep the old
+    member's reads."""
+    from knitkit.storage import (
+        MicroBatchConsumer,
+        PlannerConfig,
+        SharedMemoryBackend,
+        Topology,
+        TrajectoryStore,
+        plan_minibatch,
+    )
+
+    store = TrajectoryStore(SharedMemoryBackend())
+    try:
+        for trajectory in trajectories(1, 2, seed=13):
+            store.write(trajectory)
+        config = PlannerConfig(token_fields=("tokens",), scalar_fields=())
+        plan = store.register(plan_minibatch(store.metas(), Topology(1), config, (), "m"))
+        pool = ProcessPool(store.backend, {"backbone/dp0/cp0": 1}, slot_bytes=1 << 20)
+        try:
+            old = pool.rings["backbone/dp0/cp0"]
+            pool.submit("backbone/dp0/cp0", "m", plan.consumers[0])
+            with MicroBatchConsumer(old, 0) as consumer:
+                for lease in consumer.take(plan.num_micro_batches):
+                    lease.release()
+            before = pool.metrics()["knitkit/delivery/reorganizer_bytes_read"]
+            os.kill(pool.pids()["backbone/dp0/cp0"] or 0, signal.SIGKILL)
+            wait_for(lambda: _fails(pool), what="the pool sees its member dead")
+            new = pool.replace("backbone/dp0/cp0")
+            assert new.name != old.name
+            pool.check()
+            pool.submit("backbone/dp0/cp0", "m", plan.consumers[0])  # re-served from the store
+            with MicroBatchConsumer(new, 0) as consumer:
+                leases = list(consumer.take(plan.num_micro_batches))
+                tokens = sum(int(lease.layout.extra["num_tokens"]) for lease in leases)
+                for lease in leases:
+                    lease.release()
+            assert tokens == sum(
+                s.num_tokens for mb in plan.consumers[0].micro_batches for s in mb.sequences
+            )
+            assert pool.metrics()["knitkit/delivery/reorganizer_bytes_read"] == 2 * before
+        finally:
+            pool.close()
+    finally:
+        store.close()
+
+
+def _fails(pool: ProcessPool) -> bool:
+    try:
+        pool.check()
+    except ReorganizerFailedError:
+        return True
+    return False

@@ -1,0 +1,75 @@
+"""The same Driver over Ray: ``RayDispatcher`` as its reorganizer pool, on a real local Ray cluster."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+from job_harness import controller, driver_config, grid, join, run_ranks, token_ids, trajectories
+
+from knitkit.job import ReorganizerFailedError
+from knitkit.storage import EncoderTopology, Topology, TrajectoryStore
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'knitkit[ray]')")
+
+from knitkit.integration.ray import RayBackend, RayDispatcher, RingConfig, start_ray  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    if ray.is_initialized():
+        ray.shutdown()
+    start_ray(num_cpus=2, logging_level="ERROR")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _pool(backend: RayBackend) -> RayDispatcher:
+    return RayDispatcher(
+        backend,
+        Topology(dp=2),
+        encoders=(EncoderTopology("vision", dp=1),),
+        ring=RingConfig(num_slots=2, slot_bytes=1 << 20),
+    )
+
+
+def test_ray_actors_serve_the_driver_like_processes(cluster: None) -> None:
+    """Ray actors as the pool, a RayBackend as the store: every token once per pass, the
+    forward-only outputs read back bit-identical, every unit freed; an actor killed mid-job
+    fails the driver with ``ReorganizerFailedError`` naming its group."""
+    backend = RayBackend()
+    try:
+        data = trajectories(2, 2, seed=12)
+        config = driver_config(2, 1, 1, 1)
+        store = TrajectoryStore(backend)
+        with config.build(
+            admission=controller(data, 2), store=store, pool=_pool(backend)
+        ) as driver:
+            threads, seen = run_ranks(driver.rank_spec(), grid(2, 1, 1, 1))
+            for trajectory in data:
+                driver.write(trajectory)
+            driver.finish()
+            driver.drain(120)
+            join(threads)
+            assert store.metrics()["knitkit/storage/units_live"] == 0
+        assert [s.error for s in seen if s.error] == []
+        assert [m for s in seen for m in s.mismatches] == []
+        for name in ("old", "train"):
+            got = Counter(
+                tok for s in seen for (_, p), toks in s.tokens.items() if p == name for tok in toks
+            )
+            assert got == Counter(tok for t in data for tok in token_ids(t)), name
+
+        store = TrajectoryStore(backend)
+        pool = _pool(backend)
+        with config.build(admission=controller(data, 2), store=store, pool=pool) as driver:
+            ray.kill(ray.get_actor(f"knitkit-reorganizer/{pool.rings['backbone/dp1/cp0'].name}"))
+            for trajectory in data:
+                driver.write(trajectory)
+            with pytest.raises(ReorganizerFailedError, match="backbone/dp1/cp0"):
+                driver.drain(60)
+    finally:
+        backend.close()
