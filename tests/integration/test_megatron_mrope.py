@@ -232,15 +232,6 @@ def _check(results: list[EquivalenceReport], tensor_parallel: int) -> None:
     assert report.units_without_dedup > report.units_with_dedup
 
 
-def _example(rank: int, steps: int) -> list[dict[str, float]]:
-    megatron_cpu.initialize_model_parallel(tensor_parallel=2)
-    megatron_cpu.install_schedule_shim()
-    try:
-        return user.train(steps=steps, use_te=False)
-    finally:
-        megatron_cpu.destroy_model_parallel()
-
-
 @pytest.fixture(scope="module")
 def world2() -> Iterator[World]:
     with World(2, timeout_s=300) as world:
@@ -276,13 +267,3 @@ def test_mrope_te_thd_matches_without_dedup_nccl(tp: int, cp: int) -> None:
         )
     with World(tp * cp, backend="nccl", timeout_s=600) as world:
         _check(world.run(_equivalence, tp, True, True, cp), tp)
-
-
-def test_mrope_example_trains_with_dedup(world2: World) -> None:
-    """examples/megatron_mrope.py at TP=2: the loss falls; each unique image encoded once per TP peer."""
-    history = world2.run(_example, 3)
-    assert history[0] == history[1], "TP ranks must agree on the reduced figures"
-    losses = [step["loss"] for step in history[0]]
-    assert losses[0] > losses[1] > losses[2], losses
-    unique = len({i.key for t in user.grpo_trajectories(0) for i in t.multimodal})
-    assert all(step["encoded_units"] == 2 * unique for step in history[0])

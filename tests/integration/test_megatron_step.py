@@ -174,15 +174,6 @@ def _mismatched_route(rank: int) -> str:
         megatron_cpu.destroy_model_parallel()
 
 
-def _example(rank: int, steps: int) -> list[dict[str, float]]:
-    megatron_cpu.initialize_model_parallel(tensor_parallel=2)
-    megatron_cpu.install_schedule_shim()
-    try:
-        return user.train(steps=steps)
-    finally:
-        megatron_cpu.destroy_model_parallel()
-
-
 def _layout(rank: int, tensor_parallel: int, context_parallel: int) -> dict[str, object]:
     """The layout read from parallel_state, and this CP rank's packed tokens vs megatron's CP split."""
     import numpy as np
@@ -378,16 +369,6 @@ def test_tp2_sharded_vision_transformer_sequence_parallel_nccl() -> None:
     """TP=2 on GPUs with NCCL: the sequence-parallel ViT equivalence as on CPU."""
     with World(2, backend="nccl", timeout_s=300) as world:
         _check(world.run(_equivalence, 2, True, True, 4, VIT_SP), 2, True, 4, VIT_BELOW_FLOOR)
-
-
-def test_example_trains_with_dedup(world2: World) -> None:
-    """examples/megatron_wrap.py at TP=2: the loss falls and each unique image is encoded once per step."""
-    history = world2.run(_example, 3)
-    assert history[0] == history[1], "TP ranks must agree on the reduced figures"
-    losses = [step["loss"] for step in history[0]]
-    assert losses[0] > losses[1] > losses[2], losses
-    unique = len({i.key for t in user.grpo_trajectories(0) for i in t.multimodal})
-    assert all(step["encoded_units"] == unique for step in history[0])
 
 
 @pytest.mark.parametrize(("tp", "cp"), [(2, 1), (1, 2)])
