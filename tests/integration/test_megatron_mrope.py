@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from dist import World
+from unwrapped_batches import with_images
 
 from knitkit.integration.megatron import cpu as megatron_cpu
 
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import megatron_mrope as user
 
-from knitkit.encoder_dedup import EquivalenceReport, feature_slices
+from knitkit.encoder_dedup import EquivalenceReport
 from knitkit.integration.megatron import (
     MROPE_FIELD,
     mrope_batch,
@@ -40,7 +41,6 @@ from knitkit.integration.megatron import (
 from knitkit.integration.megatron.testing import VLMUnderTest, check_equivalence
 from knitkit.storage import (
     MemoryBackend,
-    MicroBatchPlan,
     PlannerConfig,
     Topology,
     Trajectory,
@@ -49,7 +49,6 @@ from knitkit.storage import (
     plan_minibatch,
 )
 from knitkit.storage.planning import cp_chunks
-from knitkit.types import UnitKey
 
 RTOL, FLOOR = 1e-4, 1e-6
 STEPS, LR = 2, 0.5
@@ -171,17 +170,6 @@ def test_packed_mrope_positions_equal_reference_per_sequence(cp: int) -> None:
                     offset += seq.local_length
                     checked += 1
     assert checked == len(trajectories) * cp
-
-
-def with_images(
-    micro_batches: Sequence[MicroBatchPlan],
-    batches: Iterable[Mapping[str, object]],
-    load: Callable[[UnitKey], torch.Tensor],
-) -> Iterator[dict[str, object]]:
-    """The model without dedup: each batch carries the (unit, first row, end row) pieces it consumes."""
-    for batch, micro_batch in zip(batches, micro_batches, strict=True):
-        pieces = feature_slices(micro_batch)
-        yield dict(batch, images=[(load(s.key), s.start, s.stop) for s in pieces])
 
 
 def _equivalence(

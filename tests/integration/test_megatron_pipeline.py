@@ -19,20 +19,20 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from dist import World
+from unwrapped_batches import with_images
 
-from knitkit.encoder_dedup import EquivalenceReport, feature_slices
+from knitkit.encoder_dedup import EquivalenceReport
 from knitkit.integration.megatron import cpu as megatron_cpu
 from knitkit.integration.megatron import current_device
 from knitkit.integration.megatron.testing import VLMUnderTest, check_equivalence
-from knitkit.storage import MicroBatchPlan, PlannerConfig
-from knitkit.types import UnitKey
+from knitkit.storage import PlannerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -137,17 +137,6 @@ def build_pipelined_chunks(overlap_grad_reduce: bool, virtual: int | None = None
     config.no_sync_func = no_sync if virtual else no_sync[0]
     config.finalize_model_grads_func = finalize_model_grads
     return chunks
-
-
-def with_images(
-    micro_batches: Sequence[MicroBatchPlan],
-    batches: Iterable[Mapping[str, object]],
-    load: Callable[[UnitKey], torch.Tensor],
-) -> Iterator[dict[str, object]]:
-    """The unwrapped first stage's batches: each carries the image pieces it consumes."""
-    for batch, micro_batch in zip(batches, micro_batches, strict=True):
-        pieces = feature_slices(micro_batch)
-        yield dict(batch, images=[(load(s.key), s.start, s.stop) for s in pieces])
 
 
 def _equivalence(

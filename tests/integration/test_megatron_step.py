@@ -23,19 +23,18 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from dist import World
+from unwrapped_batches import with_images
 
-from knitkit.encoder_dedup import EquivalenceReport, feature_slices
+from knitkit.encoder_dedup import EquivalenceReport
 from knitkit.integration.megatron import cpu as megatron_cpu
 from knitkit.integration.megatron.testing import VLMUnderTest, check_equivalence
-from knitkit.storage import MicroBatchPlan
-from knitkit.types import UnitKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -43,17 +42,6 @@ import megatron_wrap as user
 
 RTOL, FLOOR = 1e-4, 1e-6
 STEPS, LR = 2, 0.5
-
-
-def with_images(
-    micro_batches: Sequence[MicroBatchPlan],
-    batches: Iterable[Mapping[str, object]],
-    load: Callable[[UnitKey], torch.Tensor],
-) -> Iterator[dict[str, object]]:
-    """The unwrapped user's batches: each carries the (image, first row, end row) pieces it consumes."""
-    for batch, micro_batch in zip(batches, micro_batches, strict=True):
-        pieces = feature_slices(micro_batch)
-        yield dict(batch, images=[(load(s.key), s.start, s.stop) for s in pieces])
 
 
 def _equivalence(
