@@ -2,28 +2,29 @@
 
 A ViT-style encoder (patch embedding, transformer layers, projector) and a causal transformer
 backbone train one GRPO mini-batch: ``samples`` prompts with one image each, ``n`` trajectories per
-prompt, shuffled into backbone micro-batches of ``micro`` trajectories.
+prompt, shuffled into backbone micro-batches of ``micro`` trajectories. Cases: ``n8`` and ``n16``
+(4 prompts, micro-batches of 4: as many unique images as a micro-batch has trajectories) and
+``grpo`` (16 prompts in groups of 8, micro-batches of 8 holding several images each).
 
 - dup: each micro-batch encodes its trajectories' images, runs the backbone, back-propagates
   through both (the encoder's backward is timed apart via a detached boundary; same math).
 - dedup: ``knitkit.encoder_dedup.DedupEncoder``: each unique image encoded once per mini-batch,
-  cached leaves per micro-batch, one deferred encoder backward.
+  cached leaves per micro-batch, one deferred encoder backward. Its encoder time holds all that
+  dedup adds: building the routing plan, each micro-batch's feature gather, the gradient hooks
+  at the leaves (``index_add_`` into the cache gradient) and the deferred backward.
 - forward-only (old / reference log-prob passes, no grad): dup encodes per micro-batch as above;
-  dedup is ``DedupEncoder.encode(keep_graph=False)``: unique images once, no graph, no backward.
+  dedup is ``DedupEncoder.encode(keep_graph=False)`` plus the routing plan and the gathers.
 
-The encoder sees batches of the same shape in both modes (``samples == micro``: dedup's one
-encoder micro-batch holds as many images as each of dup's), so the encoder ratio measures the
-work dedup removes, not how a smaller batch happens to run; that is also why ``--quick`` (smaller
-model, same shape rule) agrees with the full run.
+Dedup's encoder batches hold as many images as dup's (``micro``), so the encoder ratio measures
+the work dedup removes, not how a different batch size happens to run. ``--quick`` runs the same
+model and mini-batches with fewer repeats.
 
-Keys, for k in 8, 16:
-- ``n<k>.encoder_time_ratio``: dup / dedup encoder forward+backward seconds;
-- ``n<k>.forward_only_encoder_time_ratio``: dup / dedup encoder seconds of a forward-only pass
-  (target at least 0.75 k);
-- ``n<k>.step_time_ratio``: dup / dedup whole mini-batch step incl. AdamW (> 1: dedup is faster);
-- ``n<k>.peak_memory_ratio``: dedup / dup peak live tensor bytes;
-plus the raw seconds and MiB, and ``n<k>.unique_per_micro`` (unique images / trajectories per
-micro-batch). Every time is the median over interleaved repeats.
+Keys (``<case>`` = n8, n16, grpo): ``<case>.encoder_time_ratio`` (dup / dedup encoder seconds),
+``<case>.forward_only_encoder_time_ratio``, ``<case>.step_time_ratio`` (dup / dedup mini-batch
+step incl. AdamW), ``<case>.peak_memory_ratio`` (dedup / dup peak live tensor bytes), the raw
+seconds and MiB, ``<case>.unique_per_micro`` (unique images / trajectories per micro-batch) and
+``<case>.trajectories``; benchmarks/README.md has the contract. Every time is the median over
+interleaved repeats.
 
 Times are CPU seconds of the one thread that does all the work (``time.thread_time``, one torch
 thread), so other load on a shared machine does not inflate them; ``--wall`` uses wall time.
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -70,19 +72,44 @@ from knitkit.types import MultimodalRef, UnitKey
 
 @dataclass(frozen=True, slots=True)
 class Size:
-    """Model and mini-batch sizes of one run."""
+    """Model sizes and repeats of one run (``--quick``: the same model, fewer repeats)."""
 
     width: int
     patches: int
     text: int
     layers: int
-    samples: int
-    micro: int
     repeats: int
 
     @property
     def image_at(self) -> int:
         return 4
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """A GRPO mini-batch's shape: ``samples`` prompts with one image each, ``n`` trajectories per
+    prompt, shuffled into backbone micro-batches of ``micro`` trajectories."""
+
+    name: str
+    samples: int
+    n: int
+    micro: int
+
+    @property
+    def unique_per_micro(self) -> float:
+        """Unique images of the mini-batch per trajectory of a micro-batch: dedup keeps every
+        unique image's encoder graph, dup one micro-batch's images at a time."""
+        return self.samples / self.micro
+
+
+CASES = (
+    Case("n8", samples=4, n=8, micro=4),
+    Case("n16", samples=4, n=16, micro=4),
+    Case("grpo", samples=16, n=8, micro=8),
+)
+"""n8 / n16: as many unique images as a micro-batch has trajectories (dedup's encoder batch is
+dup's); grpo: groups of 8 over 16 prompts, several images per micro-batch, twice as many unique
+images as a micro-batch holds (dedup encodes them in batches of ``micro``, like dup)."""
 
 
 class ViT(nn.Module):
@@ -135,19 +162,21 @@ class MiniBatch:
     tokens: torch.Tensor
     micro_batches: list[list[int]]
     norm: float
+    encoder_batch: int
+    """Images per encoder call in dedup (dup encodes one micro-batch's images per call)."""
 
 
-def make_minibatch(size: Size, n: int) -> MiniBatch:
+def make_minibatch(size: Size, case: Case) -> MiniBatch:
     gen = torch.Generator().manual_seed(0)
     seq = size.image_at + size.patches + size.text
-    keys = [UnitKey(f"img{s:03d}", "image") for s in range(size.samples)]
+    keys = [UnitKey(f"img{s:03d}", "image") for s in range(case.samples)]
     images = {k: torch.randn(size.patches, 3 * 8 * 8, generator=gen) for k in keys}
-    refs = [MultimodalRef(k, size.image_at, size.patches) for k in keys for _ in range(n)]
+    refs = [MultimodalRef(k, size.image_at, size.patches) for k in keys for _ in range(case.n)]
     order = list(range(len(refs)))
     random.Random(0).shuffle(order)
-    micro = [order[i : i + size.micro] for i in range(0, len(order), size.micro)]
+    micro = [order[i : i + case.micro] for i in range(0, len(order), case.micro)]
     tokens = torch.randint(0, 512, (len(refs), seq), generator=gen)
-    return MiniBatch(images, refs, tokens, micro, float(len(refs) * seq))
+    return MiniBatch(images, refs, tokens, micro, float(len(refs) * seq), case.micro)
 
 
 _clock = time.thread_time
@@ -160,6 +189,19 @@ class Timing:
     step_s: float = 0.0
 
 
+def time_leaf_grad(leaf: torch.Tensor, timing: Timing) -> None:
+    """Count in ``timing.encoder_s`` the backbone backward's work at the feature leaf: from its
+    gradient arriving to the end of its post-accumulate hooks (the accumulation; for dedup also
+    the ``index_add_`` into the cache gradient, a hook registered before this one)."""
+    arrived: list[float] = []
+    leaf.register_hook(lambda grad: arrived.append(_clock()))
+
+    def done(_: torch.Tensor) -> None:
+        timing.encoder_s += _clock() - arrived.pop()
+
+    leaf.register_post_accumulate_grad_hook(done)
+
+
 def dup_step(enc: ViT, bb: Backbone, opt: torch.optim.Optimizer, mb: MiniBatch) -> Timing:
     """Every micro-batch encodes its own trajectories' images (the non-dedup baseline)."""
     t = Timing()
@@ -170,6 +212,7 @@ def dup_step(enc: ViT, bb: Backbone, opt: torch.optim.Optimizer, mb: MiniBatch) 
         out = enc(torch.stack([mb.images[mb.refs[i].key] for i in traj]))
         t.encoder_s += _clock() - t0
         leaf = out.detach().requires_grad_()
+        time_leaf_grad(leaf, t)
         bb(mb.tokens[traj], leaf, mb.norm).backward()
         t0 = _clock()
         out.backward(leaf.grad)
@@ -181,9 +224,11 @@ def dup_step(enc: ViT, bb: Backbone, opt: torch.optim.Optimizer, mb: MiniBatch) 
 
 
 def dedup_encoder(mb: MiniBatch, width: int) -> DedupEncoder:
-    """One rank's DedupEncoder for the mini-batch: every unique image encoded in one micro-batch."""
+    """One rank's DedupEncoder for the mini-batch: its routing plan built, every unique image
+    encoded once, in encoder micro-batches of ``mb.encoder_batch`` images."""
     keys = sorted(mb.images)
-    encoder = EncoderAssignment({0: [keys]}, {k: len(mb.images[k]) for k in keys})
+    batches = [keys[i : i + mb.encoder_batch] for i in range(0, len(keys), mb.encoder_batch)]
+    encoder = EncoderAssignment({0: batches}, {k: len(mb.images[k]) for k in keys})
     needs = [
         [s for i in traj for s in row_slices([mb.refs[i]], [(0, 1 << 30)])]
         for traj in mb.micro_batches
@@ -193,16 +238,21 @@ def dedup_encoder(mb: MiniBatch, width: int) -> DedupEncoder:
 
 
 def dedup_step(enc: ViT, bb: Backbone, opt: torch.optim.Optimizer, mb: MiniBatch) -> Timing:
-    """knitkit's DedupEncoder: unique images once, cached leaves, one deferred encoder backward."""
+    """knitkit's DedupEncoder: unique images once, cached leaves, one deferred encoder backward;
+    its encoder time holds everything dedup adds: the routing plan, the encoder, each micro-batch's
+    feature gather and the gradient hooks at the leaves, the deferred backward."""
     t = Timing()
     start = _clock()
     opt.zero_grad()
-    dedup = dedup_encoder(mb, bb.embed.embedding_dim)
     t0 = _clock()
+    dedup = dedup_encoder(mb, bb.embed.embedding_dim)
     dedup.encode(lambda ks: enc(torch.stack([mb.images[k] for k in ks])))
     t.encoder_s += _clock() - t0
     for micro, traj in enumerate(mb.micro_batches):
+        t0 = _clock()
         features = dedup.features(micro)
+        t.encoder_s += _clock() - t0
+        time_leaf_grad(features, t)
         bb(mb.tokens[traj], features, mb.norm).backward()
         del features
     t0 = _clock()
@@ -229,15 +279,18 @@ def dup_forward(enc: ViT, bb: Backbone, mb: MiniBatch) -> Timing:
 
 @torch.no_grad()
 def dedup_forward(enc: ViT, bb: Backbone, mb: MiniBatch) -> Timing:
-    """The same pass with ``DedupEncoder.encode(keep_graph=False)``: unique images once, no graph."""
+    """The same pass with ``DedupEncoder.encode(keep_graph=False)``: unique images once, no graph;
+    encoder time includes the routing plan and the feature gathers."""
     t = Timing()
     start = _clock()
     dedup = dedup_encoder(mb, bb.embed.embedding_dim)
-    t0 = _clock()
     dedup.encode(lambda ks: enc(torch.stack([mb.images[k] for k in ks])), keep_graph=False)
-    t.encoder_s += _clock() - t0
+    t.encoder_s += _clock() - start
     for micro, traj in enumerate(mb.micro_batches):
-        bb(mb.tokens[traj], dedup.features(micro), mb.norm)
+        t0 = _clock()
+        features = dedup.features(micro)
+        t.encoder_s += _clock() - t0
+        bb(mb.tokens[traj], features, mb.norm)
     t.step_s = _clock() - start
     return t
 
@@ -290,11 +343,12 @@ def peak_bytes(
     return tracker.peak
 
 
-def measure(size: Size, n: int) -> dict[str, float]:
+def measure(size: Size, case: Case) -> dict[str, float]:
+    """Medians over interleaved repeats of every mode's encoder and step time; peak memory."""
     torch.manual_seed(0)
     enc, bb = ViT(size), Backbone(size)
     opt = torch.optim.AdamW([*enc.parameters(), *bb.parameters()], lr=1e-4)
-    mb = make_minibatch(size, n)
+    mb = make_minibatch(size, case)
     for step in (dup_step, dedup_step):  # warm-up; also creates the optimizer states
         step(enc, bb, opt, mb)
     dup_forward(enc, bb, mb)
@@ -314,57 +368,63 @@ def measure(size: Size, n: int) -> dict[str, float]:
     }
     dup_peak = peak_bytes(dup_step, enc, bb, opt, mb)
     dedup_peak = peak_bytes(dedup_step, enc, bb, opt, mb)
+    k = case.name
     return {
-        f"n{n}.encoder_time_ratio": best["dup", "encoder_s"] / best["dedup", "encoder_s"],
-        f"n{n}.step_time_ratio": best["dup", "step_s"] / best["dedup", "step_s"],
-        f"n{n}.peak_memory_ratio": dedup_peak / dup_peak,
-        f"n{n}.forward_only_encoder_time_ratio": best["dup_fwd", "encoder_s"]
+        f"{k}.encoder_time_ratio": best["dup", "encoder_s"] / best["dedup", "encoder_s"],
+        f"{k}.step_time_ratio": best["dup", "step_s"] / best["dedup", "step_s"],
+        f"{k}.peak_memory_ratio": dedup_peak / dup_peak,
+        f"{k}.forward_only_encoder_time_ratio": best["dup_fwd", "encoder_s"]
         / best["dedup_fwd", "encoder_s"],
-        f"n{n}.dup.forward_only_encoder_s": best["dup_fwd", "encoder_s"],
-        f"n{n}.dedup.forward_only_encoder_s": best["dedup_fwd", "encoder_s"],
-        f"n{n}.dup.encoder_s": best["dup", "encoder_s"],
-        f"n{n}.dedup.encoder_s": best["dedup", "encoder_s"],
-        f"n{n}.dup.step_s": best["dup", "step_s"],
-        f"n{n}.dedup.step_s": best["dedup", "step_s"],
-        f"n{n}.dup.peak_mib": dup_peak / 2**20,
-        f"n{n}.dedup.peak_mib": dedup_peak / 2**20,
-        f"n{n}.unique_per_micro": size.samples / size.micro,
+        f"{k}.dup.forward_only_encoder_s": best["dup_fwd", "encoder_s"],
+        f"{k}.dedup.forward_only_encoder_s": best["dedup_fwd", "encoder_s"],
+        f"{k}.dup.encoder_s": best["dup", "encoder_s"],
+        f"{k}.dedup.encoder_s": best["dedup", "encoder_s"],
+        f"{k}.dup.step_s": best["dup", "step_s"],
+        f"{k}.dedup.step_s": best["dedup", "step_s"],
+        f"{k}.dup.peak_mib": dup_peak / 2**20,
+        f"{k}.dedup.peak_mib": dedup_peak / 2**20,
+        f"{k}.unique_per_micro": case.unique_per_micro,
+        f"{k}.trajectories": float(case.samples * case.n),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller sizes, under a minute")
+    parser.add_argument(
+        "--quick", action="store_true", help="the same mini-batches, 3 repeats instead of 7"
+    )
     parser.add_argument("--json", metavar="PATH", help="write the flat figures to PATH")
     parser.add_argument("--wall", action="store_true", help="time with wall clock, not thread CPU")
     args = parser.parse_args()
     if args.wall:
         global _clock
         _clock = time.perf_counter
-    if args.quick:
-        size = Size(width=128, patches=96, text=16, layers=2, samples=2, micro=2, repeats=5)
-    else:
-        size = Size(width=192, patches=128, text=64, layers=2, samples=4, micro=4, repeats=5)
+    size = Size(width=192, patches=128, text=64, layers=2, repeats=3 if args.quick else 7)
     # NOTE: one thread: on a shared 2-core machine, intra-op threads mostly add scheduling noise.
     torch.set_num_threads(1)
-    figures: dict[str, float] = {}
+    figures: dict[str, float] = {"loadavg_1m_at_start": os.getloadavg()[0]}
     print(f"{size}; clock: {'wall' if args.wall else 'thread CPU'} seconds")
-    header = "n    enc dup s  enc dedup s  enc ratio  fwd-only ratio  step dup s  step dedup s  step ratio  peak ratio (MiB)"
-    print(header)
-    for n in (8, 16):
-        f = measure(size, n)
+    print(
+        f"{'case':<5} {'enc dup s':>9} {'enc dedup s':>11} {'enc ratio':>9} {'fwd-only':>9} "
+        f"{'step dup s':>10} {'step dedup s':>12} {'step ratio':>10}  peak ratio (dedup/dup MiB)"
+    )
+    for case in CASES:
+        f = measure(size, case)
         figures.update(f)
+        k = case.name
         print(
-            f"{n:<4} {f[f'n{n}.dup.encoder_s']:9.3f}  {f[f'n{n}.dedup.encoder_s']:11.3f}  "
-            f"{f[f'n{n}.encoder_time_ratio']:9.2f}  "
-            f"{f[f'n{n}.forward_only_encoder_time_ratio']:14.2f}  {f[f'n{n}.dup.step_s']:10.3f}  "
-            f"{f[f'n{n}.dedup.step_s']:12.3f}  {f[f'n{n}.step_time_ratio']:10.2f}  "
-            f"{f[f'n{n}.peak_memory_ratio']:5.2f} ({f[f'n{n}.dedup.peak_mib']:.1f}/{f[f'n{n}.dup.peak_mib']:.1f})"
+            f"{k:<5} {f[f'{k}.dup.encoder_s']:9.3f} {f[f'{k}.dedup.encoder_s']:11.3f} "
+            f"{f[f'{k}.encoder_time_ratio']:9.2f} {f[f'{k}.forward_only_encoder_time_ratio']:9.2f} "
+            f"{f[f'{k}.dup.step_s']:10.3f} {f[f'{k}.dedup.step_s']:12.3f} "
+            f"{f[f'{k}.step_time_ratio']:10.2f}  {f[f'{k}.peak_memory_ratio']:.2f} "
+            f"({f[f'{k}.dedup.peak_mib']:.1f}/{f[f'{k}.dup.peak_mib']:.1f}; "
+            f"{f[f'{k}.unique_per_micro']:.0f} unique images per micro-batch of trajectories)"
         )
     print(
         f"target: n16.encoder_time_ratio and n16.forward_only_encoder_time_ratio >= {0.75 * 16:.0f}"
-        " (ideal 16); peak_memory_ratio <= 1"
+        " (ideal 16); peak_memory_ratio <= 1 while unique images per micro-batch <= 1"
     )
+    figures["loadavg_1m_at_end"] = os.getloadavg()[0]
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(figures, fh, indent=1, sort_keys=True)

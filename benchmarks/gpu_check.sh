@@ -3,8 +3,10 @@
 #   1. every test marked @pytest.mark.cuda under tests/ (all parts; `pytest -m cuda tests/`),
 #      the micro-batch iterator's first (tests/microbatch_iter: stream/event hand-off, device
 #      copies straight from a cudaHostRegister-ed /dev/shm ring), so their result stands apart;
-#   2. every GPU benchmark: benchmarks/prefetch.py --gpu (cuda.exposed_ratio,
-#      cuda.overhead_us_per_micro, in-place vs pinned-staging copies), and
+#   2. every GPU benchmark: benchmarks/prefetch.py --gpu (the iterator against
+#      DataLoader(num_workers=2, pin_memory=True) and a one-ahead thread, cold and warm:
+#      cuda.exposed_ratio, cuda.<method>.cold_first_wait_ms, cuda.overhead_us_per_micro,
+#      in-place vs pinned-staging copies), and
 #      benchmarks/encoder_dedup.py with its GPU flag when it has one.
 # Results (JSON, text logs, junit XML) land in ${OUT:-gpu-results}. Exits non-zero if CUDA is
 # absent, if no CUDA test is collected, or if any test or benchmark fails.

@@ -1,32 +1,24 @@
-"""Micro-batch prefetch: exposed data wait of eager fetching vs the MicroBatchIterator (paper Fig. 11b).
+"""Micro-batch prefetch: the MicroBatchIterator against a DataLoader with workers and a one-ahead thread (paper Fig. 11b).
 
-Each micro-batch is prepared by a stand-in reorganizer that packs slices of trajectories out
-of a /dev/shm trajectory store into a /dev/shm slot (real copies, topped up with a sleep to
-Y ms, the rest of a reorganizer's read latency). The training step is X ms of real matmuls.
+Each micro-batch is prepared by a stand-in reorganizer that packs slices of trajectories out of a
+/dev/shm trajectory store into a /dev/shm slot (real copies, topped up with a sleep to Y ms: the
+rest of a reorganizer's read latency). The training step's compute is a fixed number of matmuls
+(calibrated once to X ms on an idle core, then fixed: more load makes it slower, it never does
+less work) that also reads every field of the micro-batch. Methods, each over the same source:
 
-- eager: the mini-batch is materialized (every micro-batch prepared and copied out of its
-  slot) before computing; the whole preparation is exposed.
-- iter: MicroBatchIterator prefetches micro-batch i+1.. while micro-batch i computes.
+- iter: ``MicroBatchIterator(depth=2)`` (its one prefetch thread stages micro-batches ahead);
+  iter1: the same at depth 1;
+- thread: a careful user's one-ahead thread: it copies the next micro-batch into one of two
+  reused buffers (pinned on CUDA) while the loop computes on the current one;
+- dataloader: ``torch.utils.data.DataLoader(num_workers=2, pin_memory=True)`` over an
+  ``IterableDataset`` whose workers prepare alternate micro-batches (its default prefetch_factor
+  of 2 per worker: up to 4 ahead, more than the iterator's 2).
 
-Lead-in: a training loop does work before it asks for a step's first micro-batch (the
-previous step's optimizer update and logging). Both methods get the same lead-in, one step of
-compute (X ms), before their clock starts: the iterator is created before it and starts
-prefetching at construction, so its first micro-batch is staged meanwhile; eager fetches on
-demand and cannot use it. Every micro-batch's wait still counts, the first included; the
-cold start (no lead-in: the loop asks right after creating the iterator, so the first
-micro-batch's preparation is exposed and bounds the ratio at about 1 / n) is reported too.
-
-CPU keys: ``cpu.exposed_ratio`` (iterator wait / eager wait over the same micro-batches, with
-the lead-in; ``cpu.iter_first_wait_ms`` is the first micro-batch's wait), ``cpu.cold.*`` (the
-same without the lead-in), ``cpu.overhead_us_per_micro`` (median time inside next() when
-micro-batches are staged ahead: the iterator's own hand-over cost; the mean, which also carries
-scheduling stalls caused by other tenants, is ``cpu.overhead_mean_us_per_micro``).
-``--gpu`` adds the CUDA form: ``cuda.exposed_ratio`` (wall time beyond pure compute, iter /
-eager; device copies straight from the page-locked /dev/shm slots), ``cuda.staging.*`` (the
-same with ``register_host=False``: each slot copied into a pinned staging slot first),
-``cuda.cold.*``, ``cuda.overhead_us_per_micro``, ``cuda.stage_us_per_micro`` (the prefetch
-thread's time per micro-batch, staging copy included where there is one), and host-to-device
-GB/s of a raw pinned copy vs the iterator's copies (``cuda.{direct,staging}.h2d_gbps``).
+Every method runs cold (the loop asks for the first micro-batch right after creating its loader:
+the preparation of the first one is exposed; the headline) and warm (one training step of compute
+between creating the loader and asking: what a loop does before a step's first micro-batch), and
+an in-memory oracle runs the same compute over micro-batches already staged: a method's
+``wall_overhead`` is its step time over the oracle's, minus 1. Keys: benchmarks/README.md.
 
     python benchmarks/prefetch.py [--quick] [--gpu] [--threads N] [--json PATH]
 """
@@ -38,21 +30,28 @@ import contextlib
 import gc
 import json
 import os
+import queue
 import statistics
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from multiprocessing import shared_memory
 from threading import Semaphore
+from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from knitkit.microbatch_iter import MicroBatchIterator, PackedMicroBatch, field_tensors
 from knitkit.types import MicroBatchLayout
 
 MiB = 1 << 20
 TRAJECTORIES = 16
+METHODS = ("iter", "iter1", "thread", "dataloader")
+Tensors = Mapping[str, torch.Tensor]
 
 
 class ShmReorganizer:
@@ -79,9 +78,13 @@ class ShmReorganizer:
         self.free = Semaphore(self.slots)
 
     def __iter__(self) -> Iterator[PackedMicroBatch]:
+        return self.packed(range(self.n_micro))
+
+    def packed(self, indices: Iterable[int]) -> Iterator[PackedMicroBatch]:
+        """Micro-batches ``indices``, each a lease on its slot (slot ``i % 4``)."""
         store = self.store_layout.numpy_views(_buffer(self.store))
         quarter = self.tokens // 4
-        for i in range(self.n_micro):
+        for i in indices:
             start = time.perf_counter()
             self.free.acquire()
             offset = (i % self.slots) * self.layout.nbytes
@@ -116,100 +119,195 @@ def _buffer(segment: shared_memory.SharedMemory) -> memoryview:
     return segment.buf
 
 
-def calibrated_compute(ms: float, device: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A training step of ``ms`` of real matmuls that also reads the micro-batch's tokens.
+class Compute:
+    """One micro-batch's training compute: a fixed number of matmuls, calibrated once to ``ms``
+    (CPU: 128x128 fp32, timed on this thread's CPU clock; CUDA: 4096x4096 bf16, timed with
+    events), then reading every field of the micro-batch; ``.item()`` ends it (a loss.item())."""
 
-    On CPU the step runs 128x128 matmuls until ``ms`` of wall time has passed, so its length
-    holds on a loaded machine (the amount of work then varies). On GPU it runs a number of
-    4096x4096 bf16 matmuls calibrated once with events.
-    """
-    size = 128 if device == "cpu" else 4096
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    a = torch.randn(size, size, device=device, dtype=dtype) / size**0.5
+    def __init__(self, ms: float, device: str) -> None:
+        self.device = device
+        size = 128 if device == "cpu" else 4096
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        self.a = torch.randn(size, size, device=device, dtype=dtype) / size**0.5
+        self.reps = max(1, round(ms / self._ms_per_rep()))
 
-    def timed_step(tokens: torch.Tensor) -> torch.Tensor:
-        deadline = time.perf_counter() + ms / 1e3
-        x = a
-        while time.perf_counter() < deadline:
-            x = torch.tanh(a @ x)
-        return x[0, 0] + tokens[:8].sum()
+    def _ms_per_rep(self, probe: int = 50) -> float:
+        self._matmuls(probe)  # warm-up
+        if self.device == "cpu":
+            times = []
+            for _ in range(5):
+                began = time.thread_time()
+                self._matmuls(probe)
+                times.append((time.thread_time() - began) * 1e3 / probe)
+            return statistics.median(times)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self._matmuls(probe)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / probe
 
-    if device == "cpu":
-        return timed_step
-
-    def step(tokens: torch.Tensor, reps: int) -> torch.Tensor:
-        x = a
+    def _matmuls(self, reps: int) -> torch.Tensor:
+        x = self.a
         for _ in range(reps):
-            x = torch.tanh(a @ x)
-        return x[0, 0] + tokens[:8].sum()
+            x = torch.tanh(self.a @ x)
+        return x
 
-    probe = torch.zeros(8, dtype=torch.int32, device=device)
-    step(probe, 3)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    step(probe, 50)
-    end.record()
-    end.synchronize()
-    reps = max(1, round(ms / (start.elapsed_time(end) / 50)))
-    return lambda tokens: step(tokens, reps)
+    def __call__(self, tensors: Tensors) -> float:
+        out = self._matmuls(self.reps)[0, 0].float()
+        for tensor in tensors.values():
+            out = out + tensor.sum().float()
+        return out.item()
 
-
-def _sync(device: str) -> None:
-    if device != "cpu":
-        torch.cuda.synchronize()
+    def lead_in(self, tensors: Tensors) -> None:
+        """The loop's work before it asks for its first micro-batch: one step's compute."""
+        self(tensors)
 
 
-def lead_in(compute, device: str) -> None:
-    """The loop's work before it asks for its first micro-batch, the same for every method: one
-    training step's compute, standing for the previous step's optimizer update and logging."""
-    compute(torch.zeros(8, dtype=torch.int32, device=device)).item()
+class OneAheadThread:
+    """A careful user's prefetch: a thread copies the next micro-batch out of the source into one
+    of two reused buffers (pinned on CUDA) while the loop computes on the current one; the loop
+    copies a buffer to the device itself (non-blocking from pinned memory)."""
+
+    def __init__(self, source: ShmReorganizer, device: str) -> None:
+        pinned = device != "cpu"
+        self.layout, self.device = source.layout, device
+        self.buffers = [
+            torch.empty(source.layout.nbytes, dtype=torch.uint8, pin_memory=pinned) for _ in (0, 1)
+        ]
+        self.credits = Semaphore(2)  # a buffer each: the one the loop holds, the one ahead
+        self.ready: queue.SimpleQueue[torch.Tensor | BaseException | None] = queue.SimpleQueue()
+        self.holds = False
+        self.thread = threading.Thread(target=self._run, args=(source,), daemon=True)
+        self.thread.start()
+
+    def _run(self, source: ShmReorganizer) -> None:
+        try:
+            items = iter(source)
+            for i in range(source.n_micro):
+                self.credits.acquire()  # a free buffer: at most one ahead of the loop's
+                item = next(items)
+                buffer = self.buffers[i % 2]
+                np.copyto(buffer.numpy(), np.frombuffer(item.buffer, np.uint8))
+                item.release()
+                self.ready.put(buffer)
+        except BaseException as error:  # raised in the loop
+            self.ready.put(error)
+
+    def __next__(self) -> Tensors:
+        if self.holds:
+            self.credits.release()
+        item = self.ready.get(timeout=600)
+        if isinstance(item, BaseException):
+            raise item
+        assert item is not None
+        self.holds = True
+        return field_tensors(item.to(self.device, non_blocking=True), self.layout)
+
+    def close(self) -> None:
+        self.credits.release()
+        self.thread.join(timeout=60)
 
 
-def eager_run(source: ShmReorganizer, compute, device: str) -> tuple[float, float]:
-    """Materialize the whole mini-batch, then compute: returns (wait_s, wall_s).
+class SourceDataset(IterableDataset):
+    """The source's micro-batches for a DataLoader: worker k of m prepares micro-batches k, k + m,
+    ... (the loader hands them out in order, worker by worker), each copied out of its slot."""
 
-    The host buffers are allocated and touched before the clock starts, so eager pays for
-    preparation and copies only, not for page faults. The lead-in runs first; eager fetches on
-    demand, so it cannot use it.
-    """
-    buffers = [torch.zeros(source.layout.nbytes, dtype=torch.uint8) for _ in range(source.n_micro)]
-    lead_in(compute, device)
-    start = time.perf_counter()
-    staged = []
-    for item, flat in zip(source, buffers, strict=True):
-        np.copyto(flat.numpy(), np.frombuffer(item.buffer, np.uint8))
-        item.release()
-        staged.append(flat.to(device))
-    _sync(device)
-    wait = time.perf_counter() - start
-    for flat in staged:
-        compute(field_tensors(flat, source.layout)["tokens"]).item()
-    return wait, time.perf_counter() - start
+    def __init__(self, source: ShmReorganizer) -> None:
+        self.source = source
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for item in self.source.packed(range(worker, self.source.n_micro, workers)):
+            flat = torch.from_numpy(np.frombuffer(item.buffer, np.uint8).copy())
+            item.release()
+            yield flat
 
 
-def iter_run(source, compute, device: str, config: MicroBatchIterator.Config, *, lead: bool = True):
-    """Compute while the iterator prefetches: returns (stats, wall_s, per-micro-batch waits).
+class LoaderLoop:
+    """``DataLoader(num_workers=2, pin_memory=True)``: batches moved to the device in the loop."""
 
-    The iterator is created before the lead-in (it starts prefetching at construction, so the
-    first micro-batch is staged meanwhile); ``lead=False`` is a cold start: the loop asks for
-    the first micro-batch right after creating the iterator.
-    """
+    def __init__(self, source: ShmReorganizer, device: str) -> None:
+        self.layout, self.device = source.layout, device
+        with warnings.catch_warnings():  # a CPU-only build pins nothing and says so
+            warnings.filterwarnings("ignore", message=".*pin_memory.*")
+            loader = DataLoader(
+                SourceDataset(source), batch_size=None, num_workers=2, pin_memory=True
+            )
+            self.batches = iter(loader)
+
+    def __next__(self) -> Tensors:
+        flat = next(self.batches)
+        return field_tensors(flat.to(self.device, non_blocking=True), self.layout)
+
+    def close(self) -> None:
+        del self.batches  # shuts the workers down
+
+
+class IterLoop:
+    """The ``MicroBatchIterator`` over the source."""
+
+    def __init__(self, source: ShmReorganizer, device: str, config: MicroBatchIterator.Config):
+        self.it = MicroBatchIterator(source, config, device=device)
+
+    def __next__(self) -> Tensors:
+        return next(self.it).tensors
+
+    def close(self) -> None:
+        self.it.close()
+
+
+def open_loop(method: str, source: ShmReorganizer, device: str) -> Any:
+    """The method's loader over ``source``, prefetching from this moment."""
+    if method == "iter":
+        return IterLoop(source, device, MicroBatchIterator.Config(depth=2))
+    if method == "iter1":
+        return IterLoop(source, device, MicroBatchIterator.Config(depth=1))
+    if method == "iter_staging":  # CUDA: a pinned staging copy instead of the registered slot
+        return IterLoop(source, device, MicroBatchIterator.Config(depth=2, register_host=False))
+    if method == "thread":
+        return OneAheadThread(source, device)
+    if method == "dataloader":
+        return LoaderLoop(source, device)
+    raise ValueError(f"unknown method {method!r}")
+
+
+def run(
+    method: str, source: ShmReorganizer, compute: Compute, device: str, *, warm: bool
+) -> tuple[list[float], float]:
+    """One mini-batch through the method: (each micro-batch's wait in next(), wall time from the
+    first ask to the last compute). ``warm``: one step of compute between creating the loader
+    and asking (the loop's lead-in), else the loop asks at once (cold)."""
+    loop = open_loop(method, source, device)
     waits = []
-    with MicroBatchIterator(source, config, device=device) as it:
-        if lead:
-            lead_in(compute, device)
+    try:
+        if warm:
+            compute.lead_in(staged(source, device))
         start = time.perf_counter()
-        for mb in it:
-            waits.append(mb.stats.wait_s)
-            compute(mb["tokens"]).item()  # a loss.item() per step
-    return it.stats, time.perf_counter() - start, waits
+        for _ in range(source.n_micro):
+            asked = time.perf_counter()
+            tensors = next(loop)
+            waits.append(time.perf_counter() - asked)
+            compute(tensors)
+        wall = time.perf_counter() - start
+    finally:
+        loop.close()
+    return waits, wall
 
 
-def compute_only(n: int, compute, device: str) -> float:
-    tokens = torch.zeros(8, dtype=torch.int32, device=device)
+def staged(source: ShmReorganizer, device: str) -> Tensors:
+    """One micro-batch of the source's layout already on the device (the oracle's data)."""
+    flat = torch.zeros(source.layout.nbytes, dtype=torch.uint8, device=device)
+    return field_tensors(flat, source.layout)
+
+
+def oracle_wall(source: ShmReorganizer, compute: Compute, device: str) -> float:
+    """The same compute over micro-batches already staged on the device: no data path."""
+    tensors = staged(source, device)
     start = time.perf_counter()
-    for _ in range(n):
-        compute(tokens).item()
+    for _ in range(source.n_micro):
+        compute(tensors)
     return time.perf_counter() - start
 
 
@@ -220,53 +318,37 @@ def measure(
     compute_ms: float,
     prep_ms: float,
     repeats: int,
-    *,
-    cold: bool = False,
-    staging: bool = False,
+    methods: Iterable[str],
 ) -> dict[str, float]:
-    """Median over repeats of eager vs iterator waits for one (compute, preparation) setting.
-
-    ``cold`` adds ``cold.*``: the iterator without the lead-in (the loop asks for the first
-    micro-batch right after creating it). ``staging`` (CUDA) adds ``staging.*``: the iterator
-    with ``register_host=False``, i.e. each published slot copied into a pinned staging slot
-    before the device copy (the path before in-place registration).
-    """
-    compute = calibrated_compute(compute_ms, device)
-    rows = []
+    """Medians over interleaved repeats of every method, cold and warm, and of the oracle."""
+    compute = Compute(compute_ms, device)
+    rows: list[dict[str, float]] = []
     for _ in range(repeats):
         source = ShmReorganizer(n, tokens, prep_ms)
         try:
-            pure = compute_only(n, compute, device)
-            eager_wait, eager_wall = eager_run(source, compute, device)
-            row = {
-                "eager_wait_ms_per_micro": eager_wait / n * 1e3,
-                "compute_ms_per_micro": pure / n * 1e3,
-            }
-            variants = {"": (MicroBatchIterator.Config(depth=2), True)}
-            if cold:
-                variants["cold."] = (MicroBatchIterator.Config(depth=2), False)
-            if staging:
-                variants["staging."] = (
-                    MicroBatchIterator.Config(depth=2, register_host=False),
-                    True,
-                )
-            for prefix, (config, lead) in variants.items():
-                stats, iter_wall, _ = iter_run(source, compute, device, config, lead=lead)
+            pure = oracle_wall(source, compute, device)
+            row = {"oracle_ms_per_micro": pure / n * 1e3}
+            for method in methods:
+                cold, _ = run(method, source, compute, device, warm=False)
+                waits, wall = run(method, source, compute, device, warm=True)
                 row |= {
-                    f"{prefix}exposed_ratio": stats.wait_s / eager_wait,
-                    f"{prefix}steady_exposed_ratio": stats.steady_wait_s
-                    / (eager_wait * (n - 1) / n),
-                    f"{prefix}iter_wait_ms_per_micro": stats.wait_s / n * 1e3,
-                    # Without the lead-in, the first micro-batch has no compute to hide behind:
-                    # its wait bounds cold.exposed_ratio from below at about 1 / n.
-                    f"{prefix}iter_first_wait_ms": stats.first_wait_s * 1e3,
-                    f"{prefix}wall_exposed_ratio": (iter_wall - pure) / (eager_wall - pure),
-                    f"{prefix}stage_us_per_micro": stats.stage_s / n * 1e6,
+                    f"{method}.cold_first_wait_ms": cold[0] * 1e3,
+                    f"{method}.warm_first_wait_ms": waits[0] * 1e3,
+                    f"{method}.wait_ms_per_micro": statistics.fmean(waits) * 1e3,
+                    f"{method}.steady_wait_us_per_micro": statistics.fmean(waits[1:]) * 1e6,
+                    f"{method}.wall_overhead": wall / pure - 1,
                 }
         finally:
             source.close()
         rows.append(row)
-    return {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    out = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    for baseline, suffix in (("dataloader", ""), ("thread", ".thread")):
+        if baseline in methods:
+            iterator, other = out["iter.wait_ms_per_micro"], out[f"{baseline}.wait_ms_per_micro"]
+            out[f"exposed_ratio{suffix}"] = iterator / other
+            iterator, other = out["iter.cold_first_wait_ms"], out[f"{baseline}.cold_first_wait_ms"]
+            out[f"cold_first_wait_ratio{suffix}"] = iterator / other
+    return out
 
 
 def handover_overhead_us(device: str, n: int, tokens: int, compute_ms: float, repeats: int):
@@ -275,12 +357,12 @@ def handover_overhead_us(device: str, n: int, tokens: int, compute_ms: float, re
     The median is the iterator's own hand-over cost; the mean also carries the moments another
     tenant of the machine kept the prefetch thread off the CPU for a whole step.
     """
-    compute = calibrated_compute(compute_ms, device)
+    compute = Compute(compute_ms, device)
     waits: list[float] = []
     for _ in range(repeats):
         source = ShmReorganizer(n, tokens, prep_ms=0.0)
         try:
-            waits += iter_run(source, compute, device, MicroBatchIterator.Config(depth=2))[2][1:]
+            waits += run("iter", source, compute, device, warm=True)[0][1:]
         finally:
             source.close()
     return statistics.median(waits) * 1e6, statistics.fmean(waits) * 1e6
@@ -338,84 +420,47 @@ def cuda_bandwidth(quick: bool) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer micro-batches (< 1 min)")
+    parser.add_argument(
+        "--quick", action="store_true", help="the same mini-batches, 3 repeats instead of 7"
+    )
     parser.add_argument("--gpu", action="store_true", help="also measure on CUDA (fails without)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (compute)")
     parser.add_argument("--json", metavar="PATH", help="write the flat JSON figures here")
     args = parser.parse_args()
     if args.gpu and not torch.cuda.is_available():
         raise SystemExit("--gpu needs CUDA, but torch.cuda.is_available() is False on this machine")
-    # NOTE: one intra-op thread for compute leaves the second core to the prefetch thread.
+    # NOTE: one intra-op thread for compute leaves the second core to the helpers.
     torch.set_num_threads(args.threads)
-    n, repeats = (64, 3) if args.quick else (128, 5)
-    settings = [
-        (6.0, 4.0),
-        (6.0, 6.0),
-        (4.0, 6.0),
-    ]  # (compute ms, preparation ms); first = headline
+    n, repeats = 64, 3 if args.quick else 7
+    settings = [(6.0, 4.0), (6.0, 6.0), (4.0, 6.0)]  # (compute ms, preparation ms); first: headline
     figures: dict[str, float] = {"cpu.threads": float(args.threads), "cpu.n_micro": float(n)}
     figures["cpu.loadavg_1m_at_start"] = os.getloadavg()[0]  # other tenants of the machine
-    print(f"CPU: {n} micro-batches of 4096 tokens (0.8 MiB), median of {repeats} runs")
-    header = ("X ms", "X real", "Y ms", "eager wait", "iter wait", "ratio", "steady", "wall")
-    print("{:>6} {:>7} {:>5} {:>11} {:>10} {:>7} {:>7} {:>7}".format(*header))
+    print(f"CPU: {n} micro-batches of 4096 tokens (0.8 MiB) per mini-batch, median of {repeats}")
     for i, (x_ms, y_ms) in enumerate(settings):
-        row = measure("cpu", n, 4096, x_ms, y_ms, repeats, cold=i == 0)
+        row = measure("cpu", n, 4096, x_ms, y_ms, repeats, METHODS)
         tag = f"cpu.x{x_ms:g}_y{y_ms:g}"
         figures.update({f"{tag}.{key}": value for key, value in row.items()})
         if i == 0:
             figures.update({f"cpu.{key}": value for key, value in row.items()})
-        print(
-            f"{x_ms:6.1f} {row['compute_ms_per_micro']:7.2f} {y_ms:5.1f}"
-            f" {row['eager_wait_ms_per_micro']:9.2f}ms {row['iter_wait_ms_per_micro']:8.3f}ms"
-            f" {row['exposed_ratio']:7.3f} {row['steady_exposed_ratio']:7.3f}"
-            f" {row['wall_exposed_ratio']:7.3f}"
-        )
-    print(
-        "ratio = iterator wait / eager wait (first micro-batch included); steady = without the"
-        " first; wall = (wall - pure compute), iterator / eager"
-    )
-    print(
-        f"cold start (no lead-in): ratio {figures['cpu.cold.exposed_ratio']:.3f}, first wait"
-        f" {figures['cpu.cold.iter_first_wait_ms']:.2f} ms (with lead-in"
-        f" {figures['cpu.iter_first_wait_ms']:.3f} ms)"
-    )
+        print_setting(f"X {x_ms:g} ms compute, Y {y_ms:g} ms preparation", row, METHODS)
     median, mean = handover_overhead_us("cpu", n, 4096, 6.0, repeats)
     figures["cpu.overhead_us_per_micro"], figures["cpu.overhead_mean_us_per_micro"] = median, mean
     print(f"hand-over overhead per micro-batch: median {median:.1f} us, mean {mean:.1f} us")
     if args.gpu:
         figures.update(cuda_bandwidth(args.quick))
-        cuda = measure("cuda", n, 16384, 8.0, 4.0, repeats, cold=True, staging=True)
+        methods = (*METHODS, "iter_staging")
+        cuda = measure("cuda", n, 16384, 8.0, 4.0, repeats, methods)
         figures.update({f"cuda.{key}": value for key, value in cuda.items()})
-        # NOTE: on CUDA the compute stream may also wait on a copy's event, which no host-side
-        # wait shows: the headline is the wall time beyond pure compute, iter / eager.
-        for prefix in ("", "cold.", "staging."):
-            figures[f"cuda.{prefix}wait_exposed_ratio"] = cuda[f"{prefix}exposed_ratio"]
-            figures[f"cuda.{prefix}exposed_ratio"] = cuda[f"{prefix}wall_exposed_ratio"]
+        print_setting("CUDA: 16384 tokens (3.1 MiB), X 8 ms, Y 4 ms", cuda, methods)
         median, mean = handover_overhead_us("cuda", n, 16384, 8.0, repeats)
-        figures["cuda.overhead_us_per_micro"], figures["cuda.overhead_mean_us_per_micro"] = (
-            median,
-            mean,
-        )
+        figures["cuda.overhead_us_per_micro"] = median
+        figures["cuda.overhead_mean_us_per_micro"] = mean
         print(
             f"CUDA H2D: raw {figures['cuda.raw_h2d_gbps']:.1f} GB/s; from the registered slot"
             f" {figures['cuda.direct.h2d_gbps']:.1f} GB/s"
             f" ({figures['cuda.direct.h2d_fraction_of_raw']:.2f}), through a staging slot"
             f" {figures['cuda.staging.h2d_gbps']:.1f} GB/s"
-            f" ({figures['cuda.staging.h2d_fraction_of_raw']:.2f}); delivery"
-            f" {figures['cuda.direct.delivery_gbps']:.1f} vs"
-            f" {figures['cuda.staging.delivery_gbps']:.1f} GB/s"
-        )
-        print(
-            f"CUDA: {n} micro-batches of 16384 tokens (3.1 MiB), X 8 ms (real"
-            f" {cuda['compute_ms_per_micro']:.2f}), Y 4 ms: eager wait"
-            f" {cuda['eager_wait_ms_per_micro']:.2f} ms, iter wait"
-            f" {cuda['iter_wait_ms_per_micro']:.3f} ms per micro-batch; exposed ratio (wall)"
-            f" {figures['cuda.exposed_ratio']:.3f} (staging copy"
-            f" {figures['cuda.staging.exposed_ratio']:.3f}, cold start"
-            f" {figures['cuda.cold.exposed_ratio']:.3f}); thread stage time"
-            f" {cuda['stage_us_per_micro']:.0f} us (staging copy"
-            f" {cuda['staging.stage_us_per_micro']:.0f} us); hand-over"
-            f" {figures['cuda.overhead_us_per_micro']:.1f} us"
+            f" ({figures['cuda.staging.h2d_fraction_of_raw']:.2f}); hand-over {median:.1f} us"
         )
     figures["cpu.loadavg_1m_at_end"] = os.getloadavg()[0]
     print(
@@ -426,6 +471,26 @@ def main() -> int:
         with open(args.json, "w") as out:
             json.dump(figures, out, indent=1, sort_keys=True)
     return 0
+
+
+def print_setting(title: str, row: Mapping[str, float], methods: Iterable[str]) -> None:
+    print(f"{title}; oracle (data in memory) {row['oracle_ms_per_micro']:.2f} ms per micro-batch")
+    print(
+        f"{'method':<14}{'cold first ms':>14}{'warm first ms':>14}{'steady wait us':>16}"
+        f"{'wall overhead':>15}"
+    )
+    for method in methods:
+        print(
+            f"{method:<14}{row[f'{method}.cold_first_wait_ms']:>14.2f}"
+            f"{row[f'{method}.warm_first_wait_ms']:>14.2f}"
+            f"{row[f'{method}.steady_wait_us_per_micro']:>16.1f}"
+            f"{row[f'{method}.wall_overhead']:>15.1%}"
+        )
+    print(
+        f"iterator wait / DataLoader wait {row['exposed_ratio']:.3f} (cold first micro-batch"
+        f" {row['cold_first_wait_ratio']:.3f}); / one-ahead thread {row['exposed_ratio.thread']:.3f}"
+        f" (cold first {row['cold_first_wait_ratio.thread']:.3f})"
+    )
 
 
 if __name__ == "__main__":

@@ -1,27 +1,22 @@
-"""Transfer benchmark: knitkit vs sample-level vs TransferQueue delivery to real consumer processes.
+"""Transfer benchmark: knitkit vs sample-level vs TransferQueue delivering packed micro-batches to real rank processes.
 
-A DP2 x CP2 x TP2 backbone (8 consumer processes) plus a DP2 vision encoder train several
-mini-batches of GRPO groups of 8 trajectories with MoE routing fields ([seq, layers, top-k]) and
-one image per group. Every method runs in two regimes (see benchmarks/README.md):
+A DP2 x CP2 x TP2 backbone (8 rank processes) and a DP2 vision encoder train mini-batches of GRPO
+groups of 8 trajectories (MoE routing ``[seq, layers, top-8]``, log-probs, masks, a reward, one
+image per group). Every method runs three regimes on the same steps, each step ending in a barrier
+of all ranks (the optimizer step's synchronisation):
 
-- eager: no compute to hide behind; a step starts when every rank is at a barrier, and its
-  exposed time is how long the slowest rank waits for its data (all work counted where it
-  happens: in the rank, or in helpers the rank waits for);
-- lookahead: each rank "computes" every micro-batch (a sleep: GPU time costs no host CPU) and
-  every method gets the same look-ahead depth of micro-batches: knitkit its reorganizers' rings,
-  sample-level a prefetch thread, TransferQueue its own StreamingDataLoader worker.
+- eager: no compute, no look-ahead across the step's start; the figure is how long the slowest
+  rank waits for its step's data (knitkit's planning included: the driver plans at the step's
+  start);
+- lookahead / lookahead2: every rank runs the same fixed matmul work per step on its own thread
+  (NOTE [ Compute that competes ]) and every method may prepare exactly 1 / 2 micro-batches of
+  the same token budget ahead (NOTE [ Equal look-ahead ]); the step's wall time is compared with
+  an oracle whose micro-batches are already in each rank's memory.
 
-Keys: ``<regime>.<method>.exposed_s_per_step`` (median over steps of the slowest rank's wait),
-``<method>.cpu_s_per_step`` (CPU seconds of every process involved: ranks, reorganizers, Ray and
-TQ actors, loader workers; both regimes), ``<method>.bytes_read_ratio`` (bytes read / bytes the
-step consumes, images counted once; ``.fields`` and ``.image`` per field kind),
-``knitkit.delivered_fraction_of_memcpy`` (bytes a rank consumes per second of plan + read + pack
-work / single-thread memcpy bandwidth; ``.cold`` with the units streaming from DRAM),
-``sliced_read.<backend>.fraction_of_ceiling`` (memory and shm: memcpy; disk: raw ``preadv`` of the same ranges from the page cache, and
-``disk_cold`` after ``posix_fadvise(DONTNEED)``; Mooncake: whole-unit reads of the same bytes over
-its transport), ``planner_ms`` and ``planner_ms.dp128_16k`` (median wall time of ``plan_minibatch``
-over 15 calls, timed first, in a fresh spawned process, garbage collector on, each call with the
-collection it leaves due). Every timing is a median.
+CPU seconds of every process a method runs (driver, ranks with their loader workers, knitkit's
+reorganizers, Ray and TransferQueue's services) are read from per-process CPU clocks (NOTE
+[ Process CPU clocks ]), the ranks' compute excluded. benchmarks/README.md states the contract:
+what each method does, what is counted, every key.
 
     python benchmarks/transfer.py [--quick] [--json PATH] [--skip-tq] [--skip-engines]
 """
@@ -33,6 +28,7 @@ import glob
 import json
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import statistics
 import sys
@@ -40,21 +36,26 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
-from functools import partial
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import psutil
+import torch
 
 from knitkit.integration.sliced_read import time_ratio
+from knitkit.microbatch_iter import MicroBatchIterator
 from knitkit.storage import (
     EncoderRankPlan,
     EncoderTopology,
+    MicroBatchConsumer,
     MiniBatchPlan,
     PlannerConfig,
+    ReorganizerProcess,
+    RingSpec,
     SharedMemoryBackend,
     Topology,
+    Trajectory,
     TrajectoryStore,
     UnitBackend,
     plan_minibatch,
@@ -70,69 +71,147 @@ from knitkit.storage.baselines import (
     share_reads,
     synthetic_trajectories,
 )
-from knitkit.storage.delivery import (
-    MicroBatchConsumer,
-    ReorganizerHost,
-    ReorganizerProcess,
-    RingSpec,
-)
-from knitkit.storage.planning import pack_layout
+from knitkit.storage.delivery import ReorganizerHost
+from knitkit.storage.planning import pack_layout, padded_lengths
 from knitkit.types import UnitKey
 
 FIELDS = ("tokens", "logprobs", "loss_mask", "routing", "topp_mask")
 SCALARS = ("reward",)
 TOPOLOGY = Topology(dp=2, cp=2, tp=2)
 ENCODER = EncoderTopology("vision", dp=2)
+RANKS = tuple(RankPosition(d, c, t) for d in range(2) for c in range(2) for t in range(2))
 METHODS = ("knitkit", "sample_level", "transferqueue")
-REGIMES = ("eager", "lookahead")
-DEPTH = 2
-"""Look-ahead depth in micro-batches, the same for every method (knitkit: ring slots)."""
+ORACLE = "oracle"
+REGIMES = ("eager", "lookahead", "lookahead2")
+DEPTH = {"eager": 1, "lookahead": 1, "lookahead2": 2}
+"""Micro-batches each method may prepare ahead of the one a rank computes on (NOTE [ Equal
+look-ahead ]); eager has no compute, and no method starts a step's work before the step."""
+WARMUP_STEPS = 1
+"""Steps each phase runs before the measured ones (NOTE [ Warm-up step ])."""
 TQ_PARTITION = "transfer-bench"
 TQ_IMAGE = "image"
+BARRIER_TIMEOUT_S = 900.0
+
+# NOTE [ Equal look-ahead ]
+#
+# In the look-ahead regimes every method may have exactly DEPTH[regime] micro-batches of the same
+# token budget (the planner's ``max_tokens_per_micro_batch`` of one CP rank's padded tokens)
+# prepared beyond the one a rank computes on, and no more, across step boundaries too:
+# - knitkit: one MicroBatchIterator(depth=D) per rank for the whole phase, over its consumer's
+#   take() of every micro-batch of the phase, on a ring of D + 1 slots (the held micro-batch and
+#   D ahead; the CPU hand-off is zero-copy, so staged micro-batches hold their ring slots and the
+#   reorganizer cannot run further ahead). The driver submits step s + 1 at the start of step s.
+# - sample_level: one thread per rank reads the step's share, shares the images and packs micro-
+#   batch by micro-batch into D + 1 reused buffers, taking a buffer's credit before each; the loop
+#   hands its buffer's credit back when it asks for the next micro-batch (so D are ahead of it).
+# - transferqueue: its StreamingDataLoader with one worker and prefetch_factor=D (the loader keeps
+#   D requests in flight beyond the micro-batch the loop holds); the worker fetches the DP rank's
+#   rows and, in TQ's process_batch_fn and collate_fn, splits them into micro-batches of the same
+#   token budget and packs this rank's CP share, so packing happens in the worker, not the loop.
+# Eager: knitkit's iterator at depth 1 over a 2-slot ring, sample-level inline, TQ without
+# workers; the driver submits knitkit's step at the step's start, after planning it.
+
+# NOTE [ Compute that competes ]
+#
+# A step's compute is a fixed number of fp32 matmuls (Sizes.matmuls_per_step of size x size) on
+# the rank's own thread (one torch thread), split over the rank's micro-batches of the step, plus
+# one read of every byte of each micro-batch (standing for its host-to-device copy). It is fixed
+# work, not a sleep or a wall-clock deadline: helper threads and helper processes take cores from
+# it, so their cost shows in the step's wall time. The same work runs in the oracle, whose
+# micro-batches are already packed in the rank's private memory: a method's step-wall overhead is
+# its step time over the oracle's, minus 1. The thread CPU time of the compute is measured and
+# taken out of the CPU figures, so those count only the data path.
+
+# NOTE [ Warm-up step ]
+#
+# Every phase runs one step before its measured ones, with data of its own: helpers started for
+# the phase get to the steady state a training job spends its steps in (knitkit's reorganizer
+# processes finish importing, a sample-level thread and a TQ loader worker start, every look-ahead
+# fills). That step is in no figure: CPU clocks are read when every rank has finished it, and its
+# waits and wall time are dropped. Start-up is a once-per-job cost for every method (Ray and TQ's
+# start is not counted either). What a job pays every step stays in: each step's trajectories are
+# new to every reader, so every phase reads the store through handles that have none of its pages
+# mapped (knitkit: fresh reorganizer processes per phase; sample-level: each rank reopens its store
+# handle), and a page is mapped at its first read in the phase, as a job's new trajectories are.
+# Buffers a careful user allocates once (sample-level's arenas) are sized before the run.
+
+# NOTE [ Process CPU clocks ]
+#
+# CPU seconds come from each process's CPU-time clock (clock_gettime on the clock id
+# glibc's clock_getcpuclockid(pid) returns: ((~pid) << 3) | 2; all threads, nanoseconds, readable
+# for any process of the same user), plus the CPU of its children that exited and were reaped
+# (/proc cutime + cstime, through psutil: a TransferQueue loader worker), plus its live
+# descendants. /proc's per-process ticks (10 ms) are too coarse for steps of a few ms of CPU.
+# The driver counts its own process only (its reaped children are ranks and reorganizers,
+# counted on their own). Readings are taken while every rank waits at a barrier.
 
 
 @dataclass(frozen=True, slots=True)
 class Sizes:
-    """Workload of one run."""
+    """Workload of one run; ``--quick`` changes only the number of steps."""
 
-    samples_per_minibatch: int
-    group_size: int
-    min_tokens: int
-    max_tokens: int
-    routing_layers: int
-    image_patches: int
-    patch_dim: int
-    minibatches: int
-    micro_batch_tokens: int
-    compute_s: float
-    """Compute per knitkit micro-batch in the look-ahead regime (per step: times their count)."""
-    sliced_units: int
-    sliced_rows: int
-    repeats: int
-
-
-FULL = Sizes(2, 8, 4096, 16384, 48, 1024, 1176, 5, 8192, 0.05, 16, 16384, 7)
-QUICK = Sizes(2, 8, 1024, 4096, 12, 256, 588, 3, 2048, 0.02, 16, 8192, 5)
-
-
-@dataclass(slots=True)
-class Workload:
-    """The stored trajectories, one plan per mini-batch and what a step consumes."""
-
-    store: TrajectoryStore
-    plans: list[MiniBatchPlan]
-    trajectories: list[Any]
-    metas: list[list[Any]]
-    """Each step's trajectory metadata, as the planner got it."""
-    consumed: dict[str, int]
-    """Bytes the steps consume, per field kind ("fields": per-token and scalar; "image")."""
-    config: PlannerConfig
+    samples_per_step: int = 2
+    group_size: int = 8
+    min_tokens: int = 4096
+    max_tokens: int = 16384
+    routing_layers: int = 48
+    image_patches: int = 1024
+    patch_dim: int = 1176
+    micro_batch_tokens: int = 8192
+    """Token budget of one micro-batch on one CP rank (padded tokens), for every method."""
+    matmul: int = 256
+    matmuls_per_step: int = 1400
+    """Compute per rank and step (NOTE [ Compute that competes ]): 47 GFLOP at 256."""
+    steps: int = 8
+    """Measured steps per phase (after WARMUP_STEPS)."""
+    sliced_units: int = 16
+    sliced_rows: int = 16384
+    repeats: int = 7
 
 
-def build_workload(sizes: Sizes) -> Workload:
-    """Store trajectories in shared memory; plan each mini-batch; bytes the steps consume."""
-    trajectories = synthetic_trajectories(
-        sizes.samples_per_minibatch * sizes.minibatches,
+FULL = Sizes()
+QUICK = replace(FULL, steps=3)
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """One method in one regime over every step (the oracle repeats between methods)."""
+
+    method: str
+    regime: str
+    index: int = 0
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.method}{self.index}"
+            if self.method == ORACLE
+            else f"{self.regime}.{self.method}"
+        )
+
+    @property
+    def depth(self) -> int:
+        return DEPTH[self.regime]
+
+    @property
+    def computes(self) -> bool:
+        return self.regime != "eager"
+
+
+def schedule(with_tq: bool) -> list[Phase]:
+    """Every method's three regimes, with an oracle phase before the first method and after
+    each one, so the oracle's steps sample the machine's state around every method's."""
+    phases = [Phase(ORACLE, "lookahead", 0)]
+    for method in METHODS if with_tq else METHODS[:2]:
+        phases += [Phase(method, regime) for regime in REGIMES]
+        phases.append(Phase(ORACLE, "lookahead", len(phases)))
+    return phases
+
+
+def trajectories(sizes: Sizes, steps: int) -> list[Trajectory]:
+    """The first ``steps`` steps' trajectories (the same prefix whatever ``steps`` is)."""
+    return synthetic_trajectories(
+        sizes.samples_per_step * steps,
         group_size=sizes.group_size,
         min_tokens=sizes.min_tokens,
         max_tokens=sizes.max_tokens,
@@ -141,23 +220,45 @@ def build_workload(sizes: Sizes) -> Workload:
         image_patches=sizes.image_patches,
         patch_dim=sizes.patch_dim,
     )
+
+
+@dataclass(slots=True)
+class Workload:
+    """The stored trajectories, each step's metadata and plan, and what a step consumes."""
+
+    store: TrajectoryStore
+    plans: list[MiniBatchPlan]
+    metas: list[list[Any]]
+    """Each step's trajectory metadata, as the planner gets it."""
+    consumed: dict[str, int]
+    """Bytes the steps consume, per field kind ("fields": per-token and scalar; "image")."""
+    config: PlannerConfig
+
+    def plan(self, step: int, minibatch_id: str) -> MiniBatchPlan:
+        return plan_minibatch(self.metas[step], TOPOLOGY, self.config, (ENCODER,), minibatch_id)
+
+
+def build_workload(sizes: Sizes) -> Workload:
+    """Store trajectories in shared memory; plan each step; bytes the steps consume."""
+    stored = trajectories(sizes, WARMUP_STEPS + sizes.steps)
     store = TrajectoryStore(SharedMemoryBackend(slab_bytes=256 << 20))
-    for trajectory in trajectories:
+    for trajectory in stored:
         store.write(trajectory)
-    per_step = sizes.samples_per_minibatch * sizes.group_size
+    per_step = sizes.samples_per_step * sizes.group_size
     config = PlannerConfig(
         token_fields=FIELDS, max_tokens_per_micro_batch=sizes.micro_batch_tokens, keep_groups=True
     )
-    plans, steps, consumed = [], [], {"fields": 0, "image": 0}
-    for step in range(sizes.minibatches):
-        metas = store.metas([t.trajectory_id for t in trajectories[step * per_step :][:per_step]])
-        steps.append(metas)
-        plans.append(plan_minibatch(metas, TOPOLOGY, config, (ENCODER,), f"mb{step}"))
+    work = Workload(store, [], [], {"fields": 0, "image": 0}, config)
+    for step in range(WARMUP_STEPS + sizes.steps):
+        ids = [t.trajectory_id for t in stored[step * per_step : (step + 1) * per_step]]
+        metas = store.metas(ids)
+        work.metas.append(metas)
+        work.plans.append(work.plan(step, f"mb{step}"))
         fields = {UnitKey(m.trajectory_id, f) for m in metas for f in (*FIELDS, *SCALARS)}
         images = {ref.key for m in metas for ref in m.multimodal}
-        consumed["fields"] += sum(store.backend.spec(k).nbytes for k in fields)
-        consumed["image"] += sum(store.backend.spec(k).nbytes for k in images)
-    return Workload(store, plans, trajectories, steps, consumed, config)
+        work.consumed["fields"] += sum(store.backend.spec(k).nbytes for k in fields)
+        work.consumed["image"] += sum(store.backend.spec(k).nbytes for k in images)
+    return work
 
 
 def slot_bytes(store: TrajectoryStore, plans: list[MiniBatchPlan]) -> tuple[int, int, int]:
@@ -191,6 +292,31 @@ def share_images_of(plan: MiniBatchPlan, dp: int) -> set[UnitKey]:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class RingSet:
+    """knitkit's rings for one look-ahead depth: one per (DP, CP) group, one per encoder rank."""
+
+    backbone: dict[tuple[int, int], RingSpec]
+    encoder: list[RingSpec]
+
+    @classmethod
+    def new(cls, depth: int, backbone_bytes: int, encoder_bytes: int) -> RingSet:
+        slots = depth + 1  # the micro-batch a rank holds and ``depth`` ahead
+        return cls(
+            {
+                (d, c): RingSpec.new(
+                    num_slots=slots, slot_bytes=backbone_bytes, num_consumers=TOPOLOGY.tp
+                )
+                for d in range(TOPOLOGY.dp)
+                for c in range(TOPOLOGY.cp)
+            },
+            [
+                RingSpec.new(num_slots=slots, slot_bytes=encoder_bytes, num_consumers=1)
+                for _ in range(ENCODER.dp)
+            ],
+        )
+
+
 @dataclass(slots=True)
 class RankSetup:
     """What one rank process needs (picklable)."""
@@ -198,150 +324,255 @@ class RankSetup:
     rank: RankPosition
     backend: UnitBackend
     plans: list[MiniBatchPlan]
-    backbone_ring: RingSpec
-    encoder_ring: RingSpec | None
-    image_ring: RingSpec
-    tq_configs: Any
-    compute_per_step_s: float
+    rings: dict[str, RingSet]
+    """knitkit's rings per regime (its reorganizers create them before the phase)."""
+    image_rings: dict[str, RingSpec]
+    """Sample-level's image-share ring of this rank's DP group, per regime (TP0/CP0 makes it)."""
+    sizes: Sizes
+    phases: list[Phase]
+    tq_config: Any
+    """A queue that hands the rank TransferQueue's config before its first phase; None without."""
 
 
-class _Phases:
-    """The rank's side of the phase protocol: a barrier with the driver at each phase start and
-    end, and in the eager regime at each step start (no step's work overlaps the previous one)."""
+class Compute:
+    """The training step's stand-in: fixed matmul work on this thread and a read of every byte of
+    each micro-batch (NOTE [ Compute that competes ]); ``thread_s`` sums its thread CPU time."""
 
-    def __init__(self, barrier: Any) -> None:
+    def __init__(self, size: int, per_step: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.a = torch.randn(size, size, generator=generator) / size**0.5
+        self.x = torch.randn(size, size, generator=generator)
+        self.y = torch.empty(size, size)
+        self.per_step = per_step
+        self.thread_s = 0.0
+
+    def share(self, index: int, count: int) -> int:
+        """Matmuls of micro-batch ``index`` of a step of ``count``: the step's work split evenly."""
+        base, extra = divmod(self.per_step, count)
+        return base + (index < extra)
+
+    def run(self, packed: np.ndarray, matmuls: int) -> None:
+        start = time.thread_time()
+        flat = packed.reshape(-1).view(np.uint8)
+        np.bitwise_or.reduce(flat[: flat.nbytes // 8 * 8].view(np.uint64))
+        for _ in range(matmuls):
+            torch.mm(self.a, self.x, out=self.y)
+            torch.tanh_(self.y)
+            self.x, self.y = self.y, self.x
+        self.thread_s += time.thread_time() - start
+
+
+class _Steps:
+    """The rank's side of a phase's barriers, which the driver mirrors (``_run_phase``): ready
+    (the driver's helpers exist; the rank sets up its side), start, one per step (the optimizer
+    step's synchronisation), two around the measured steps (every rank waits while the driver
+    reads CPU clocks), done (the rank's side is torn down). Step 0 warms up (helpers start, the
+    look-ahead fills) and is left out of every figure (NOTE [ Warm-up step ])."""
+
+    def __init__(self, barrier: Any, count: int, compute: Compute) -> None:
         self.barrier = barrier
+        self.count = count
+        self.compute = compute
+        self.compute_s = 0.0
+        """Thread CPU time of the compute over the measured steps."""
 
-    def steps(self, count: int, eager: bool) -> Iterator[int]:
-        self.barrier.wait()
-        for step in range(count):
-            if eager:
-                self.barrier.wait()
+    def wait(self) -> None:
+        self.barrier.wait(BARRIER_TIMEOUT_S)
+
+    def run(self, on_start: Callable[[], None] | None = None) -> Iterator[int]:
+        self.wait()  # start
+        if on_start is not None:
+            on_start()
+        for step in range(self.count):
+            if step == 1:
+                self.wait()  # warm-up over: the driver reads CPU clocks
+                self.compute_s = -self.compute.thread_s
+            self.wait()
             yield step
-        self.barrier.wait()
+        self.wait()  # last step over: the driver reads CPU clocks
+        self.compute_s += self.compute.thread_s
+        self.wait()
 
 
 def rank_main(setup: RankSetup, barrier: Any, results: Any) -> None:
-    """One training rank: runs every method in both regimes, reporting per-step waits."""
-    rank, plans = setup.rank, setup.plans
-    phases = _Phases(barrier)
-    waits: dict[str, list[float]] = {}
-    read: dict[str, dict[str, int]] = {}
-    backbone = MicroBatchConsumer(setup.backbone_ring, rank.tp)
-    encoder = MicroBatchConsumer(setup.encoder_ring, 0) if setup.encoder_ring else None
-    images = _ImageShare(rank, setup.image_ring, setup.backend)
-    if setup.tq_configs is not None:  # import torch / Ray / TQ while the driver starts TQ
-        import transfer_queue.dataloader  # noqa: F401
-    barrier.wait()
+    """One training rank: every phase of the schedule in order; reports, per phase, the waits of
+    the measured steps and the thread CPU time of its compute over them, and the bytes it read."""
+    try:
+        torch.set_num_threads(1)
+        rank = _Rank(setup)
+        barrier.wait(BARRIER_TIMEOUT_S)  # every rank ready
+        report: dict[str, tuple[list[float], float]] = {}
+        for phase in setup.phases:
+            steps = _Steps(barrier, len(setup.plans), rank.compute)
+            steps.wait()  # ready
+            waits = getattr(rank, phase.method)(phase, steps)
+            steps.wait()  # done
+            report[phase.name] = (waits[1:], steps.compute_s)
+        results.put((setup.rank, report, rank.read))
+    except BaseException:
+        barrier.abort()  # every other party raises at once instead of waiting out its timeout
+        raise
 
-    for regime in REGIMES:
-        eager = regime == "eager"
-        per_mb = (
-            0.0 if eager else setup.compute_per_step_s / len(plans[0].consumers[0].micro_batches)
-        )
-        got = []
-        for step in phases.steps(len(plans), eager):
-            wait = 0.0
-            ranks = plans[step].encoder("vision").ranks
-            for _ in ranks[rank.dp].micro_batches if encoder else ():
-                start = time.perf_counter()
-                assert encoder is not None
-                encoder.next_micro_batch().release()
-                wait += time.perf_counter() - start
-            for _ in plans[step].consumer(rank.dp, rank.cp).micro_batches:
-                start = time.perf_counter()
-                batch = backbone.next_micro_batch()
-                wait += time.perf_counter() - start
-                _compute(per_mb)
-                batch.release()
-            got.append(wait)
-        waits[f"{regime}.knitkit"] = got
-    backbone.close()
-    if encoder:
-        encoder.close()
 
-    raw, packed = Arena(), [Arena() for _ in range(DEPTH + 2)]
-    for regime in REGIMES:
-        eager = regime == "eager"
-        per_mb = setup.compute_per_step_s / len(plans[0].consumers[0].micro_batches)
-        got = []
-        if eager:
-            for step in phases.steps(len(plans), eager=True):
+class _Rank:
+    """One rank's side of every method; each method's phase returns the per-step waits."""
+
+    def __init__(self, setup: RankSetup) -> None:
+        self.setup = setup
+        self.rank = rank = setup.rank
+        self.compute = Compute(setup.sizes.matmul, setup.sizes.matmuls_per_step)
+        self.groups = [plan.consumer(rank.dp, rank.cp) for plan in setup.plans]
+        self.backend = setup.backend
+        self.raw = Arena()
+        self.packed = [Arena() for _ in range(max(DEPTH.values()) + 1)]
+        for plan, group in zip(setup.plans, self.groups, strict=True):  # sized for every step
+            self.raw.reset()
+            for _ in pack_local(
+                group, read_share(setup.backend, plan, rank, self.raw), self.packed
+            ):
+                pass
+        for arena in (self.raw, *self.packed):
+            arena.reset()
+        self.read: dict[str, dict[str, int]] = {"sample_level": _share_bytes(setup)}
+        self.read["transferqueue"] = {"fields": 0, "image": 0}
+        self.in_memory = [  # the oracle's micro-batches, packed in this rank's private memory
+            [packed for _, packed in pack_local(group, read_share(setup.backend, plan, rank))]
+            for plan, group in zip(setup.plans, self.groups, strict=True)
+        ]
+        self.tq_config: Any = None
+
+    def oracle(self, phase: Phase, steps: _Steps) -> list[float]:
+        """Compute over micro-batches already in memory: no data path at all."""
+        for step in steps.run():
+            batches = self.in_memory[step]
+            for index, packed in enumerate(batches):
+                self.compute.run(packed, self.compute.share(index, len(batches)))
+        return [0.0] * steps.count
+
+    def knitkit(self, phase: Phase, steps: _Steps) -> list[float]:
+        """The rank's consumer under one MicroBatchIterator (its one prefetch thread) for the
+        phase; TP0/CP0 also takes its encoder rank's micro-batches at each step's start."""
+        rank, rings = self.rank, self.setup.rings[phase.regime]
+        counts = [len(group.micro_batches) for group in self.groups]
+        backbone = MicroBatchConsumer(rings.backbone[(rank.dp, rank.cp)], rank.tp)
+        encoder = MicroBatchConsumer(rings.encoder[rank.dp], 0) if rank.reads_multimodal else None
+        config = MicroBatchIterator.Config(depth=phase.depth)
+        waits = []
+        try:
+            with MicroBatchIterator(backbone.take(sum(counts)), config, device="cpu") as batches:
+                for step in steps.run():
+                    wait = 0.0
+                    if encoder is not None:
+                        start = time.perf_counter()
+                        vision = self.setup.plans[step].encoder(ENCODER.name).ranks[rank.dp]
+                        for lease in encoder.take(len(vision.micro_batches)):
+                            lease.release()
+                        wait += time.perf_counter() - start
+                    for index in range(counts[step]):
+                        start = time.perf_counter()
+                        batch = next(batches)
+                        wait += time.perf_counter() - start
+                        if phase.computes:
+                            self.compute.run(
+                                batch.flat.numpy(), self.compute.share(index, counts[step])
+                            )
+                    waits.append(wait)
+        finally:
+            backbone.close()
+            if encoder is not None:
+                encoder.close()
+        return waits
+
+    def sample_level(self, phase: Phase, steps: _Steps) -> list[float]:
+        """Whole trajectories of the DP share read by every rank, images shared by TP0/CP0,
+        micro-batches packed from the local copies into reused buffers."""
+        self._reopen_store()
+        # TP0/CP0 makes the ring before the start barrier, its peers attach at their first step
+        images = _ImageShare(self.rank, self.setup.image_rings[phase.regime], self.backend)
+        waits = []
+        if not phase.computes:
+            for step in steps.run():
                 start = time.perf_counter()
-                group = plans[step].consumer(rank.dp, rank.cp)
-                raw.reset()
-                local = read_share(setup.backend, plans[step], rank, raw)
+                self.raw.reset()
+                local = read_share(self.backend, self.setup.plans[step], self.rank, self.raw)
                 images.share(local)
-                for _ in pack_local(group, local, packed):
+                for _ in pack_local(self.groups[step], local, self.packed):
                     pass
-                got.append(time.perf_counter() - start)
+                waits.append(time.perf_counter() - start)
         else:
-            for step in phases.steps(len(plans), eager=False):
-                if step == 0:  # started with the phase, like the other methods' helpers
-                    prefetched = _SampleLevelPrefetch(setup, images, raw, packed)
-                wait = 0.0
-                for _ in plans[step].consumer(rank.dp, rank.cp).micro_batches:
+            started: list[_SampleLevelPrefetch] = []
+
+            def start_thread() -> None:  # at the phase's start, like every method's helpers
+                started.append(_SampleLevelPrefetch(self, images, phase.depth))
+
+            for step in steps.run(start_thread):
+                wait, count = 0.0, len(self.groups[step].micro_batches)
+                for index in range(count):
                     start = time.perf_counter()
-                    prefetched.next()
+                    packed = started[0].next()
                     wait += time.perf_counter() - start
-                    _compute(per_mb)
-                got.append(wait)
-            prefetched.join()
-        waits[f"{regime}.sample_level"] = got
-    read["sample_level"] = _share_bytes(setup)
+                    self.compute.run(packed, self.compute.share(index, count))
+                waits.append(wait)
+            started[0].join()
+        images.close()
+        return waits
 
-    if setup.tq_configs is not None:
-        from knitkit.integration.transferqueue import (
-            TransferQueueConnection,
-            pack_streamed,
-            streaming_loader,
-        )
+    def _reopen_store(self) -> None:
+        """A fresh handle on the store, with none of its pages mapped: each step's units are
+        mapped at their first read in the phase, as a job's new trajectories are (and as
+        knitkit's reorganizers, fresh processes each phase, map them); NOTE [ Warm-up step ]."""
+        fresh = pickle.loads(pickle.dumps(self.backend))
+        self.backend.close()
+        self.backend = fresh
 
-        connection = TransferQueueConnection(setup.tq_configs.get())
+    def transferqueue(self, phase: Phase, steps: _Steps) -> list[float]:
+        """TransferQueue's StreamingDataLoader over a StreamingDataset (RankAwareSampler: a DP
+        rank's TP/CP peers get the same rows), split into micro-batches of the token budget and
+        packed for this rank's CP share by TQ's own hooks (NOTE [ Equal look-ahead ])."""
+        from transfer_queue.dataloader import StreamingDataLoader, StreamingDataset
+
+        if self.tq_config is None:
+            self.tq_config = self.setup.tq_config.get(timeout=BARRIER_TIMEOUT_S)
+        plans, rank = self.setup.plans, self.rank
         rows = sum(len(mb.sequences) for c in plans[0].consumers for mb in c.micro_batches)
         rows //= TOPOLOGY.dp * TOPOLOGY.cp  # trajectories per DP rank and step
-        tq_fields = [*FIELDS, *SCALARS, TQ_IMAGE]
-        moved: dict[str, int] = {"fields": 0, "image": 0}
-        for regime in REGIMES:
-            eager = regime == "eager"
-            per_mb = setup.compute_per_step_s / rows
-            got = []
-            for step in phases.steps(len(plans), eager):
-                if step == 0:  # started with the phase, like the other methods' helpers
-                    loader = iter(
-                        streaming_loader(
-                            connection,
-                            rank,
-                            tq_fields,
-                            rows,
-                            TQ_PARTITION,
-                            regime,
-                            0 if eager else DEPTH,
+        dataset = StreamingDataset(
+            config=self.tq_config,
+            batch_size=rows,
+            micro_batch_size=1,
+            data_fields=[*FIELDS, *SCALARS, TQ_IMAGE],
+            partition_id=TQ_PARTITION,
+            task_name=phase.regime,
+            dp_rank=rank.dp,
+            process_batch_fn=TokenBudgetSplit(self.setup.sizes.micro_batch_tokens),
+        )
+        eager = not phase.computes
+        loader = StreamingDataLoader(
+            dataset,
+            num_workers=0 if eager else 1,
+            prefetch_factor=None if eager else phase.depth,
+            collate_fn=PackCollate(rank, self.packed if eager else None),
+        )
+        started: list[Iterator[Any]] = []
+        waits = []
+        for _ in steps.run(lambda: started.append(iter(loader))):
+            wait = 0.0
+            while True:
+                start = time.perf_counter()
+                packed, index, count, moved = next(started[0])
+                wait += time.perf_counter() - start
+                if eager:
+                    for name, nbytes in moved.items():
+                        self.read["transferqueue"]["image" if name == TQ_IMAGE else "fields"] += (
+                            nbytes
                         )
-                    )
-                wait = 0.0
-                for index in range(rows):
-                    start = time.perf_counter()
-                    batch, _ = next(loader)
-                    _, _, sizes = pack_streamed(
-                        batch, rank, TOPOLOGY, FIELDS, SCALARS, packed[index % len(packed)], index
-                    )
-                    wait += time.perf_counter() - start
-                    _compute(0.0 if eager else per_mb)
-                    if eager:
-                        for name, nbytes in sizes.items():
-                            moved["image" if name == TQ_IMAGE else "fields"] += nbytes
-                got.append(wait)
-            waits[f"{regime}.transferqueue"] = got
-            del loader
-        read["transferqueue"] = moved
-    images.close()
-    results.put((rank, waits, read))
-
-
-def _compute(seconds: float) -> None:
-    if seconds > 0:
-        time.sleep(seconds)
+                else:
+                    self.compute.run(packed.numpy(), self.compute.share(index, count))
+                if index == count - 1:
+                    break
+            waits.append(wait)
+        del started[:]  # shuts the loader's worker down (counted in this phase)
+        return waits
 
 
 class _ImageShare:
@@ -382,40 +613,118 @@ class _ImageShare:
 
 class _SampleLevelPrefetch:
     """A careful sample-level loader with look-ahead: a thread reads each step's share, shares the
-    images and packs micro-batch by micro-batch into reused buffers, at most ``DEPTH`` ahead."""
+    images and packs micro-batch by micro-batch into ``depth + 1`` reused buffers, at most
+    ``depth`` ahead of the one the loop holds (NOTE [ Equal look-ahead ])."""
 
-    def __init__(
-        self, setup: RankSetup, images: _ImageShare, raw: Arena, packed: list[Arena]
-    ) -> None:
-        self._ready: queue.Queue[object] = queue.Queue(maxsize=DEPTH)
-        self._args = (setup, images, raw, packed)
+    def __init__(self, rank: _Rank, images: _ImageShare, depth: int) -> None:
+        self._rank = rank
+        self._images = images
+        self._buffers = rank.packed[: depth + 1]
+        self._credits = threading.Semaphore(depth + 1)  # a buffer each: held + ``depth`` ahead
+        self._ready: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._holds = False
         self._thread = threading.Thread(target=self._run, name="sample-level-prefetch")
         self._thread.start()
 
     def _run(self) -> None:
-        setup, images, raw, packed = self._args
+        rank, setup = self._rank, self._rank.setup
+        packed = 0  # micro-batches packed so far: the buffers rotate across steps
         try:
-            for plan in setup.plans:
-                raw.reset()
-                local = read_share(setup.backend, plan, setup.rank, raw)
-                images.share(local)
-                for item in pack_local(plan.consumer(setup.rank.dp, setup.rank.cp), local, packed):
-                    self._ready.put(item)
+            for plan, group in zip(setup.plans, rank.groups, strict=True):
+                self._credits.acquire()  # for the step's first micro-batch, read with the share
+                rank.raw.reset()
+                local = read_share(rank.backend, plan, rank.rank, rank.raw)
+                self._images.share(local)
+                turn = packed % len(self._buffers)
+                buffers = self._buffers[turn:] + self._buffers[:turn]
+                for index, (_, buffer) in enumerate(pack_local(group, local, buffers)):
+                    self._ready.put(buffer)
+                    packed += 1
+                    if index + 1 < len(group.micro_batches):
+                        self._credits.acquire()
         except BaseException as exc:  # carried to the consumer, raised there
             self._ready.put(exc)
 
-    def next(self) -> object:
-        item = self._ready.get(timeout=600)
+    def next(self) -> np.ndarray:
+        if self._holds:
+            self._credits.release()  # the loop is done with the micro-batch it held
+        item = self._ready.get(timeout=BARRIER_TIMEOUT_S)
         if isinstance(item, BaseException):
             raise item
-        return item
+        self._holds = True
+        return item  # type: ignore[return-value]
 
     def join(self) -> None:
-        self._thread.join(timeout=600)
+        self._thread.join(timeout=BARRIER_TIMEOUT_S)
+
+
+class TokenBudgetSplit:
+    """TQ's ``process_batch_fn``: a DP rank's fetched rows split into micro-batches of at most
+    ``budget`` padded tokens per CP rank (first fit, longest first, as dynamic batching does);
+    yields ``(rows, meta, index, count)``."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+
+    def __call__(self, batch: Any, meta: Any, micro_batch_size: int = 1) -> list[Any]:
+        from tensordict import TensorDict
+
+        column = batch[FIELDS[0]]
+        lengths = (
+            column.offsets().diff().numpy() if column.is_nested else [column.shape[1]] * len(column)
+        )
+        per_cp = padded_lengths(np.asarray(lengths), TOPOLOGY.pad_multiple) // TOPOLOGY.cp
+        bins = token_bins(per_cp.tolist(), self.budget)
+        nested = {k: v.unbind(0) for k, v in batch.items() if v.is_nested}
+        dense = {k: v for k, v in batch.items() if not v.is_nested}
+        out = []
+        for index, rows in enumerate(bins):
+            chunk = TensorDict({k: v[rows] for k, v in dense.items()}, batch_size=(len(rows),))
+            for name, values in nested.items():
+                chunk[name] = torch.nested.as_nested_tensor(
+                    [values[r] for r in rows], layout=torch.jagged
+                )
+            out.append((chunk, meta.select_samples(rows), index, len(bins)))
+        return out
+
+
+def token_bins(tokens: list[int], budget: int) -> list[list[int]]:
+    """Row indices in bins of at most ``budget`` tokens, first fit in decreasing length (a row
+    longer than the budget gets a bin of its own); each bin's rows ascending."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for row in sorted(range(len(tokens)), key=lambda r: -tokens[r]):
+        for b, load in enumerate(loads):
+            if load + tokens[row] <= budget:
+                bins[b].append(row)
+                loads[b] += tokens[row]
+                break
+        else:
+            bins.append([row])
+            loads.append(tokens[row])
+    return [sorted(b) for b in bins]
+
+
+class PackCollate:
+    """TQ's ``collate_fn``: packs one micro-batch's rows for this rank's CP share; into reused
+    buffers in the loop (no workers), into fresh memory in a worker (the loader moves it to the
+    loop through shared memory, so a buffer cannot be reused)."""
+
+    def __init__(self, rank: RankPosition, buffers: list[Arena] | None) -> None:
+        self.rank = rank
+        self.buffers = buffers
+
+    def __call__(self, item: Any) -> tuple[torch.Tensor, int, int, dict[str, int]]:
+        from knitkit.integration.transferqueue import pack_streamed
+
+        rows, _, index, count = item
+        buffer = self.buffers[index % len(self.buffers)] if self.buffers else Arena()
+        _, packed, moved = pack_streamed(rows, self.rank, TOPOLOGY, FIELDS, SCALARS, buffer, index)
+        return torch.from_numpy(packed), index, count, moved
 
 
 def _share_bytes(setup: RankSetup) -> dict[str, int]:
-    """Bytes one sample-level rank reads per field kind over all steps (what ``read_share`` reads)."""
+    """Bytes one sample-level rank reads per field kind in one regime (what ``read_share`` reads)."""
     out = {"fields": 0, "image": 0}
     for plan in setup.plans:
         for key in share_reads(plan, setup.rank):
@@ -428,251 +737,344 @@ def _progress(message: str, start: float = time.perf_counter()) -> None:
     print(f"[{time.perf_counter() - start:6.1f} s] {message}", file=sys.stderr, flush=True)
 
 
+def _cpu_clock(pid: int) -> int:
+    """The CPU-time clock id of process ``pid`` (NOTE [ Process CPU clocks ])."""
+    return ((~pid) << 3) | 2
+
+
 class CpuMeter:
-    """CPU seconds (user + system) of sets of processes, read from /proc through psutil."""
+    """CPU seconds of process trees, read while the ranks wait (NOTE [ Process CPU clocks ])."""
 
-    def __init__(self) -> None:
-        self._procs: dict[int, psutil.Process] = {}
+    def own(self, pid: int) -> float:
+        """Process ``pid`` alone (every thread), 0 if it is gone."""
+        try:
+            return time.clock_gettime(_cpu_clock(pid))
+        except OSError:
+            return 0.0
 
-    def snapshot(self, pids: set[int]) -> dict[int, float]:
-        out = {}
-        for pid in pids:
+    def tree(self, pid: int) -> float:
+        """``pid``, its live descendants and the children each of them reaped."""
+        try:
+            procs = [psutil.Process(pid)]
+            procs += procs[0].children(recursive=True)
+        except psutil.Error:
+            return 0.0
+        total = 0.0
+        for proc in procs:
             try:
-                proc = self._procs.setdefault(pid, psutil.Process(pid))
                 times = proc.cpu_times()
-                out[pid] = times.user + times.system
             except psutil.Error:
                 continue
+            total += self.own(proc.pid) + times.children_user + times.children_system
+        return total
+
+
+@dataclass(slots=True)
+class _Processes:
+    """Every process of a phase by its key: the driver, each rank, knitkit's reorganizers, the
+    TransferQueue services (a host process running Ray and TQ, with its descendants)."""
+
+    ranks: dict[str, int]
+    reorganizers: dict[str, int] = field(default_factory=dict)
+    services: int | None = None
+
+    def read(self, meter: CpuMeter, *, driver_last: bool) -> dict[str, float]:
+        """Every process's CPU seconds; the driver's own clock last at a window's start and
+        first at its end, so reading the others' (/proc scans) stays outside the window."""
+        out = {} if driver_last else {"driver": meter.own(os.getpid())}
+        out |= {f"rank.{name}": meter.tree(pid) for name, pid in self.ranks.items()}
+        out |= {f"reorganizer.{name}": meter.own(pid) for name, pid in self.reorganizers.items()}
+        if self.services is not None:
+            out["services"] = meter.tree(self.services)
+        if driver_last:
+            out["driver"] = meter.own(os.getpid())
         return out
 
-    @staticmethod
-    def spent(before: dict[int, float], after: dict[int, float]) -> float:
-        return sum(after[pid] - before.get(pid, 0.0) for pid in after)
+
+def rank_name(rank: RankPosition) -> str:
+    return f"dp{rank.dp}cp{rank.cp}tp{rank.tp}"
 
 
-def _descendants(pids: set[int]) -> set[int]:
-    out = set(pids)
-    for pid in pids:
-        try:
-            out |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
-        except psutil.Error:
-            continue
-    return out
+class _Knitkit:
+    """The driver's side of knitkit: a reorganizer process per ring of the current depth, planning
+    each step and submitting it (eager: at the step's start; look-ahead: one step ahead)."""
+
+    def __init__(self, work: Workload, rings: dict[str, RingSet]) -> None:
+        self.work, self.rings = work, rings
+        self.reorganizers: dict[str, ReorganizerProcess] = {}
+        self.read = {"fields": 0, "image": 0}
+        """Bytes its reorganizers read so far: backbone fields, and images for the encoder."""
+
+    def prepare(self, phase: Phase) -> dict[str, int]:
+        """Fresh reorganizer processes on the phase's rings (NOTE [ Warm-up step ]); their pids."""
+        self.close()
+        rings, backend = self.rings[phase.regime], self.work.store.backend
+        for (d, c), spec in rings.backbone.items():
+            self.reorganizers[f"dp{d}cp{c}"] = ReorganizerProcess(backend, spec)
+        for r, spec in enumerate(rings.encoder):
+            self.reorganizers[f"vision{r}"] = ReorganizerProcess(backend, spec)
+        return {name: r.pid or 0 for name, r in self.reorganizers.items()}
+
+    def submit(self, phase: Phase, step: int) -> None:
+        if step >= len(self.work.plans):
+            return
+        plan = self.work.plan(step, f"{phase.name}.{step}")
+        for consumer in plan.consumers:
+            self.reorganizers[f"dp{consumer.dp_rank}cp{consumer.cp_rank}"].submit(
+                plan.minibatch_id, consumer
+            )
+        for rank_plan in plan.encoder(ENCODER.name).ranks:
+            self.reorganizers[f"vision{rank_plan.dp_rank}"].submit(plan.minibatch_id, rank_plan)
+
+    def close(self) -> None:
+        for name, reorganizer in self.reorganizers.items():
+            self.read["image" if name.startswith(ENCODER.name) else "fields"] += (
+                reorganizer.bytes_read
+            )
+            reorganizer.close()
+        self.reorganizers.clear()
+
+
+def _tq_host(sizes: Sizes, config_out: Any, stop: Any) -> None:
+    """Runs Ray and TransferQueue for the TQ phases, loaded with every step's trajectories plus
+    one spare step (a loader worker fetching ahead past the last step takes rows first come first
+    served, so without spares another DP rank could starve); stops them when told."""
+    from transfer_queue import RankAwareSampler
+
+    from knitkit.integration.transferqueue import (
+        put_trajectories,
+        start_transfer_queue,
+        stop_transfer_queue,
+    )
+
+    connection = start_transfer_queue(sampler=RankAwareSampler)
+    try:
+        client = connection.client()
+        spare = 1
+        put_trajectories(
+            client, trajectories(sizes, WARMUP_STEPS + sizes.steps + spare), TQ_PARTITION
+        )
+        client.close()
+        config_out.put(connection.config)
+        stop.wait(BARRIER_TIMEOUT_S * 4)
+    finally:
+        stop_transfer_queue()
+
+
+@dataclass(slots=True)
+class _PhaseRecord:
+    """What the driver saw of one phase: step wall times and CPU seconds per process key."""
+
+    walls: list[float]
+    cpu: dict[str, float]
 
 
 def run_delivery(work: Workload, sizes: Sizes, with_tq: bool) -> dict[str, float]:
-    """Every method in both regimes on one workload, consumers as real processes; figures by key."""
-    store, plans = work.store, work.plans
-    backbone_bytes, encoder_bytes, image_bytes = slot_bytes(store, plans)
+    """Every phase of the schedule on one workload with real rank processes; figures by key."""
+    plans = work.plans
+    backbone_bytes, encoder_bytes, image_bytes = slot_bytes(work.store, plans)
     ctx = mp.get_context("spawn")
-    ranks = [RankPosition(d, c, t) for d in range(2) for c in range(2) for t in range(2)]
-    barrier, results = ctx.Barrier(len(ranks) + 1), ctx.Queue()
-    tq_configs = ctx.Queue() if with_tq else None
-    rings = {
-        (d, c): RingSpec.new(num_slots=DEPTH, slot_bytes=backbone_bytes, num_consumers=TOPOLOGY.tp)
-        for d in range(2)
-        for c in range(2)
-    }
-    encoder_rings = [
-        RingSpec.new(num_slots=DEPTH, slot_bytes=encoder_bytes, num_consumers=1) for _ in range(2)
-    ]
+    phases = schedule(with_tq)
+    barrier, results = ctx.Barrier(len(RANKS) + 1), ctx.Queue()
+    tq_config = ctx.Queue() if with_tq else None
+    rings = {r: RingSet.new(DEPTH[r], backbone_bytes, encoder_bytes) for r in REGIMES}
     peers = TOPOLOGY.cp * TOPOLOGY.tp - 1
     image_rings = [
-        RingSpec.new(num_slots=2, slot_bytes=image_bytes, num_consumers=peers)
+        {r: RingSpec.new(num_slots=2, slot_bytes=image_bytes, num_consumers=peers) for r in REGIMES}
         for _ in range(TOPOLOGY.dp)
     ]
-    reorganizers = [ReorganizerProcess(store.backend, spec) for spec in rings.values()]
-    reorganizers += [ReorganizerProcess(store.backend, spec) for spec in encoder_rings]
-    compute_per_step = sizes.compute_s * plans[0].num_micro_batches
-    processes, connection = [], None
-    meter, cpu = CpuMeter(), dict.fromkeys(METHODS, 0.0)
-    phase_waits: dict[str, float] = {}
+    knitkit = _Knitkit(work, rings)
+    processes: list[Any] = []
+    tq_process, tq_stop = None, ctx.Event()
+    records: dict[str, _PhaseRecord] = {}
+    meter = CpuMeter()
+    memcpy: list[float] = []
     try:
-        for rank in ranks:
+        for rank in RANKS:
             setup = RankSetup(
                 rank,
-                store.backend,
+                work.store.backend,
                 plans,
-                rings[(rank.dp, rank.cp)],
-                encoder_rings[rank.dp] if rank.reads_multimodal else None,
+                rings,
                 image_rings[rank.dp],
-                tq_configs,
-                compute_per_step,
+                sizes,
+                phases,
+                tq_config,
             )
             process = ctx.Process(target=rank_main, args=(setup, barrier, results))
             process.start()
             processes.append(process)
-        if tq_configs is not None:
-            from transfer_queue import RankAwareSampler
-
-            from knitkit.integration.transferqueue import put_trajectories, start_transfer_queue
-
-            connection = start_transfer_queue(sampler=RankAwareSampler)
-            client = connection.client()
-            # one spare step: a loader worker fetching ahead past the last step takes its rows
-            # first come first served, so without spares another DP rank could starve
-            spare = [
-                replace(t, trajectory_id=f"{t.trajectory_id}-spare")
-                for t in work.trajectories[: len(work.metas[0])]
-            ]
-            put_trajectories(client, [*work.trajectories, *spare], TQ_PARTITION)
-            client.close()
-            for _ in ranks:
-                tq_configs.put(connection.config)
-            _progress("TransferQueue started and loaded")
-        barrier.wait(timeout=600)
-        rank_pids = {p.pid for p in processes if p.pid is not None}
-        helper_pids = {r.pid for r in reorganizers if r.pid is not None}
-        for method in METHODS if with_tq else METHODS[:2]:
-            for regime in REGIMES:
-                _progress(f"{regime} {method}")
-                started = time.perf_counter()
-                everyone = _descendants({os.getpid()})
-                involved = _descendants(rank_pids)
-                if method == "knitkit":
-                    involved |= helper_pids
-                elif method == "transferqueue":
-                    involved |= everyone - _descendants(helper_pids) - {os.getpid()}
-                before = meter.snapshot(involved)
-                barrier.wait(timeout=600)
-                for plan in plans:
-                    if regime == "eager":
-                        barrier.wait(timeout=600)
-                    if method == "knitkit":
-                        _submit(reorganizers, plan)
-                barrier.wait(timeout=900)
-                involved |= _descendants(rank_pids)
-                cpu[method] += meter.spent(before, meter.snapshot(involved))
-                phase_waits[f"{regime}.{method}"] = time.perf_counter() - started
-        got = [results.get(timeout=600) for _ in ranks]
+        pids = {rank_name(r): p.pid for r, p in zip(RANKS, processes, strict=True)}
+        barrier.wait(BARRIER_TIMEOUT_S)  # ranks ready (the oracle's micro-batches packed)
+        for phase in phases:
+            _progress(f"{phase.name}")
+            involved = _Processes(pids)
+            if phase.method == "knitkit":
+                involved.reorganizers = knitkit.prepare(phase)
+                memcpy.append(memcpy_rate())
+            else:
+                knitkit.close()
+            if phase.method == "transferqueue":
+                if tq_process is None:
+                    config_out = ctx.Queue()
+                    tq_process = ctx.Process(target=_tq_host, args=(sizes, config_out, tq_stop))
+                    tq_process.start()
+                    config = config_out.get(timeout=BARRIER_TIMEOUT_S)
+                    assert tq_config is not None
+                    for _ in RANKS:
+                        tq_config.put(config)
+                    _progress("TransferQueue started and loaded")
+                involved.services = tq_process.pid
+            elif tq_process is not None:
+                tq_stop.set()
+                tq_process.join(120)
+                tq_process = None
+            records[phase.name] = _run_phase(phase, barrier, involved, meter, knitkit, len(plans))
+        got = [results.get(timeout=BARRIER_TIMEOUT_S) for _ in RANKS]
         _progress("delivery done")
-        knitkit_read = {
-            "fields": sum(r.bytes_read for r in reorganizers[:4]) / len(REGIMES),
-            "image": sum(r.bytes_read for r in reorganizers[4:]) / len(REGIMES),
-        }
+    except BaseException:
+        barrier.abort()
+        raise
     finally:
+        knitkit.close()
+        if tq_process is not None:
+            tq_stop.set()
+            tq_process.join(120)
         for process in processes:
             process.join(60)
             if process.is_alive():
                 process.kill()
-        for reorganizer in reorganizers:
-            reorganizer.close()
-        if connection:
-            from knitkit.integration.transferqueue import stop_transfer_queue
+    return figures_of(work, phases, records, got, knitkit.read, statistics.median(memcpy))
 
-            stop_transfer_queue()
-    figures: dict[str, float] = {
-        "steps": len(plans),
-        "micro_batches_per_step": plans[0].num_micro_batches,
-        "bytes_consumed_per_step": sum(work.consumed.values()) / len(plans),
-        "compute_s_per_step": compute_per_step,
-    }
+
+def _run_phase(
+    phase: Phase, barrier: Any, involved: _Processes, meter: CpuMeter, knitkit: _Knitkit, count: int
+) -> _PhaseRecord:
+    """The driver's side of one phase (see ``_Steps``): CPU clocks read around the measured
+    steps while every rank waits; each measured step's wall time between its step barriers."""
+
+    def wait() -> None:
+        barrier.wait(BARRIER_TIMEOUT_S)
+
+    wait()  # ready
+    wait()  # start
+    ahead = phase.method == "knitkit" and phase.computes
+    if ahead:
+        knitkit.submit(phase, 0)
+    marks, before = [], {}
+    for step in range(count):
+        if step == 1:
+            wait()
+            before = involved.read(meter, driver_last=True)
+        wait()
+        marks.append(time.perf_counter())
+        if phase.method == "knitkit":
+            knitkit.submit(phase, step + 1 if ahead else step)
+    wait()
+    marks.append(time.perf_counter())
+    after = involved.read(meter, driver_last=False)
+    wait()
+    wait()  # done
+    cpu = {key: after[key] - before.get(key, 0.0) for key in after}
+    return _PhaseRecord(list(np.diff(marks[1:])), cpu)
+
+
+def figures_of(
+    work: Workload,
+    phases: list[Phase],
+    records: dict[str, _PhaseRecord],
+    got: list[tuple[RankPosition, dict[str, tuple[list[float], float]], dict[str, dict[str, int]]]],
+    knitkit_read: dict[str, int],
+    memcpy_bps: float,
+) -> dict[str, float]:
+    """The contract's keys from the phases' records and the ranks' reports."""
+    steps = len(work.plans) - WARMUP_STEPS  # measured steps
     consumed = sum(work.consumed.values())
-    for method in METHODS if with_tq else METHODS[:2]:
+    figures: dict[str, float] = {
+        "steps": steps,
+        "micro_batches_per_step": work.plans[0].num_micro_batches,
+        "bytes_consumed_per_step": consumed / len(work.plans),
+    }
+    for phase in phases:  # CPU of the ranks' compute is not the data path's
+        for rank, report, _ in got:
+            records[phase.name].cpu[f"rank.{rank_name(rank)}"] -= report[phase.name][1]
+    oracle = [p.name for p in phases if p.method == ORACLE]
+    figures["oracle.step_wall_s"] = oracle_wall = statistics.median(
+        w for name in oracle for w in records[name].walls
+    )
+    medians = [statistics.median(records[name].walls) for name in oracle]
+    figures["oracle.step_wall_spread"] = (max(medians) - min(medians)) / oracle_wall
+    figures["oracle.cpu_s_per_step"] = sum(sum(records[name].cpu.values()) for name in oracle) / (
+        len(oracle) * steps
+    )
+    figures["oracle.compute_s_per_step"] = statistics.median(
+        report[name][1] / steps for _, report, _ in got for name in oracle
+    )  # one rank's thread
+    for method in dict.fromkeys(p.method for p in phases if p.method != ORACLE):
+        totals: dict[str, float] = {}
         for regime in REGIMES:
-            per_step = np.array([w[f"{regime}.{method}"] for _, w, _ in got])  # ranks x steps
-            figures[f"{regime}.{method}.exposed_s_per_step"] = float(
-                np.median(per_step.max(axis=0))
-            )
-        figures[f"{method}.cpu_s_per_step"] = cpu[method] / (len(REGIMES) * len(plans))
-        by_kind = (
-            knitkit_read
-            if method == "knitkit"
-            else {k: sum(r[method][k] for _, _, r in got) for k in ("fields", "image")}
-        )
+            name = f"{regime}.{method}"
+            waits = np.array([report[name][0] for _, report, _ in got])  # ranks x steps
+            figures[f"{name}.exposed_s_per_step"] = float(np.median(waits.max(axis=0)))
+            figures[f"{name}.step_wall_s"] = statistics.median(records[name].walls)
+            figures[f"{name}.cpu_s_per_step"] = sum(records[name].cpu.values()) / steps
+            for role, seconds in _by_role(records[name].cpu).items():
+                figures[f"{name}.cpu_s_per_step.{role}"] = seconds / steps
+            for key, seconds in records[name].cpu.items():
+                totals[key] = totals.get(key, 0.0) + seconds
+            if regime != "eager":
+                figures[f"{name}.step_wall_overhead"] = (
+                    figures[f"{name}.step_wall_s"] / oracle_wall - 1
+                )
+        per_step = len(REGIMES) * steps
+        figures[f"{method}.cpu_s_per_step"] = sum(totals.values()) / per_step
+        for key, seconds in totals.items():
+            figures[f"{method}.cpu_s_per_step.{key}"] = seconds / per_step
+        for role, seconds in _by_role(totals).items():
+            figures[f"{method}.cpu_s_per_step.{role}"] = seconds / per_step
+        figures[f"{method}.step_wall_s"] = figures[f"lookahead.{method}.step_wall_s"]
+        figures[f"{method}.step_wall_overhead"] = figures[f"lookahead.{method}.step_wall_overhead"]
+        if method == "knitkit":  # every knitkit phase reads each step once
+            by_kind = {kind: n / len(REGIMES) for kind, n in knitkit_read.items()}
+        else:  # sample-level: one regime's reads; TQ: what it moved in the eager regime
+            by_kind = {k: sum(r[method][k] for _, _, r in got) for k in ("fields", "image")}
         figures[f"{method}.bytes_read_ratio"] = sum(by_kind.values()) / consumed
         for kind, nbytes in by_kind.items():
             figures[f"{method}.bytes_read_ratio.{kind}"] = nbytes / work.consumed[kind]
+    if "knitkit.cpu_s_per_step" in figures:
+        delivered = sum(knitkit_read.values()) / len(REGIMES) / len(work.plans)
+        rate = delivered / figures["knitkit.cpu_s_per_step"]
+        figures["knitkit.delivered_gbps"] = rate / 1e9
+        figures["memcpy_gbps"] = memcpy_bps / 1e9
+        figures["knitkit.delivered_fraction_of_memcpy"] = rate / memcpy_bps
+        packing = delivered / figures["knitkit.cpu_s_per_step.reorganizers"]  # their CPU alone
+        figures["knitkit.delivered_fraction_of_memcpy.reorganizers"] = packing / memcpy_bps
+        eager = delivered / figures["eager.knitkit.cpu_s_per_step"]  # steps with no compute
+        figures["eager.knitkit.delivered_fraction_of_memcpy"] = eager / memcpy_bps
     return figures
 
 
-def _submit(reorganizers: list[ReorganizerProcess], plan: MiniBatchPlan) -> None:
-    for reorganizer, group in zip(reorganizers[:4], plan.consumers, strict=True):
-        reorganizer.submit(plan.minibatch_id, group)
-    for reorganizer, rank_plan in zip(reorganizers[4:], plan.encoder("vision").ranks, strict=True):
-        reorganizer.submit(plan.minibatch_id, rank_plan)
+def _by_role(cpu: dict[str, float]) -> dict[str, float]:
+    """CPU seconds per kind of process: driver, ranks, reorganizers, services."""
+    out: dict[str, float] = {}
+    for key, seconds in cpu.items():
+        role = key.split(".")[0]
+        role = role if role in ("driver", "services") else f"{role}s"
+        out[role] = out.get(role, 0.0) + seconds
+    return out
 
 
-def delivered_fraction(work: Workload, repeats: int) -> dict[str, float]:
-    """Median over steps of the bytes the step delivers to its (DP, CP) groups / (median plan
-    time of the step, counted once as the plan is made once for every rank, + the sum over its
-    groups of the median time of the group's reorganizer reading and packing every micro-batch
-    into a ring and a consumer taking them), over single-thread memcpy bandwidth
-    (``memcpy_ceiling``, timed alternately with the deliveries). Runs in this process with the
-    real reorganizer (its host: ring, publisher, loop) and consumer.
-
-    Deliveries of one group repeat back to back, so part of their 2 x ~15 MB (stored units and
-    ring slots) stays in the last-level cache; ``.cold`` times each delivery right after the
-    256 MiB memcpy instead, i.e. with the units and the ring streaming from DRAM like the
-    memcpy itself. Every time here is CPU time of this thread (``time.thread_time``): the
-    figure is about work, and on a shared machine wall time adds whatever other processes take
-    from the core (memory bandwidth they take still shows, on both sides of the ratio)."""
-    store = work.store
-    rates: dict[str, list[float]] = {"": [], ".cold": []}
-    memcpys = []
-    copy_bytes, copy = memcpy_ceiling()
-    for plan, metas in zip(work.plans, work.metas, strict=True):
-
-        def replan(metas: list[Any] = metas) -> None:
-            plan_minibatch(metas, TOPOLOGY, work.config, (ENCODER,))
-
-        (plan_s,) = median_seconds([replan], repeats, time.thread_time)
-        step_bytes, spent = 0, {suffix: plan_s for suffix in rates}
-        for group in plan.consumers:
-            schema = store.schema(group.micro_batches[0].sequences[0].trajectory_id)
-            layouts = [pack_layout(mb, schema) for mb in group.micro_batches]
-            slot = max(layout.nbytes for layout in layouts)
-            spec = RingSpec.new(num_slots=len(layouts), slot_bytes=slot, num_consumers=1)
-            host = ReorganizerHost(store.backend, spec, owns_ring=True)
-            consumer = MicroBatchConsumer(spec, 0)
-
-            def deliver(group=group, consumer=consumer, host=host) -> None:
-                host.deliver("delivered-fraction", group)
-                for _ in group.micro_batches:
-                    consumer.next_micro_batch().release()
-
-            (warm_s,) = median_seconds([deliver], repeats, time.thread_time)
-            cold_s, copy_s = median_seconds([deliver, copy], repeats, time.thread_time)
-            host.finish()
-            consumer.close()
-            host.close()
-            step_bytes += sum(layout.nbytes for layout in layouts)
-            spent[""] += warm_s
-            spent[".cold"] += cold_s
-            memcpys.append(copy_bytes / copy_s)
-        for suffix, seconds in spent.items():
-            rates[suffix].append(step_bytes / seconds)
-    memcpy = statistics.median(memcpys)
-    figures = {"memcpy_gbps": memcpy / 1e9}
-    for suffix, rate in rates.items():
-        figures[f"knitkit.delivered_fraction_of_memcpy{suffix}"] = statistics.median(rate) / memcpy
-        figures[f"knitkit.delivered_gbps{suffix}"] = statistics.median(rate) / 1e9
-    return figures
-
-
-def memcpy_ceiling(nbytes: int = 256 << 20) -> tuple[int, Callable[[], object]]:
-    """A single-thread memcpy between two pre-touched buffers 8x the last-level cache of this
-    kind of machine (the store's bytes stream from DRAM, not from cache), and its byte count."""
+def memcpy_rate(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes per CPU second of a single-thread memcpy between two pre-touched buffers far larger
+    than the last-level cache (so it streams from DRAM like the store's bytes); the median."""
     source = np.ones(nbytes, dtype=np.uint8)
     target = np.ones(nbytes, dtype=np.uint8)
-    return nbytes, partial(np.copyto, target, source)
-
-
-def median_seconds(
-    fns: list[Callable[[], object]], repeats: int, clock: Callable[[], float] = time.perf_counter
-) -> list[float]:
-    """Median time on ``clock`` (wall time by default) of each of ``fns`` over ``repeats``
-    rounds after one warm-up round; a round calls every function once, so figures that are
-    compared see the same machine state."""
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
+    rates = []
     for _ in range(repeats):
-        for fn, spent in zip(fns, times, strict=True):
-            start = clock()
-            fn()
-            spent.append(clock() - start)
-    return [statistics.median(spent) for spent in times]
+        start = time.thread_time()
+        np.copyto(target, source)
+        rates.append(nbytes / (time.thread_time() - start))
+    return statistics.median(rates)
 
 
 ENGINES = ("ray", "mooncake")
@@ -816,7 +1218,7 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="smaller sizes (about 30 s here, plus Ray + TransferQueue start-up unless --skip-tq)",
+        help="the full run's step shape and every key, over 3 steps instead of 8",
     )
     parser.add_argument("--json", metavar="PATH", help="write the figures as one flat JSON object")
     parser.add_argument("--skip-tq", action="store_true", help="leave out TransferQueue (no Ray)")
@@ -825,18 +1227,16 @@ def main() -> None:
     )
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
-    _progress("planner (in a fresh process, before the other phases)")
-    planner = planner_figures()
+    figures: dict[str, float] = {"loadavg_1m_at_start": os.getloadavg()[0]}
+    _progress("planner (in a fresh process, before the other phases; process time)")
+    figures.update(planner_figures(clock=time.process_time))
     work = build_workload(sizes)
-    _progress(
-        f"stored {len(work.trajectories)} trajectories, planned {len(work.plans)} mini-batches"
-    )
+    _progress(f"stored {sizes.steps} steps of trajectories, planned each")
     try:
-        figures = run_delivery(work, sizes, with_tq=not args.skip_tq)
-        _progress("delivered fraction of memcpy")
-        figures.update(delivered_fraction(work, sizes.repeats))
+        figures.update(run_delivery(work, sizes, with_tq=not args.skip_tq))
     finally:
         work.store.backend.close()
+    figures["matmul_gflop_per_step"] = 2 * sizes.matmul**3 * sizes.matmuls_per_step / 1e9
     _progress("sliced reads")
     figures.update(sliced_read_fractions(sizes))
     if not args.skip_engines:
@@ -844,8 +1244,8 @@ def main() -> None:
 
         for engine in ENGINES:
             _progress(f"sliced reads on {engine}")
-            figures.update(measure(engine, quick=args.quick))
-    figures.update(planner)
+            figures.update(measure(engine))
+    figures["loadavg_1m_at_end"] = os.getloadavg()[0]
     print_table(figures)
     if args.json:
         with open(args.json, "w") as f:
@@ -854,43 +1254,53 @@ def main() -> None:
 
 def print_table(figures: dict[str, float]) -> None:
     print(
-        f"DP2 x CP2 x TP2 consumers, GRPO groups of 8 with images, {figures['steps']:.0f} steps of "
+        f"DP2 x CP2 x TP2 ranks, GRPO groups of 8 with images, {figures['steps']:.0f} steps of "
         f"{figures['micro_batches_per_step']:.0f} micro-batches, "
-        f"{figures['bytes_consumed_per_step'] / 2**20:.1f} MiB consumed per step, look-ahead "
-        f"{DEPTH} micro-batches, {figures['compute_s_per_step']:.2f} s compute per step"
+        f"{figures['bytes_consumed_per_step'] / 2**20:.1f} MiB consumed per step; compute "
+        f"{figures['matmul_gflop_per_step']:.0f} GFLOP per rank and step "
+        f"({figures['oracle.compute_s_per_step']:.2f} s of a rank's thread); oracle step "
+        f"{figures['oracle.step_wall_s']:.3f} s"
     )
-    header = f"{'method':<15}{'eager s/step':>14}{'lookahead s/step':>18}{'CPU s/step':>12}"
-    print(header + f"{'read/consumed':>15}{'fields':>9}{'image':>9}")
+    header = f"{'method':<14}{'eager s':>9}{'ahead1 s':>10}{'ahead2 s':>10}{'step s':>8}"
+    print(header + f"{'overhead':>10}{'ahead2':>8}{'CPU s/step':>12}{'read/consumed':>15}")
     for method in METHODS:
         if f"{method}.bytes_read_ratio" not in figures:
             continue
         print(
-            f"{method:<15}{figures[f'eager.{method}.exposed_s_per_step']:>14.4f}"
-            f"{figures[f'lookahead.{method}.exposed_s_per_step']:>18.4f}"
+            f"{method:<14}{figures[f'eager.{method}.exposed_s_per_step']:>9.4f}"
+            f"{figures[f'lookahead.{method}.exposed_s_per_step']:>10.4f}"
+            f"{figures[f'lookahead2.{method}.exposed_s_per_step']:>10.4f}"
+            f"{figures[f'{method}.step_wall_s']:>8.3f}"
+            f"{figures[f'{method}.step_wall_overhead']:>10.1%}"
+            f"{figures[f'lookahead2.{method}.step_wall_overhead']:>8.1%}"
             f"{figures[f'{method}.cpu_s_per_step']:>12.3f}"
             f"{figures[f'{method}.bytes_read_ratio']:>15.2f}"
-            f"{figures[f'{method}.bytes_read_ratio.fields']:>9.2f}"
-            f"{figures[f'{method}.bytes_read_ratio.image']:>9.2f}"
         )
-    for regime in REGIMES:
-        knitkit = max(figures[f"{regime}.knitkit.exposed_s_per_step"], 1e-9)
-        for method in METHODS[1:]:
-            if f"{regime}.{method}.exposed_s_per_step" in figures:
-                ratio = figures[f"{regime}.{method}.exposed_s_per_step"] / knitkit
-                print(f"{regime}: exposed {method} / knitkit = {ratio:.1f}x")
+    knitkit = figures["knitkit.cpu_s_per_step"]
+    for method in METHODS[1:]:
+        if f"{method}.cpu_s_per_step" in figures:
+            eager = figures[f"eager.{method}.exposed_s_per_step"]
+            eager /= max(figures["eager.knitkit.exposed_s_per_step"], 1e-9)
+            print(
+                f"{method} / knitkit: eager exposed {eager:.1f}x, CPU per step "
+                f"{figures[f'{method}.cpu_s_per_step'] / knitkit:.1f}x"
+            )
     print(
-        f"knitkit delivery: {figures['knitkit.delivered_gbps']:.2f} GB/s per rank, "
-        f"{figures['knitkit.delivered_fraction_of_memcpy']:.2f} of memcpy; from DRAM (cold): "
-        f"{figures['knitkit.delivered_gbps.cold']:.2f} GB/s, "
-        f"{figures['knitkit.delivered_fraction_of_memcpy.cold']:.2f} of memcpy"
+        f"knitkit delivery: {figures['knitkit.delivered_gbps']:.2f} GB per CPU second of every "
+        f"knitkit process, {figures['knitkit.delivered_fraction_of_memcpy']:.2f} of memcpy "
+        f"({figures['memcpy_gbps']:.1f} GB/s)"
     )
     print(f"{'sliced read':<15}{'fraction of ceiling':>22}")
     for name in ("memory", "shm", "disk", "disk_cold", *ENGINES):
         if f"sliced_read.{name}.fraction_of_ceiling" in figures:
             print(f"{name:<15}{figures[f'sliced_read.{name}.fraction_of_ceiling']:>22.2f}")
     print(
-        f"planner median: {figures['planner_ms']:.1f} ms (DP32 x CP2 x TP4, 4096 trajectories), "
-        f"{figures['planner_ms.dp128_16k']:.1f} ms (DP128 x CP2 x TP4, 16384)"
+        f"planner median (process time): {figures['planner_ms']:.1f} ms (DP32 x CP2 x TP4, 4096 "
+        f"trajectories), {figures['planner_ms.dp128_16k']:.1f} ms (DP128 x CP2 x TP4, 16384)"
+    )
+    print(
+        f"load average (1 min) at start / end: {figures['loadavg_1m_at_start']:.1f} / "
+        f"{figures['loadavg_1m_at_end']:.1f} on {os.cpu_count()} CPUs"
     )
 
 

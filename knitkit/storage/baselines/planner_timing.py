@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 
 from knitkit.storage.baselines.synthetic import synthetic_metas
@@ -17,9 +18,11 @@ def planner_ms(
     topology: Topology | None = None,
     repeats: int = 5,
     seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Median wall time (ms) over ``repeats`` calls of ``plan_minibatch`` on a synthetic
-    mini-batch, after one untimed warm-up call, in this process as it is (garbage collector on).
+    """Median time on ``clock`` (ms; wall time by default, ``time.process_time`` for the CPU of
+    this process) over ``repeats`` calls of ``plan_minibatch`` on a synthetic mini-batch, after
+    one untimed warm-up call, in this process as it is (garbage collector on).
 
     As in a trainer, the previous plan stays alive while the next is planned, and each timed call
     includes the garbage collection its allocations leave due: ``plan_minibatch`` pauses the
@@ -37,17 +40,20 @@ def planner_ms(
     previous = plan_minibatch(metas, topology, config, encoders)
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         plan = plan_minibatch(metas, topology, config, encoders)
         held = [previous, plan]  # the next allocation: runs the collection the call left due
-        times.append((time.perf_counter() - start) * 1e3)
+        times.append((clock() - start) * 1e3)
         del held
         previous = plan  # the plan before is freed here, outside the timing
     return statistics.median(times)
 
 
-def planner_figures(repeats: int = 15, timeout_s: float = 600.0) -> dict[str, float]:
-    """The ``planner_ms`` and ``planner_ms.dp128_16k``, timed in a fresh spawned process.
+def planner_figures(
+    repeats: int = 15, timeout_s: float = 600.0, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, float]:
+    """The ``planner_ms`` and ``planner_ms.dp128_16k``, timed on ``clock`` (a picklable function:
+    ``time.perf_counter``, ``time.process_time``) in a fresh spawned process.
 
     A fresh interpreter holds only knitkit and its imports, so neither a benchmark's earlier
     phases (their heap, their threads) nor its warm caches change the figures; ``timeout_s``
@@ -55,11 +61,13 @@ def planner_figures(repeats: int = 15, timeout_s: float = 600.0) -> dict[str, fl
     """
     context = mp.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(_contract_figures, repeats).result(timeout=timeout_s)
+        return pool.submit(_contract_figures, repeats, clock).result(timeout=timeout_s)
 
 
-def _contract_figures(repeats: int) -> dict[str, float]:
+def _contract_figures(repeats: int, clock: Callable[[], float]) -> dict[str, float]:
     return {
-        "planner_ms": planner_ms(repeats=repeats),
-        "planner_ms.dp128_16k": planner_ms(16384, Topology(dp=128, cp=2, tp=4), repeats=repeats),
+        "planner_ms": planner_ms(repeats=repeats, clock=clock),
+        "planner_ms.dp128_16k": planner_ms(
+            16384, Topology(dp=128, cp=2, tp=4), repeats=repeats, clock=clock
+        ),
     }

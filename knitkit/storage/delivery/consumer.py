@@ -13,7 +13,7 @@ import numpy as np
 
 from knitkit.storage.backends.lost import UnitsLostError, lost_units_in
 from knitkit.storage.backends.segments import pid_alive
-from knitkit.storage.delivery.liveness import WaitSlices
+from knitkit.storage.delivery.liveness import CHECK_EVERY_S, WaitSlices
 from knitkit.storage.delivery.slot_ring import (
     DONE,
     FAILED,
@@ -332,7 +332,7 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
 
     def _wait_published(self, seq: int, timeout_s: float, cancel: threading.Event | None) -> None:
         ring = self._ring
-        slices = WaitSlices(timeout_s)
+        slices = WaitSlices(timeout_s, min(CHECK_EVERY_S, self._liveness_timeout_s / 4))
         while True:
             seen = ring.notified  # before the checks: an event after them changes it
             if ring.published > seq:

@@ -33,8 +33,9 @@ _MADV_POPULATE_READ = 22
 """Linux >= 5.14: fault a range's pages in (read) without touching them from Python."""
 _META_HEADER = struct.Struct("<qq")
 """Before each slot's layout record: the micro-batch's seq and the record's length."""
-HEARTBEAT_S = 0.05
-"""How often an idle producer refreshes its heartbeat (a busy one beats on progress)."""
+HEARTBEAT_S = 0.25
+"""How often an idle producer refreshes its heartbeat (a busy one beats on progress); a
+consumer's ``liveness_timeout_s`` must span several beats (default 30 s)."""
 
 
 class RingClosedError(RuntimeError):
