@@ -142,11 +142,18 @@ def check_dtype(name: str, dtype: np.dtype) -> None:
 
 def _check_layout(layout: MicroBatchLayout) -> None:
     for view in layout.fields:
-        try:
-            dtype = np.dtype(view.dtype)
-        except TypeError:
-            raise ValueError(f"field {view.name!r} has unknown dtype {view.dtype!r}") from None
-        check_dtype(view.name, dtype)
+        _check_field(view.name, view.dtype)
+
+
+@lru_cache(maxsize=256)
+def _check_field(name: str, dtype_name: str) -> None:
+    """``check_dtype`` by names, cached: every micro-batch repeats its fields (a failure is not
+    cached, so it raises every time)."""
+    try:
+        dtype = np.dtype(dtype_name)
+    except TypeError:
+        raise ValueError(f"field {name!r} has unknown dtype {dtype_name!r}") from None
+    check_dtype(name, dtype)
 
 
 @lru_cache(maxsize=32)
