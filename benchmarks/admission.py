@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import time
 
 import numpy as np
+from progress import Progress
 
 from knitkit.admission import POLICY_NAMES, AdmissionController, SourceQuota, build_controller
 from knitkit.admission.replay import (
@@ -32,14 +32,7 @@ from knitkit.admission.replay import (
 )
 from knitkit.types import TrajectoryMeta
 
-_START = time.perf_counter()
-
-
-def progress(message: str) -> None:
-    """One line on stderr with the time since the benchmark started."""
-    print(
-        f"[admission {time.perf_counter() - _START:7.1f} s] {message}", file=sys.stderr, flush=True
-    )
+progress = Progress("admission")
 
 
 def replay_figures(

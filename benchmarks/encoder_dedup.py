@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from progress import Progress
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -68,6 +69,8 @@ from knitkit.encoder_dedup import (
     row_slices,
 )
 from knitkit.types import MultimodalRef, UnitKey
+
+progress = Progress("encoder_dedup")
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,6 +413,7 @@ def main() -> None:
     )
     for case in CASES:
         f = measure(size, case)
+        progress(f"case {case.name}: done")
         figures.update(f)
         k = case.name
         print(

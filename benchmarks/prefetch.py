@@ -43,10 +43,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from progress import Progress
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from knitkit.microbatch_iter import MicroBatchIterator, PackedMicroBatch, field_tensors
 from knitkit.types import MicroBatchLayout
+
+progress = Progress("prefetch")
 
 MiB = 1 << 20
 TRAJECTORIES = 16
@@ -341,6 +344,9 @@ def measure(
         finally:
             source.close()
         rows.append(row)
+        progress(
+            f"{device}, X {compute_ms:g} ms, Y {prep_ms:g} ms: repeat {len(rows)}/{repeats} done"
+        )
     out = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     for baseline, suffix in (("dataloader", ""), ("thread", ".thread")):
         if baseline in methods:

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+from progress import Progress
 
 from knitkit.storage import (
     MicroBatchConsumer,
@@ -41,6 +42,8 @@ from knitkit.storage import (
     UnitBackend,
     plan_minibatch,
 )
+
+progress = Progress("soak")
 
 TOPOLOGY = Topology(dp=4, cp=1, tp=1)
 CONFIG = PlannerConfig(
@@ -209,6 +212,7 @@ def main() -> None:
     results: dict[str, float] = {"loadavg_1m_at_start": os.getloadavg()[0]}
     for kind in args.backends.split(","):
         results.update(run_backend(kind, cycles, warmup))
+        progress(f"{kind}: {cycles} cycles done")
     results["loadavg_1m_at_end"] = os.getloadavg()[0]
     width = max(len(k) for k in results)
     print(f"{'figure':<{width}}  value")

@@ -31,7 +31,6 @@ import os
 import pickle
 import queue
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 import psutil
 import torch
+from progress import Progress
 
 from knitkit.integration.sliced_read import time_ratio
 from knitkit.microbatch_iter import MicroBatchIterator
@@ -74,6 +74,8 @@ from knitkit.storage.baselines import (
 from knitkit.storage.delivery import ReorganizerHost
 from knitkit.storage.planning import pack_layout, padded_lengths
 from knitkit.types import UnitKey
+
+progress = Progress("transfer")
 
 FIELDS = ("tokens", "logprobs", "loss_mask", "routing", "topp_mask")
 SCALARS = ("reward",)
@@ -733,10 +735,6 @@ def _share_bytes(setup: RankSetup) -> dict[str, int]:
     return out
 
 
-def _progress(message: str, start: float = time.perf_counter()) -> None:
-    print(f"[{time.perf_counter() - start:6.1f} s] {message}", file=sys.stderr, flush=True)
-
-
 def _cpu_clock(pid: int) -> int:
     """The CPU-time clock id of process ``pid`` (NOTE [ Process CPU clocks ])."""
     return ((~pid) << 3) | 2
@@ -907,7 +905,7 @@ def run_delivery(work: Workload, sizes: Sizes, with_tq: bool) -> dict[str, float
         pids = {rank_name(r): p.pid for r, p in zip(RANKS, processes, strict=True)}
         barrier.wait(BARRIER_TIMEOUT_S)  # ranks ready (the oracle's micro-batches packed)
         for phase in phases:
-            _progress(f"{phase.name}")
+            progress(f"{phase.name}")
             involved = _Processes(pids)
             if phase.method == "knitkit":
                 involved.reorganizers = knitkit.prepare(phase)
@@ -923,7 +921,7 @@ def run_delivery(work: Workload, sizes: Sizes, with_tq: bool) -> dict[str, float
                     assert tq_config is not None
                     for _ in RANKS:
                         tq_config.put(config)
-                    _progress("TransferQueue started and loaded")
+                    progress("TransferQueue started and loaded")
                 involved.services = tq_process.pid
             elif tq_process is not None:
                 tq_stop.set()
@@ -931,7 +929,7 @@ def run_delivery(work: Workload, sizes: Sizes, with_tq: bool) -> dict[str, float
                 tq_process = None
             records[phase.name] = _run_phase(phase, barrier, involved, meter, knitkit, len(plans))
         got = [results.get(timeout=BARRIER_TIMEOUT_S) for _ in RANKS]
-        _progress("delivery done")
+        progress("delivery done")
     except BaseException:
         barrier.abort()
         raise
@@ -1228,22 +1226,22 @@ def main() -> None:
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
     figures: dict[str, float] = {"loadavg_1m_at_start": os.getloadavg()[0]}
-    _progress("planner (in a fresh process, before the other phases; process time)")
+    progress("planner (in a fresh process, before the other phases; process time)")
     figures.update(planner_figures(clock=time.process_time))
     work = build_workload(sizes)
-    _progress(f"stored {sizes.steps} steps of trajectories, planned each")
+    progress(f"stored {sizes.steps} steps of trajectories, planned each")
     try:
         figures.update(run_delivery(work, sizes, with_tq=not args.skip_tq))
     finally:
         work.store.backend.close()
     figures["matmul_gflop_per_step"] = 2 * sizes.matmul**3 * sizes.matmuls_per_step / 1e9
-    _progress("sliced reads")
+    progress("sliced reads")
     figures.update(sliced_read_fractions(sizes))
     if not args.skip_engines:
         from knitkit.integration.sliced_read import measure
 
         for engine in ENGINES:
-            _progress(f"sliced reads on {engine}")
+            progress(f"sliced reads on {engine}")
             figures.update(measure(engine))
     figures["loadavg_1m_at_end"] = os.getloadavg()[0]
     print_table(figures)

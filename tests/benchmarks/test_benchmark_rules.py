@@ -23,6 +23,8 @@ BOUND_S = 60.0
 
 
 def _load(name: str) -> ModuleType:
+    if str(BENCHMARKS) not in sys.path:  # as when run as a script: siblings (progress.py) import
+        sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(
         f"_knitkit_bench_{name}", BENCHMARKS / f"{name}.py"
     )
