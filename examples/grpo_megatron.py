@@ -11,6 +11,11 @@ a KL term to the frozen reference, and the optimizer step (megatron-core's Adam 
 CPU ``torch.optim.AdamW`` over ``main_grad``, see NOTE [ Optimizer on CPU ] in grpo/model.py).
 Per-step figures go through ``knitkit.metrics`` (``--tensorboard DIR``).
 
+``--checkpoint-dir DIR`` saves the model, the optimizer, the driver and the rollout at every
+step boundary, atomically (``grpo/resume.py``); ``--resume`` continues from the newest complete
+checkpoint there (after a crash: kill the job at any point, start it again with ``--resume``);
+``--ledger DIR`` keeps the exactly-once ledger of what each DP group trained.
+
 ``--reference`` then runs the same loop without knitkit (``grpo/plain.py``: every rank loads
 its share of the same admitted trajectories itself, no dedup, log-probs recomputed per pass) and
 prints how far the two are apart; ``--json PATH`` writes both histories and that comparison.
@@ -22,6 +27,7 @@ Run: torchrun --standalone --nproc-per-node 4 examples/grpo_megatron.py
 from __future__ import annotations
 
 import argparse
+import io
 import json
 from collections.abc import Mapping
 from contextlib import ExitStack
@@ -29,15 +35,18 @@ from dataclasses import asdict
 from pathlib import Path
 
 import megatron_common as common
+import torch
 import torch.distributed as dist
 from grpo.compare import Check, Comparison, compare, snapshot
 from grpo.config import GRPOConfig
 from grpo.knit import knitkit_loop
 from grpo.model import build_models, build_optimizer
 from grpo.plain import plain_loop
+from grpo.resume import Checkpointing
 from grpo.train import StepRecord, Trainer
 from megatron_wrap import MAX_SEQ
 
+from knitkit.job.checkpoint import CheckpointDir, write_file
 from knitkit.metrics import FanOut, MetricsObserver, TensorBoardObserver
 
 TENSOR_PARALLEL = 2
@@ -86,9 +95,32 @@ def main() -> None:
         "--reference", action="store_true", help="also run the plain loop and compare"
     )
     parser.add_argument("--json", type=Path, help="rank 0 writes the histories here")
+    parser.add_argument("--checkpoint-dir", type=Path, help="checkpoint at every step boundary")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=1, help="save every N optimizer steps"
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    parser.add_argument("--ledger", type=Path, help="exactly-once ledger directory")
+    parser.add_argument(
+        "--final-params", type=Path, help="every rank saves its final policy here (rank<r>.pt)"
+    )
     common.tensorboard_argument(parser)
     args = parser.parse_args()
+    if (args.resume or args.ledger) and not args.checkpoint_dir:
+        parser.error("--resume and --ledger need --checkpoint-dir")
+    if args.checkpoint_dir and args.reference:
+        parser.error("--reference compares an uninterrupted run: leave out --checkpoint-dir")
     run = GRPOConfig(steps=args.steps)
+    checkpoint = (
+        Checkpointing(
+            CheckpointDir(args.checkpoint_dir),
+            every=args.checkpoint_every,
+            resume=args.resume,
+            ledger_dir=args.ledger,
+        )
+        if args.checkpoint_dir
+        else None
+    )
     with common.megatron_world(tensor_parallel=TENSOR_PARALLEL), ExitStack() as stack:
         observers: list[MetricsObserver] = []
         if dist.get_rank() == 0:
@@ -97,7 +129,12 @@ def main() -> None:
                 observers.append(stack.enter_context(TensorBoardObserver(args.tensorboard)))
         trainer = new_trainer(run, keep_gradients=args.reference)
         initial = snapshot(trainer.policy)
-        history = knitkit_loop(run, trainer, FanOut(*observers))
+        history = knitkit_loop(run, trainer, FanOut(*observers), checkpoint=checkpoint)
+        if args.final_params:
+            args.final_params.mkdir(mode=0o700, parents=True, exist_ok=True)
+            buffer = io.BytesIO()
+            torch.save(trainer.policy.state_dict(), buffer)
+            write_file(args.final_params / f"rank{dist.get_rank()}.pt", buffer.getvalue())
         report: dict[str, object] = {"knitkit": _records(history)}
         if args.reference:
             plain = new_trainer(run, keep_gradients=True)

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from grpo.clock import StepClock
 from grpo.config import GRPOConfig
 from grpo.loss import token_weights
-from grpo.rollout import Group, RolloutStandIn
+from grpo.resume import Checkpointing
+from grpo.rollout import Group, RolloutStandIn, generate_group, parse_trajectory_id
 from grpo.train import Dedup, StepRecord, Trainer, figure_names
 from knitkit.admission import SourceQuota, build_controller
 from knitkit.integration.megatron import (
@@ -119,6 +120,7 @@ def knitkit_loop(
     *,
     clock: StepClock | None = None,
     feed_ahead: bool = False,
+    checkpoint: Checkpointing | None = None,
 ) -> list[StepRecord]:
     """``run.steps`` GRPO steps fed by knitkit: the driver on global rank 0, a handle on every rank.
 
@@ -126,6 +128,8 @@ def knitkit_loop(
     step's mini-batch is admitted (``feed_ahead``: every step's, before the first); then every
     rank takes the step's passes from its handle (old log-probs, reference log-probs, train),
     each under ``DedupVLMStep.run``. ``clock`` times each step's data path on this rank.
+    ``checkpoint``: resume from its newest checkpoint (model, optimizer, driver, rollout) and
+    save one at every ``every``-th step boundary; the history then holds the steps run here.
     """
     layout = MegatronLayout.from_parallel_state()
     driver = build_driver(run, layout) if dist.get_rank() == 0 else None
@@ -138,10 +142,12 @@ def knitkit_loop(
         )
         try:
             history = _steps(
-                run, trainer, driver, handle, observe, clock or StepClock(), feed_ahead
+                run, trainer, driver, handle, observe, clock or StepClock(), feed_ahead, checkpoint
             )
         finally:
             handle.close()
+            if checkpoint is not None:
+                checkpoint.close()
         if driver is not None:
             driver.drain()  # every pass consumed and every mini-batch released; raises its failure
         return history
@@ -158,13 +164,21 @@ def _steps(
     observe: MetricsObserver | None,
     clock: StepClock,
     feed_ahead: bool,
+    checkpoint: Checkpointing | None,
 ) -> list[StepRecord]:
     models = {"old": trainer.policy, "ref": trainer.reference, "train": trainer.policy}
     dedup = {id(m): DedupVLMStep(m, vision="vision") for m in (trainer.policy, trainer.reference)}
-    feed = _Feed(run, driver) if driver is not None else None
+    feed = _Feed(run, driver, checkpoint) if driver is not None else None
+    coords = handle.handle.coords
+    done = 0
+    if checkpoint is not None:
+        done = checkpoint.open(f"dp{coords.dp}-cp{coords.cp}", writer=coords.tp == 0)
+        checkpoint.load_trainer(trainer)
+        if feed is not None and done:
+            feed.resume(checkpoint.knitkit_state(done))
     history = []
-    for step in range(1, run.steps + 1):
-        if feed is not None and (step == 1 or not feed_ahead):
+    for step in range(done + 1, run.steps + 1):
+        if feed is not None and (step == done + 1 or not feed_ahead):
             feed.until_admitted(run.steps if feed_ahead else step)
             if feed_ahead or step == run.steps:
                 feed.driver.finish()
@@ -193,6 +207,15 @@ def _steps(
                     ids = trajectory_ids(work.work.plan)
                 with clock.data("done"):
                     work.done()
+            if checkpoint is not None:
+                if checkpoint.ledger is not None:
+                    mine = sorted(
+                        s.trajectory_id
+                        for mb in work.work.consumer.micro_batches
+                        for s in mb.sequences
+                    )
+                    checkpoint.ledger.record(work.minibatch_id, work.pass_.name, mine)
+                checkpoint.kill.hit("pass")
         timings = clock.stop()
         if driver is not None:  # the reorganizers read for every rank
             timings["bytes_read"] = _bytes_read(driver) - read_before
@@ -200,6 +223,8 @@ def _steps(
         if observe is not None:
             extra = feed.driver.metrics() if feed is not None else {}
             observe(step, merge(extra, handle.metrics(), figure_names(figures)))
+        if checkpoint is not None and (step % checkpoint.every == 0 or step == run.steps):
+            checkpoint.save(step, trainer, lambda s=step: feed.state(s) if feed else {})
     return history
 
 
@@ -213,8 +238,9 @@ def _bytes_read(driver: Driver | None) -> float:
 class _Feed:
     """Rank 0's rollout: the stand-in's groups through the SGLang adapter into the driver."""
 
-    def __init__(self, run: GRPOConfig, driver: Driver) -> None:
+    def __init__(self, run: GRPOConfig, driver: Driver, checkpoint: Checkpointing | None) -> None:
         self.driver = driver
+        self.checkpoint = checkpoint
         self.rollout = RolloutStandIn(run.rollout)
         self.sink = ScoredSink(driver)
         self.writer = RolloutWriter(
@@ -227,3 +253,37 @@ class _Feed:
             group = self.rollout.next_group()
             self.sink.score(group)
             self.writer.add_batch(group.requests, group.outputs)
+            if self.checkpoint is not None:
+                self.checkpoint.kill.hit("rollout")
+
+    def state(self, trained: int) -> dict[str, object]:
+        """The driver's and the rollout's state at a step boundary (``trained`` steps done)."""
+        return {
+            "driver": self.driver.state_dict(trained=trained),
+            "rollout": self.rollout.state_dict(),
+        }
+
+    def resume(self, state: dict[str, object]) -> None:
+        """Restore the driver and the rollout; re-write the trajectories the driver names (the
+        stand-in regenerates them: NOTE [ Keyed rollout draws ]); in-flight prompts are
+        re-issued by the rollout's own state, trajectories written after the checkpoint are
+        dropped (see NOTE [ Resume rule ] in knitkit/job/checkpoint_state.py)."""
+        self.driver.load_state_dict(state["driver"])  # type: ignore[arg-type]
+        self.rollout.load_state_dict(state["rollout"])  # type: ignore[arg-type]
+        wanted = self.driver.reissue()
+        groups: dict[tuple[int, int], list[str]] = {}
+        for tid in wanted:
+            step, index, _ = parse_trajectory_id(tid)
+            groups.setdefault((step, index), []).append(tid)
+        for (step, index), ids in groups.items():
+            group = generate_group(self.rollout.config, step, index)
+            self.sink.score(group)
+            keep = [i for i, r in enumerate(group.requests) if r.trajectory_id in set(ids)]
+            for i, request in enumerate(group.requests):
+                if i not in keep:
+                    del self.sink.scores[request.trajectory_id]
+            self.writer.add_batch(
+                [group.requests[i] for i in keep], [group.outputs[i] for i in keep]
+            )
+            if self.checkpoint is not None:
+                self.checkpoint.kill.hit("rollout")

@@ -54,6 +54,13 @@ class MainGradAdamW:
         for param in self._params:
             param.grad = None
 
+    def state_dict(self) -> dict[str, Any]:
+        """Adam's moments and step counts (``torch.optim`` convention: tensors and plain data)."""
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._optimizer.load_state_dict(state)
+
 
 def build_optimizer(model: Any, config: OptimConfig) -> Any:
     """megatron-core's Adam over the DDP model with CUDA; ``MainGradAdamW`` without (NOTE [ Optimizer on CPU ])."""

@@ -10,6 +10,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from knitkit.job.pool import ReorganizerDied, numbering, successor_ring, tagged
 from knitkit.storage import (
     ConsumerPlan,
     EncoderRankPlan,
@@ -80,12 +81,19 @@ class RayDispatcher:
         self._placement = {name: placement.get(name, here) for name in groups}
         self.rings: dict[str, RingSpec] = {}
         self._actors: dict[str, ActorHandle] = {}
-        self._pending: dict[str, list[ray.ObjectRef]] = {name: [] for name in groups}
+        self._pending: dict[str, list[_Pending]] = {name: [] for name in groups}
+        """Per group, the ``deliver`` calls ``submit`` queued that ``check`` has not seen end
+        well (a restart re-submits them: see NOTE [ Reorganizer restart ] in knitkit/job)."""
+        self._numbers = {name: numbering() for name in groups}
         self._retired_read = self._retired_published = 0
         """Figures of replaced actors, taken before they closed."""
-        """Per group, the ``deliver`` calls ``submit`` queued that ``check`` has not seen end."""
         for name in groups:
-            self._start(name)
+            self._start(
+                name,
+                RingSpec.new(
+                    num_slots=ring.num_slots, slot_bytes=ring.slot_bytes, num_consumers=groups[name]
+                ),
+            )
         self.nodes: dict[str, tuple[str, int]] = dict(
             zip(groups, ray.get([a.where.remote() for a in self._actors.values()]), strict=True)
         )
@@ -120,40 +128,46 @@ class RayDispatcher:
             raise KeyError(
                 f"no reorganizer for consumer group {name!r}; groups: {sorted(self._actors)}"
             )
-        self._pending[name].append(self._actors[name].deliver.remote(minibatch_id, assignment))
+        self._deliver(name, tagged(minibatch_id, next(self._numbers[name])), assignment)
 
     def check(self) -> None:
         """Raise ``ReorganizerFailedError`` naming the group whose ``deliver`` failed (the
-        actor's error, or its death); finished calls are forgotten (``ReorganizerPool``)."""
+        actor's error), ``ReorganizerDied`` (a subclass) if its actor died; calls that ended
+        well are forgotten (``ReorganizerPool``)."""
         from knitkit.job import ReorganizerFailedError
 
-        for name, refs in self._pending.items():
-            if not refs:
+        for name, pending in self._pending.items():
+            if not pending:
                 continue
-            done, left = ray.wait(refs, num_returns=len(refs), timeout=0)
-            self._pending[name] = left
-            for ref in done:
+            done, _ = ray.wait([p.ref for p in pending], num_returns=len(pending), timeout=0)
+            ended = set(done)
+            while pending and pending[0].ref in ended:  # in order: a deliver follows the last
                 try:
-                    ray.get(ref)
+                    ray.get(pending[0].ref)
+                except ray.exceptions.RayActorError as error:
+                    raise ReorganizerDied(name, self._stopped(name, error)) from None
                 except (ray.exceptions.RayError, RuntimeError) as error:
-                    raise ReorganizerFailedError(
-                        f"the reorganizer actor of {name} (ring {self.rings[name].name!r}) "
-                        f"failed: {error}"
-                    ) from None
+                    raise ReorganizerFailedError(self._stopped(name, error)) from None
+                pending.pop(0)
 
     def replace(self, name: str) -> RingSpec:
-        """Retire group ``name``'s actor and start a fresh one on a new ring, on the same node;
-        returns the new ring (``ReorganizerPool``: consumers attach to it, the caller re-submits
-        the group's unfinished assignments)."""
-        old, old_spec = self._actors[name], self.rings[name]
-        try:
-            figures: list[int] = ray.get(
-                [old.bytes_read.remote(), old.published.remote()], timeout=30
+        """Retire group ``name``'s actor and start a fresh one on its ``successor_ring``, on the
+        same node, re-submitting every ``deliver`` not seen to end well (``ReorganizerPool``;
+        its ranks move to the new ring by themselves: NOTE [ Reorganizer restart ] in
+        knitkit/job). ``ReorganizerFailedError`` if the group's node is gone (its ranks are
+        gone with it) or the fresh actor does not start within ``_START_S``."""
+        from knitkit.job import ReorganizerFailedError
+
+        node = self._placement[name]
+        if node not in {n["NodeID"] for n in ray.nodes() if n["Alive"]}:
+            raise ReorganizerFailedError(
+                f"cannot restart the reorganizer of {name}: its node {node} is gone, and the "
+                "group's ranks with it; resume the job from its last checkpoint"
             )
-            self._retired_read += figures[0]
-            self._retired_published += figures[1]
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            pass  # a dead actor's figures are gone with it
+        old, old_spec = self._actors[name], self.rings[name]
+        figures = _figures(old)
+        self._retired_read += figures[0]
+        self._retired_published += figures[1]
         try:
             ray.get(old.close.remote(), timeout=30)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
@@ -166,9 +180,19 @@ class RayDispatcher:
                 timeout=30,
             )
         ray.kill(old)
-        self._pending[name] = []
-        self._start(name)
-        self.nodes[name] = cast(tuple[str, int], ray.get(self._actors[name].where.remote()))
+        unfinished, self._pending[name] = _not_returned(self._pending[name]), []
+        self._start(name, successor_ring(old_spec))
+        try:
+            where = cast(
+                tuple[str, int], ray.get(self._actors[name].where.remote(), timeout=_START_S)
+            )
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as error:
+            raise ReorganizerFailedError(
+                f"the restarted reorganizer of {name} did not start on node {node}: {error}"
+            ) from None
+        self.nodes[name] = where
+        for entry in unfinished:
+            self._deliver(name, entry.tag, entry.assignment)
         return self.rings[name]
 
     def bytes_read(self) -> dict[str, int]:
@@ -187,14 +211,13 @@ class RayDispatcher:
         - ``knitkit/delivery/reorganizer_bytes_read``: payload bytes read from storage;
         - ``knitkit/delivery/reorganizer_published``: micro-batches published.
         """
-        actors = list(self._actors.values())
-        read: list[int] = ray.get([a.bytes_read.remote() for a in actors])
-        published: list[int] = ray.get([a.published.remote() for a in actors])
+        read, published = self._retired_read, self._retired_published
+        for actor in self._actors.values():
+            figures = _figures(actor)
+            read, published = read + figures[0], published + figures[1]
         return {
-            "knitkit/delivery/reorganizer_bytes_read": float(sum(read) + self._retired_read),
-            "knitkit/delivery/reorganizer_published": float(
-                sum(published) + self._retired_published
-            ),
+            "knitkit/delivery/reorganizer_bytes_read": float(read),
+            "knitkit/delivery/reorganizer_published": float(published),
         }
 
     def finish(self) -> None:
@@ -232,17 +255,62 @@ class RayDispatcher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _start(self, name: str) -> None:
-        """A fresh actor (and ring) for group ``name`` on its node."""
-        ring = self._ring
-        spec = RingSpec.new(
-            num_slots=ring.num_slots, slot_bytes=ring.slot_bytes, num_consumers=self._sizes[name]
-        )
+    def _start(self, name: str, spec: RingSpec) -> None:
+        """A fresh actor for group ``name`` on its node, publishing into ring ``spec``."""
         self.rings[name] = spec
         self._actors[name] = ReorganizerActor.options(  # type: ignore[attr-defined]
             scheduling_strategy=_on(self._placement[name]),
             name=f"knitkit-reorganizer/{spec.name}",
         ).remote(self._backend, spec)
+
+    def _deliver(self, name: str, tag: str, assignment: ConsumerPlan | EncoderRankPlan) -> None:
+        ref: ray.ObjectRef = self._actors[name].deliver.remote(tag, assignment)
+        self._pending[name].append(_Pending(ref, tag, assignment))
+
+    def _stopped(self, name: str, error: BaseException) -> str:
+        return (
+            f"the reorganizer actor of {name} (ring {self.rings[name].name!r}, node "
+            f"{self.nodes[name][0]}) failed: {error}"
+        )
+
+
+_START_S = 120.0
+"""Bound of a restarted actor's start (its node may be gone: the job then fails, named)."""
+
+
+def _figures(actor: ActorHandle) -> tuple[int, int]:
+    """An actor's (bytes read, micro-batches published); (0, 0) once it is dead (its figures
+    are gone with it). Its figure methods run beside a blocked ``deliver`` (the control group)."""
+    try:
+        figures: list[int] = ray.get(
+            [actor.bytes_read.remote(), actor.published.remote()], timeout=30
+        )
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return 0, 0
+    return int(figures[0]), int(figures[1])
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A ``deliver`` call: its result, and what to re-submit if its actor dies first."""
+
+    ref: ray.ObjectRef
+    tag: str
+    assignment: ConsumerPlan | EncoderRankPlan
+
+
+def _not_returned(pending: list[_Pending]) -> list[_Pending]:
+    """The calls of a killed actor that did not return: one that returned before the death
+    handed out every micro-batch (its mini-batch may be released since), so it is not re-served.
+    Bounded: a killed actor's calls resolve at once, to their result or to its death."""
+    ray.wait([p.ref for p in pending], num_returns=len(pending), timeout=_START_S)
+    out = []
+    for call in pending:
+        try:
+            ray.get(call.ref, timeout=0)
+        except (ray.exceptions.RayError, RuntimeError):
+            out.append(call)
+    return out
 
 
 @ray.remote(num_cpus=0)

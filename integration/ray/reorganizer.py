@@ -18,13 +18,16 @@ from knitkit.storage.delivery import ReorganizerHost
 # /dev/shm segment on its node in __init__ and unlinks it in close(). Consumers are the group's
 # TP ranks on the same node; they attach with `MicroBatchConsumer(spec, tp_rank)`.
 # `deliver` calls run one after another in submission order (the default concurrency group has
-# one thread), so mini-batches queue up behind each other. `stop` and `close` run in a separate
-# "control" group, so they get through while `deliver` waits on a full ring: `stop` sets the
-# ring's STOP word and the blocked producer gives up; `close` also waits for a running `deliver`
-# to return before it unmaps anything. A failing `deliver` writes FAILED and the reason to the
-# ring before re-raising (ReorganizerHost), so consumers raise instead of waiting. If the actor
-# process dies (node loss, `ray.kill`), consumers see its pid gone within their liveness timeout
-# and raise; the segment is unlinked by the actor process's multiprocessing resource tracker.
+# one thread), so mini-batches queue up behind each other. `stop`, `close` and the figures
+# (`bytes_read`, `published`) run in a separate "control" group, so they get through while
+# `deliver` waits on a full ring (a driver asks for figures under its lock while its ranks wait
+# for it): `stop` sets the ring's STOP word and the blocked producer gives up; `close` also
+# waits for a running `deliver` to return before it unmaps anything. A failing `deliver` writes
+# FAILED and the reason to the ring before re-raising (ReorganizerHost), so consumers raise
+# instead of waiting. If the actor process dies (node loss, `ray.kill`), consumers see its pid
+# gone within their liveness timeout and raise (or follow the actor a job's driver restarts on
+# a successor ring: NOTE [ Reorganizer restart ] in knitkit/job/recovery.py); the segment is
+# unlinked by the actor process's multiprocessing resource tracker.
 
 
 @ray.remote(num_cpus=0, concurrency_groups={"control": 1})  # type: ignore[call-overload]
@@ -57,11 +60,14 @@ class ReorganizerActor:
         """No more assignments: consumers stop after the last published micro-batch."""
         self.host.finish()
 
+    @ray.method(concurrency_group="control")
     def bytes_read(self) -> int:
-        return self.host.bytes_read
+        """Read beside a ``deliver`` blocked on a full ring (a driver asks under its lock)."""
+        return 0 if self.closed else self.host.bytes_read
 
+    @ray.method(concurrency_group="control")
     def published(self) -> int:
-        return self.host.published
+        return 0 if self.closed else self.host.published
 
     @ray.method(concurrency_group="control")
     def stop(self) -> None:

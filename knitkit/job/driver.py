@@ -6,8 +6,11 @@ import contextlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from knitkit.admission import AdmissionController, Shortfall
+from knitkit.job import checkpoint_state
+from knitkit.job.checkpoint_state import DriverState, Pending, Resumed, Shape
 from knitkit.job.collect import Collector
 from knitkit.job.core import JobCore
 from knitkit.job.intake import Intake
@@ -15,6 +18,7 @@ from knitkit.job.ledger import MiniBatchLedger, Progress
 from knitkit.job.passes import Pass, check_passes
 from knitkit.job.pool import ProcessPool, ReorganizerPool
 from knitkit.job.records import RecordWriter
+from knitkit.job.recovery import RESTARTS_KEY, RestartingPool
 from knitkit.job.serving import IDLE_S, Scheduler
 from knitkit.job.spec import RankSpec, encoder_rank_name, group_name
 from knitkit.metrics import MetricsObserver, merge
@@ -64,11 +68,12 @@ class Driver:
     like TransferQueue's production and consumption status; ``progress``, ``metrics`` and the
     ``observe`` hook give the run's figures.
 
-    Its state, for checkpoints: ``ledger(...)`` / the core's ``JobLedger`` (every unreleased
-    mini-batch: trajectories, registered plan, per pass served / groups done / outputs received /
-    figures, produced fields; the serving order; the waiting trajectories; counters), the
-    scheduler's cursor and the intake's field classification and open GRPO groups, next to
-    ``admission.state_dict()`` and ``store.state_dict()``.
+    Checkpoints: ``state_dict(trained=k)`` at a step boundary, ``load_state_dict`` and
+    ``reissue()`` on a fresh driver to resume (see NOTE [ Resume rule ] in checkpoint_state.py).
+    Its live position: ``ledger(...)`` / the core's ``JobLedger`` (every unreleased mini-batch:
+    trajectories, registered plan, per pass served / groups done / outputs received / figures,
+    produced fields; the serving order; the waiting trajectories; counters), the scheduler's
+    cursor and the intake's field classification and open GRPO groups.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -109,6 +114,10 @@ class Driver:
         ``WriteBackMissingError`` (a writer rank that stopped, or never started)."""
         join_timeout_s: float = 10.0
         """How long ``close`` waits for each thread and reorganizer."""
+        restart_reorganizers: int = 0
+        """Reorganizers that die (process killed, Ray actor gone) restarted over the whole job,
+        their mini-batches re-served and their ranks moved on; 0: the job fails
+        (``ReorganizerFailedError``). See NOTE [ Reorganizer restart ] in recovery.py."""
 
         def build(
             self,
@@ -156,6 +165,8 @@ class Driver:
             missing = sorted(set(groups) - set(pool.rings))
             if missing:
                 raise ValueError(f"the reorganizer pool serves no rings for groups {missing}")
+            if config.restart_reorganizers:  # see NOTE [ Reorganizer restart ]
+                pool = RestartingPool(pool, config.restart_reorganizers)
             t = config.topology
             # driver -> every rank (see NOTE [ Records over slot rings ] in records.py)
             schedule = RecordWriter(
@@ -236,6 +247,128 @@ class Driver:
             self._scheduler.finishing = True
             self._core.lock.notify_all()
 
+    # ----- checkpoint and resume (see NOTE [ Resume rule ] in checkpoint_state.py) -------------
+    def state_dict(self, *, trained: int, timeout_s: float | None = None) -> dict[str, Any]:
+        """The driver's checkpoint as plain JSON-able data, taken at a step boundary: the model
+        state saved beside it has trained the first ``trained`` mini-batches (serving order).
+
+        Holds admission's state, the serving order, the pending (admitted, untrained)
+        mini-batches with their trajectories, the waiting trajectories, the field
+        classification, the open GRPO groups and the counters; not the store's units (the
+        resumed driver names the trajectories to re-write). Waits until the first ``trained``
+        are released (``TimeoutError`` after ``timeout_s``, default ``Config.wait_timeout_s``);
+        ``ValueError`` if a later one is (the model state would not hold it).
+        """
+        timeout = self.config.wait_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        core = self._core
+        with core.lock:
+            while True:
+                core.raise_failure()
+                ledger = core.ledger
+                if trained > len(ledger.order):
+                    raise ValueError(
+                        f"state_dict(trained={trained}): only {len(ledger.order)} mini-batches "
+                        "were admitted"
+                    )
+                resumed = self._intake.resumed
+                unreleased = set(ledger.minibatches)
+                if resumed is not None:
+                    unreleased |= {p.minibatch_id for p in resumed.pending}
+                done = [i for i, mb in enumerate(ledger.order) if mb not in unreleased]
+                late = [ledger.order[i] for i in done if i >= trained]
+                if late:
+                    raise ValueError(
+                        f"state_dict(trained={trained}): mini-batches {late} are released too; "
+                        "take the checkpoint at the step boundary of the model state saved "
+                        "with it (see NOTE [ Resume rule ])"
+                    )
+                if len(done) == trained:
+                    return checkpoint_state.encode(self._state(trained))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"state_dict(trained={trained}): mini-batches "
+                        f"{[m for m in ledger.order[:trained] if m in unreleased]} not released "
+                        f"after {timeout} s: {self._outstanding()}"
+                    )
+                core.lock.wait(min(left, IDLE_S))
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> Resumed:
+        """Resume from ``state_dict()``'s output, on a fresh driver (nothing written yet).
+
+        Restores admission and the position; the pending mini-batches are re-planned for this
+        driver's topology and re-served from their first pass once every trajectory
+        ``reissue()`` names is re-written (other writes are refused until then). Different
+        passes are refused naming them; a different layout (DP, CP, TP, pipeline, encoder,
+        reorganizers) is re-planned and named in the result. See NOTE [ Resume rule ].
+        """
+        saved = checkpoint_state.decode(dict(state))
+        replanned = checkpoint_state.check_shape(saved.shape, self._shape())
+        core = self._core
+        with core.lock:
+            self._check_open()
+            ledger = core.ledger
+            if ledger.order or ledger.waiting or self._intake.resumed is not None:
+                raise ValueError("load_state_dict needs a fresh driver (nothing written yet)")
+            self.admission.load_state_dict(saved.admission)
+            ledger.order[:] = saved.order
+            ledger.released = ledger.observed = saved.released
+            ledger.counts.update(saved.counts)
+            ledger.wait_s = saved.wait_s
+            self._scheduler.cursor = (saved.released, 0)
+            self._intake.resume(saved)
+            core.lock.notify_all()
+            return Resumed(
+                saved.released,
+                tuple(p.minibatch_id for p in saved.pending),
+                tuple(saved.reissue()),
+                replanned,
+            )
+
+    def reissue(self) -> tuple[str, ...]:
+        """Trajectories a resumed driver still needs re-written (empty once resumed)."""
+        with self._core.lock:
+            return tuple(self._intake.reissue)
+
+    def _state(self, trained: int) -> DriverState:
+        core, intake = self._core, self._intake
+        ledger = core.ledger
+        resumed = intake.resumed
+        saved = {p.minibatch_id: p for p in resumed.pending} if resumed is not None else {}
+        pending = []
+        for mb in ledger.order[trained:]:
+            if mb in saved:
+                pending.append(saved[mb])
+                continue
+            live = ledger.minibatches[mb]
+            pending.append(
+                Pending(mb, live.train_batch, live.index, live.admitted, dict(live.sources))
+            )
+        waiting = sorted(ledger.waiting | set(resumed.waiting if resumed else ()))
+        groups = [(s, g, [t for t, _ in ids]) for (s, g), ids in intake.groups_open.items()]
+        if resumed is not None:
+            groups += resumed.groups_open
+        return DriverState(
+            shape=self._shape(),
+            admission=self.admission.state_dict(),
+            order=list(ledger.order),
+            released=trained,
+            pending=pending,
+            waiting=waiting,
+            token_fields=None if intake.token_fields is None else list(intake.token_fields),
+            scalar_fields=list(intake.scalar_fields),
+            groups_open=groups,
+            counts=dict(ledger.counts),
+            wait_s=ledger.wait_s,
+        )
+
+    def _shape(self) -> Shape:
+        c = self.config
+        return Shape.of(
+            self.passes, c.topology, c.pipeline, c.encoders, list(self._core.pool.rings)
+        )
+
     # ----- what ranks need, and what the job did -------------------------------------------------
     def rank_spec(self, **extra: object) -> RankSpec:
         """What every rank needs (``RankHandle(spec, coords)``); ``extra`` travels with it."""
@@ -250,7 +383,9 @@ class Driver:
             write_back=dict(self._write_back),
             liveness_timeout_s=c.liveness_timeout_s,
             wait_timeout_s=c.wait_timeout_s,
-            extra=dict(extra),
+            extra={RESTARTS_KEY: c.restart_reorganizers, **extra}
+            if c.restart_reorganizers
+            else dict(extra),
         )
 
     def drain(self, timeout_s: float | None = None) -> None:
@@ -285,7 +420,9 @@ class Driver:
             if field not in core.rollout and field not in core.writer_of:
                 raise KeyError(f"no pass reads or writes field {field!r}")
             ledger = core.ledger.minibatches.get(minibatch_id)
-            return ledger is None or field in core.rollout or field in ledger.produced
+            if ledger is None:
+                return self._released(minibatch_id) or field in core.rollout
+            return field in core.rollout or field in ledger.produced
 
     def consumed(self, minibatch_id: str, pass_name: str) -> bool:
         """Whether every (DP, CP) group finished ``pass_name`` of the mini-batch."""
@@ -294,7 +431,9 @@ class Driver:
             self._pass(pass_name)
             core.ledger.position(minibatch_id)
             ledger = core.ledger.minibatches.get(minibatch_id)
-            return ledger is None or ledger.consumed(pass_name)
+            if ledger is None:
+                return self._released(minibatch_id)
+            return ledger.consumed(pass_name)
 
     def consumers(self, minibatch_id: str, pass_name: str) -> tuple[str, ...]:
         """The (DP, CP) groups that finished ``pass_name`` of an unreleased mini-batch."""
@@ -386,6 +525,10 @@ class Driver:
             for minibatch_id in list(core.ledger.minibatches):
                 self.store.abort(minibatch_id)
             self.store.release(sorted(core.ledger.waiting))
+            resumed = self._intake.resumed
+            if resumed is not None:  # re-written, not registered yet
+                back = [t for t in resumed.reissue() if t not in self._intake.reissue]
+                self.store.release(back)
             core.ledger.minibatches.clear()
             core.ledger.waiting.clear()
         if self._owns_store:
@@ -401,6 +544,11 @@ class Driver:
         if self._closed:
             raise RuntimeError("the driver is closed; build a new one")
         self._core.raise_failure()
+
+    def _released(self, minibatch_id: str) -> bool:
+        """Whether an admitted mini-batch with no live ledger is released (not pending re-write)."""
+        resumed = self._intake.resumed
+        return resumed is None or all(p.minibatch_id != minibatch_id for p in resumed.pending)
 
     def _pass(self, name: str) -> Pass:
         for p in self.passes:

@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from knitkit.admission import AdmissionController
+from knitkit.job.checkpoint_state import DriverState, Pending
 from knitkit.job.core import JobCore
 from knitkit.job.ledger import new_ledger
 from knitkit.storage import EncoderTopology, PlannerConfig, Topology, Trajectory, plan_minibatch
@@ -18,9 +19,10 @@ class Intake:
     the passes' reads, stores it, reports it, frees what admission will never admit, and plans
     and registers each admitted mini-batch into the ledger, in admission order.
 
-    Holds the field classification (per-token or scalar, learnt from the first trajectory) and
-    the incomplete GRPO groups it mirrors from admission; the waiting trajectories are in the
-    ledger.
+    Holds the field classification (per-token or scalar, learnt from the first trajectory),
+    the incomplete GRPO groups it mirrors from admission, and after a resume the trajectories
+    still to re-write (see NOTE [ Resume rule ] in checkpoint_state.py); the waiting
+    trajectories are in the ledger.
     """
 
     def __init__(
@@ -39,10 +41,16 @@ class Intake:
         self.token_fields: tuple[str, ...] | None = None
         """Rollout fields stored per token (``None`` until the first trajectory)."""
         self.scalar_fields: tuple[str, ...] = ()
-        self.groups_open: dict[tuple[str, str], list[TrajectoryMeta]] = {}
-        """Incomplete GRPO groups by (source, sample id), as admission keeps them."""
+        self.groups_open: dict[tuple[str, str], list[tuple[str, bool]]] = {}
+        """Incomplete GRPO groups by (source, sample id): (trajectory id, accepted) so far."""
+        self.reissue: dict[str, None] = {}
+        """After a resume: trajectories the checkpoint needs that are not re-written yet."""
+        self.resumed: DriverState | None = None
+        """After a resume, until every trajectory of ``reissue`` is back."""
 
     def write(self, trajectory: Trajectory) -> TrajectoryMeta:
+        if self.resumed is not None:
+            return self._rewrite(trajectory)
         self._classify(trajectory)
         store, ledger = self.core.store, self.core.ledger
         meta = store.write(trajectory)
@@ -85,15 +93,15 @@ class Intake:
         """Free trajectories admission will never admit: rejected, with their GRPO group."""
         size = self.admission.config.group_size
         if size == 1:
-            group = [meta]
+            group = [(meta.trajectory_id, meta.accepted)]
         else:
             group = self.groups_open.setdefault((meta.source, meta.sample_id), [])
-            group.append(meta)
+            group.append((meta.trajectory_id, meta.accepted))
             if len(group) < size:
                 return
             del self.groups_open[(meta.source, meta.sample_id)]
-        if not all(m.accepted for m in group):
-            ids = [m.trajectory_id for m in group]
+        if not all(accepted for _, accepted in group):
+            ids = [tid for tid, _ in group]
             self.core.store.release(ids)
             self.core.ledger.waiting.difference_update(ids)
 
@@ -105,22 +113,72 @@ class Intake:
             if admitted is None:
                 return
             minibatch_id = f"tb{admitted.train_batch}-mb{admitted.index}"
-            plan = plan_minibatch(
-                admitted.trajectories, self.topology, self._planner(), self.encoders, minibatch_id
-            )
-            plan = self.core.store.register(plan)
+            ids = tuple(m.trajectory_id for m in admitted.trajectories)
             sources = dict(Counter(m.source for m in admitted.trajectories))
-            ledger.minibatches[minibatch_id] = new_ledger(
-                minibatch_id,
-                admitted.train_batch,
-                admitted.index,
-                sources,
-                plan,
-                self.core.passes,
-                self.admission.metrics(),
-            )
+            pending = Pending(minibatch_id, admitted.train_batch, admitted.index, ids, sources)
+            self._register(pending, admitted.trajectories)
             ledger.order.append(minibatch_id)
-            ledger.waiting.difference_update(m.trajectory_id for m in admitted.trajectories)
+            ledger.waiting.difference_update(ids)
+
+    def _register(self, pending: Pending, metas: Sequence[TrajectoryMeta]) -> None:
+        """Plan an admitted mini-batch once, register the plan, and open its ledger."""
+        plan = plan_minibatch(
+            metas, self.topology, self._planner(), self.encoders, pending.minibatch_id
+        )
+        plan = self.core.store.register(plan)
+        self.core.ledger.minibatches[pending.minibatch_id] = new_ledger(
+            pending.minibatch_id,
+            pending.train_batch,
+            pending.index,
+            pending.sources,
+            plan,
+            self.core.passes,
+            self.admission.metrics(),
+            pending.trajectories,
+        )
+
+    def resume(self, state: DriverState) -> None:
+        """Take a checkpoint's position (on a fresh driver): its trajectories are to re-write."""
+        if state.token_fields is not None:
+            self.token_fields = tuple(state.token_fields)
+            self.scalar_fields = tuple(state.scalar_fields)
+        self.reissue = dict.fromkeys(state.reissue())
+        self.resumed = state
+        if not self.reissue:
+            self._resume_done()
+
+    def _rewrite(self, trajectory: Trajectory) -> TrajectoryMeta:
+        """Store a trajectory the checkpoint names, without reporting it to admission again
+        (its restored state holds it); once all are back, register the pending mini-batches."""
+        tid = trajectory.trajectory_id
+        if tid not in self.reissue:
+            missing = list(self.reissue)
+            raise ValueError(
+                f"trajectory {tid!r}: the driver resumed from a checkpoint and waits for the "
+                f"{len(missing)} trajectories Driver.reissue() names (e.g. {missing[:3]}); "
+                "re-write those first (see NOTE [ Resume rule ])"
+            )
+        self._classify(trajectory)
+        meta = self.core.store.write(trajectory)
+        del self.reissue[tid]
+        if not self.reissue:
+            try:
+                self._resume_done()
+            except BaseException as error:
+                self.core.fail(error)
+                raise
+        return meta
+
+    def _resume_done(self) -> None:
+        state, store, ledger = self.resumed, self.core.store, self.core.ledger
+        assert state is not None
+        self.resumed = None
+        for pending in state.pending:
+            self._register(pending, [store.meta(t) for t in pending.trajectories])
+        ledger.waiting.update(state.waiting)
+        for source, sample, ids in state.groups_open:
+            self.groups_open[(source, sample)] = [(t, store.meta(t).accepted) for t in ids]
+        self._admit()
 
     def _planner(self) -> PlannerConfig:
         """The planner config with every field some pass reads, per-token or scalar."""

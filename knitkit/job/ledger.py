@@ -42,6 +42,8 @@ class MiniBatchLedger:
     """The admission controller's figures right after it admitted this mini-batch."""
     store_consumers: set[str] = field(default_factory=set)
     """Store consumers (backbone groups, encoder ranks) not yet reported ``consumed``."""
+    admitted: tuple[str, ...] = ()
+    """The trajectories in admission order (a resumed driver re-plans from them)."""
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -120,8 +122,9 @@ def new_ledger(
     plan: MiniBatchPlan,
     passes: tuple[Pass, ...],
     admission_figures: dict[str, float],
+    admitted: tuple[str, ...],
 ) -> MiniBatchLedger:
-    """The ledger of a freshly registered mini-batch."""
+    """The ledger of a freshly registered mini-batch (``admitted``: its ids in admission order)."""
     ledgers = {p.name: PassLedger(received={o.name: {} for o in p.writes}) for p in passes}
     trajectories = tuple(
         dict.fromkeys(
@@ -142,4 +145,5 @@ def new_ledger(
         ledgers,
         admission_figures=admission_figures,
         store_consumers=consumers,
+        admitted=admitted,
     )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import itertools
+from collections.abc import Iterator, Mapping
 from typing import Protocol
 
 from knitkit.job.errors import ReorganizerFailedError
@@ -14,6 +16,40 @@ from knitkit.storage import (
     RingSpec,
     UnitBackend,
 )
+
+Assignment = ConsumerPlan | EncoderRankPlan
+
+
+class ReorganizerDied(ReorganizerFailedError):
+    """A pool member is gone without an error of its own (its process was killed, its actor or
+    node died): a fresh one can take over its group (see NOTE [ Reorganizer restart ] in
+    recovery.py). ``group`` names the consumer group."""
+
+    def __init__(self, group: str, message: str) -> None:
+        super().__init__(message)
+        self.group = group
+
+
+def successor_ring(spec: RingSpec) -> RingSpec:
+    """The ring a group's restarted reorganizer publishes into: the same sizes under the next
+    generation's name (``<name>_r<k>``), so the group's ranks find it without being told (see
+    NOTE [ Reorganizer restart ] in recovery.py)."""
+    base, marker, generation = spec.name.rpartition("_r")
+    if marker and generation.isdigit():
+        return dataclasses.replace(spec, name=f"{base}_r{int(generation) + 1}")
+    return dataclasses.replace(spec, name=f"{spec.name}_r1")
+
+
+def tagged(minibatch_id: str, number: int) -> str:
+    """The id a pool hands its reorganizer with a group's ``number``-th assignment; it travels
+    in every micro-batch's layout (``extra["minibatch_id"]``), so a rank can tell a re-served
+    micro-batch it already took (see NOTE [ Reorganizer restart ] in recovery.py)."""
+    return f"{minibatch_id}@{number}"
+
+
+def numbering() -> Iterator[int]:
+    """A group's assignment numbers (``tagged``): they keep counting across restarts."""
+    return itertools.count()
 
 
 class ReorganizerPool(Protocol):
@@ -37,13 +73,15 @@ class ReorganizerPool(Protocol):
         ...
 
     def check(self) -> None:
-        """Raise ``ReorganizerFailedError`` naming a member that failed or died."""
+        """Raise ``ReorganizerFailedError`` naming a member that failed, ``ReorganizerDied`` (a
+        subclass) naming one that died (restartable: ``replace``)."""
         ...
 
     def replace(self, name: str) -> RingSpec:
-        """Retire group ``name``'s reorganizer and start a fresh one on a new ring; returns the
-        new ring (its consumers must attach to it). For recovery: re-submit the group's
-        unfinished assignments afterwards."""
+        """Retire group ``name``'s reorganizer and start a fresh one on its ``successor_ring``,
+        re-submitting (same ``tagged`` ids) every assignment the old one may not have handed to
+        all its consumers; returns the new ring. See NOTE [ Reorganizer restart ] in
+        recovery.py."""
         ...
 
     def metrics(self) -> dict[str, float]:
@@ -70,13 +108,21 @@ class ProcessPool:
         """``groups``: group name -> number of consumers of its ring (its ranks' TP x PP)."""
         self._backend = backend
         self._sizes = dict(groups)
-        self._num_slots, self._slot_bytes, self._join_s = num_slots, slot_bytes, join_timeout_s
+        self._join_s = join_timeout_s
         self._members: dict[str, ReorganizerProcess] = {}
         self._retired: dict[str, float] = {}
         """Figures of replaced members, taken before they closed."""
+        self._numbers = {name: numbering() for name in self._sizes}
+        self._queued: dict[str, list[tuple[str, Assignment, int]]] = {n: [] for n in self._sizes}
+        """Per group, (tagged id, assignment, end) of what its member may still have to hand
+        out; ``end``: micro-batches on the member's ring once the assignment is published."""
         try:
             for name in self._sizes:
-                self._members[name] = self._start(name)
+                self._members[name] = self._start(
+                    RingSpec.new(
+                        num_slots=num_slots, slot_bytes=slot_bytes, num_consumers=self._sizes[name]
+                    )
+                )
         except BaseException:
             self.close()
             raise
@@ -88,7 +134,10 @@ class ProcessPool:
     def submit(
         self, name: str, minibatch_id: str, assignment: ConsumerPlan | EncoderRankPlan
     ) -> None:
-        self._member(name).submit(minibatch_id, assignment)
+        member = self._member(name)
+        done = member.released()
+        queued = self._queued[name] = [q for q in self._queued[name] if q[2] > done]
+        self._put(name, tagged(minibatch_id, next(self._numbers[name])), assignment, queued)
 
     def pids(self) -> dict[str, int | None]:
         """Every member's process id, by group (for monitoring)."""
@@ -98,15 +147,21 @@ class ProcessPool:
         for name, member in self._members.items():
             reason = member.failure()
             if reason is not None:
-                raise ReorganizerFailedError(
-                    f"the reorganizer of {name} (ring {member.spec.name!r}) stopped: {reason}"
-                )
+                message = f"the reorganizer of {name} (ring {member.spec.name!r}) stopped: {reason}"
+                if member.died():
+                    raise ReorganizerDied(name, message)
+                raise ReorganizerFailedError(message)
 
     def replace(self, name: str) -> RingSpec:
         old = self._member(name)
-        self._members[name] = self._start(name)
+        done = old.released()  # its ring stays mapped here until close: consumers' counts hold
+        unfinished = [q for q in self._queued[name] if q[2] > done]
+        self._members[name] = self._start(successor_ring(old.spec))
         self._retired = sum_over([self._retired, old.metrics()])
         old.close()
+        queued = self._queued[name] = []
+        for tag, assignment, _ in unfinished:
+            self._put(name, tag, assignment, queued)
         return self._members[name].spec
 
     def metrics(self) -> dict[str, float]:
@@ -116,13 +171,22 @@ class ProcessPool:
         for member in self._members.values():
             member.close()
 
-    def _start(self, name: str) -> ReorganizerProcess:
-        spec = RingSpec.new(
-            num_slots=self._num_slots,
-            slot_bytes=self._slot_bytes,
-            num_consumers=self._sizes[name],
-        )
+    def _start(self, spec: RingSpec) -> ReorganizerProcess:
         return ReorganizerProcess(self._backend, spec, join_timeout_s=self._join_s)
+
+    def _put(
+        self,
+        name: str,
+        tag: str,
+        assignment: Assignment,
+        queued: list[tuple[str, Assignment, int]],
+    ) -> None:
+        """Submit under ``tag`` and remember it until every consumer released it."""
+        end = (queued[-1][2] if queued else self._members[name].released()) + len(
+            assignment.micro_batches
+        )
+        self._members[name].submit(tag, assignment)
+        queued.append((tag, assignment, end))
 
     def _member(self, name: str) -> ReorganizerProcess:
         try:

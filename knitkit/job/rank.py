@@ -13,12 +13,12 @@ import torch
 from knitkit.encoder_dedup import RankRoute
 from knitkit.job.errors import DriverDiedError, DriverFailedError
 from knitkit.job.records import RecordReader, RecordWriter
+from knitkit.job.recovery import FollowingConsumer, restarts_of
 from knitkit.job.spec import RankCoords, RankSpec, encoder_rank_name, group_name
 from knitkit.job.work import PassWork, Route
 from knitkit.metrics import merge, sum_over
 from knitkit.microbatch_iter import MicroBatchIterator
 from knitkit.storage import (
-    MicroBatchConsumer,
     MiniBatchPlan,
     ReorganizerDiedError,
     ReorganizerError,
@@ -92,12 +92,18 @@ class RankHandle:
         with contextlib.ExitStack() as stack:
             self._schedule = RecordReader(spec.schedule, coords.rank, **waits)
             stack.callback(self._schedule.close)
-            self._data = MicroBatchConsumer(spec.rings[group], coords.consumer_index(spec), **waits)
+            # follows its reorganizer across restarts: see NOTE [ Reorganizer restart ]
+            restarts = restarts_of(spec.extra)
+            self._data = FollowingConsumer(
+                spec.rings[group], coords.consumer_index(spec), restarts=restarts, **waits
+            )
             stack.callback(self._data.close)
-            self._units: MicroBatchConsumer | None = None
+            self._units: FollowingConsumer | None = None
             if coords.encoder_rank is not None:
                 name = encoder_rank_name(spec.encoders[0].name, coords.encoder_rank)
-                self._units = MicroBatchConsumer(spec.rings[name], coords.encoder_consumer, **waits)
+                self._units = FollowingConsumer(
+                    spec.rings[name], coords.encoder_consumer, restarts=restarts, **waits
+                )
                 stack.callback(self._units.close)
             # the writer rank creates its write-back ring (see NOTE [ Records over slot rings ]
             # in records.py): the driver's collector attaches once it exists

@@ -78,7 +78,11 @@ class Scheduler:
                     return "finish"
                 core.lock.wait(IDLE_S)
                 return "idle"
-            ledger = core.ledger.minibatches[core.ledger.order[position]]
+            ledger = core.ledger.minibatches.get(core.ledger.order[position])
+            if ledger is None:  # resumed: re-planned once re-written (NOTE [ Resume rule ])
+                self.blocked = f"{core.ledger.order[position]} waits for re-written trajectories"
+                core.lock.wait(IDLE_S)
+                return "idle"
             pass_ = core.passes[index]
             now = time.monotonic()
             if not self._ready(ledger, pass_):

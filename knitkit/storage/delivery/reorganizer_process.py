@@ -109,6 +109,20 @@ class ReorganizerProcess:
             "knitkit/delivery/reorganizer_published": float(self.ring.published),
         }
 
+    def released(self) -> int:
+        """Micro-batches every consumer of the ring has released (the least release count): what
+        a replacement need not serve again (see NOTE [ Reorganizer restart ] in knitkit/job)."""
+        return min(self.ring.released(c) for c in range(self.spec.num_consumers))
+
+    def died(self) -> bool:
+        """Whether the child is gone without finishing and without writing an error of its own
+        (killed, crashed in C): a fresh reorganizer can take over. A child that wrote an error
+        (a failed read, a consumer that died holding a slot) did not just die: ``failure()``."""
+        if not self._finalizer.in_owner or self.ring.failed:
+            return False
+        code = self._process.exitcode
+        return code is not None and not (code == 0 and self.ring.state == DONE)
+
     def failure(self) -> str | None:
         """Why the child stopped serving, or ``None`` while it serves or after it finished
         normally: the error it wrote to the ring (a failed read, a consumer that died holding a

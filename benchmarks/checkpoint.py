@@ -1,0 +1,141 @@
+"""Driver checkpoints: save and load time, bytes against the state they cover, and the pause a save imposes on the loop.
+
+For each size, a driver (one process, shared-memory store, its reorganizer processes; no ranks)
+takes ``n`` synthetic VLM trajectories (``knitkit.storage.baselines``; GRPO groups of 4, 64 to
+512 tokens, an image each, routing fields), admits them into mini-batches of 16, and is
+checkpointed with nothing trained (``state_dict(trained=0)``: every mini-batch pending, the
+largest state a step boundary can hold for these trajectories). Timed, median over
+``--repeats``:
+
+- ``state_dict_s``: the driver builds its state (holding its lock: writes and serving wait);
+- ``save_s``: JSON encoding, owner-only write, fsync, marker, rename (``CheckpointDir``);
+- ``pause_s``: both, what a synchronous save at the step boundary costs the training loop
+  (rank 0's part; the ranks' own model/optimizer files come on top and are the user's);
+- ``load_s``: reading the newest checkpoint and ``load_state_dict`` on a fresh driver;
+- ``reissue_s``: re-writing the trajectories the resumed driver names, re-planning and
+  registering every pending mini-batch (the rollout's regeneration is not included);
+- ``checkpoint_bytes`` against ``store_payload_bytes`` (the units the checkpoint does not hold:
+  see NOTE [ Resume rule ] in knitkit/job/checkpoint_state.py) and ``bytes_per_trajectory``.
+
+    python benchmarks/checkpoint.py [--quick] [--json PATH] [--sizes N ...] [--repeats R]
+
+JSON (flat): ``n<size>.<figure>`` for each size and the figures above (plus ``.trajectories``),
+and ``repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from progress import Progress
+
+from knitkit.admission import build_controller
+from knitkit.job import Driver, Output, Pass
+from knitkit.job.checkpoint import CheckpointDir, read_json, write_json
+from knitkit.storage import EncoderTopology, PlannerConfig, Topology, Trajectory
+from knitkit.storage.baselines import synthetic_trajectories
+
+progress = Progress("checkpoint")
+
+GROUP = 4
+MINIBATCH = 16
+PASSES = (
+    Pass("old", reads=("tokens",), writes=(Output("old_lp"),), forward_only=True, encodes=True),
+    Pass("train", reads=("tokens", "old_lp"), encodes=True),
+)
+
+
+def build(trajectories: list[Trajectory]) -> Driver:
+    sources = sorted({t.source for t in trajectories})
+    admission = build_controller(
+        "streaming",
+        train_batch_size=len(trajectories),
+        num_minibatches=len(trajectories) // MINIBATCH,
+        sources=sources,
+    )
+    return Driver.Config(
+        passes=PASSES,
+        topology=Topology(dp=2, cp=1, tp=1),
+        encoders=(EncoderTopology("vision", dp=2),),
+        planner=PlannerConfig(max_tokens_per_micro_batch=1024),
+        slot_bytes=1 << 20,
+        schedule_slot_bytes=1 << 20,
+        write_back_slot_bytes=1 << 16,
+        schedule_slots=2,
+    ).build(admission=admission)
+
+
+def measure(size: int, repeats: int, root: Path) -> dict[str, float]:
+    data = synthetic_trajectories(size // GROUP, group_size=GROUP, seed=size)
+    by_id = {t.trajectory_id: t for t in data}
+    runs: dict[str, list[float]] = {}
+    ckpt = CheckpointDir(root / f"n{size}")
+    for step in range(1, repeats + 1):
+        with build(data) as driver:
+            for trajectory in data:
+                driver.write(trajectory)
+            payload = driver.store.metrics().get("knitkit/storage/bytes_live", 0.0)
+            t0 = time.perf_counter()
+            state = driver.state_dict(trained=0)
+            t1 = time.perf_counter()
+            write_json(ckpt.stage(step) / "knitkit.json", state)
+            ckpt.commit(step)
+            t2 = time.perf_counter()
+        latest = ckpt.latest()
+        assert latest is not None
+        nbytes = (latest / "knitkit.json").stat().st_size
+        with build(data) as driver:
+            t3 = time.perf_counter()
+            driver.load_state_dict(read_json(latest / "knitkit.json"))
+            t4 = time.perf_counter()
+            for tid in driver.reissue():
+                driver.write(by_id[tid])
+            t5 = time.perf_counter()
+            assert driver.reissue() == ()
+        for name, value in (
+            ("state_dict_s", t1 - t0),
+            ("save_s", t2 - t1),
+            ("pause_s", t2 - t0),
+            ("load_s", t4 - t3),
+            ("reissue_s", t5 - t4),
+            ("checkpoint_bytes", float(nbytes)),
+            ("store_payload_bytes", payload),
+        ):
+            runs.setdefault(name, []).append(value)
+    out = {name: statistics.median(values) for name, values in runs.items()}
+    out["trajectories"] = float(size)
+    out["bytes_per_trajectory"] = out["checkpoint_bytes"] / size
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="sizes 64 and 512 (of the full run's), 2 repeats"
+    )
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 512, 2048])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    sizes, repeats = ([64, 512], 2) if args.quick else (args.sizes, args.repeats)
+    report: dict[str, float] = {"repeats": float(repeats)}
+    with tempfile.TemporaryDirectory(prefix="knitkit-ckpt-bench-") as tmp:
+        for n in sizes:
+            figures = measure(n, repeats, Path(tmp))
+            report |= {f"n{n}.{name}": value for name, value in figures.items()}
+            progress(f"{n} trajectories: done")
+    names = ("state_dict_s", "save_s", "pause_s", "load_s", "reissue_s", "checkpoint_bytes")
+    print(f"{'trajectories':>12} " + " ".join(f"{name:>16}" for name in names))
+    for n in sizes:
+        print(f"{n:>12} " + " ".join(f"{report[f'n{n}.{name}']:>16.4g}" for name in names))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

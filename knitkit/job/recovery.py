@@ -1,0 +1,249 @@
+"""Reorganizer restart: the driver replaces a dead pool member, its ranks follow it to its successor ring."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from knitkit.job.errors import ReorganizerFailedError
+from knitkit.job.pool import Assignment, ReorganizerDied, ReorganizerPool, successor_ring
+from knitkit.metrics import sum_over
+from knitkit.storage import MicroBatchConsumer, ReorganizerDiedError, RingSpec
+from knitkit.types import PackedMicroBatch
+
+# NOTE [ Reorganizer restart ]:
+# A reorganizer that DIES (its process SIGKILLed or crashed in C, its Ray actor killed: gone
+# without writing an error of its own) is restarted without restarting the job, at most
+# ``Driver.Config.restart_reorganizers`` times over the job (0: the job fails, as before). One
+# that FAILED (it wrote an error: a read failed, units are lost, a consumer died holding a slot)
+# is not: a fresh one would fail the same way, so the job fails naming it.
+# - Driver. ``RestartingPool`` wraps the pool; the scheduler thread's health check (the only
+#   caller of ``check``, the same thread that submits) gets ``ReorganizerDied`` from the pool and
+#   calls ``pool.replace(group)``: a fresh member on the group's ``successor_ring`` (same sizes,
+#   name ``<name>_r<k>``), with every assignment the dead one may not have handed to ALL its
+#   consumers re-submitted in order, from the store (the units live until the mini-batch is
+#   released). ``ProcessPool`` knows that exactly: its rings stay mapped in the driver, and an
+#   assignment is done once every consumer's release count passed its end. ``RayDispatcher``
+#   re-submits every ``deliver`` whose result it has not seen (a superset). Nothing else in the
+#   driver changes: the schedule, the ledger and the other groups go on.
+# - Ranks: nobody tells them; they need no message. A rank's consumer reads every micro-batch
+#   the dead ring published (published slots stay readable while it is mapped), then, where it
+#   would wait, sees the producer gone (``ReorganizerDiedError``) and attaches to the successor
+#   ring (``FollowingConsumer``), polling for it for at most ``liveness_timeout_s``; then the
+#   original error is raised. The successor serves whole assignments again, so the rank must
+#   drop what it already took: every micro-batch carries its assignment's number (the pool's
+#   ``tagged`` id) and its index, increasing along a group's stream; the consumer remembers the
+#   last (number, index) it handed out and releases, unread, every re-served micro-batch at or
+#   before it. So a pass interrupted at micro-batch i resumes at i + 1 on every rank of the group:
+#   each TP rank took the same published micro-batches (all of them), so each drops the same ones
+#   and their collectives still match; DP peers never notice (the schedule did not change).
+#   Nothing is trained twice and nothing is skipped, also when the driver re-serves more than
+#   needed (the Ray superset) or a rank reached the dead ring late (it finds the newest live
+#   generation).
+# - Bounds: the driver's restart budget; the rank's wait for a successor (``liveness_timeout_s``);
+#   every other wait as before. A member that is alive but stuck (stale heartbeat) is not
+#   restarted: its ranks raise ``ReorganizerDiedError`` once their wait for a successor ends.
+
+RESTARTS_KEY = "knitkit/restart_reorganizers"
+"""``RankSpec.extra`` key: how many restarts the driver allows (0 or absent: ranks never wait
+for a successor ring)."""
+
+ATTACH_POLL_S = 0.05
+"""How often a rank looks for its group's successor ring."""
+
+
+class RestartingPool:
+    """A ``ReorganizerPool`` whose members that die are replaced, ``restarts`` times in all (see
+    NOTE [ Reorganizer restart ]); everything else is the wrapped ``pool``'s."""
+
+    def __init__(self, pool: ReorganizerPool, restarts: int) -> None:
+        if restarts < 0:
+            raise ValueError(f"restart_reorganizers={restarts} must be >= 0")
+        self.pool = pool
+        self.budget = restarts
+        self.restarted: list[str] = []
+        """Every group restarted so far, in order."""
+
+    @property
+    def rings(self) -> Mapping[str, RingSpec]:
+        return self.pool.rings
+
+    def submit(self, name: str, minibatch_id: str, assignment: Assignment) -> None:
+        self.pool.submit(name, minibatch_id, assignment)
+
+    def check(self) -> None:
+        """Replace every member that died (within the budget); raise for one that failed."""
+        while True:
+            try:
+                self.pool.check()
+                return
+            except ReorganizerDied as died:
+                if len(self.restarted) >= self.budget:
+                    raise ReorganizerFailedError(
+                        f"{died}; not restarted: {len(self.restarted)} of "
+                        f"restart_reorganizers={self.budget} restarts used ({self.restarted})"
+                    ) from died
+                self.pool.replace(died.group)
+                self.restarted.append(died.group)
+
+    def replace(self, name: str) -> RingSpec:
+        return self.pool.replace(name)
+
+    def metrics(self) -> dict[str, float]:
+        """The pool's figures and ``knitkit/job/reorganizer_restarts`` (cumulative)."""
+        return {
+            **self.pool.metrics(),
+            "knitkit/job/reorganizer_restarts": float(len(self.restarted)),
+        }
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def restarts_of(extra: Mapping[str, Any]) -> int:
+    """The restart budget a driver put in its ``RankSpec.extra``."""
+    return int(extra.get(RESTARTS_KEY, 0))
+
+
+class FollowingConsumer:
+    """A rank's consumer of its group's ring that follows the group's reorganizer to its
+    successor rings, never handing out a micro-batch twice (see NOTE [ Reorganizer restart ]).
+
+    Same use as ``MicroBatchConsumer`` for a rank: ``take(n)``, ``metrics()``, ``close()``.
+    """
+
+    def __init__(
+        self,
+        spec: RingSpec,
+        index: int,
+        *,
+        restarts: int,
+        liveness_timeout_s: float,
+        wait_timeout_s: float,
+    ) -> None:
+        self._waits = {"liveness_timeout_s": liveness_timeout_s, "wait_timeout_s": wait_timeout_s}
+        self.consumer = MicroBatchConsumer(spec, index, **self._waits)
+        self.spec, self.index = spec, index
+        self.restarts = restarts
+        self.generation = 0
+        """How many successors this consumer moved through."""
+        self.dropped = 0
+        """Re-served micro-batches released unread (taken before the restart)."""
+        self._last: tuple[int, int] | None = None
+        """(assignment number, micro-batch index) of the last micro-batch handed out."""
+        self._retired: list[MicroBatchConsumer] = []
+        """Consumers of dead rings: kept mapped (their leases may still be read) until close."""
+
+    def take(self, count: int) -> FollowingTake:
+        """Exactly the next ``count`` micro-batches, across restarts (``MicroBatchConsumer.take``)."""
+        if count < 0:
+            raise ValueError(f"take({count}): the count must be >= 0")
+        return FollowingTake(self, count)
+
+    def next_micro_batch(self, cancel: threading.Event) -> PackedMicroBatch:
+        """The next micro-batch not handed out before; moves to the successor ring when the
+        reorganizer died (``StopIteration`` when the producer is done)."""
+        while True:
+            try:
+                lease = self.consumer.next_micro_batch(cancel=cancel)
+            except ReorganizerDiedError as died:
+                if self.generation >= self.restarts:
+                    raise
+                self._follow(died, cancel)
+                continue
+            position = _position(lease)
+            if position is not None and self._last is not None and position <= self._last:
+                lease.release()  # re-served, already handed out: see NOTE [ Reorganizer restart ]
+                self.dropped += 1
+                continue
+            self._last = position if position is not None else self._last
+            return lease
+
+    def wake(self) -> None:
+        """Make a wait of ``next_micro_batch`` in another thread look at its cancel event."""
+        self.consumer.take(0).interrupt()  # wakes the ring's waiters; the consumer stays usable
+
+    def metrics(self) -> dict[str, float]:
+        """``MicroBatchConsumer.metrics`` summed over every ring it read, plus
+        ``knitkit/delivery/reorganizer_moves`` and ``knitkit/delivery/re_served_dropped``."""
+        figures = sum_over([c.metrics() for c in (*self._retired, self.consumer)])
+        figures["knitkit/delivery/reorganizer_moves"] = float(self.generation)
+        figures["knitkit/delivery/re_served_dropped"] = float(self.dropped)
+        return figures
+
+    def close(self) -> None:
+        for consumer in (*self._retired, self.consumer):
+            consumer.close()
+
+    def _follow(self, died: ReorganizerDiedError, cancel: threading.Event) -> None:
+        """Attach to the newest live successor ring within ``liveness_timeout_s``, else raise."""
+        deadline = time.monotonic() + self._waits["liveness_timeout_s"]
+        candidates = []
+        spec = self.spec
+        for _ in range(self.restarts - self.generation):
+            spec = successor_ring(spec)
+            candidates.append(spec)
+        while True:
+            for generation in range(len(candidates), 0, -1):
+                spec = candidates[generation - 1]
+                try:
+                    consumer = MicroBatchConsumer(spec, self.index, **self._waits)
+                except (FileNotFoundError, ValueError):  # not there (yet), or being initialised
+                    continue
+                self._retired.append(self.consumer)
+                self.consumer, self.spec = consumer, spec
+                self.generation += generation
+                return
+            if cancel.is_set():
+                raise InterruptedError(f"the wait for ring {self.spec.name!r}'s successor ended")
+            if time.monotonic() > deadline:
+                raise ReorganizerDiedError(
+                    f"{died}; no restarted reorganizer on {[c.name for c in candidates]} within "
+                    f"liveness_timeout_s={self._waits['liveness_timeout_s']}"
+                ) from died
+            cancel.wait(ATTACH_POLL_S)
+
+
+class FollowingTake(Iterator[PackedMicroBatch]):
+    """Exactly ``count`` micro-batches of a ``FollowingConsumer`` (as ``MicroBatchConsumer.take``:
+    closing it ends it, interrupting a wait in another thread)."""
+
+    def __init__(self, consumer: FollowingConsumer, count: int) -> None:
+        self._consumer = consumer
+        self.count = count
+        self.taken = 0
+        self._cancel = threading.Event()
+
+    def __next__(self) -> PackedMicroBatch:
+        if self.taken >= self.count or self._cancel.is_set():
+            raise StopIteration
+        try:
+            lease = self._consumer.next_micro_batch(self._cancel)
+        except StopIteration:
+            raise RuntimeError(
+                f"ring {self._consumer.spec.name!r} finished after {self.taken} of the "
+                f"{self.count} micro-batches this take expects: the plan and the reorganizer "
+                "disagree"
+            ) from None
+        self.taken += 1
+        return lease
+
+    def interrupt(self) -> None:
+        """Make a ``next()`` waiting in another thread raise ``InterruptedError`` at once."""
+        self._cancel.set()
+        self._consumer.wake()
+
+    def close(self) -> None:
+        """End the take (``interrupt``); the consumer stays open."""
+        self.interrupt()
+
+
+def _position(lease: PackedMicroBatch) -> tuple[int, int] | None:
+    """(assignment number, micro-batch index) of a pool-tagged micro-batch, else ``None``."""
+    extra = lease.layout.extra
+    _, marker, number = str(extra.get("minibatch_id", "")).rpartition("@")
+    if not marker or not number.isdigit():
+        return None
+    return int(number), int(extra["micro_batch"])

@@ -1,0 +1,184 @@
+"""Driver checkpoints: resume re-serves exactly the untrained mini-batches; saves are atomic and owner-only."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from job_harness import (
+    PASSES,
+    Hold,
+    controller,
+    driver_config,
+    grid,
+    join,
+    run_ranks,
+    token_ids,
+    trajectories,
+    wait_for,
+)
+
+from knitkit.job import Output, Pass
+from knitkit.job.checkpoint import CheckpointDir, read_json, write_json
+
+
+def test_resume_trains_every_admitted_trajectory_once_per_pass(tmp_path: Path) -> None:
+    """Invariant over an interrupted run and its resumption together: every admitted token is
+    consumed exactly once per pass (nothing lost, nothing twice) although the resumed job has
+    another layout (DP 1 -> DP 2: its untrained mini-batches are re-planned), the checkpoint is
+    plain JSON, and the resumed driver names exactly the trajectories to re-write."""
+    data = trajectories(8, 2, seed=3)
+    by_id = {t.trajectory_id: t for t in data}
+    first = driver_config(1, 1, 1, 1).build(admission=controller(data, 4))
+    hold = Hold("", "old")
+    try:
+        for trajectory in data:
+            first.write(trajectory)
+        order = first.minibatches()
+        assert len(order) == 4
+        hold.minibatch_id = order[2]
+        threads, seen_first = run_ranks(first.rank_spec(), grid(1, 1, 1, 1), hold=hold)
+        assert hold.reached.wait(120), "the rank never reached the third mini-batch"
+        # The rank consumed mini-batches 0 and 1 and stopped at the step boundary.
+        state = first.state_dict(trained=2, timeout_s=60)
+        write_json(tmp_path / "driver.json", state)
+    finally:
+        first.close()
+        hold.release.set()
+    join(threads)
+    state = read_json(tmp_path / "driver.json")
+    assert state["released"] == 2 and [p["id"] for p in state["pending"]] == list(order[2:])
+
+    second = driver_config(2, 1, 1, 1).build(admission=controller(data, 4))
+    with second:
+        resumed = second.load_state_dict(state)
+        assert resumed.released == 2 and resumed.pending == tuple(order[2:])
+        assert resumed.replanned["dp"] == (1, 2)
+        pending_ids = {t for p in state["pending"] for t in p["trajectories"]}
+        assert set(second.reissue()) == pending_ids
+        with pytest.raises(ValueError, match="reissue"):
+            second.write(next(t for t in data if t.trajectory_id not in pending_ids))
+        threads, seen_second = run_ranks(second.rank_spec(), grid(2, 1, 1, 1))
+        for tid in second.reissue():
+            second.write(by_id[tid])
+        assert second.reissue() == ()
+        second.finish()
+        second.drain(120)
+        join(threads)
+        assert second.minibatches() == order
+    assert not [s.error for s in seen_second if s.error]
+    assert not [m for s in seen_first + seen_second for m in s.mismatches]
+    for p in PASSES:
+        before = Counter(
+            tok
+            for seen in seen_first
+            for (mb, name), tokens in seen.tokens.items()
+            if name == p.name and mb in order[:2]
+            for tok in tokens
+        )
+        after = Counter(
+            tok
+            for seen in seen_second
+            for (_, name), tokens in seen.tokens.items()
+            if name == p.name
+            for tok in tokens
+        )
+        assert before + after == Counter(tok for t in data for tok in token_ids(t)), p.name
+    first_mbs = {mb for s in seen_first for (mb, name) in s.tokens if name == "train"}
+    assert first_mbs == set(order[:2]), "the first run trained past its checkpoint"
+
+
+def test_resume_refuses_other_passes_naming_them() -> None:
+    """A checkpoint of other passes is refused naming the pass that differs; a checkpoint whose
+    mini-batches are not released yet times out naming them; nothing changes on refusal."""
+    data = trajectories(4, 2, seed=1)
+    with driver_config(1, 1, 1, 1).build(admission=controller(data, 2)) as driver:
+        for trajectory in data:
+            driver.write(trajectory)
+        with pytest.raises(TimeoutError, match="tb0-mb0"):
+            driver.state_dict(trained=1, timeout_s=0.5)
+        with pytest.raises(ValueError, match="only 2 mini-batches"):
+            driver.state_dict(trained=3)
+        state = json.loads(json.dumps(driver.state_dict(trained=0)))
+    other = (PASSES[0], Pass("train", reads=("tokens", "old_lp"), encodes=True))
+    with driver_config(1, 1, 1, 1, passes=other).build(admission=controller(data, 2)) as driver:
+        with pytest.raises(ValueError, match="'train': saved"):
+            driver.load_state_dict(state)
+        assert driver.minibatches() == () and driver.reissue() == ()
+    changed = (Pass("old", reads=("tokens",), writes=(Output("old_lp", "float16"),)), PASSES[1])
+    config = driver_config(1, 1, 1, 1, passes=changed)
+    with (
+        config.build(admission=controller(data, 2)) as driver,
+        pytest.raises(ValueError, match="'old': saved"),
+    ):
+        driver.load_state_dict(state)
+
+
+def test_resume_of_nothing_trained_serves_everything(tmp_path: Path) -> None:
+    """A checkpoint taken before any pass (``trained=0``) resumes every admitted mini-batch and
+    every waiting trajectory; the job then admits and serves as if never interrupted."""
+    data = trajectories(6, 2, seed=5)
+    by_id = {t.trajectory_id: t for t in data}
+    with driver_config(1, 1, 1, 1).build(admission=controller(data, 3)) as driver:
+        for trajectory in data[:9]:
+            driver.write(trajectory)
+        admitted = driver.minibatches()
+        state = json.loads(json.dumps(driver.state_dict(trained=0)))
+    assert len(admitted) == 2 and len(state["waiting"]) == 1
+    with driver_config(1, 1, 1, 1).build(admission=controller(data, 3)) as driver:
+        driver.load_state_dict(state)
+        threads, seen = run_ranks(driver.rank_spec(), grid(1, 1, 1, 1))
+        assert len(driver.reissue()) == 9
+        for tid in driver.reissue():
+            driver.write(by_id[tid])
+        for trajectory in data[9:]:
+            driver.write(trajectory)
+        wait_for(lambda: len(driver.minibatches()) == 3, what="the third mini-batch admitted")
+        driver.finish()
+        driver.drain(120)
+        join(threads)
+    assert not [s.error for s in seen if s.error]
+    train = Counter(
+        tok for (_, name), toks in seen[0].tokens.items() if name == "train" for tok in toks
+    )
+    assert train == Counter(tok for t in data for tok in token_ids(t))
+
+
+def test_checkpoint_dir_keeps_the_previous_one_until_the_rename(tmp_path: Path) -> None:
+    """A save interrupted at any point before the rename leaves the previous checkpoint the
+    newest loadable one; a directory with a missing or lying marker is never picked; staging
+    leftovers and all but the newest ``keep`` are pruned; everything is owner-only."""
+    root = CheckpointDir(tmp_path / "ckpt", keep=2)
+    assert root.latest() is None
+    for step in (1, 2):
+        write_json(root.stage(step) / "knitkit.json", {"step": step})
+        root.commit(step)
+    assert root.latest() == root.path(2)
+    # Crash after the files of step 3 are written, before commit: step 2 stays the newest.
+    staged = root.stage(3)
+    write_json(staged / "knitkit.json", {"step": 3})
+    assert root.latest() == root.path(2)
+    # A directory named like a checkpoint but without its marker, or whose marker names a
+    # missing file (the rename reached the disk before the data), is skipped.
+    root.path(5).mkdir()
+    write_json(root.path(5) / "knitkit.json", {"step": 5})
+    root.path(4).mkdir()
+    (root.path(4) / "COMPLETE").write_text(json.dumps({"files": ["rank0.pt"]}))
+    assert root.latest() == root.path(2)
+    # The retried save of step 3 starts fresh, commits, and prunes.
+    staged = root.stage(3)
+    assert list(staged.iterdir()) == []
+    write_json(staged / "knitkit.json", {"step": 3})
+    root.commit(3)
+    assert root.latest() == root.path(3)
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert names == ["step-000000002", "step-000000003", "step-000000004", "step-000000005"]
+    assert read_json(root.latest() / "knitkit.json") == {"step": 3}
+    assert stat.S_IMODE(os.stat(root.path(3)).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(root.path(3) / "knitkit.json").st_mode) == 0o600
+    with pytest.raises(FileExistsError):
+        root.stage(3)
