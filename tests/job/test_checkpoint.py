@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from job_harness import (
     PASSES,
     Hold,
@@ -120,14 +121,19 @@ def test_resume_refuses_other_passes_naming_them() -> None:
 
 def test_resume_of_nothing_trained_serves_everything(tmp_path: Path) -> None:
     """A checkpoint taken before any pass (``trained=0``) resumes every admitted mini-batch and
-    every waiting trajectory; the job then admits and serves as if never interrupted."""
+    every waiting trajectory; the job then admits and serves as if never interrupted. The state
+    sits beside a model's in a ``torch.save`` checkpoint and loads with ``weights_only=True``
+    (plain data: nothing to unpickle)."""
     data = trajectories(6, 2, seed=5)
     by_id = {t.trajectory_id: t for t in data}
     with driver_config(1, 1, 1, 1).build(admission=controller(data, 3)) as driver:
         for trajectory in data[:9]:
             driver.write(trajectory)
         admitted = driver.minibatches()
-        state = json.loads(json.dumps(driver.state_dict(trained=0)))
+        model = torch.nn.Linear(2, 2)
+        saved = {"model": model.state_dict(), "knitkit": driver.state_dict(trained=0)}
+        torch.save(saved, tmp_path / "ckpt.pt")
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)["knitkit"]
     assert len(admitted) == 2 and len(state["waiting"]) == 1
     with driver_config(1, 1, 1, 1).build(admission=controller(data, 3)) as driver:
         driver.load_state_dict(state)
