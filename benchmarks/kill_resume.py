@@ -59,7 +59,7 @@ def main() -> None:
         reference = work / "reference"
         done = launch(reference, STEPS, resume=False)
         if done.returncode != 0:
-            raise SystemExit(f"the uninterrupted run failed:\n{done.log[-4000:]}")
+            raise SystemExit(f"the uninterrupted run failed:\n{done.summary()}")
         report = _jobs(work, reference, kills, args.per_job, rng)
     report |= {"steps": STEPS, "wall_s": time.perf_counter() - started}
     for key, value in report.items():
@@ -91,12 +91,12 @@ def _jobs(
             progress(f"job {jobs - 1}: {kill} {'fired' if out.killed else 'not reached'}")
             if not out.killed:
                 if out.returncode != 0:
-                    raise SystemExit(f"job {jobs - 1} failed at {kill}:\n{out.log[-4000:]}")
+                    raise SystemExit(f"job {jobs - 1} failed at {kill}:\n{out.summary()}")
                 break
         else:
             out = launch(job, STEPS, resume=not first)
             if out.returncode != 0:
-                raise SystemExit(f"job {jobs - 1} failed to resume:\n{out.log[-4000:]}")
+                raise SystemExit(f"job {jobs - 1} failed to resume:\n{out.summary()}")
         resumed += 1
         broken = ledger_violations(job / "ledger", reference / "ledger")
         violations += len(broken)

@@ -24,6 +24,12 @@ class Launch:
     killed: bool
     log: str
 
+    def summary(self) -> str:
+        """What a failed launch says: the first rank's traceback and the launcher's last lines."""
+        lines = self.log.splitlines()
+        first = next((i for i, line in enumerate(lines) if "Traceback" in line), len(lines))
+        return "\n".join([*lines[first : first + 80], "...", *lines[-30:]])
+
 
 def launch(
     workdir: Path, steps: int, kill: str = "", *, resume: bool = True, timeout_s: float = 600
