@@ -216,7 +216,9 @@ def _table(figures: dict[str, float]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="3 optimizer steps instead of 6, the same step")
+    parser.add_argument(
+        "--quick", action="store_true", help="3 optimizer steps instead of 6, the same step"
+    )
     parser.add_argument("--json", metavar="PATH", help="write the flat JSON figures here")
     parser.add_argument("--steps", type=int, help="optimizer steps per path (default 6, quick 3)")
     parser.add_argument(
