@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from knitkit.job.errors import ReorganizerFailedError
 from knitkit.job.pool import Assignment, ReorganizerDied, ReorganizerPool, successor_ring
 from knitkit.metrics import sum_over
 from knitkit.storage import MicroBatchConsumer, ReorganizerDiedError, RingSpec
+from knitkit.storage.delivery import Take
 from knitkit.types import PackedMicroBatch
 
 # NOTE [ Reorganizer restart ]:
@@ -136,13 +137,17 @@ class FollowingConsumer:
         self._retired: list[MicroBatchConsumer] = []
         """Consumers of dead rings: kept mapped (their leases may still be read) until close."""
 
-    def take(self, count: int) -> FollowingTake:
+    @property
+    def name(self) -> str:
+        return self.consumer.name
+
+    def take(self, count: int) -> Take:
         """Exactly the next ``count`` micro-batches, across restarts (``MicroBatchConsumer.take``)."""
         if count < 0:
             raise ValueError(f"take({count}): the count must be >= 0")
-        return FollowingTake(self, count)
+        return Take(self, count)
 
-    def next_micro_batch(self, cancel: threading.Event) -> PackedMicroBatch:
+    def next_micro_batch(self, *, cancel: threading.Event) -> PackedMicroBatch:
         """The next micro-batch not handed out before; moves to the successor ring when the
         reorganizer died (``StopIteration`` when the producer is done)."""
         while True:
@@ -163,7 +168,7 @@ class FollowingConsumer:
 
     def wake(self) -> None:
         """Make a wait of ``next_micro_batch`` in another thread look at its cancel event."""
-        self.consumer.take(0).interrupt()  # wakes the ring's waiters; the consumer stays usable
+        self.consumer.wake()
 
     def metrics(self) -> dict[str, float]:
         """``MicroBatchConsumer.metrics`` summed over every ring it read, plus
@@ -204,40 +209,6 @@ class FollowingConsumer:
                     f"liveness_timeout_s={self._waits['liveness_timeout_s']}"
                 ) from died
             cancel.wait(ATTACH_POLL_S)
-
-
-class FollowingTake(Iterator[PackedMicroBatch]):
-    """Exactly ``count`` micro-batches of a ``FollowingConsumer`` (as ``MicroBatchConsumer.take``:
-    closing it ends it, interrupting a wait in another thread)."""
-
-    def __init__(self, consumer: FollowingConsumer, count: int) -> None:
-        self._consumer = consumer
-        self.count = count
-        self.taken = 0
-        self._cancel = threading.Event()
-
-    def __next__(self) -> PackedMicroBatch:
-        if self.taken >= self.count or self._cancel.is_set():
-            raise StopIteration
-        try:
-            lease = self._consumer.next_micro_batch(self._cancel)
-        except StopIteration:
-            raise RuntimeError(
-                f"ring {self._consumer.spec.name!r} finished after {self.taken} of the "
-                f"{self.count} micro-batches this take expects: the plan and the reorganizer "
-                "disagree"
-            ) from None
-        self.taken += 1
-        return lease
-
-    def interrupt(self) -> None:
-        """Make a ``next()`` waiting in another thread raise ``InterruptedError`` at once."""
-        self._cancel.set()
-        self._consumer.wake()
-
-    def close(self) -> None:
-        """End the take (``interrupt``); the consumer stays open."""
-        self.interrupt()
 
 
 def _position(lease: PackedMicroBatch) -> tuple[int, int] | None:

@@ -1,7 +1,8 @@
 """Delivery: reorganizer processes, shared-memory publication, per-rank consumers (README steps 7-9).
 
 The face for engine adapters that host a reorganizer themselves (a Ray actor): they run a
-``ReorganizerHost`` and unlink the rings of hosts that died with ``unlink_ring``; users need only
+``ReorganizerHost`` and unlink the rings of hosts that died with ``unlink_ring``; a consumer of
+its own (one that follows a restarted reorganizer) hands out exact counts with ``Take``; users need only
 ``ReorganizerProcess``, ``RingSpec`` and ``MicroBatchConsumer`` from ``knitkit.storage``.
 """
 
@@ -11,6 +12,7 @@ from knitkit.storage.delivery.consumer import (
     ReorganizerDiedError,
     ReorganizerError,
     ReorganizerUnitsLostError,
+    Take,
 )
 from knitkit.storage.delivery.reorganizer import ReorganizerHost
 from knitkit.storage.delivery.reorganizer_process import ReorganizerProcess
@@ -32,5 +34,6 @@ __all__ = [
     "RingClosedError",
     "RingSpec",
     "RingTruncatedError",
+    "Take",
     "unlink_ring",
 ]

@@ -8,6 +8,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from functools import partial
+from typing import Protocol
 
 import numpy as np
 
@@ -270,6 +271,10 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
             raise InterruptedError(f"{self.name} was interrupted")
         return self.next_micro_batch(cancel=self._interrupted)
 
+    def wake(self) -> None:
+        """Make a ``next_micro_batch`` waiting in another thread look at its cancel event."""
+        self._ring.wake_consumers()
+
     def take(self, count: int) -> Take:
         """An iterator of exactly the next ``count`` leases: it never asks the ring for one more
         (the next ones may not be packable yet), raises if the producer finishes early, and
@@ -393,11 +398,25 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
             )
 
 
+class LeaseSource(Protocol):
+    """What a ``Take`` reads: a consumer handing out leases one at a time (``MicroBatchConsumer``,
+    or one that follows its reorganizer across restarts)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def next_micro_batch(self, *, cancel: threading.Event) -> PackedMicroBatch: ...
+
+    def wake(self) -> None:
+        """Make a ``next_micro_batch`` waiting in another thread look at its cancel event."""
+        ...
+
+
 class Take(Iterator[PackedMicroBatch]):
     """Exactly ``count`` leases from a consumer (``MicroBatchConsumer.take``); closing it ends
     it, interrupting a wait in another thread, and leaves the consumer open."""
 
-    def __init__(self, consumer: MicroBatchConsumer, count: int) -> None:
+    def __init__(self, consumer: LeaseSource, count: int) -> None:
         self._consumer = consumer
         self.count = count
         self.taken = 0
@@ -419,7 +438,7 @@ class Take(Iterator[PackedMicroBatch]):
     def interrupt(self) -> None:
         """Make a ``next()`` waiting in another thread raise ``InterruptedError`` at once."""
         self._cancel.set()
-        self._consumer._ring.wake_consumers()
+        self._consumer.wake()
 
     def close(self) -> None:
         """End the take (``interrupt``); the consumer stays open."""
