@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -159,6 +160,34 @@ def token_ids(trajectory: Trajectory) -> list[int]:
 
 
 Check = Callable[[list[Seen]], None]
+
+
+def assert_trained_once(
+    first: Sequence[Seen],
+    trained: Sequence[str],
+    second: Sequence[Seen],
+    data: Sequence[Trajectory],
+) -> None:
+    """Over an interrupted run (only its ``trained`` mini-batches count: the checkpoint's model
+    state holds them, later ones are void) and its resumption, every token of ``data`` was
+    consumed exactly once per pass."""
+    whole = Counter(tok for t in data for tok in token_ids(t))
+    for p in PASSES:
+        before = Counter(
+            tok
+            for seen in first
+            for (mb, name), tokens in seen.tokens.items()
+            if name == p.name and mb in trained
+            for tok in tokens
+        )
+        after = Counter(
+            tok
+            for seen in second
+            for (_, name), tokens in seen.tokens.items()
+            if name == p.name
+            for tok in tokens
+        )
+        assert before + after == whole, p.name
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float = 60.0, what: str = "") -> None:

@@ -13,6 +13,7 @@ import torch
 from job_harness import (
     PASSES,
     Hold,
+    assert_trained_once,
     controller,
     driver_config,
     grid,
@@ -73,22 +74,7 @@ def test_resume_trains_every_admitted_trajectory_once_per_pass(tmp_path: Path) -
         assert second.minibatches() == order
     assert not [s.error for s in seen_second if s.error]
     assert not [m for s in seen_first + seen_second for m in s.mismatches]
-    for p in PASSES:
-        before = Counter(
-            tok
-            for seen in seen_first
-            for (mb, name), tokens in seen.tokens.items()
-            if name == p.name and mb in order[:2]
-            for tok in tokens
-        )
-        after = Counter(
-            tok
-            for seen in seen_second
-            for (_, name), tokens in seen.tokens.items()
-            if name == p.name
-            for tok in tokens
-        )
-        assert before + after == Counter(tok for t in data for tok in token_ids(t)), p.name
+    assert_trained_once(seen_first, order[:2], seen_second, data)
     first_mbs = {mb for s in seen_first for (mb, name) in s.tokens if name == "train"}
     assert first_mbs == set(order[:2]), "the first run trained past its checkpoint"
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections import Counter
 from collections.abc import Iterator
 
 import pytest
-from job_harness import PASSES, Hold, controller, driver_config, grid, join, run_ranks, token_ids
+from job_harness import Hold, assert_trained_once, controller, driver_config, grid, join, run_ranks
 from job_harness import trajectories as make_trajectories
 
 from knitkit.job import ReorganizerFailedError
@@ -157,22 +156,7 @@ def test_a_lost_node_fails_the_job_named_and_its_checkpoint_resumes_exactly_once
         backend.close()
     assert not [s.error for s in seen_second if s.error]
     assert not [m for s in seen_first + seen_second for m in s.mismatches]
-    for p in PASSES:
-        before = Counter(  # the checkpoint's model state trained these; later ones are void
-            tok
-            for seen in seen_first
-            for (mb, name), tokens in seen.tokens.items()
-            if name == p.name and mb in order[:2]
-            for tok in tokens
-        )
-        after = Counter(
-            tok
-            for seen in seen_second
-            for (_, name), tokens in seen.tokens.items()
-            if name == p.name
-            for tok in tokens
-        )
-        assert before + after == Counter(tok for t in data for tok in token_ids(t)), p.name
+    assert_trained_once(seen_first, order[:2], seen_second, data)
     print(
         f"restarts={restarts}: failed {took:.1f} s after the loss, both runs in "
         f"{time.monotonic() - started:.1f} s"
