@@ -175,16 +175,29 @@ class MicroBatchLayout:
 
     def numpy_views(self, buffer: Buffer) -> dict[str, np.ndarray]:
         """Zero-copy numpy views of every field over ``buffer`` (at least ``nbytes`` long)."""
+        flat = self._flat(buffer)
+        # np.ndarray over the flat buffer: one call per field (a slice, view and reshape cost
+        # twice as much, and a consumer builds these per micro-batch); bounds are checked above
+        # for the layout and by numpy per field
+        return {v.name: np.ndarray(v.shape, v.dtype, flat, v.offset) for v in self.fields}
+
+    def clear_padding(self, buffer: Buffer) -> None:
+        """Zero the alignment bytes after each field in ``buffer``: a packed micro-batch is then
+        a function of its contents alone, whatever a reused buffer (a ring slot) held before."""
+        flat = self._flat(buffer)
+        for view in self.fields:
+            end = view.offset + view.nbytes
+            flat[end : view.offset + _align(view.nbytes)] = 0
+
+    def _flat(self, buffer: Buffer) -> np.ndarray:
+        """``buffer`` as flat bytes, checked to hold the layout."""
         flat = (
             np.frombuffer(buffer, dtype=np.uint8) if not isinstance(buffer, np.ndarray) else buffer
         )
         flat = flat.reshape(-1).view(np.uint8)
         if flat.nbytes < self.nbytes:
             raise ValueError(f"buffer has {flat.nbytes} bytes; layout needs {self.nbytes}")
-        # np.ndarray over the flat buffer: one call per field (a slice, view and reshape cost
-        # twice as much, and a consumer builds these per micro-batch); bounds are checked above
-        # for the layout and by numpy per field
-        return {v.name: np.ndarray(v.shape, v.dtype, flat, v.offset) for v in self.fields}
+        return flat
 
     def unit_views(self, buffer: Buffer) -> dict[UnitKey, np.ndarray]:
         """Zero-copy views of the units of an ``of_units`` layout, by unit key."""

@@ -21,7 +21,8 @@ from knitkit.storage.delivery.publication import Publisher
 from knitkit.storage.delivery.reorganizer import Reorganizer
 from knitkit.storage.delivery.reorganizer_process import ReorganizerProcess
 from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing
-from knitkit.storage.planning.plan import Topology
+from knitkit.storage.planning.plan import EncoderRankPlan, Topology
+from knitkit.types import UnitKey
 
 
 def _digest(buffer: memoryview) -> str:
@@ -167,3 +168,49 @@ def test_exactly_once_through_processes(kind, tmp_path):
         for reorganizer in reorganizers:
             reorganizer.close()
         backend.close()
+
+
+def _published(backend: UnitBackend, assignment, stale: bool) -> list[bytes]:
+    """Every micro-batch of ``assignment`` as published into a fresh ring, whole (``nbytes``,
+    alignment padding included); ``stale``: every slot first holds 0xFF bytes, as a ring does
+    after other micro-batches."""
+    spec = RingSpec.new(num_slots=1, slot_bytes=1 << 18, num_consumers=1)
+    owner = SlotRing.create(spec)
+    if stale:
+        owner.slot(0, spec.slot_bytes)[:] = b"\xff" * spec.slot_bytes
+    publisher = Publisher(SlotRing.attach(spec))
+    publisher.start()
+    consumer = MicroBatchConsumer(spec, 0)
+    reorganizer = Reorganizer(backend, publisher)
+    thread = threading.Thread(target=reorganizer.deliver, args=("mb", assignment))
+    thread.start()
+    out = []
+    try:
+        for _ in range(len(assignment.micro_batches)):
+            with consumer.next_micro_batch(timeout_s=30) as lease:
+                out.append(bytes(lease.buffer[: lease.layout.nbytes]))
+    finally:
+        thread.join(30)
+        consumer.close()
+        publisher.close()
+        owner.close()
+        owner.unlink()
+    return out
+
+
+def test_a_published_micro_batch_is_the_same_bytes_whatever_its_slot_held_before() -> None:
+    """A packed micro-batch is a function of its plan alone, padding between fields included
+    (fields start at 64-byte offsets): a slot that held other bytes carries none of them over,
+    for backbone and encoder micro-batches. Otherwise a re-served micro-batch (a restarted
+    reorganizer publishes into a fresh ring) differs from the first serving in those bytes. On
+    480348c the alignment padding kept the slot's old bytes."""
+    metas = make_metas([37, 5, 91, 12])
+    backend = MemoryBackend()
+    fill_backend(backend, metas)
+    backbone = plan_for(metas, Topology(1, 1, 1), 64, "mb").consumer(0, 0)
+    units = tuple(UnitKey(m.trajectory_id, "reward") for m in metas)
+    encoder = EncoderRankPlan("vision", 0, (units[:3], units[3:]))
+    for assignment in (backbone, encoder):
+        fresh, stale = _published(backend, assignment, False), _published(backend, assignment, True)
+        assert len(fresh) == len(assignment.micro_batches) >= 2
+        assert fresh == stale, type(assignment).__name__

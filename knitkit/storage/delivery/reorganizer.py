@@ -71,6 +71,7 @@ class Reorganizer:
         views = layout.unit_views(slot)
         before = self.backend.bytes_read
         self.backend.read_many([UnitRead(key) for key in views], list(views.values()))
+        layout.clear_padding(slot)
         self._publish(layout, before)
 
     def _publish(self, layout: MicroBatchLayout, bytes_read_before: int) -> None:

@@ -147,8 +147,9 @@ def pack_into(
 ) -> dict[str, np.ndarray]:
     """Fill ``buffer`` (e.g. a shared-memory slot) with the packed micro-batch; returns the views.
 
-    Every unit read lands straight in its place in ``buffer``; padding rows are zeroed, so a
-    reused buffer carries nothing over from the previous micro-batch.
+    Every unit read lands straight in its place in ``buffer``; padding rows and the alignment
+    bytes between fields are zeroed, so a reused buffer carries nothing over from the previous
+    micro-batch.
     """
     return pack_into_batched(
         micro_batch,
@@ -170,6 +171,7 @@ def pack_into_batched(
     reads, outs = unit_reads(micro_batch, views)
     read_many(reads, outs)
     fill_generated(micro_batch, layout, views)
+    layout.clear_padding(buffer)
     return views
 
 
