@@ -10,7 +10,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from knitkit.job.pool import ReorganizerDied, numbering, successor_ring, tagged
+from knitkit.job.pool import ReorganizerDied, numbering, successor_ring, tagged, untagged
 from knitkit.storage import (
     ConsumerPlan,
     EncoderRankPlan,
@@ -194,6 +194,11 @@ class RayDispatcher:
         for entry in unfinished:
             self._deliver(name, entry.tag, entry.assignment)
         return self.rings[name]
+
+    def unpublished(self, name: str) -> frozenset[str]:
+        """Ids of the mini-batches of group ``name``'s ``deliver`` calls ``check`` has not seen
+        return (``ReorganizerPool``): the actor may still read their units."""
+        return frozenset(untagged(p.tag) for p in self._pending.get(name, ()))
 
     def bytes_read(self) -> dict[str, int]:
         """Payload bytes each reorganizer read from storage so far."""

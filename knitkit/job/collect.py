@@ -27,8 +27,8 @@ class Collector:
     A ``values`` record is one micro-batch's outputs in packed CP-local order: the plan's
     ``unpack`` undoes packing and the CP split, the store's ``write_ranges`` writes them. A
     ``done`` record ends the group's pass (checked complete); after the last pass the group's
-    units are freed, and after the last group the mini-batch is released and its figures
-    queued for the observer. An ``error`` record, or the writer rank's death, fails the job.
+    units are queued to be freed (``JobCore.free_published``), and after the last group the
+    mini-batch is released and its figures queued for the observer. An ``error`` record, or the writer rank's death, fails the job.
     """
 
     def __init__(self, core: JobCore, group: str, spec: RingSpec, liveness_timeout_s: float):
@@ -153,15 +153,15 @@ class Collector:
             self._release(ledger)
 
     def _release(self, ledger: MiniBatchLedger) -> None:
-        """The group finished the last pass: free its units; after the last group, the rest of
-        the mini-batch's, and queue its figures for the observer."""
+        """The group finished the last pass: its units are to be freed; after the last group,
+        the rest of the mini-batch's, and its figures queued for the observer. The scheduler
+        frees them once their reorganizers published the mini-batch (``free_published``)."""
         core = self.core
-        core.store.consumed(ledger.minibatch_id, self.group)
+        core.unfreed.append((ledger.minibatch_id, self.group))
         ledger.store_consumers.discard(self.group)
         if not ledger.consumed(core.passes[-1].name):
             return
-        for name in sorted(ledger.store_consumers):
-            core.store.consumed(ledger.minibatch_id, name)
+        core.unfreed.extend((ledger.minibatch_id, name) for name in sorted(ledger.store_consumers))
         ledger.store_consumers.clear()
         del core.ledger.minibatches[ledger.minibatch_id]
         core.ledger.released += 1

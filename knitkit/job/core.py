@@ -36,6 +36,9 @@ class JobCore:
     """Fields the passes read that no pass writes: the trajectories bring them."""
     writer_of: dict[str, Pass] = field(default_factory=dict)
     """Written field -> the pass that writes it."""
+    unfreed: list[tuple[str, str]] = field(default_factory=list)
+    """(mini-batch, store consumer) pairs that ended the mini-batch's last pass, whose units the
+    scheduler frees once the consumer's reorganizer published the mini-batch (``free_published``)."""
 
     def __post_init__(self) -> None:
         self.rollout = rollout_fields(self.passes)
@@ -52,6 +55,20 @@ class JobCore:
         text = "".join(traceback.format_exception_only(type(error), error)).strip()
         with contextlib.suppress(Exception):  # a closing ring: the failure is recorded anyway
             self.schedule.fail(f"the driver failed: {text}")
+
+    def free_published(self) -> None:
+        """Free the units of every ended (mini-batch, consumer) whose reorganizer no longer has
+        an assignment of the mini-batch to publish: a restarted one re-serves from the store
+        what its predecessor may not have handed out, after the consumers may have ended (see
+        NOTE [ Reorganizer restart ] in recovery.py). Scheduler thread: the pool's only caller."""
+        with self.lock:
+            waiting = []
+            for minibatch_id, consumer in self.unfreed:
+                if minibatch_id in self.pool.unpublished(consumer):
+                    waiting.append((minibatch_id, consumer))
+                else:
+                    self.store.consumed(minibatch_id, consumer)
+            self.unfreed = waiting
 
     def raise_failure(self) -> None:
         """Raise the recorded failure: the job error itself, anything else wrapped."""

@@ -46,8 +46,9 @@ from knitkit.types import TrajectoryMeta
 #   queues the pass's assignments on the reorganizers and publishes its schedule record. One
 #   thread doing both keeps every ring's order equal to the schedule's, which keeps every rank on
 #   the same pass of the same mini-batch (their collectives match). It also pushes released
-#   mini-batches' figures to the observer (one thread, steps in order) and checks the pool's
-#   health between waits.
+#   mini-batches' figures to the observer (one thread, steps in order), checks the pool's
+#   health between waits and frees the units of groups that ended a mini-batch once their
+#   reorganizers published it (NOTE [ Reorganizer restart ] in recovery.py).
 # - A collector drains its group's write-back ring, stores outputs and records pass ends. It
 #   never waits for the scheduler: a writer rank may run a whole pass ahead of it, and a full
 #   write-back ring and a full schedule ring must not wait for each other.
@@ -64,7 +65,7 @@ class Driver:
     ``write`` takes completed trajectories (thread-safe; ``RolloutWriter(driver)`` works), admits
     mini-batches, plans each once for the backbone and encoder topologies, and a scheduler
     thread serves every pass of each in order (see NOTE [ Driver threads ]). A mini-batch's
-    units are freed once every declared pass consumed it. ``produced`` / ``consumed`` answer
+    units are freed once every declared pass consumed it and its reorganizers published it. ``produced`` / ``consumed`` answer
     like TransferQueue's production and consumption status; ``progress``, ``metrics`` and the
     ``observe`` hook give the run's figures.
 
@@ -522,6 +523,9 @@ class Driver:
             core.schedule.fail(f"the driver closed before serving everything{reason}")
         core.schedule.close()
         with core.lock:
+            for minibatch_id, consumer in core.unfreed:  # no reorganizer reads any more
+                self.store.consumed(minibatch_id, consumer)
+            core.unfreed.clear()
             for minibatch_id in list(core.ledger.minibatches):
                 self.store.abort(minibatch_id)
             self.store.release(sorted(core.ledger.waiting))

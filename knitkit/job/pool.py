@@ -47,6 +47,11 @@ def tagged(minibatch_id: str, number: int) -> str:
     return f"{minibatch_id}@{number}"
 
 
+def untagged(tag: str) -> str:
+    """The mini-batch id inside a ``tagged`` id."""
+    return tag.rpartition("@")[0]
+
+
 def numbering() -> Iterator[int]:
     """A group's assignment numbers (``tagged``): they keep counting across restarts."""
     return itertools.count()
@@ -84,6 +89,12 @@ class ReorganizerPool(Protocol):
         recovery.py."""
         ...
 
+    def unpublished(self, name: str) -> frozenset[str]:
+        """Ids of the mini-batches with an assignment group ``name``'s reorganizer has not
+        published in full: it may still read their units, so the driver keeps them (see
+        NOTE [ Reorganizer restart ] in recovery.py). Empty for a name that is no group."""
+        ...
+
     def metrics(self) -> dict[str, float]:
         """Figures summed over members (``knitkit/delivery/reorganizer_*``, cumulative)."""
         ...
@@ -114,8 +125,8 @@ class ProcessPool:
         """Figures of replaced members, taken before they closed."""
         self._numbers = {name: numbering() for name in self._sizes}
         self._queued: dict[str, list[tuple[str, Assignment, int]]] = {n: [] for n in self._sizes}
-        """Per group, (tagged id, assignment, end) of what its member may still have to hand
-        out; ``end``: micro-batches on the member's ring once the assignment is published."""
+        """Per group, (tagged id, assignment, end) of what its member may not have published in
+        full; ``end``: micro-batches on the member's ring once the assignment is published."""
         try:
             for name in self._sizes:
                 self._members[name] = self._start(
@@ -135,7 +146,7 @@ class ProcessPool:
         self, name: str, minibatch_id: str, assignment: ConsumerPlan | EncoderRankPlan
     ) -> None:
         member = self._member(name)
-        done = member.released()
+        done = member.published()
         queued = self._queued[name] = [q for q in self._queued[name] if q[2] > done]
         self._put(name, tagged(minibatch_id, next(self._numbers[name])), assignment, queued)
 
@@ -154,7 +165,7 @@ class ProcessPool:
 
     def replace(self, name: str) -> RingSpec:
         old = self._member(name)
-        done = old.released()  # its ring stays mapped here until close: consumers' counts hold
+        done = old.published()  # its ring stays mapped here: ranks read what it published
         unfinished = [q for q in self._queued[name] if q[2] > done]
         self._members[name] = self._start(successor_ring(old.spec))
         self._retired = sum_over([self._retired, old.metrics()])
@@ -163,6 +174,13 @@ class ProcessPool:
         for tag, assignment, _ in unfinished:
             self._put(name, tag, assignment, queued)
         return self._members[name].spec
+
+    def unpublished(self, name: str) -> frozenset[str]:
+        member = self._members.get(name)
+        if member is None:
+            return frozenset()
+        published = member.published()
+        return frozenset(untagged(tag) for tag, _, end in self._queued[name] if end > published)
 
     def metrics(self) -> dict[str, float]:
         return sum_over([self._retired, *(m.metrics() for m in self._members.values())])
@@ -181,8 +199,8 @@ class ProcessPool:
         assignment: Assignment,
         queued: list[tuple[str, Assignment, int]],
     ) -> None:
-        """Submit under ``tag`` and remember it until every consumer released it."""
-        end = (queued[-1][2] if queued else self._members[name].released()) + len(
+        """Submit under ``tag`` and remember it until its member published all of it."""
+        end = (queued[-1][2] if queued else self._members[name].published()) + len(
             assignment.micro_batches
         )
         self._members[name].submit(tag, assignment)

@@ -23,12 +23,20 @@ from knitkit.types import PackedMicroBatch
 # - Driver. ``RestartingPool`` wraps the pool; the scheduler thread's health check (the only
 #   caller of ``check``, the same thread that submits) gets ``ReorganizerDied`` from the pool and
 #   calls ``pool.replace(group)``: a fresh member on the group's ``successor_ring`` (same sizes,
-#   name ``<name>_r<k>``), with every assignment the dead one may not have handed to ALL its
-#   consumers re-submitted in order, from the store (the units live until the mini-batch is
-#   released). ``ProcessPool`` knows that exactly: its rings stay mapped in the driver, and an
-#   assignment is done once every consumer's release count passed its end. ``RayDispatcher``
-#   re-submits every ``deliver`` whose result it has not seen (a superset). Nothing else in the
-#   driver changes: the schedule, the ledger and the other groups go on.
+#   name ``<name>_r<k>``), with every assignment the dead one had not PUBLISHED in full
+#   re-submitted in order, from the store. What it published its ranks read from the dead ring
+#   (below), so it is never served again. ``ProcessPool`` knows that exactly (its rings stay
+#   mapped in the driver: the ring's published count against each assignment's end);
+#   ``RayDispatcher`` re-submits every ``deliver`` whose return it has not seen (a superset: a
+#   return can be lost with the actor).
+# - Units. A re-submitted assignment is read from the store again, possibly after the group's
+#   ranks ended the mini-batch (they had taken everything the dead member published). So the
+#   driver frees a group's units of a mini-batch only once the group ended its last pass AND
+#   ``pool.unpublished(group)`` no longer names the mini-batch: the same rule ("not published in
+#   full") that decides re-submission, asked on the same scheduler thread, so a unit is never
+#   freed while a member may still be handed its assignment again. ``JobCore.free_published``.
+#   Freeing on the pass end alone raced: the successor failed with ``KeyError`` on a freed unit.
+#   Nothing else in the driver changes: the schedule, the ledger and the other groups go on.
 # - Ranks: nobody tells them; they need no message. A rank's consumer reads every micro-batch
 #   the dead ring published (published slots stay readable while it is mapped), then, where it
 #   would wait, sees the producer gone (``ReorganizerDiedError``) and attaches to the successor
@@ -91,6 +99,9 @@ class RestartingPool:
 
     def replace(self, name: str) -> RingSpec:
         return self.pool.replace(name)
+
+    def unpublished(self, name: str) -> frozenset[str]:
+        return self.pool.unpublished(name)
 
     def metrics(self) -> dict[str, float]:
         """The pool's figures and ``knitkit/job/reorganizer_restarts`` (cumulative)."""

@@ -48,6 +48,7 @@ class Scheduler:
         try:
             while True:
                 core.pool.check()
+                core.free_published()
                 self._push_observed()
                 step = self._next()
                 if step is None:

@@ -40,6 +40,8 @@ KILLED = "backbone/dp1/cp0"
 KILL_AT = ("tb0-mb0", "train", 1)
 """(mini-batch, pass, micro-batch): the killed group's TP 0 rank kills its reorganizer right
 after it got this micro-batch, with later ones of the pass still unpublished."""
+LAST_OF_PASS = ("tb0-mb0", "train", 7)
+"""The last micro-batch of the first mini-batch's last pass (8 per group and pass)."""
 
 
 @dataclass
@@ -75,10 +77,15 @@ def _rank(spec: RankSpec, coords: RankCoords, run: Run, hook: Callable[[str, str
 
 
 def _job(
-    restarts: int, kill: Callable[[Driver], Callable[[], None]] | None, **build: object
+    restarts: int,
+    kill: Callable[[Driver], Callable[[], None]] | None,
+    *,
+    at: tuple[str, str, int] = KILL_AT,
+    tp_rank: int = 0,
+    **build: object,
 ) -> tuple[list[Run], dict[str, float]]:
     """The same job (8 micro-batches per group and pass); ``kill(driver)`` gives the killer the
-    killed group's TP 0 rank calls at ``KILL_AT``."""
+    killed group's ``tp_rank`` calls when it got micro-batch ``at`` (mini-batch, pass, index)."""
     data = trajectories(8, 4, seed=21)
     planner = PlannerConfig(max_tokens_per_micro_batch=256, min_micro_batches=8)
     config = driver_config(DP, 1, TP, 1, planner=planner, restart_reorganizers=restarts)
@@ -88,13 +95,13 @@ def _job(
         killer = kill(driver) if kill is not None else None
 
         def hook(minibatch_id: str, pass_name: str, index: int) -> None:
-            if killer is not None and (minibatch_id, pass_name, index) == KILL_AT:
+            if killer is not None and (minibatch_id, pass_name, index) == at:
                 killer()
 
         spec = driver.rank_spec()
         threads = []
         for c, run in zip(coords, runs, strict=True):
-            on = hook if (c.dp, c.tp) == (1, 0) else _nothing
+            on = hook if (c.dp, c.tp) == (1, tp_rank) else _nothing
             threads.append(threading.Thread(target=_rank, args=(spec, c, run, on), daemon=True))
         for thread in threads:
             thread.start()
@@ -110,16 +117,23 @@ def _job(
 
 def _sigkill(driver: Driver) -> Callable[[], None]:
     """SIGKILL the killed group's reorganizer process."""
-    pool = driver.pool.pool if isinstance(driver.pool, RestartingPool) else driver.pool
-    assert isinstance(pool, ProcessPool)
-    pid = pool.pids()[KILLED] or 0
+    pid = _process_pool(driver).pids()[KILLED] or 0
     return lambda: os.kill(pid, signal.SIGKILL)
 
 
-def _check_exactly_once(baseline: list[Run], runs: list[Run], figures: dict[str, float]) -> None:
+def _process_pool(driver: Driver) -> ProcessPool:
+    pool = driver.pool.pool if isinstance(driver.pool, RestartingPool) else driver.pool
+    assert isinstance(pool, ProcessPool)
+    return pool
+
+
+def _check_exactly_once(
+    baseline: list[Run], runs: list[Run], figures: dict[str, float], min_dropped: int = 2
+) -> None:
     """Per rank and (mini-batch, pass): the same packed micro-batches as the uninterrupted run,
     each once, in order; bit-exact write-backs; the killed group's ranks moved once and dropped
-    the same re-served micro-batches (at least the two they had taken)."""
+    the same re-served micro-batches (at least ``min_dropped``: the two they had taken
+    mid-pass; after a pass's end, what the dead ring had published of the next one)."""
     assert [r.error for r in baseline + runs if r.error] == []
     assert figures["knitkit/job/reorganizer_restarts"] == 1
     for base, run in zip(baseline, runs, strict=True):
@@ -131,7 +145,7 @@ def _check_exactly_once(baseline: list[Run], runs: list[Run], figures: dict[str,
         moves = run.figures["knitkit/delivery/reorganizer_moves"]
         assert moves == (1 if run.coords.dp == 1 else 0), (run.coords, moves)
     drops = {r.figures["knitkit/delivery/re_served_dropped"] for r in runs if r.coords.dp == 1}
-    assert len(drops) == 1 and min(drops) >= 2, drops  # both TP ranks dropped the same ones
+    assert len(drops) == 1 and min(drops) >= min_dropped, drops  # both TP ranks: the same ones
 
 
 def _nothing(minibatch_id: str, pass_name: str, index: int) -> None:
@@ -152,6 +166,41 @@ def test_a_killed_reorganizer_is_restarted_and_its_pass_re_served_exactly_once()
     print(f"two jobs in {time.monotonic() - started:.1f} s")
 
 
+def test_a_restart_while_a_rank_holds_a_passs_last_micro_batch_frees_no_unit_early() -> None:
+    """SIGKILL the reorganizer when the group's TP 1 rank got the last micro-batch of the
+    mini-batch's last pass, and hold that rank (its lease unreleased) until the pool restarted
+    the reorganizer and the group's writer rank (TP 0) ended the pass: the job completes with
+    every micro-batch exactly once. A restart re-serves exactly what the dead member had not
+    published (its ranks read the rest from the dead ring), and a group's units are freed only
+    once nothing may read them again. On 480348c the pool re-served what a consumer had not
+    released, after the pass end had freed its units: the successor failed the job with
+    ``KeyError`` naming a unit (the race of the Ray actor restart, made certain)."""
+    baseline, _ = _job(2, None)
+    runs, figures = _job(2, _holding(_sigkill), at=LAST_OF_PASS, tp_rank=1)
+    _check_exactly_once(baseline, runs, figures, min_dropped=0)
+
+
+def _holding(
+    kill: Callable[[Driver], Callable[[], None]],
+) -> Callable[[Driver], Callable[[], None]]:
+    """``kill``, then hold the killing rank (its micro-batch unreleased) until the pool restarted
+    the group's reorganizer and the group's writer rank ended the pass of ``LAST_OF_PASS``."""
+
+    def holding(driver: Driver) -> Callable[[], None]:
+        killer = kill(driver)
+        restarting = driver.pool
+        assert isinstance(restarting, RestartingPool)
+
+        def hold() -> None:
+            killer()
+            wait_for(lambda: restarting.restarted == [KILLED], 120, "the restart")
+            wait_for(lambda: driver.consumed(*LAST_OF_PASS[:2]), 120, "the writer's pass end")
+
+        return hold
+
+    return holding
+
+
 def test_without_restarts_the_job_fails_naming_the_group() -> None:
     """``restart_reorganizers=0`` keeps the old contract: the same kill fails the job with
     ``ReorganizerFailedError`` naming the group (a regression guard, not new behaviour)."""
@@ -165,8 +214,7 @@ def test_a_death_past_the_restart_budget_fails_the_job_naming_it() -> None:
     every rank ends (typed) instead of waiting. On d6f4b7a no restart exists at all."""
 
     def twice(driver: Driver) -> Callable[[], None]:
-        pool = driver.pool.pool if isinstance(driver.pool, RestartingPool) else driver.pool
-        assert isinstance(pool, ProcessPool)
+        pool = _process_pool(driver)
 
         def kill() -> None:
             first = pool.pids()[KILLED] or 0
@@ -186,19 +234,14 @@ def test_a_death_past_the_restart_budget_fails_the_job_naming_it() -> None:
         _job(1, twice)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known race, issue 21 left open: ray.kill can land after the actor published every "
-    "micro-batch of its pass but before Ray saw its deliver return; the dispatcher re-submits it, "
-    "the group finishes the pass meanwhile and its units are freed, and the successor fails with "
-    "KeyError (loud, nothing trained twice). Fails about 4 runs in 10 on 2 cores.",
-)
 def test_a_killed_ray_reorganizer_actor_is_restarted_and_re_served_exactly_once() -> None:
     """The same job on a real local Ray cluster (``RayDispatcher`` pool, ``RayBackend`` store):
-    ``ray.kill`` of the group's reorganizer actor mid-pass; the dispatcher restarts it on the
-    same node, re-submits the ``deliver`` calls it had not seen end, and every rank still gets
-    every micro-batch exactly once, in order, as in the uninterrupted Ray job. On d6f4b7a the
-    kill fails the job."""
+    ``ray.kill`` of the group's reorganizer actor mid-pass, and again in a second job when a
+    rank got the last micro-batch of a pass (held until the restart and the pass end); the
+    dispatcher restarts it on the same node, re-submits the ``deliver`` calls it had not seen
+    return, and every rank still gets every micro-batch exactly once, in order, as in the
+    uninterrupted Ray job. On d6f4b7a the kill fails the job; on 480348c the restart raced (the
+    group's units could be freed before the successor re-read them: ``KeyError``)."""
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'knitkit[ray]')")
     from knitkit.integration.ray import RayBackend, RayDispatcher, RingConfig, start_ray
 
@@ -238,7 +281,16 @@ def test_a_killed_ray_reorganizer_actor_is_restarted_and_re_served_exactly_once(
         baseline, _ = _job(2, None, store=TrajectoryStore(backend), pool=pool())
         runs, figures = _job(2, ray_kill, store=TrajectoryStore(backend), pool=pool())
         _check_exactly_once(baseline, runs, figures)
+        runs, figures = _job(
+            2,
+            _holding(ray_kill),
+            at=LAST_OF_PASS,
+            tp_rank=1,
+            store=TrajectoryStore(backend),
+            pool=pool(),
+        )
+        _check_exactly_once(baseline, runs, figures, min_dropped=0)
     finally:
         backend.close()
         ray.shutdown()
-    print(f"two Ray jobs in {time.monotonic() - started:.1f} s")
+    print(f"three Ray jobs in {time.monotonic() - started:.1f} s")

@@ -109,10 +109,11 @@ class ReorganizerProcess:
             "knitkit/delivery/reorganizer_published": float(self.ring.published),
         }
 
-    def released(self) -> int:
-        """Micro-batches every consumer of the ring has released (the least release count): what
-        a replacement need not serve again (see NOTE [ Reorganizer restart ] in knitkit/job)."""
-        return min(self.ring.released(c) for c in range(self.spec.num_consumers))
+    def published(self) -> int:
+        """Micro-batches the child published so far: it read their units before, and its ring's
+        consumers can read them while the ring is mapped, so a replacement need not serve them
+        again (see NOTE [ Reorganizer restart ] in knitkit/job)."""
+        return self.ring.published
 
     def died(self) -> bool:
         """Whether the child is gone without finishing and without writing an error of its own
