@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from knitkit.admission import AdmissionController, Shortfall
 from knitkit.job import checkpoint_state
@@ -32,6 +32,8 @@ from knitkit.storage import (
     TrajectoryStore,
 )
 from knitkit.types import TrajectoryMeta
+
+_T = TypeVar("_T")
 
 # NOTE [ Driver threads ]:
 # Lifecycle table: docs/lifecycle.md. A driver runs one scheduler thread (``serving.py``) and one
@@ -260,40 +262,36 @@ class Driver:
         are released (``TimeoutError`` after ``timeout_s``, default ``Config.wait_timeout_s``);
         ``ValueError`` if a later one is (the model state would not hold it).
         """
-        timeout = self.config.wait_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout
         core = self._core
-        with core.lock:
-            while True:
-                core.raise_failure()
-                ledger = core.ledger
-                if trained > len(ledger.order):
-                    raise ValueError(
-                        f"state_dict(trained={trained}): only {len(ledger.order)} mini-batches "
-                        "were admitted"
-                    )
-                resumed = self._intake.resumed
-                unreleased = set(ledger.minibatches)
-                if resumed is not None:
-                    unreleased |= {p.minibatch_id for p in resumed.pending}
-                done = [i for i, mb in enumerate(ledger.order) if mb not in unreleased]
-                late = [ledger.order[i] for i in done if i >= trained]
-                if late:
-                    raise ValueError(
-                        f"state_dict(trained={trained}): mini-batches {late} are released too; "
-                        "take the checkpoint at the step boundary of the model state saved "
-                        "with it (see NOTE [ Resume rule ])"
-                    )
-                if len(done) == trained:
-                    return checkpoint_state.encode(self._state(trained))
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"state_dict(trained={trained}): mini-batches "
-                        f"{[m for m in ledger.order[:trained] if m in unreleased]} not released "
-                        f"after {timeout} s: {self._outstanding()}"
-                    )
-                core.lock.wait(min(left, IDLE_S))
+
+        def taken() -> dict[str, Any] | None:
+            ledger = core.ledger
+            if trained > len(ledger.order):
+                raise ValueError(
+                    f"state_dict(trained={trained}): only {len(ledger.order)} mini-batches "
+                    "were admitted"
+                )
+            done = self._released_positions()
+            late = [ledger.order[i] for i in done if i >= trained]
+            if late:
+                raise ValueError(
+                    f"state_dict(trained={trained}): mini-batches {late} are released too; "
+                    "take the checkpoint at the step boundary of the model state saved "
+                    "with it (see NOTE [ Resume rule ])"
+                )
+            if len(done) == trained:
+                return checkpoint_state.encode(self._state(trained))
+            return None
+
+        def outstanding(timeout: float) -> str:
+            done = set(self._released_positions())
+            waiting = [m for i, m in enumerate(core.ledger.order[:trained]) if i not in done]
+            return (
+                f"state_dict(trained={trained}): mini-batches {waiting} not released after "
+                f"{timeout} s: {self._outstanding()}"
+            )
+
+        return self._wait_until(taken, timeout_s, outstanding)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> Resumed:
         """Resume from ``state_dict()``'s output, on a fresh driver (nothing written yet).
@@ -395,22 +393,20 @@ class Driver:
         Raises the driver's failure, or ``TimeoutError`` after ``timeout_s`` (default
         ``Config.wait_timeout_s``) naming what is still outstanding.
         """
-        timeout = self.config.wait_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout
         core = self._core
-        with core.lock:
-            while True:
-                core.raise_failure()
-                ledger = core.ledger
-                if ledger.released == len(ledger.order) and ledger.observed == ledger.released:
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"drain: {len(ledger.order) - ledger.released} mini-batches not "
-                        f"consumed after {timeout} s: {self._outstanding()}"
-                    )
-                core.lock.wait(min(left, IDLE_S))
+
+        def drained() -> bool | None:
+            ledger = core.ledger
+            done = ledger.released == len(ledger.order) and ledger.observed == ledger.released
+            return True if done else None
+
+        def outstanding(timeout: float) -> str:
+            left = len(core.ledger.order) - core.ledger.released
+            return (
+                f"drain: {left} mini-batches not consumed after {timeout} s: {self._outstanding()}"
+            )
+
+        self._wait_until(drained, timeout_s, outstanding)
 
     def produced(self, minibatch_id: str, field: str) -> bool:
         """Whether ``field`` is in the store for every trajectory of the admitted mini-batch
@@ -559,6 +555,38 @@ class Driver:
             if p.name == name:
                 return p
         raise KeyError(f"no pass {name!r}; passes: {[p.name for p in self.passes]}")
+
+    def _wait_until(
+        self,
+        ready: Callable[[], _T | None],
+        timeout_s: float | None,
+        late: Callable[[float], str],
+    ) -> _T:
+        """Under the lock, woken by the driver's threads: ``ready()``'s first value that is not
+        ``None``; the driver's failure as soon as it is recorded; ``TimeoutError(late(timeout))``
+        after ``timeout_s`` (default ``Config.wait_timeout_s``)."""
+        timeout = self.config.wait_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        core = self._core
+        with core.lock:
+            while True:
+                core.raise_failure()
+                value = ready()
+                if value is not None:
+                    return value
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(late(timeout))
+                core.lock.wait(min(left, IDLE_S))
+
+    def _released_positions(self) -> list[int]:
+        """Positions in the serving order of the released mini-batches (under the lock)."""
+        core = self._core
+        unreleased = set(core.ledger.minibatches)
+        resumed = self._intake.resumed
+        if resumed is not None:
+            unreleased |= {p.minibatch_id for p in resumed.pending}
+        return [i for i, mb in enumerate(core.ledger.order) if mb not in unreleased]
 
     def _outstanding(self) -> str:
         parts = []
