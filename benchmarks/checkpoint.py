@@ -1,26 +1,33 @@
 """Driver checkpoints: save and load time, bytes against the state they cover, and the pause a save imposes on the loop.
 
-For each size, a driver (one process, shared-memory store, its reorganizer processes; no ranks)
-takes ``n`` synthetic VLM trajectories (``knitkit.storage.baselines``; GRPO groups of 4, 64 to
+For each size and store backend (``shm``: shared memory, the default; ``disk``: a durable
+``SafetensorsBackend`` in a temporary directory), a driver (one process, its reorganizer
+processes; no ranks) takes ``n`` synthetic VLM trajectories (``knitkit.storage.baselines``; GRPO groups of 4, 64 to
 512 tokens, an image each, routing fields), admits them into mini-batches of 16, and is
 checkpointed with nothing trained (``state_dict(trained=0)``: every mini-batch pending, the
 largest state a step boundary can hold for these trajectories). Timed, median over
 ``--repeats``:
 
-- ``state_dict_s``: the driver builds its state (holding its lock: writes and serving wait);
+- ``state_dict_s``: the driver builds its state (holding its lock: writes and serving wait;
+  on ``disk`` it includes flushing the backend's buffered units to a shard);
 - ``save_s``: JSON encoding, owner-only write, fsync, marker, rename (``CheckpointDir``);
 - ``pause_s``: both, what a synchronous save at the step boundary costs the training loop
   (rank 0's part; the ranks' own model/optimizer files come on top and are the user's);
-- ``load_s``: reading the newest checkpoint and ``load_state_dict`` on a fresh driver;
-- ``reissue_s``: re-writing the trajectories the resumed driver names, re-planning and
+- ``load_s``: reading the newest checkpoint and ``load_state_dict`` on a fresh driver (on
+  ``disk`` over the same directory: the store's index is restored too and, with nothing to
+  re-write, the pending mini-batches are re-planned and registered inside it);
+- ``reissue_s``: re-writing the trajectories the resumed driver names (every pending and
+  waiting one on ``shm``; none on ``disk``, where the units survived), re-planning and
   registering every pending mini-batch (the rollout's regeneration is not included);
+- ``reissued``: how many trajectories the resumed driver named;
 - ``checkpoint_bytes`` against ``store_payload_bytes`` (the units the checkpoint does not hold:
   see NOTE [ Resume rule ] in knitkit/job/checkpoint_state.py) and ``bytes_per_trajectory``.
 
     python benchmarks/checkpoint.py [--quick] [--json PATH] [--sizes N ...] [--repeats R]
+                                    [--backends shm disk]
 
-JSON (flat): ``n<size>.<figure>`` for each size and the figures above (plus ``.trajectories``),
-and ``repeats``.
+JSON (flat): ``n<size>.<figure>`` (shm) and ``n<size>.disk.<figure>`` for each size and the
+figures above (plus ``.trajectories``), and ``repeats``.
 """
 
 from __future__ import annotations
@@ -37,7 +44,14 @@ from progress import Progress
 from knitkit.admission import build_controller
 from knitkit.job import Driver, Output, Pass
 from knitkit.job.checkpoint import CheckpointDir, read_json, write_json
-from knitkit.storage import EncoderTopology, PlannerConfig, Topology, Trajectory
+from knitkit.storage import (
+    EncoderTopology,
+    PlannerConfig,
+    SafetensorsBackend,
+    Topology,
+    Trajectory,
+    TrajectoryStore,
+)
 from knitkit.storage.baselines import synthetic_trajectories
 
 progress = Progress("checkpoint")
@@ -50,7 +64,7 @@ PASSES = (
 )
 
 
-def build(trajectories: list[Trajectory]) -> Driver:
+def build(trajectories: list[Trajectory], store: TrajectoryStore | None) -> Driver:
     sources = sorted({t.source for t in trajectories})
     admission = build_controller(
         "streaming",
@@ -67,16 +81,21 @@ def build(trajectories: list[Trajectory]) -> Driver:
         schedule_slot_bytes=1 << 20,
         write_back_slot_bytes=1 << 16,
         schedule_slots=2,
-    ).build(admission=admission)
+    ).build(admission=admission, store=store)
 
 
-def measure(size: int, repeats: int, root: Path) -> dict[str, float]:
+def measure(size: int, repeats: int, root: Path, backend: str) -> dict[str, float]:
     data = synthetic_trajectories(size // GROUP, group_size=GROUP, seed=size)
     by_id = {t.trajectory_id: t for t in data}
     runs: dict[str, list[float]] = {}
-    ckpt = CheckpointDir(root / f"n{size}")
+    ckpt = CheckpointDir(root / f"n{size}-{backend}")
+
+    def store(step: int) -> TrajectoryStore | None:
+        directory = root / f"n{size}-{backend}-units-{step}"
+        return None if backend == "shm" else TrajectoryStore(SafetensorsBackend(str(directory)))
+
     for step in range(1, repeats + 1):
-        with build(data) as driver:
+        with build(data, store(step)) as driver:
             for trajectory in data:
                 driver.write(trajectory)
             payload = driver.store.metrics().get("knitkit/storage/bytes_live", 0.0)
@@ -86,23 +105,29 @@ def measure(size: int, repeats: int, root: Path) -> dict[str, float]:
             write_json(ckpt.stage(step) / "knitkit.json", state)
             ckpt.commit(step)
             t2 = time.perf_counter()
+        if backend != "shm":
+            driver.store.close()
         latest = ckpt.latest()
         assert latest is not None
         nbytes = (latest / "knitkit.json").stat().st_size
-        with build(data) as driver:
+        with build(data, store(step)) as driver:
             t3 = time.perf_counter()
             driver.load_state_dict(read_json(latest / "knitkit.json"))
             t4 = time.perf_counter()
-            for tid in driver.reissue():
+            reissued = driver.reissue()
+            for tid in reissued:
                 driver.write(by_id[tid])
             t5 = time.perf_counter()
             assert driver.reissue() == ()
+        if backend != "shm":
+            driver.store.close()
         for name, value in (
             ("state_dict_s", t1 - t0),
             ("save_s", t2 - t1),
             ("pause_s", t2 - t0),
             ("load_s", t4 - t3),
             ("reissue_s", t5 - t4),
+            ("reissued", float(len(reissued))),
             ("checkpoint_bytes", float(nbytes)),
             ("store_payload_bytes", payload),
         ):
@@ -120,21 +145,28 @@ def main() -> None:
     )
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 512, 2048])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--backends", nargs="+", choices=("shm", "disk"), default=["shm", "disk"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     sizes, repeats = ([64, 512], 2) if args.quick else (args.sizes, args.repeats)
     report: dict[str, float] = {"repeats": float(repeats)}
+    rows = [(n, backend) for n in sizes for backend in args.backends]
     with tempfile.TemporaryDirectory(prefix="knitkit-ckpt-bench-") as tmp:
-        for n in sizes:
-            figures = measure(n, repeats, Path(tmp))
-            report |= {f"n{n}.{name}": value for name, value in figures.items()}
-            progress(f"{n} trajectories: done")
-    names = ("state_dict_s", "save_s", "pause_s", "load_s", "reissue_s", "checkpoint_bytes")
-    print(f"{'trajectories':>12} " + " ".join(f"{name:>16}" for name in names))
-    for n in sizes:
-        print(f"{n:>12} " + " ".join(f"{report[f'n{n}.{name}']:>16.4g}" for name in names))
+        for n, backend in rows:
+            figures = measure(n, repeats, Path(tmp), backend)
+            report |= {f"{_prefix(n, backend)}.{name}": value for name, value in figures.items()}
+            progress(f"{n} trajectories on {backend}: done")
+    names = ("state_dict_s", "save_s", "pause_s", "load_s", "reissue_s", "reissued")
+    print(f"{'trajectories':>12} {'backend':>8} " + " ".join(f"{name:>13}" for name in names))
+    for n, backend in rows:
+        figures = [report[f"{_prefix(n, backend)}.{name}"] for name in names]
+        print(f"{n:>12} {backend:>8} " + " ".join(f"{value:>13.4g}" for value in figures))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
+
+
+def _prefix(size: int, backend: str) -> str:
+    return f"n{size}" if backend == "shm" else f"n{size}.{backend}"
 
 
 if __name__ == "__main__":

@@ -29,12 +29,17 @@ FORMAT = "knitkit.driver/1"
 #   and the reorganizers are the new job's (named in ``Resumed.replanned``); only the passes
 #   must be the same (refused naming the difference: a pass's reads, writes and order define
 #   what "trained once per pass" means). Admission's own config is checked by admission.
-# - The units of the pending and the waiting trajectories are NOT in the checkpoint: the driver
-#   names them (``Driver.reissue()``) and the caller re-writes them (a keyed rollout regenerates
-#   them; a durable copy re-reads them). They are stored without being reported to admission
-#   again (admission's restored state holds them). Until every named trajectory is back, other
-#   trajectories are refused and nothing is admitted or served: the serving order stays the
-#   checkpoint's. Trajectories written after the checkpoint (partial GRPO groups included) are
+# - The units of the pending and the waiting trajectories are NOT in the checkpoint. On a
+#   durable backend (``SafetensorsBackend``) they stay on it: the checkpoint holds the store's
+#   index of just those trajectories' rollout fields (``TrajectoryStore.state_dict``, whose
+#   units outlive later frees: NOTE [ Units outlive their last state ] in
+#   knitkit/storage/units/retention.py), and a resumed driver over the same directory finds
+#   them (``Resumed.restored``). The driver names the rest (every one on shared memory, Ray or
+#   Mooncake, whose data dies with its owner: ``Driver.reissue()``) and the caller re-writes
+#   them (a keyed rollout regenerates them; a durable copy re-reads them). They are stored
+#   without being reported to admission again (admission's restored state holds them). Until
+#   every named trajectory is back, other trajectories are refused and nothing is admitted or
+#   served: the serving order stays the checkpoint's. Trajectories written after the checkpoint (partial GRPO groups included) are
 #   not in it: the rollout re-issues their prompts (its own state, saved at the same boundary).
 # So, over the interrupted and the resumed run together, every admitted trajectory's effect on
 # the model comes from exactly one run of each pass (the examples' exactly-once ledger checks it).
@@ -108,6 +113,9 @@ class DriverState:
     groups_open: list[tuple[str, str, list[str]]]
     counts: dict[str, int]
     wait_s: float
+    store: dict[str, Any] | None = None
+    """On a durable backend: the store's index of ``reissue()``'s trajectories, rollout fields
+    only (``TrajectoryStore.state_dict``); their units stay on the backend."""
 
     def reissue(self) -> list[str]:
         """Every trajectory the resumed driver needs re-written, pending ones first, in order."""
@@ -127,6 +135,8 @@ class Resumed:
     """Trajectories to re-write before anything is served (``Driver.reissue()``)."""
     replanned: dict[str, tuple[Any, Any]]
     """Layout entries that differ from the checkpoint's: name -> (saved, now)."""
+    restored: tuple[str, ...] = ()
+    """Trajectories the checkpoint needs that a durable backend still held (not re-written)."""
 
 
 def encode(state: DriverState) -> dict[str, Any]:
@@ -153,6 +163,7 @@ def encode(state: DriverState) -> dict[str, Any]:
         "groups_open": [[s, sample, list(ids)] for s, sample, ids in state.groups_open],
         "counts": dict(state.counts),
         "wait_s": state.wait_s,
+        "store": state.store,
     }
 
 
@@ -186,6 +197,7 @@ def decode(saved: Any) -> DriverState:
             ],
             counts={str(k): int(v) for k, v in saved["counts"].items()},
             wait_s=float(saved["wait_s"]),
+            store=_optional_dict(saved.get("store"), "store"),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise ValueError(
@@ -196,6 +208,12 @@ def decode(saved: Any) -> DriverState:
             "driver state: 'pending' is not the serving order after the released mini-batches"
         )
     return state
+
+
+def _optional_dict(value: Any, name: str) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise TypeError(f"{name!r} is a {type(value).__name__}, not a mapping")
+    return value
 
 
 def check_shape(saved: Shape, now: Shape) -> dict[str, tuple[Any, Any]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from knitkit.admission import AdmissionController, Shortfall
@@ -258,7 +258,8 @@ class Driver:
         Holds admission's state, the serving order, the pending (admitted, untrained)
         mini-batches with their trajectories, the waiting trajectories, the field
         classification, the open GRPO groups and the counters; not the store's units (the
-        resumed driver names the trajectories to re-write). Waits until the first ``trained``
+        resumed driver names the trajectories to re-write), but on a durable backend the
+        store's index of those trajectories, whose units stay there. Waits until the first ``trained``
         are released (``TimeoutError`` after ``timeout_s``, default ``Config.wait_timeout_s``);
         ``ValueError`` if a later one is (the model state would not hold it).
         """
@@ -296,9 +297,10 @@ class Driver:
     def load_state_dict(self, state: Mapping[str, Any]) -> Resumed:
         """Resume from ``state_dict()``'s output, on a fresh driver (nothing written yet).
 
-        Restores admission and the position; the pending mini-batches are re-planned for this
-        driver's topology and re-served from their first pass once every trajectory
-        ``reissue()`` names is re-written (other writes are refused until then). Different
+        Restores admission and the position (and, over a durable backend holding them, the
+        checkpoint's trajectories: ``Resumed.restored``); the pending mini-batches are
+        re-planned for this driver's topology and re-served from their first pass once every
+        trajectory ``reissue()`` names is re-written (other writes are refused until then). Different
         passes are refused naming them; a different layout (DP, CP, TP, pipeline, encoder,
         reorganizers) is re-planned and named in the result. See NOTE [ Resume rule ].
         """
@@ -311,18 +313,23 @@ class Driver:
             if ledger.order or ledger.waiting or self._intake.resumed is not None:
                 raise ValueError("load_state_dict needs a fresh driver (nothing written yet)")
             self.admission.load_state_dict(saved.admission)
+            restored: tuple[str, ...] = ()
+            if saved.store is not None and self.store.backend.durable:
+                self.store.load_state_dict(saved.store, strict=False)  # the rest: re-written
+                restored = tuple(t for t in saved.reissue() if t in self.store.index)
             ledger.order[:] = saved.order
             ledger.released = ledger.observed = saved.released
             ledger.counts.update(saved.counts)
             ledger.wait_s = saved.wait_s
             self._scheduler.cursor = (saved.released, 0)
-            self._intake.resume(saved)
+            self._intake.resume(saved, restored)
             core.lock.notify_all()
             return Resumed(
                 saved.released,
                 tuple(p.minibatch_id for p in saved.pending),
-                tuple(saved.reissue()),
+                tuple(self._intake.reissue),
                 replanned,
+                restored,
             )
 
     def reissue(self) -> tuple[str, ...]:
@@ -348,7 +355,7 @@ class Driver:
         groups = [(s, g, [t for t, _ in ids]) for (s, g), ids in intake.groups_open.items()]
         if resumed is not None:
             groups += resumed.groups_open
-        return DriverState(
+        state = DriverState(
             shape=self._shape(),
             admission=self.admission.state_dict(),
             order=list(ledger.order),
@@ -361,6 +368,11 @@ class Driver:
             counts=dict(ledger.counts),
             wait_s=ledger.wait_s,
         )
+        if not self.store.backend.durable:
+            return state
+        stored = [t for t in state.reissue() if t in self.store.index]  # resumed: not all back
+        index = self.store.state_dict(trajectories=stored, fields=core.rollout)
+        return replace(state, store=index)
 
     def _shape(self) -> Shape:
         c = self.config

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from knitkit.admission import AdmissionController
 from knitkit.job.checkpoint_state import DriverState, Pending
@@ -137,12 +137,13 @@ class Intake:
             pending.trajectories,
         )
 
-    def resume(self, state: DriverState) -> None:
-        """Take a checkpoint's position (on a fresh driver): its trajectories are to re-write."""
+    def resume(self, state: DriverState, restored: Collection[str] = ()) -> None:
+        """Take a checkpoint's position (on a fresh driver): its trajectories are to re-write,
+        but for those ``restored`` (the store holds them again, from a durable backend)."""
         if state.token_fields is not None:
             self.token_fields = tuple(state.token_fields)
             self.scalar_fields = tuple(state.scalar_fields)
-        self.reissue = dict.fromkeys(state.reissue())
+        self.reissue = dict.fromkeys(t for t in state.reissue() if t not in restored)
         self.resumed = state
         if not self.reissue:
             self._resume_done()

@@ -101,6 +101,7 @@ class Scheduler:
                 core.ledger.wait_s += now - self.waiting_since
                 self.waiting_since = None
             self.blocked = ""
+            core.store.backend.flush()  # a buffering backend (disk): reorganizers read its units
             core.ledger.counts["passes_served"] += 1
             ledger.passes[pass_.name].served = True
             last = index + 1 == len(core.passes)

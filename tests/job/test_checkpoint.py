@@ -26,6 +26,7 @@ from job_harness import (
 
 from knitkit.job import Output, Pass
 from knitkit.job.checkpoint import CheckpointDir, read_json, write_json
+from knitkit.storage import SafetensorsBackend, TrajectoryStore
 
 
 def test_resume_trains_every_admitted_trajectory_once_per_pass(tmp_path: Path) -> None:
@@ -77,6 +78,57 @@ def test_resume_trains_every_admitted_trajectory_once_per_pass(tmp_path: Path) -
     assert_trained_once(seen_first, order[:2], seen_second, data)
     first_mbs = {mb for s in seen_first for (mb, name) in s.tokens if name == "train"}
     assert first_mbs == set(order[:2]), "the first run trained past its checkpoint"
+
+
+def test_a_durable_store_resumes_without_re_writing_anything(tmp_path: Path) -> None:
+    """Over a ``SafetensorsBackend`` the checkpoint holds the store's index of the untrained
+    and waiting trajectories (rollout fields); the first driver stops after its checkpoint (its
+    clean-up frees those trajectories: their units outlive the frees) and a new driver over a
+    new backend of the same directory, with another layout, restores them all: nothing to
+    re-write, and every admitted token is still consumed exactly once per pass over both runs.
+    On 6bc5c38 the resumed driver demanded every trajectory again, and a driver over a
+    ``SafetensorsBackend`` failed its first pass (its buffered units were never flushed for the
+    reorganizers)."""
+    data = trajectories(8, 2, seed=4)
+    directory = str(tmp_path / "units")
+    first = driver_config(1, 1, 1, 1).build(
+        admission=controller(data, 4), store=TrajectoryStore(SafetensorsBackend(directory))
+    )
+    hold = Hold("", "old")
+    try:
+        for trajectory in data[:15]:
+            first.write(trajectory)
+        order = first.minibatches()
+        assert len(order) == 3
+        hold.minibatch_id = order[2]
+        threads, seen_first = run_ranks(first.rank_spec(), grid(1, 1, 1, 1), hold=hold)
+        assert hold.reached.wait(120), "the rank never reached the third mini-batch"
+        state = first.state_dict(trained=2, timeout_s=60)
+        write_json(tmp_path / "driver.json", state)
+    finally:
+        first.close()
+        first.store.close()
+        hold.release.set()
+    join(threads)
+    state = read_json(tmp_path / "driver.json")
+    needed = {t for p in state["pending"] for t in p["trajectories"]} | set(state["waiting"])
+    assert len(needed) == 7  # the third mini-batch (4) and the 3 waiting
+
+    store = TrajectoryStore(SafetensorsBackend(directory))
+    with driver_config(2, 1, 1, 1).build(admission=controller(data, 4), store=store) as second:
+        resumed = second.load_state_dict(state)
+        assert set(resumed.restored) == needed and resumed.reissue == second.reissue() == ()
+        threads, seen_second = run_ranks(second.rank_spec(), grid(2, 1, 1, 1))
+        second.write(data[15])  # the rest of the rollout goes on
+        wait_for(lambda: len(second.minibatches()) == 4, what="the fourth mini-batch admitted")
+        second.finish()
+        second.drain(120)
+        join(threads)
+        assert second.minibatches()[:3] == order
+    store.close()
+    assert not [s.error for s in seen_second if s.error]  # the first run's rank saw the close
+    assert not [m for s in seen_first + seen_second for m in s.mismatches]
+    assert_trained_once(seen_first, order[:2], seen_second, data)
 
 
 def test_resume_refuses_other_passes_naming_them() -> None:

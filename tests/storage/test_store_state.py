@@ -112,6 +112,44 @@ def test_units_written_after_the_state_are_deleted_and_reported(tmp_path: Path) 
     resumed.close()
 
 
+def test_a_restricted_state_keeps_just_the_named_trajectories_and_fields(tmp_path: Path) -> None:
+    """``state_dict(trajectories=..., fields=...)`` (what a job driver keeps to resume): a store
+    loaded from it holds exactly those trajectories with exactly those fields (their images
+    too) and no registered mini-batch; every other unit of the directory (the others'
+    trajectories, a written-back field, later writes) is deleted and named. Units it names
+    outlive their frees like a whole state's. An unknown trajectory is refused by name."""
+    directory = str(tmp_path / "shards")
+    store = TrajectoryStore(SafetensorsBackend(directory))
+    for i in range(4):
+        store.write(make_trajectory(i))
+    store.declare_field("old_logprobs", "float32")
+    store.write_ranges("t2", "old_logprobs", [(0, 2)], np.ones(2, np.float32))
+    store.register(plan_minibatch(store.metas(["t0", "t1"]), Topology(dp=1), CONFIG, (), "mb0"))
+    with pytest.raises(KeyError, match="t9"):
+        store.state_dict(trajectories=["t2", "t9"])
+    kept = ("t2", "t3")
+    state = _state_roundtrip(
+        store.state_dict(trajectories=kept, fields=("tokens", "logprobs", "reward"))
+    )
+    assert state["minibatches"] == {}
+    expected = {
+        k: store.read(k) for t in kept for k in store.index.units(t) if k.field != "old_logprobs"
+    }
+    store.abort("mb0")
+    store.release(["t2", "t3"])  # freed after the state: the named units wait (durable)
+    store.backend.close()
+
+    resumed = TrajectoryStore(SafetensorsBackend(directory))
+    result = resumed.load_state_dict(state)
+    assert result.missing_units == () and resumed.index.trajectory_ids() == kept
+    deleted = set(result.deleted_units)
+    assert UnitKey("t2", "old_logprobs") in deleted and not deleted & set(expected)
+    assert set(resumed.index.units("t2")) | set(resumed.index.units("t3")) == set(expected)
+    for key, array in expected.items():
+        assert resumed.read(key).tobytes() == array.tobytes(), key
+    resumed.close()
+
+
 def test_units_freed_after_a_state_stay_until_two_newer_states(tmp_path: Path) -> None:
     """On a durable backend a unit the last two states name survives its free (the newest state
     may be mid-save when the process dies, the one before it then loads); it is deleted once

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -330,10 +330,20 @@ class TrajectoryStore:
                 )
         return tuple(self._release(ids))
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(
+        self,
+        *,
+        trajectories: Iterable[str] | None = None,
+        fields: Collection[str] | None = None,
+    ) -> dict[str, Any]:
         """The index as plain data (ints, strings, lists, dicts; JSON- and torch-saveable):
         every trajectory's metadata, unit keys, per-token fields and written-back ranges, the
         field schema and declarations, and every registered mini-batch's outstanding consumers.
+
+        ``trajectories`` and ``fields`` restrict it to those trajectories (``KeyError`` naming
+        one the store lacks) and to those of their fields (their multimodal inputs always); a
+        restricted state holds no registered mini-batch (those plan what it may not hold). A
+        job driver keeps this way just the rollout fields of the trajectories it resumes with.
 
         The units are not in it: the backend is flushed, and on a durable backend its units
         stay readable by a store rebuilt over it (``load_state_dict``); units this state names
@@ -341,12 +351,23 @@ class TrajectoryStore:
         their last state ] in ``retention.py``). Save each state before taking the next.
         """
         self.backend.flush()
-        records = [self.index.record(t) for t in self.index.trajectory_ids()]
+        whole = trajectories is None and fields is None
+        ids = self.index.trajectory_ids() if trajectories is None else list(trajectories)
+        records = [_only(self.index.record(t), fields) for t in ids]
+        named = (
+            set(self._unit_bytes)
+            if whole
+            else {k for r in records for k in (*r.fields.values(), *r.inputs)}
+        )
         state = store_state.encode(
-            records, self._fields, self._declared, self._unit_bytes, self._ledger.state_dict()
+            records,
+            self._fields,
+            self._declared,
+            {k: n for k, n in self._unit_bytes.items() if k in named},
+            self._ledger.state_dict() if whole else {},
         )
         if self.backend.durable:
-            for key in self._retained.taken(self._unit_bytes):
+            for key in self._retained.taken(named):
                 self.backend.delete(key)
         return state
 
@@ -514,3 +535,16 @@ class TrajectoryStore:
         record.partial.pop(key.field, None)
         self._delete(key)
         return True
+
+
+def _only(record: TrajectoryRecord, fields: Collection[str] | None) -> TrajectoryRecord:
+    """``record`` with just ``fields`` (all when ``None``) and their written-back ranges."""
+    if fields is None:
+        return record
+    return TrajectoryRecord(
+        record.meta,
+        {name: key for name, key in record.fields.items() if name in fields},
+        {name for name in record.token_fields if name in fields},
+        record.inputs,
+        {name: ranges for name, ranges in record.partial.items() if name in fields},
+    )
