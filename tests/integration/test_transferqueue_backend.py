@@ -194,7 +194,7 @@ hog = Hog.remote()
 ray.get(hog.ready.remote())
 started = time.monotonic()
 try:
-    start_transfer_queue(timeout_s=20)
+    start_transfer_queue(timeout_s=5)
 except TimeoutError as error:
     print("TIMEOUT", round(time.monotonic() - started), error, flush=True)
 else:
@@ -231,11 +231,12 @@ def test_too_few_cpus_for_transfer_queue_is_refused_at_once() -> None:
 
 def test_a_start_that_cannot_be_placed_times_out_and_cleans_up() -> None:
     """Enough CPUs in the cluster but one held by another actor: the start gives up after
-    ``timeout_s`` with a ``TimeoutError`` naming the free CPUs, and kills what it started."""
+    ``timeout_s`` with a ``TimeoutError`` naming the free CPUs, and kills what it started (5 s:
+    the start can never be placed, so a loaded machine only makes the wait longer)."""
     out = _run(_BUSY, timeout_s=280)
     lines = out.splitlines()
     assert lines[0].startswith("TIMEOUT") and "free logical CPUs" in lines[0], out
-    assert 20 <= int(lines[0].split()[1]) < 200, out
+    assert 5 <= int(lines[0].split()[1]) < 200, out
     assert lines[1] == "CLEAN", out
 
 
