@@ -7,12 +7,14 @@ import os
 import stat
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from job_harness import (
     PASSES,
     Hold,
+    Seen,
     assert_trained_once,
     controller,
     driver_config,
@@ -26,7 +28,7 @@ from job_harness import (
 
 from knitkit.job import Output, Pass
 from knitkit.job.checkpoint import CheckpointDir, read_json, write_json
-from knitkit.storage import SafetensorsBackend, TrajectoryStore
+from knitkit.storage import SafetensorsBackend, Trajectory, TrajectoryStore
 
 
 def test_resume_trains_every_admitted_trajectory_once_per_pass(tmp_path: Path) -> None:
@@ -36,24 +38,8 @@ def test_resume_trains_every_admitted_trajectory_once_per_pass(tmp_path: Path) -
     plain JSON, and the resumed driver names exactly the trajectories to re-write."""
     data = trajectories(8, 2, seed=3)
     by_id = {t.trajectory_id: t for t in data}
-    first = driver_config(1, 1, 1, 1).build(admission=controller(data, 4))
-    hold = Hold("", "old")
-    try:
-        for trajectory in data:
-            first.write(trajectory)
-        order = first.minibatches()
-        assert len(order) == 4
-        hold.minibatch_id = order[2]
-        threads, seen_first = run_ranks(first.rank_spec(), grid(1, 1, 1, 1), hold=hold)
-        assert hold.reached.wait(120), "the rank never reached the third mini-batch"
-        # The rank consumed mini-batches 0 and 1 and stopped at the step boundary.
-        state = first.state_dict(trained=2, timeout_s=60)
-        write_json(tmp_path / "driver.json", state)
-    finally:
-        first.close()
-        hold.release.set()
-    join(threads)
-    state = read_json(tmp_path / "driver.json")
+    order, seen_first, state = _checkpoint_after_two(data, data, tmp_path)
+    assert len(order) == 4
     assert state["released"] == 2 and [p["id"] for p in state["pending"]] == list(order[2:])
 
     second = driver_config(2, 1, 1, 1).build(admission=controller(data, 4))
@@ -91,26 +77,10 @@ def test_a_durable_store_resumes_without_re_writing_anything(tmp_path: Path) -> 
     reorganizers)."""
     data = trajectories(8, 2, seed=4)
     directory = str(tmp_path / "units")
-    first = driver_config(1, 1, 1, 1).build(
-        admission=controller(data, 4), store=TrajectoryStore(SafetensorsBackend(directory))
-    )
-    hold = Hold("", "old")
-    try:
-        for trajectory in data[:15]:
-            first.write(trajectory)
-        order = first.minibatches()
-        assert len(order) == 3
-        hold.minibatch_id = order[2]
-        threads, seen_first = run_ranks(first.rank_spec(), grid(1, 1, 1, 1), hold=hold)
-        assert hold.reached.wait(120), "the rank never reached the third mini-batch"
-        state = first.state_dict(trained=2, timeout_s=60)
-        write_json(tmp_path / "driver.json", state)
-    finally:
-        first.close()
-        first.store.close()
-        hold.release.set()
-    join(threads)
-    state = read_json(tmp_path / "driver.json")
+    first_store = TrajectoryStore(SafetensorsBackend(directory))
+    order, seen_first, state = _checkpoint_after_two(data, data[:15], tmp_path, first_store)
+    first_store.close()
+    assert len(order) == 3
     needed = {t for p in state["pending"] for t in p["trajectories"]} | set(state["waiting"])
     assert len(needed) == 7  # the third mini-batch (4) and the 3 waiting
 
@@ -129,6 +99,32 @@ def test_a_durable_store_resumes_without_re_writing_anything(tmp_path: Path) -> 
     assert not [s.error for s in seen_second if s.error]  # the first run's rank saw the close
     assert not [m for s in seen_first + seen_second for m in s.mismatches]
     assert_trained_once(seen_first, order[:2], seen_second, data)
+
+
+def _checkpoint_after_two(
+    data: list[Trajectory],
+    written: list[Trajectory],
+    directory: Path,
+    store: TrajectoryStore | None = None,
+) -> tuple[tuple[str, ...], list[Seen], dict[str, Any]]:
+    """A DP1 job writes ``written``; its rank consumes the first two mini-batches and stops at
+    the third (the step boundary); the driver's checkpoint (``trained=2``) goes through a JSON
+    file, then the driver closes. Returns the serving order, what the rank saw, the state."""
+    first = driver_config(1, 1, 1, 1).build(admission=controller(data, 4), store=store)
+    hold = Hold("", "old")
+    try:
+        for trajectory in written:
+            first.write(trajectory)
+        order = first.minibatches()
+        hold.minibatch_id = order[2]
+        threads, seen = run_ranks(first.rank_spec(), grid(1, 1, 1, 1), hold=hold)
+        assert hold.reached.wait(120), "the rank never reached the third mini-batch"
+        write_json(directory / "driver.json", first.state_dict(trained=2, timeout_s=60))
+    finally:
+        first.close()
+        hold.release.set()
+    join(threads)
+    return order, seen, read_json(directory / "driver.json")
 
 
 def test_resume_refuses_other_passes_naming_them() -> None:
