@@ -402,6 +402,10 @@ class Driver:
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait until every admitted mini-batch is consumed by every pass, released and observed.
 
+        Their units are freed by the scheduler right after, once their reorganizers published
+        them (a re-served assignment nobody reads any more, after a restart at the job's end,
+        keeps its units until ``close``: see NOTE [ Reorganizer restart ] in recovery.py).
+
         Raises the driver's failure, or ``TimeoutError`` after ``timeout_s`` (default
         ``Config.wait_timeout_s``) naming what is still outstanding.
         """

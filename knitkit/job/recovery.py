@@ -36,6 +36,9 @@ from knitkit.types import PackedMicroBatch
 #   full") that decides re-submission, asked on the same scheduler thread, so a unit is never
 #   freed while a member may still be handed its assignment again. ``JobCore.free_published``.
 #   Freeing on the pass end alone raced: the successor failed with ``KeyError`` on a freed unit.
+#   So frees lag the release a little (``drain`` returns on the release), and an assignment
+#   re-served after a lost Ray return that no rank reads any more (the job's last one) keeps
+#   its units until ``close``: its successor may still read them.
 #   Nothing else in the driver changes: the schedule, the ledger and the other groups go on.
 # - Ranks: nobody tells them; they need no message. A rank's consumer reads every micro-batch
 #   the dead ring published (published slots stay readable while it is mapped), then, where it

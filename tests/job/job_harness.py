@@ -14,7 +14,7 @@ import torch
 
 from knitkit.admission import build_controller
 from knitkit.job import Driver, Output, Pass, RankCoords, RankHandle, RankSpec
-from knitkit.storage import EncoderTopology, PlannerConfig, Topology, Trajectory
+from knitkit.storage import EncoderTopology, PlannerConfig, Topology, Trajectory, TrajectoryStore
 from knitkit.storage.baselines import synthetic_trajectories
 
 PASSES = (
@@ -197,6 +197,12 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 60.0, what: str =
     while not predicate():
         assert time.monotonic() < deadline, f"not reached within {timeout_s} s: {what}"
         pause.wait(0.02)
+
+
+def wait_freed(store: TrajectoryStore) -> None:
+    """Every unit freed: the driver's scheduler frees a released mini-batch's units right after
+    its reorganizers published it (see NOTE [ Reorganizer restart ] in knitkit/job/recovery.py)."""
+    wait_for(lambda: store.metrics()["knitkit/storage/units_live"] == 0, 60, "every unit freed")
 
 
 def serve_driver(conn: object) -> None:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import multiprocessing as mp
 from collections import Counter
 
-from job_harness import controller, driver_config, grid, rank_process, token_ids, trajectories
+from job_harness import (
+    controller,
+    driver_config,
+    grid,
+    rank_process,
+    token_ids,
+    trajectories,
+    wait_freed,
+)
 
 
 def test_spawned_ranks_train_every_pass_with_exact_write_back() -> None:
@@ -30,7 +38,7 @@ def test_spawned_ranks_train_every_pass_with_exact_write_back() -> None:
         seen = sorted((results.get(timeout=120) for _ in ranks), key=lambda s: s.coords.rank)
         for rank in ranks:
             rank.join(60)
-        assert driver.store.metrics()["knitkit/storage/units_live"] == 0
+        wait_freed(driver.store)
     assert [s.error for s in seen if s.error] == []
     assert [m for s in seen for m in s.mismatches] == []
     assert seen[0].packed == seen[1].packed

@@ -6,7 +6,16 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
-from job_harness import controller, driver_config, grid, join, run_ranks, token_ids, trajectories
+from job_harness import (
+    controller,
+    driver_config,
+    grid,
+    join,
+    run_ranks,
+    token_ids,
+    trajectories,
+    wait_freed,
+)
 
 from knitkit.job import ReorganizerFailedError
 from knitkit.storage import EncoderTopology, Topology, TrajectoryStore
@@ -54,7 +63,7 @@ def test_ray_actors_serve_the_driver_like_processes(cluster: None) -> None:
             driver.finish()
             driver.drain(120)
             join(threads)
-            assert store.metrics()["knitkit/storage/units_live"] == 0
+            wait_freed(store)
         assert [s.error for s in seen if s.error] == []
         assert [m for s in seen for m in s.mismatches] == []
         for name in ("old", "train"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from job_harness import grid, join, run_ranks
+from job_harness import grid, join, run_ranks, wait_freed
 
 from knitkit.admission import build_controller
 from knitkit.integration.sglang import PayloadConfig, RolloutRequest, RolloutWriter
@@ -54,7 +54,7 @@ def test_recorded_sglang_outputs_go_through_the_driver() -> None:
         driver.finish()
         driver.drain(120)
         join(threads)
-        assert driver.store.metrics()["knitkit/storage/units_live"] == 0
+        wait_freed(driver.store)
     assert [s.error for s in seen if s.error] == []
     assert [m for s in seen for m in s.mismatches] == []
     units = sorted(u for s in seen for u in s.units[("tb0-mb0", "train")])
