@@ -2,119 +2,40 @@
 
 from __future__ import annotations
 
-import ast
-import re
-import shlex
 import subprocess
-import sys
-from itertools import pairwise
 from pathlib import Path
 
 import pytest
-import torch
+from example_checks import EXAMPLES, EXPECTED, ROOT, check_output, command, with_tensorboard
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = {"megatron_common.py"}
-"""Modules the examples import; not examples themselves."""
-EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if p.name not in SHARED)
-
-EXPECTED: dict[str, tuple[str, ...]] = {
-    "admission_in_rollout_loop.py": (
-        r"streaming train batch \d+ .* quotas VIOLATED",
-        r"knittrans train batch 0 .* quotas met",
-        r"knittrans train batch 1 .* quotas met",
-    ),
-    "store_with_disk_backend.py": (
-        r"stored 4 trajectories, 1 image unit\(s\)",
-        r"CP slice: 256 tokens, read 1024 of 2048 bytes",
-        r"updated prompt0-0/advantages: \(512,\) float32",
-    ),
-    # Whether prefetch hides the waits is measured in benchmarks/prefetch.py, not asserted here.
-    "prefetch_around_dataloader.py": (r"eager +: [\d.]+ s waiting", r"prefetch : [\d.]+ s waiting"),
-    "dedup_plain_pytorch.py": (
-        r"encoder ran on 8 images \(plain\) vs 2 \(dedup\)",
-        r"max gradient difference: .* \(equal\)",
-    ),
-    # 4 prompts with 1, 2, 1, 2 images: 6 unique images per mini-batch, encoded once each
-    # (a replicated vision path) or once by each of the 2 TP peers (a TP-sharded one).
-    "megatron_wrap.py": tuple(
-        rf"step {i}: loss [\d.]+, unique images encoded 6$" for i in (1, 2, 3)
-    ),
-    # 2 prompts (one image each) per mini-batch: each image encoded once per pass.
-    "grpo_megatron.py": tuple(
-        rf"step {i}: loss [-+][\d.e-]+, kl [\d.]+, nll [\d.]+, reward [\d.]+, images encoded 2$"
-        for i in (1, 2, 3)
-    ),
-    "megatron_llava.py": tuple(rf"step {i}: loss [\d.]+, image encodings 12 " for i in (1, 2, 3)),
-    "megatron_mrope.py": tuple(rf"step {i}: loss [\d.]+, image encodings 12 " for i in (1, 2, 3)),
-}
-"""Lines each example must print (regexes); an example not listed must at least print something."""
-
-FORBIDDEN: dict[str, str] = {"admission_in_rollout_loop.py": r"knittrans .* VIOLATED"}
-LOSS_FALLS = {"megatron_wrap.py", "megatron_llava.py", "megatron_mrope.py"}
-"""Examples whose printed per-step loss must fall from step to step (they train)."""
-TENSORBOARD = {
-    "megatron_wrap.py": ("knitkit/example/loss", "knitkit/dedup/units_encoded"),
-    "grpo_megatron.py": ("knitkit/grpo/loss", "knitkit/grpo/kl", "knitkit/admission/admitted"),
-}
-"""Examples run with ``--tensorboard DIR``: figures that must be in DIR's event file, per step."""
+RUN_ELSEWHERE = {"grpo_megatron.py": "test_grpo_example.py"}
+"""Examples a longer test already runs with their ``Run:`` command (and more flags) and checks
+with ``check_output``: one torchrun launch less."""
 
 
-RUN_LINE = re.compile(r"^Run(?: \((?P<needs>[^)]*)\))?: (?P<command>.+)$", re.MULTILINE)
-LAUNCHERS = {
-    "python": [sys.executable],
-    "torchrun": [sys.executable, "-m", "torch.distributed.run"],
-}
-
-
-def _command(path: Path) -> list[str]:
-    """The example's ``Run:`` command with this interpreter; skips when it needs GPUs we lack."""
-    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-    match = RUN_LINE.search(doc)
-    assert match, f"{path.name}: its docstring needs a 'Run: python examples/{path.name}' line"
-    words = shlex.split(match["command"])
-    needs = match["needs"] or ""
-    if "GPU" in needs:
-        nproc = (
-            int(words[words.index("--nproc-per-node") + 1]) if "--nproc-per-node" in words else 1
-        )
-        if torch.cuda.device_count() < nproc:
-            pytest.skip(f"{path.name} needs {needs} ({nproc} GPUs): {match['command']}")
-    assert words[0] in LAUNCHERS, f"{path.name}: unknown launcher {words[0]!r}"
-    return [*LAUNCHERS[words[0]], *words[1:]]
-
-
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+@pytest.mark.parametrize(
+    "path",
+    [p for p in EXAMPLES if p.name not in RUN_ELSEWHERE],
+    ids=[p.name for p in EXAMPLES if p.name not in RUN_ELSEWHERE],
+)
 def test_example_runs(path: Path, tmp_path: Path) -> None:
-    """The example exits 0 and prints its expected lines; one that trains, a falling loss, and
-    one that logs, its figures in TensorBoard at every printed step."""
-    command = _command(path)
-    if path.name in TENSORBOARD:
-        command += ["--tensorboard", str(tmp_path)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    """The example exits 0 and prints what ``example_checks.check_output`` expects."""
+    done = subprocess.run(
+        with_tensorboard(path, command(path), tmp_path),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, f"{path.name} failed:\n{done.stdout}\n{done.stderr[-3000:]}"
-    patterns = EXPECTED.get(path.name, ())
-    assert done.stdout.strip(), f"{path.name} printed nothing"
-    for pattern in patterns:
-        assert re.search(pattern, done.stdout, re.MULTILINE), (
-            f"{path.name}: no line matches {pattern!r} in:\n{done.stdout}"
-        )
-    if path.name in FORBIDDEN:
-        assert not re.search(FORBIDDEN[path.name], done.stdout), done.stdout
-    if path.name in LOSS_FALLS:
-        losses = [float(x) for x in re.findall(r"^step \d+: loss ([\d.]+)", done.stdout, re.M)]
-        assert len(losses) >= 2 and all(b < a for a, b in pairwise(losses)), done.stdout
-    if path.name in TENSORBOARD:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-        events = EventAccumulator(str(tmp_path))
-        events.Reload()
-        steps = [int(s) for s in re.findall(r"^step (\d+):", done.stdout, re.M)]
-        for name in TENSORBOARD[path.name]:
-            assert [e.step for e in events.Scalars(name)] == steps, name
+    check_output(path, done.stdout, tmp_path)
 
 
 def test_every_example_is_checked() -> None:
-    """Examples promise specific output; a new example gets its checks here."""
+    """Examples promise specific output; a new example gets its checks here, and one run by
+    another test is checked there."""
     unchecked = {p.name for p in EXAMPLES} - set(EXPECTED)
     assert not unchecked, f"add expected output for {sorted(unchecked)} to EXPECTED"
+    for example, test in RUN_ELSEWHERE.items():
+        text = (ROOT / "tests" / test).read_text()
+        assert example in text and "check_output(" in text, (example, test)

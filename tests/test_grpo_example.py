@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from example_checks import check_output, command, with_tensorboard
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -23,19 +24,25 @@ from knitkit.storage import MemoryBackend, TrajectoryStore  # noqa: E402
 
 def test_knitkit_loop_equals_plain_loop(tmp_path: Path) -> None:
     """Over 3 GRPO steps on DP2 x TP2 (gloo, 4 torchrun ranks), the example's knitkit path
-    (driver, reorganizers, per-rank handles, passes with write-back, encoder dedup) and the plain
+    (driver, reorganizers, per-rank handles, passes with write-back, encoder dedup), run as its
+    docstring's ``Run:`` line says (its printed lines and TensorBoard figures checked), and the plain
     loop on the same admitted trajectories (per-rank loading, no dedup, log-probs recomputed per
     pass) agree: per-step figures, every gradient element of every step, and every parameter's
     update after the last step, each within its stated fp32 tolerance (``grpo.compare``:
     FIGURES, GRADIENTS, PARAMETERS), checked relatively where the reference is above the floor.
     """
     out = tmp_path / "grpo.json"
-    command = [
-        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"),
-        *("examples/grpo_megatron.py", "--steps", "3", "--reference", "--json", str(out)),
-    ]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    example = ROOT / "examples" / "grpo_megatron.py"
+    run = [*command(example), "--steps", "3", "--reference", "--json", str(out)]
+    done = subprocess.run(
+        with_tensorboard(example, run, tmp_path / "tb"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-4000:]}"
+    check_output(example, done.stdout, tmp_path / "tb")  # test_examples.py leaves it to this run
     report = json.loads(out.read_text())
     result = report["comparison"]
     assert result["same_trajectories"], "the plain loop trained other trajectories"
