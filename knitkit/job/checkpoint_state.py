@@ -39,8 +39,9 @@ FORMAT = "knitkit.driver/1"
 #   them (a keyed rollout regenerates them; a durable copy re-reads them). They are stored
 #   without being reported to admission again (admission's restored state holds them). Until
 #   every named trajectory is back, other trajectories are refused and nothing is admitted or
-#   served: the serving order stays the checkpoint's. Trajectories written after the checkpoint (partial GRPO groups included) are
-#   not in it: the rollout re-issues their prompts (its own state, saved at the same boundary).
+#   served: the serving order stays the checkpoint's. Trajectories written after the checkpoint
+#   (partial GRPO groups included) are not in it: the rollout re-issues their prompts (its own
+#   state, saved at the same boundary).
 # So, over the interrupted and the resumed run together, every admitted trajectory's effect on
 # the model comes from exactly one run of each pass (the examples' exactly-once ledger checks it).
 

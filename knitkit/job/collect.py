@@ -28,7 +28,8 @@ class Collector:
     ``unpack`` undoes packing and the CP split, the store's ``write_ranges`` writes them. A
     ``done`` record ends the group's pass (checked complete); after the last pass the group's
     units are queued to be freed (``JobCore.free_published``), and after the last group the
-    mini-batch is released and its figures queued for the observer. An ``error`` record, or the writer rank's death, fails the job.
+    mini-batch is released and its figures queued for the observer. An ``error`` record, or the
+    writer rank's death, fails the job.
     """
 
     def __init__(self, core: JobCore, group: str, spec: RingSpec, liveness_timeout_s: float):

@@ -37,8 +37,9 @@ class JobCore:
     writer_of: dict[str, Pass] = field(default_factory=dict)
     """Written field -> the pass that writes it."""
     unfreed: list[tuple[str, str]] = field(default_factory=list)
-    """(mini-batch, store consumer) pairs that ended the mini-batch's last pass, whose units the
-    scheduler frees once the consumer's reorganizer published the mini-batch (``free_published``)."""
+    """(mini-batch, store consumer) pairs that ended the mini-batch's last pass, whose units
+    the scheduler frees once the consumer's reorganizer published the mini-batch
+    (``free_published``)."""
 
     def __post_init__(self) -> None:
         self.rollout = rollout_fields(self.passes)

@@ -67,9 +67,9 @@ class Driver:
     ``write`` takes completed trajectories (thread-safe; ``RolloutWriter(driver)`` works), admits
     mini-batches, plans each once for the backbone and encoder topologies, and a scheduler
     thread serves every pass of each in order (see NOTE [ Driver threads ]). A mini-batch's
-    units are freed once every declared pass consumed it and its reorganizers published it. ``produced`` / ``consumed`` answer
-    like TransferQueue's production and consumption status; ``progress``, ``metrics`` and the
-    ``observe`` hook give the run's figures.
+    units are freed once every declared pass consumed it and its reorganizers published it.
+    ``produced`` / ``consumed`` answer like TransferQueue's production and consumption status;
+    ``progress``, ``metrics`` and the ``observe`` hook give the run's figures.
 
     Checkpoints: ``state_dict(trained=k)`` at a step boundary, ``load_state_dict`` and
     ``reissue()`` on a fresh driver to resume (see NOTE [ Resume rule ] in checkpoint_state.py).
@@ -259,9 +259,10 @@ class Driver:
         mini-batches with their trajectories, the waiting trajectories, the field
         classification, the open GRPO groups and the counters; not the store's units (the
         resumed driver names the trajectories to re-write), but on a durable backend the
-        store's index of those trajectories, whose units stay there. Waits until the first ``trained``
-        are released (``TimeoutError`` after ``timeout_s``, default ``Config.wait_timeout_s``);
-        ``ValueError`` if a later one is (the model state would not hold it).
+        store's index of those trajectories, whose units stay there. Waits until the first
+        ``trained`` are released (``TimeoutError`` after ``timeout_s``, default
+        ``Config.wait_timeout_s``); ``ValueError`` if a later one is (the model state would not
+        hold it).
         """
         core = self._core
 
@@ -300,9 +301,9 @@ class Driver:
         Restores admission and the position (and, over a durable backend holding them, the
         checkpoint's trajectories: ``Resumed.restored``); the pending mini-batches are
         re-planned for this driver's topology and re-served from their first pass once every
-        trajectory ``reissue()`` names is re-written (other writes are refused until then). Different
-        passes are refused naming them; a different layout (DP, CP, TP, pipeline, encoder,
-        reorganizers) is re-planned and named in the result. See NOTE [ Resume rule ].
+        trajectory ``reissue()`` names is re-written (other writes are refused until then).
+        Different passes are refused naming them; a different layout (DP, CP, TP, pipeline,
+        encoder, reorganizers) is re-planned and named in the result. See NOTE [ Resume rule ].
         """
         saved = checkpoint_state.decode(dict(state))
         replanned = checkpoint_state.check_shape(saved.shape, self._shape())
