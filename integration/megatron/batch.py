@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -16,19 +17,27 @@ Batch = dict[str, object]
 """What a forward step gets from ``next(data_iterator)``: tensors plus ``packed_seq_params``."""
 
 
-def packed_seq_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> PackedSeqParams:
+def packed_seq_params(
+    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, max_seqlen: int | None = None
+) -> PackedSeqParams:
     """Megatron's ``PackedSeqParams`` (THD) for packed sequences, as ``get_thd_batch_on_this_cp_rank`` builds it.
 
     ``cu_seqlens`` are the cumulative real lengths and ``cu_seqlens_padded`` the cumulative
     padded lengths of the WHOLE sequences (under CP each rank holds ``1/cp`` of every one).
+    ``max_seqlen``: the longest padded sequence when the caller knows it on the host (a packed
+    micro-batch's ``layout.cu_seqlens_padded``); without it, it is read from the tensors, a
+    device-to-host sync when they live on a GPU.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu_seqlens = cu_seqlens.to(torch.int32)
     cu_seqlens_padded = cu_seqlens_padded.to(torch.int32)
-    max_seqlen = (
-        int((cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).max()) if len(cu_seqlens) > 1 else 0
-    )
+    if max_seqlen is None:
+        max_seqlen = (
+            int((cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).max())
+            if len(cu_seqlens) > 1
+            else 0
+        )
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,
@@ -40,17 +49,18 @@ def packed_seq_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor)
     )
 
 
-def block_causal_mask(local_lengths: torch.Tensor) -> torch.Tensor:
+def block_causal_mask(local_lengths: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """``[1, 1, T, T]`` boolean mask (True = masked) of causal attention within each packed sequence.
 
     For attention without THD support (megatron-core's local ``DotProductAttention``, CP=1):
-    equivalent to THD attention over the same packed sequences, at ``T^2`` memory.
+    equivalent to THD attention over the same packed sequences, at ``T^2`` memory. ``total``
+    (``T``, the sum of ``local_lengths``) spares a device-to-host sync when the caller knows it.
     """
     device = local_lengths.device
     owner = torch.repeat_interleave(
-        torch.arange(len(local_lengths), device=device), local_lengths.long()
+        torch.arange(len(local_lengths), device=device), local_lengths.long(), output_size=total
     )
-    total = int(owner.numel())
+    total = owner.numel()
     causal = torch.ones(total, total, dtype=torch.bool, device=device).triu(diagonal=1)
     return (causal | (owner[:, None] != owner[None, :]))[None, None]
 
@@ -81,25 +91,33 @@ def megatron_batch(
             "store a per-token 'labels' field and plan it with the tokens"
         )
     else:
+        # Each non-empty sequence's last position, as a mask built without a boolean index (that
+        # would be a device-to-host sync per micro-batch on a GPU; issue 31).
         real = cu_seqlens[1:] - cu_seqlens[:-1]
-        last = (cu_padded[:-1] + real - 1)[real > 0].long()
-        labels = torch.roll(tokens, -1)
-        labels[last] = 0
-        loss_mask = loss_mask.clone()
-        loss_mask[last] = 0.0
+        last = (cu_padded[:-1] + real - 1).clamp(min=0).long()
+        hits = torch.zeros(tokens.shape[0], dtype=torch.int32, device=tokens.device)
+        is_last = hits.index_add_(0, last, (real > 0).to(torch.int32)) > 0
+        labels = torch.roll(tokens, -1).masked_fill_(is_last, 0)
+        loss_mask = loss_mask.masked_fill(is_last, 0.0)
+    padded = micro_batch.layout.cu_seqlens_padded  # a packed layout's host copy: no sync
+    longest = (
+        max((b - a for a, b in itertools.pairwise(padded)), default=0)
+        if len(padded) == cu_padded.shape[0]
+        else None
+    )
     batch: Batch = {
         "tokens": tokens[None],
         "labels": labels[None],
         "loss_mask": loss_mask[None],
         "position_ids": micro_batch["position_ids"].long()[None],
-        "packed_seq_params": packed_seq_params(cu_seqlens, cu_padded),
+        "packed_seq_params": packed_seq_params(cu_seqlens, cu_padded, longest),
     }
     if "logprobs" in micro_batch.tensors:
         batch["rollout_log_probs"] = micro_batch["logprobs"].float()[None]
     if attention_mask:
         if cp_size > 1:
             raise ValueError("block_causal_mask covers CP=1 only; use THD attention (TE) under CP")
-        batch["attention_mask"] = block_causal_mask(local_lengths)
+        batch["attention_mask"] = block_causal_mask(local_lengths, tokens.shape[0])
     return batch
 
 
