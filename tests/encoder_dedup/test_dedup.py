@@ -11,7 +11,15 @@ import torch
 
 from encoder_dedup.harness import plan_for, run_case
 from encoder_dedup.toy import Case, Layout, Piece, ToyEncoder, grpo_case, unit_inputs
-from knitkit.encoder_dedup import DedupEncoder, LocalTransport
+from knitkit.encoder_dedup import (
+    BackboneAssignment,
+    DedupEncoder,
+    EncoderAssignment,
+    LocalTransport,
+    RowSlice,
+    build_routing_plan,
+)
+from knitkit.types import UnitKey
 
 FP32_RTOL = 1e-5
 """fp32: dedup only reorders sums (per-row gradient accumulation), so norms agree to ~1e-7."""
@@ -100,6 +108,48 @@ def test_encoder_output_of_wrong_shape_is_rejected() -> None:
     _, dedup, _ = _encoder_and_dedup(case)
     with pytest.raises(ValueError, match="one row per placeholder token"):
         dedup.encode(lambda keys: torch.zeros(1, 16))
+
+
+def _one_unit_dedup(
+    consumed: list[list[RowSlice]],
+) -> tuple[torch.nn.Linear, torch.Tensor, DedupEncoder]:
+    """One rank, one 8-row unit encoded by a linear layer, consumed as ``consumed`` says."""
+    key = UnitKey("u", "image")
+    plan = build_routing_plan(
+        EncoderAssignment({0: [[key]]}, {key: 8}), BackboneAssignment({0: consumed}), 1
+    )
+    encoder = torch.nn.Linear(4, 3)
+    pixels = torch.randn(8, 4)
+    dedup = DedupEncoder(plan.for_rank(0), LocalTransport(), hidden=3)
+    dedup.encode(lambda keys: encoder(pixels))
+    return encoder, pixels, dedup
+
+
+def test_each_piece_gathers_its_own_rows_of_a_unit_consumed_in_disjoint_runs() -> None:
+    """A rank consuming rows [0, 2), [5, 8) and [1, 2) of one unit holds two cache runs; every
+    micro-batch gets exactly the rows its pieces name, in order (not rows of the unit's first run)."""
+    u = UnitKey("u", "image")
+    consumed = [[RowSlice(u, 5, 8)], [RowSlice(u, 0, 2), RowSlice(u, 6, 7)], [RowSlice(u, 1, 2)]]
+    encoder, pixels, dedup = _one_unit_dedup(consumed)
+    rows = encoder(pixels).detach()
+    assert dedup.route.cache_rows == 5  # runs [0, 2) and [5, 8)
+    for micro, pieces in enumerate(consumed):
+        expected = torch.cat([rows[p.start : p.stop] for p in pieces])
+        torch.testing.assert_close(dedup.features(micro), expected, rtol=0, atol=0)
+
+
+def test_backward_scale_multiplies_the_encoder_gradients() -> None:
+    """``backward(scale=s)``: every encoder gradient is ``s`` times the one of ``scale=1``."""
+    u = UnitKey("u", "image")
+    grads = []
+    for scale in (1.0, 3.0):
+        torch.manual_seed(0)
+        encoder, _, dedup = _one_unit_dedup([[RowSlice(u, 0, 8)]])
+        dedup.features(0).square().sum().backward()
+        dedup.backward(scale=scale)
+        assert encoder.weight.grad is not None and float(encoder.weight.grad.abs().max()) > 0
+        grads.append(encoder.weight.grad.clone())
+    torch.testing.assert_close(grads[1], 3.0 * grads[0])
 
 
 @pytest.mark.cuda
