@@ -3,6 +3,7 @@ inside the planner or a reorganizer (issue 22, items 11 and 18)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -130,16 +131,20 @@ def _trajectory(tid: str, *, logprobs: bool) -> Trajectory:
 
 def test_a_plan_packing_a_field_some_trajectories_lack_is_refused_at_registration() -> None:
     """Trajectories with and without ``logprobs`` planned together with ``logprobs`` among the
-    packed fields: ``register`` refuses (``ValueError``) naming the trajectory that lacks it,
-    the field, and one that has it, before any change (the mini-batch is not registered);
-    a plan without the field registers."""
+    packed fields: ``register`` refuses (``ValueError``) naming the field, EVERY trajectory that
+    lacks it and one that has it, before any change (the mini-batch is not registered); a plan
+    without the field registers."""
     store = TrajectoryStore(MemoryBackend())
     store.write(_trajectory("with", logprobs=True))
     store.write(_trajectory("without", logprobs=False))
+    store.write(_trajectory("without-too", logprobs=False))
     config = PlannerConfig(token_fields=("tokens", "logprobs", "loss_mask"))
     plan = plan_minibatch(store.metas(), Topology(dp=2), config, (), "mb0")
-    with pytest.raises(ValueError, match=r"trajectory 'without' has no field 'logprobs'.*'with'"):
+    with pytest.raises(ValueError) as refused:
         store.register(plan)
+    message = str(refused.value)
+    assert re.search(r"'logprobs'.*2 of 3 trajectories lack it.*'without', 'without-too'", message)
+    assert "'with'" in message, message
     assert store.metrics()["knitkit/storage/minibatches_registered"] == 0
     fine = PlannerConfig(token_fields=("tokens", "loss_mask"))
     store.register(plan_minibatch(store.metas(), Topology(dp=2), fine, (), "mb0"))

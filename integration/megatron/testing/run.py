@@ -99,6 +99,7 @@ class CheckRun:
             planner or PlannerConfig(token_fields=fields, scalar_fields=(), min_micro_batches=3),
             encoders=[layout.encoder_topology(tp_sharded=subject.tp_sharded_vision)],
         )
+        plan = store.register(plan)  # names fields some trajectories lack, before any packing
         step = DedupVLMStep(
             wrapped if len(wrapped) > 1 else wrapped[0],
             vision=subject.vision,

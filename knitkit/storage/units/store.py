@@ -454,6 +454,7 @@ class TrajectoryStore:
         fields ])."""
         live = set(self.backend.keys())
         lost: list[UnitKey] = []
+        absent: dict[str, set[str]] = {}
         for consumer, reads in plan.reads_by_consumer().items():
             for key in (r.key for r in reads):
                 if key in live:
@@ -471,7 +472,9 @@ class TrajectoryStore:
                 if key.field in record.fields:
                     lost.append(key)
                 elif key.field not in self._declared:
-                    raise ValueError(self._missing_field(plan, key))
+                    absent.setdefault(key.field, set()).add(key.owner)
+        if absent:
+            raise ValueError(self._missing_fields(plan, absent))
         if lost:
             raise UnitsLostError(
                 sorted(set(lost), key=str),
@@ -479,25 +482,32 @@ class TrajectoryStore:
                 f"plan {plan.minibatch_id!r} reads them",
             )
 
-    def _missing_field(self, plan: MiniBatchPlan, key: UnitKey) -> str:
+    def _missing_fields(self, plan: MiniBatchPlan, absent: dict[str, set[str]]) -> str:
         # NOTE [ Plans read stored fields ]: the planner sees metadata only, so it cannot know
         # which fields a trajectory holds; a plan that packs a field some of its trajectories
         # lack (rollouts with and without logprobs mixed) would otherwise fail inside a
-        # reorganizer, mid-delivery, as an unknown unit. The store has the index, so
-        # registration refuses it, naming the trajectory and field. A field declared for
-        # write-back is exempt: a pass produces it before the pass that reads it starts.
+        # reorganizer or ``pack``, mid-delivery, as an unknown unit. The store has the index, so
+        # registration refuses it, naming every such field with the trajectories that lack it
+        # and some that have it. A field declared for write-back is exempt: a pass produces it
+        # before the pass that reads it starts.
         tids = {
             s.trajectory_id for c in plan.consumers for mb in c.micro_batches for s in mb.sequences
         }
-        having = sorted(
-            t for t in tids if (r := self.index.get(t)) is not None and key.field in r.fields
-        )
-        others = f" while {having[:3]} have it" if having else ""
+        lines = []
+        for name, lacking in sorted(absent.items()):
+            having = sorted(
+                t for t in tids if (r := self.index.get(t)) is not None and name in r.fields
+            )
+            others = f" ({len(having)} have it, e.g. {having[:3]})" if having else ""
+            lines.append(
+                f"field {name!r}: {len(lacking)} of {len(tids)} trajectories lack it: "
+                f"{sorted(lacking)[:8]}{' ...' if len(lacking) > 8 else ''}{others}"
+            )
         return (
-            f"plan {plan.minibatch_id!r}: trajectory {key.owner!r} has no field {key.field!r}, "
-            f"which the plan packs{others}; write the field for every trajectory of the plan "
-            "(update, or declare_field + write_ranges), leave it out of the planner's fields, "
-            "or plan these trajectories apart"
+            f"plan {plan.minibatch_id!r} packs fields some of its trajectories lack: "
+            f"{'; '.join(lines)}. Write each field for every trajectory of the plan (update, or "
+            "declare_field + write_ranges), leave it out of the planner's fields, or plan these "
+            "trajectories apart"
         )
 
     def _release(self, trajectory_ids: Iterable[str]) -> list[UnitKey]:
