@@ -397,20 +397,31 @@ def test_snippet_names_exist(snippet: Snippet) -> None:
     assert not problems, f"{snippet.where}:\n  " + "\n  ".join(problems)
 
 
+SNIPPET_TIMEOUT_S = 90
+"""Bound on one snippet's run; each takes a few seconds, so a snippet past it hangs."""
 RUNNABLE = [s for s in SNIPPETS if _self_contained(s) and (s.readme, s.index) not in NOT_RUN]
 
 
 @pytest.mark.parametrize("snippet", [_case(s) for s in RUNNABLE])
 def test_self_contained_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
-    """A snippet that defines everything it uses runs to completion in a fresh interpreter."""
-    done = subprocess.run(
-        [sys.executable, "-c", snippet.code],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    """A snippet that defines everything it uses, saved to a file and run as a script in a fresh
+    interpreter (as a reader runs it: processes it spawns re-import that file, so one without a
+    ``__main__`` guard around them fails there), finishes within a bound, exits 0 and prints
+    no traceback."""
+    script = tmp_path / "snippet.py"
+    script.write_text(snippet.code)
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=SNIPPET_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"{snippet.where} did not finish in {SNIPPET_TIMEOUT_S} s:\n{expired.stderr}")
     assert done.returncode == 0, f"{snippet.where} failed:\n{done.stderr[-3000:]}"
+    assert "Traceback" not in done.stderr, f"{snippet.where} printed:\n{done.stderr[-3000:]}"
 
 
 def test_not_run_entries_are_current() -> None:
