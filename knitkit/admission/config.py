@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from knitkit.admission import checks
+from knitkit.admission.bounds import GroupBounds
 from knitkit.admission.predicates import ReadinessPredicate, SourceQuota
 from knitkit.admission.schedules import LinearSchedule, RelaxedSchedule, Schedule, coefficients
 from knitkit.admission.selection import OldestFirst, SelectionPolicy
@@ -52,6 +53,9 @@ class ResolvedQuota:
     lower: int
     upper: int | None
     alphas: tuple[float, ...]
+    groups: GroupBounds
+    """The bounds in whole GRPO groups, what every decision compares with (NOTE [ Bounds in
+    whole groups ])."""
 
 
 def minibatch_sizes(config: AdmissionConfig) -> tuple[int, ...]:
@@ -104,7 +108,8 @@ def resolve(config: AdmissionConfig) -> tuple[tuple[ResolvedQuota, ...], tuple[i
         lower, upper = quota.bounds(b)
         schedule = quota.schedule or config.source_schedule
         alphas = coefficients(schedule, n, name=f"schedule of quota {quota.source!r}")
-        quotas.append(ResolvedQuota(quota.source, lower, upper, alphas))
+        groups = GroupBounds.of(lower, upper, g)
+        quotas.append(ResolvedQuota(quota.source, lower, upper, alphas, groups))
     _check_satisfiable(config, quotas)
     _check_budget(config, quotas, size_alphas)
     return tuple(quotas), minibatch_sizes(config)
@@ -112,14 +117,14 @@ def resolve(config: AdmissionConfig) -> tuple[tuple[ResolvedQuota, ...], tuple[i
 
 def _check_satisfiable(config: AdmissionConfig, quotas: list[ResolvedQuota]) -> None:
     b, g = config.train_batch_size, config.group_size
-    need = {q.source: math.ceil(q.lower / g) * g for q in quotas}
+    need = {q.source: q.groups.lower for q in quotas}
     if sum(need.values()) > b:
         detail = ", ".join(f"{s}>={v}" for s, v in need.items())
         raise ValueError(
             f"quotas are jointly unsatisfiable: lower bounds {detail} sum to {sum(need.values())} "
             f"> train_batch_size={b}; lower a bound or grow the train batch"
         )
-    uppers: dict[str, int] = {q.source: q.upper // g * g for q in quotas if q.upper is not None}
+    uppers = {q.source: q.groups.upper for q in quotas if q.groups.upper is not None}
     for source, upper in uppers.items():
         if upper < need[source]:
             raise ValueError(

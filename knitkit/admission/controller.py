@@ -68,9 +68,13 @@ class Shortfall:
     """What the open train batch lacks even if everything pending and in flight is accepted."""
 
     per_source: dict[str, int] = field(default_factory=dict)
-    """Per quota'd source: trajectories its lower bound still misses."""
+    """Per quota'd source: trajectories its lower bound (in whole GRPO groups) still misses."""
     any_source: int = 0
-    """Trajectories still missing to fill the batch once those are found, from any source."""
+    """Trajectories still missing to fill the batch once those are found, from any of
+    ``open_sources``."""
+    open_sources: tuple[str, ...] = ()
+    """Sources that can still add to the batch: no upper bound, or one (in whole groups) above
+    what they would have. More of any other source cannot help."""
 
     def __bool__(self) -> bool:
         return self.any_source > 0 or any(self.per_source.values())
@@ -93,11 +97,8 @@ class AdmissionController:
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
         self._quotas, self.minibatch_sizes = resolve(config)
-        # With atomic GRPO groups a lower bound is only met in whole groups, so the guard
-        # counts deficits rounded up to the group size (else it could pass on 1 + 1 <= 4
-        # free slots when two whole groups, 8 slots, are needed).
-        g = config.group_size
-        self._guard_lower = {q.source: -(-q.lower // g) * g for q in self._quotas}
+        self._bounds = {q.source: q.groups for q in self._quotas} if config.enforce_quotas else {}
+        """Each enforced quota's bounds in whole GRPO groups (NOTE [ Bounds in whole groups ])."""
         self._size_targets = [
             math.ceil(a * config.train_batch_size - 1e-9)
             for a in config.size_schedule.alphas(config.num_minibatches)
@@ -250,7 +251,7 @@ class AdmissionController:
         guarded = self.config.enforce_quotas and self.config.guards
         slots_after = self.config.train_batch_size - self._admitted_total - size
         if guarded and not guard_coverable(
-            self._guard_lower, self._admitted, self._pool.ready, slots_after
+            self._bounds, self._admitted, self._pool.ready, slots_after
         ):
             return None
         request = self._request(size, guarded)
@@ -343,16 +344,11 @@ class AdmissionController:
         return True
 
     def _request(self, size: int, guarded: bool) -> CandidateRequest:
-        enforce = self.config.enforce_quotas
         return CandidateRequest(
             size=size,
             slots_after=self.config.train_batch_size - self._admitted_total - size,
-            deficits={s: max(0, lo - self._admitted[s]) for s, lo in self._guard_lower.items()},
-            room={
-                q.source: q.upper - self._admitted[q.source]
-                for q in self._quotas
-                if enforce and q.upper is not None
-            },
+            bounds=self._bounds,
+            admitted=MappingProxyType(self._admitted),
             guarded=guarded,
         )
 
@@ -364,12 +360,17 @@ class AdmissionController:
         have = self._pending_per_source()
         for source in have:
             have[source] += self._admitted[source] + int(flying.get(source, 0))
-        enforce = self.config.enforce_quotas
-        lowers = self._guard_lower if enforce else {}
-        need = {s: lo - have[s] for s, lo in lowers.items() if have[s] < lo}
-        uppers = {q.source: q.upper for q in self._quotas if enforce and q.upper is not None}
-        filled = sum(min(have[s] + need.get(s, 0), uppers.get(s, math.inf)) for s in have)
-        return Shortfall(need, max(0, self.config.train_batch_size - int(filled)))
+        bounds = self._bounds
+        need = {s: n for s, b in bounds.items() if (n := b.deficit(have[s]))}
+        filled, open_sources = 0, []
+        for source, count in have.items():
+            bound = bounds.get(source)
+            count += need.get(source, 0)
+            filled += count if bound is None else bound.usable(count)
+            if bound is None or bound.room(count):
+                open_sources.append(source)
+        missing = max(0, self.config.train_batch_size - filled)
+        return Shortfall(need, missing, tuple(open_sources) if missing else ())
 
     def _pending_per_source(self) -> dict[str, int]:
         pending = dict(self._pool.ready)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from knitkit.admission.bounds import GroupBounds
 from knitkit.admission.pool import ReadyPool
 from knitkit.admission.selection import CandidateRequest
 
@@ -25,20 +26,20 @@ from knitkit.admission.selection import CandidateRequest
 
 
 def guard_coverable(
-    lowers: Mapping[str, int],
+    bounds: Mapping[str, GroupBounds],
     admitted: Mapping[str, int],
     ready: Mapping[str, int],
     slots_after: int,
 ) -> bool:
     """O(#sources) precheck: the ready pool can supply what the guard needs from this mini-batch.
 
-    The guard needs ``sum_i (tau_i - a_i)^+ - slots_after`` of the deficit covered now; only
-    ready trajectories of deficit sources can cover it (see NOTE [ One guard over every source
-    quota ]).
+    The guard needs ``sum_i (tau_i - a_i)^+ - slots_after`` of the deficit covered now, with
+    ``tau_i`` in whole groups (NOTE [ Bounds in whole groups ]); only ready trajectories of
+    deficit sources can cover it (see NOTE [ One guard over every source quota ]).
     """
     need = cover = 0
-    for source, lower in lowers.items():
-        deficit = lower - admitted[source]
+    for source, bound in bounds.items():
+        deficit = bound.deficit(admitted[source])
         if deficit > 0:
             need += deficit
             cover += min(deficit, ready[source])
@@ -51,7 +52,7 @@ def candidate_admissible(
     """Check a proposal: exact size, upper bounds, and (if guarded) the feasibility guard Q.
 
     ``Q: sum_i (tau_i - b_{i,t})^+ <= tau_0 - b_{0,t}`` over every source quota, with ``b`` the
-    train-batch counts once the candidate is admitted.
+    train-batch counts once the candidate is admitted and the bounds in whole groups.
     """
     taken: dict[str, int] = {}
     for source, count in counts.items():
@@ -60,10 +61,10 @@ def candidate_admissible(
         taken[source] = pool.prefix_size(source, count)
     if sum(taken.values()) != request.size:
         return False
-    if any(taken.get(s, 0) > room for s, room in request.room.items()):
-        return False
-    if request.guarded:
-        deficit = sum(max(0, d - taken.get(s, 0)) for s, d in request.deficits.items())
-        if deficit > request.slots_after:
+    deficit = 0
+    for source, bound in request.bounds.items():
+        after = request.admitted[source] + taken.get(source, 0)
+        if bound.usable(after) < after:
             return False
-    return True
+        deficit += bound.deficit(after)
+    return not request.guarded or deficit <= request.slots_after

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from knitkit.admission.bounds import GroupBounds
 from knitkit.admission.pool import ReadyPool, Unit
 
 
@@ -20,13 +21,25 @@ class CandidateRequest:
     """Trajectories the mini-batch must hold."""
     slots_after: int
     """Train-batch slots left once the candidate is admitted: ``tau_0 - b_{0,t}``."""
-    deficits: Mapping[str, int]
-    """Per quota'd source: lower bound (in whole GRPO groups) minus admitted, floored at 0."""
-    room: Mapping[str, int]
-    """Per upper-bounded source: how many more trajectories it may contribute."""
+    bounds: Mapping[str, GroupBounds]
+    """Per source quota (empty when quotas are only measured): its bounds in whole GRPO groups
+    (see NOTE [ Bounds in whole groups ])."""
+    admitted: Mapping[str, int]
+    """Trajectories per source already admitted into the open train batch."""
     guarded: bool
     """True when the proposal must keep the feasibility guard (eq. 4) satisfiable: the deficits
     left after the candidate, summed over every source quota, fit in ``slots_after``."""
+
+    @property
+    def deficits(self) -> dict[str, int]:
+        """Per quota'd source: what its lower bound (in whole groups) misses before the candidate."""
+        return {s: b.deficit(self.admitted[s]) for s, b in self.bounds.items()}
+
+    @property
+    def room(self) -> dict[str, int]:
+        """Per upper-bounded source: how many more trajectories it may contribute."""
+        rooms = {s: b.room(self.admitted[s]) for s, b in self.bounds.items()}
+        return {s: r for s, r in rooms.items() if r is not None}
 
 
 @runtime_checkable
@@ -56,8 +69,9 @@ class PacedSelection:
     def propose(self, request: CandidateRequest, pool: ReadyPool) -> dict[str, int] | None:
         share = request.size / (request.size + request.slots_after)
         start: dict[str, int] = {}
+        room = request.room
         for source, deficit in request.deficits.items():
-            want = min(math.ceil(deficit * share), request.room.get(source, deficit))
+            want = min(math.ceil(deficit * share), room.get(source, deficit))
             taken = units = 0
             for unit in pool.head(source):
                 if taken + unit.size > want:
@@ -89,7 +103,8 @@ def fill_oldest_first(
     """
     counts = dict(start)
     taken = _sizes(pool, counts)
-    deficit = {s: max(0, d - taken.get(s, 0)) for s, d in request.deficits.items()}
+    bounds, admitted = request.bounds, request.admitted
+    deficit = {s: b.deficit(admitted[s] + taken.get(s, 0)) for s, b in bounds.items()}
     must = max(0, sum(deficit.values()) - request.slots_after) if request.guarded else 0
     total = sum(taken.values())
 
@@ -111,8 +126,11 @@ def fill_oldest_first(
             return None
         source = heapq.heappop(heap)[1]
         unit = current[source]
-        room = request.room.get(source)
-        if unit.size > free or (room is not None and taken.get(source, 0) + unit.size > room):
+        bound = bounds.get(source)
+        have = admitted.get(source, 0) + taken.get(source, 0)
+        if unit.size > free or (
+            bound is not None and bound.usable(have + unit.size) < have + unit.size
+        ):
             continue
         covers = min(unit.size, deficit.get(source, 0), must)
         if must - covers > free - unit.size:
@@ -120,8 +138,8 @@ def fill_oldest_first(
         counts[source] = counts.get(source, 0) + 1
         taken[source] = taken.get(source, 0) + unit.size
         total += unit.size
-        if source in deficit:
-            deficit[source] = max(0, deficit[source] - unit.size)
+        if bound is not None:
+            deficit[source] = bound.deficit(have + unit.size)
         must -= covers
         nxt = head(source)
         if nxt is not None:

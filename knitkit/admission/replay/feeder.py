@@ -25,8 +25,9 @@ MIN_ACCEPT_RATE = 0.1
 # longer fill from what is out) does it issue a round into the same rollout step, sized to
 # what is missing once in-flight work is discounted by each source's acceptance rate so far:
 # each short source's missing trajectories divided by its rate (at least MIN_ACCEPT_RATE), in
-# whole groups, within its outstanding cap; a size shortfall goes to the sources without an
-# upper bound by issue share. So a run that can fill never issues more than before, and a
+# whole groups, within its outstanding cap; a size shortfall goes by issue share to the sources
+# whose upper bound (in whole groups) leaves room (``Shortfall.open_sources``), those under
+# their outstanding cap first. So a run that can fill never issues more than before, and a
 # round covers the rejections still to come. At most ``dynamic_sampling_rounds`` rounds per
 # step; when they are spent, the stall message names the source that ran short.
 
@@ -51,11 +52,6 @@ class Feeder:
         self.completed: Counter[str] = Counter()
         self.accepted: Counter[str] = Counter()
         self._losses = 0
-        self._uppers = {
-            q.source
-            for q in settings.quotas()
-            if q.max_count is not None or q.max_ratio is not None
-        }
 
     def want(self, source: str) -> int:
         """GRPO groups of ``source`` one rollout step issues."""
@@ -123,8 +119,10 @@ class Feeder:
         short = self.ctl.shortfall({s: int(n * self.rate(s)) for s, n in in_flight.items()})
         g = self.trace.group_size
         missing = {s: n / self.rate(s) for s, n in short.per_source.items()}
-        open_sources = [s for s in self.trace.sources if s not in self._uppers] or list(
-            self.trace.sources
+        # The size shortfall goes to sources its upper bounds leave room for, those under their
+        # outstanding cap first (one at its cap issues nothing, and the batch would stall).
+        open_sources = [s for s in short.open_sources if self.room(s) > 0] or list(
+            short.open_sources
         )
         weight = sum(self.shares.get(s, 0.0) for s in open_sources) or 1.0
         for source in open_sources:
@@ -180,8 +178,8 @@ class Feeder:
                 f"raise their issue share (--issue-shares) or --oversample"
             )
         capped = [src for src in short.per_source if src not in thin and self.room(src) <= 0]
-        if short.any_source and all(self.room(src) <= 0 for src in self.trace.sources):
-            capped = list(self.trace.sources)
+        if short.any_source and all(self.room(src) <= 0 for src in short.open_sources):
+            capped = list(short.open_sources)
         if capped:
             advice.append(f"{capped} are at their outstanding cap: raise --source-cap")
         advice.append("raise --oversample or the short source's issue share (--issue-shares)")
