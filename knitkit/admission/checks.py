@@ -46,3 +46,15 @@ def name(value: object, what: str) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{what}={value!r}: give a non-empty string")
     return value
+
+
+def implements(value: object, protocol: type, what: str) -> None:
+    """ValueError naming ``what`` and the missing members unless ``value`` has every member of
+    the runtime-checkable ``protocol`` (an ``AttributeError`` deep inside admission otherwise)."""
+    if not isinstance(value, protocol):
+        members = [m for m in vars(protocol) if not m.startswith("_")]
+        missing = [m for m in members if not hasattr(value, m)]
+        raise ValueError(
+            f"{what}={value!r} is not a {protocol.__name__}: it lacks {', '.join(missing)} "
+            f"(a {protocol.__name__} has {', '.join(members)})"
+        )

@@ -94,8 +94,15 @@ def resolve(config: AdmissionConfig) -> tuple[tuple[ResolvedQuota, ...], tuple[i
     check_sources(config.sources)
     if config.max_staleness is not None:
         checks.whole(config.max_staleness, "max_staleness")
+    checks.implements(config.selection, SelectionPolicy, "selection")
+    for name in ("source_schedule", "size_schedule"):
+        checks.implements(getattr(config, name), Schedule, name)
     size_alphas = coefficients(config.size_schedule, n, name="size_schedule")
-    for predicate in config.predicates:
+    if not isinstance(config.predicates, tuple | list):
+        raise ValueError(f"predicates={config.predicates!r}: give a tuple of readiness predicates")
+    for k, predicate in enumerate(config.predicates):
+        checks.implements(predicate, ReadinessPredicate, f"predicates[{k}]")
+        checks.implements(predicate.schedule, Schedule, f"predicates[{k}].schedule")
         coefficients(predicate.schedule, n, name=f"predicate {predicate.name!r}")
     quotas: list[ResolvedQuota] = []
     for quota in config.quotas:
@@ -107,6 +114,7 @@ def resolve(config: AdmissionConfig) -> tuple[tuple[ResolvedQuota, ...], tuple[i
             raise ValueError(f"two quotas for source {quota.source!r}; merge them into one")
         lower, upper = quota.bounds(b)
         schedule = quota.schedule or config.source_schedule
+        checks.implements(schedule, Schedule, f"quota {quota.source!r}: schedule")
         alphas = coefficients(schedule, n, name=f"schedule of quota {quota.source!r}")
         groups = GroupBounds.of(lower, upper, g)
         quotas.append(ResolvedQuota(quota.source, lower, upper, alphas, groups))

@@ -439,11 +439,19 @@ def test_discarding_pending_mid_batch_does_not_keep_discarded_trajectories_in_ta
         (lambda: two_source_on(group_size=0), "group_size=0"),
         (lambda: two_source_on(rollout_budget={"A": 2.5, "B": 80}), r"rollout_budget\['A'\]=2.5"),
         (lambda: CompletionQuota(float("inf")), "CompletionQuota.min_ratio=inf"),
+        (
+            lambda: two_source_on(predicates=(object(),)),
+            r"predicates\[0\]=<object .*> is not a ReadinessPredicate: it lacks name, schedule",
+        ),
+        (lambda: two_source_on(selection="oldest"), "selection='oldest' is not a SelectionPolicy"),
+        (lambda: two_source_on(size_schedule=(0.5, 1.0)), r"size_schedule=\(0.5, 1.0\) is not a"),
     ],
 )
 def test_fractional_or_malformed_config_is_refused_by_name(build: object, message: str) -> None:
     """Config values of the wrong kind (a string for the sources, fractional counts and
-    bounds, NaN ratios) are refused at construction, naming the field."""
+    bounds, NaN ratios, a predicate, selection or schedule that is none) are refused at
+    construction with a ValueError naming the field (issue 30.6: ``predicates=(object(),)``
+    raised AttributeError)."""
     with pytest.raises(ValueError, match=message):
         build()  # type: ignore[operator]
 
