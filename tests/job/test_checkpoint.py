@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 from collections import Counter
 from pathlib import Path
@@ -98,6 +99,50 @@ def test_a_durable_store_resumes_without_re_writing_anything(tmp_path: Path) -> 
     store.close()
     assert not [s.error for s in seen_second if s.error]  # the first run's rank saw the close
     assert not [m for s in seen_first + seen_second for m in s.mismatches]
+    assert_trained_once(seen_first, order[:2], seen_second, data)
+
+
+def test_a_durable_resume_after_a_kill_at_the_train_pass_serves_the_new_write_backs(
+    tmp_path: Path,
+) -> None:
+    """Issue 30.7, the deterministic case: a job over a ``SafetensorsBackend`` is killed at the
+    train pass of its first untrained mini-batch, after that mini-batch's forward-only
+    write-backs were flushed into a shard of their own (the kill: the directory as it is then).
+    The resumed driver's reorganizers start before ``load_state_dict`` deletes those
+    write-backs and unlinks their shard; the resumed job writes them again, and its train pass
+    reads them from their new shard (NOTE [ Disk readers follow the owner ]): no
+    ``FileNotFoundError``, no old bytes, every token trained once per pass over both runs."""
+    data = trajectories(8, 2, seed=5)
+    store = TrajectoryStore(SafetensorsBackend(str(tmp_path / "units")))
+    first = driver_config(1, 1, 1, 1).build(admission=controller(data, 4), store=store)
+    hold = Hold("", "train")
+    killed = tmp_path / "killed"
+    try:
+        for trajectory in data:
+            first.write(trajectory)
+        order = first.minibatches()
+        hold.minibatch_id = order[2]
+        threads, seen_first = run_ranks(first.rank_spec(), grid(1, 1, 1, 1), hold=hold)
+        assert hold.reached.wait(120), "the rank never reached the third mini-batch's train pass"
+        state = json.loads(json.dumps(first.state_dict(trained=2, timeout_s=60)))
+        shutil.copytree(tmp_path / "units", killed)
+    finally:
+        first.close()
+        hold.release.set()
+    join(threads)
+    store.close()
+
+    store = TrajectoryStore(SafetensorsBackend(str(killed)))
+    with driver_config(1, 1, 1, 1).build(admission=controller(data, 4), store=store) as second:
+        resumed = second.load_state_dict(state)
+        assert resumed.reissue == () and resumed.pending == order[2:]
+        threads, seen_second = run_ranks(second.rank_spec(), grid(1, 1, 1, 1))
+        second.finish()
+        second.drain(120)
+        join(threads)
+    store.close()
+    assert not [s.error for s in seen_second if s.error]
+    assert not [m for s in seen_second for m in s.mismatches]
     assert_trained_once(seen_first, order[:2], seen_second, data)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -175,6 +176,36 @@ def test_units_freed_after_a_state_stay_until_two_newer_states(tmp_path: Path) -
         store.read(UnitKey("t1", "tokens")), make_trajectory(1).token_fields["tokens"]
     )
     store.close()
+
+
+def test_a_reader_made_before_the_load_reads_a_trajectory_written_again(tmp_path: Path) -> None:
+    """Issue 30.7: a resumed store's reader (a reorganizer's copy, pickled before
+    ``load_state_dict``) reads a trajectory the state does not name, deleted by the load and
+    written again under its id with new contents, as the new bytes: not 100..107 from the shard
+    that still holds a unit the state names (NOTE [ Disk readers follow the owner ])."""
+    directory = str(tmp_path / "shards")
+
+    def late(start: int) -> Trajectory:
+        tokens = np.arange(start, start + 8, dtype=np.int32)
+        return Trajectory("late", "s-late", {"tokens": tokens, "logprobs": tokens / 2})
+
+    store = TrajectoryStore(SafetensorsBackend(directory))
+    store.write(make_trajectory(0))
+    store.write(late(100))  # flushed into the same shard as t0's units
+    state = _state_roundtrip(store.state_dict(trajectories=["t0"]))
+    store.close()
+    backend = SafetensorsBackend(directory)
+    reader = pickle.loads(pickle.dumps(backend))
+    resumed = TrajectoryStore(backend)
+    assert UnitKey("late", "tokens") in resumed.load_state_dict(state).deleted_units
+    resumed.write(late(900))
+    backend.flush()
+    np.testing.assert_array_equal(reader.read(UnitKey("late", "tokens")), np.arange(900, 908))
+    np.testing.assert_array_equal(
+        reader.read(UnitKey("t0", "tokens")), make_trajectory(0).token_fields["tokens"]
+    )
+    reader.close()
+    resumed.close()
 
 
 @pytest.mark.parametrize("kind", ["shm", "memory"])

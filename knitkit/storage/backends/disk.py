@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import threading
 import uuid
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -13,6 +15,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from knitkit.storage.backends.backend import UnitBackend, UnitSpec
+from knitkit.storage.backends.journal import RESET, Record, UnitJournal
+from knitkit.storage.backends.owner import OwnerFinalizer
 from knitkit.storage.backends.ranges import (
     ReadCounter,
     check_replacement,
@@ -20,10 +24,14 @@ from knitkit.storage.backends.ranges import (
     paste_ranges,
     spec_of,
 )
+from knitkit.storage.backends.segments import OwnerLock, check_segment_name, sweep_dead_segments
 from knitkit.storage.backends.shard_files import OpenShards
 from knitkit.storage.backends.shard_header import CorruptShardError, ShardEntry, read_header
-from knitkit.storage.backends.validate import check_unit
+from knitkit.storage.backends.validate import SUPPORTED_DTYPES, check_unit
 from knitkit.types import SeqRange, UnitKey, UnitRead
+
+_COMPACT_MIN_BYTES = 64 << 10
+"""Dead journal bytes tolerated while units are live (compaction then costs a full snapshot)."""
 
 
 class SafetensorsBackend(UnitBackend):
@@ -33,24 +41,53 @@ class SafetensorsBackend(UnitBackend):
     shard (0600, under a temporary name renamed into place, so a reader never sees half a shard);
     reads and specs of buffered units flush first. ``replace`` rewrites the unit's bytes in
     place (same dtype and shape, so same size). A shard file is removed once all its units are
-    deleted. At most ``max_open_shards`` files are open at once (NOTE [ Open shards ]). Pickling
-    hands another process a reader of the same files; a reader indexes shards flushed after it
-    was made when it meets a key it does not know. A corrupt or truncated shard fails only the
-    units it holds, with errors naming the file (``shard_header.py``).
+    deleted. At most ``max_open_shards`` files are open at once (NOTE [ Open shards ]). A corrupt
+    or truncated shard fails only the units it holds, with errors naming the file
+    (``shard_header.py``).
+
+    The creating instance owns the directory's units; pickling hands another process a reader
+    that follows the owner's later flushes and deletes through a journal in the directory
+    (NOTE [ Disk readers follow the owner ]). ``sync`` makes what a saved state names durable
+    (NOTE [ Durable shards ]).
 
     Durable: a backend made over a directory that already holds shards (a run resumed after a
     crash) indexes them at once, so a store rebuilt over it reads every unit flushed before
     (``TrajectoryStore.load_state_dict``); units still buffered when the process died are lost.
     """
 
+    # NOTE [ Disk readers follow the owner ]:
+    # A reader (a reorganizer, spawned with a pickled copy) may live longer than any one index
+    # the owner had: a resumed driver starts its reorganizers, then ``load_state_dict`` deletes
+    # every unit the checkpoint does not name (their shards unlinked once empty) and the job
+    # writes the same keys again, into new shards; a trajectory id written again after its
+    # deferred delete does the same in a running job. A reader holding the index it was pickled
+    # with then read the old shard: ``FileNotFoundError``, or silently the OLD bytes where the
+    # shard still held a live unit. Rescanning shard headers cannot fix that (a shard keeps a
+    # deleted unit's bytes and header entry until its last unit goes). So the owner's index is
+    # the only one: the owner appends a record per flushed unit (shard, offset, spec) and per
+    # delete to a journal (NOTE [ Unit journal ]) before a plan naming the unit can be sent (the
+    # driver flushes before it serves a pass), and a reader replays it before every lookup (one
+    # ``fstat`` when nothing changed): its index is the owner's as of its last look, in the
+    # owner's order, so a unit re-written under its key is read at its new place, never from its
+    # old bytes. Considered instead: starting reorganizers after the load (fixes resume only, not a
+    # re-write in a running job); a version per key in every plan (touches the planner and every
+    # host for what the journal already gives the shared-memory backend). The journal and the
+    # owner's lock live in the shard directory as ``knitkit-<pid>-<hex>-journal-<n>`` and
+    # ``knitkit-<pid>-<hex>-lock`` (NOTE [ Segment names ]): a shared file system that holds the
+    # shards holds them too; the owner unlinks them on close, and a new owner removes those of
+    # owners that died (SIGKILL), by their lock.
+
     def __init__(
         self, directory: str, shard_bytes: int = 256 << 20, *, max_open_shards: int = 64
     ) -> None:
+        created = not os.path.isdir(directory)
         os.makedirs(directory, mode=0o700, exist_ok=True)
         os.chmod(directory, 0o700)
         self.directory = directory
         self.shard_bytes = shard_bytes
         self._entries: dict[UnitKey, ShardEntry] = {}
+        self._per_shard: Counter[str] = Counter()
+        """Units indexed per shard file (a shard goes, and its descriptor, once none are)."""
         self._pending: dict[UnitKey, np.ndarray] = {}
         self._files = OpenShards(max_open_shards)
         self._reads = ReadCounter()
@@ -58,7 +95,26 @@ class SafetensorsBackend(UnitBackend):
         """Units listed by a shard whose entry for them is invalid: the reason, naming the file."""
         self._corrupt: dict[str, str] = {}
         """Shards whose header cannot be read at all: the reason."""
-        self._scan_new_shards()
+        self._unsynced = _Unsynced(directory, parent=created)
+        self._owner_pid = os.getpid()
+        for path in _shard_paths(directory):
+            self._index_shard(path)
+        sweep_dead_segments(directory, rings=False)
+        group = f"knitkit-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        lock = OwnerLock(directory, group)  # first, so a sweep never sees the journal unlocked
+        try:
+            self._journal = UnitJournal(os.path.join(directory, f"{group}-journal"), owner=True)
+            sizes = self._journal.extend(_put_record(k, e) for k, e in self._entries.items())
+        except BaseException:
+            lock.release()
+            raise
+        self._record_bytes = dict(zip(self._entries, sizes, strict=True))
+        """Journal bytes of each live unit's put record."""
+        self._live_bytes = self._journal.size
+        """Journal bytes a snapshot of the live units takes (what compaction keeps)."""
+        self._finalizer: OwnerFinalizer | None = OwnerFinalizer(
+            self, _remove_journal, self._journal, lock
+        )
 
     @property
     def durable(self) -> bool:
@@ -69,7 +125,19 @@ class SafetensorsBackend(UnitBackend):
         """Shard files open now (bounded by ``max_open_shards``)."""
         return len(self._files)
 
+    @property
+    def journal_bytes(self) -> int:
+        """Size of the unit journal now (it follows the live units, see ``_maybe_compact``)."""
+        return self._journal.size
+
+    def metrics(self) -> dict[str, float]:
+        """``knitkit/storage/journal_bytes``: the unit journal's size (owner; gauge)."""
+        if not self._owns() or not self._journal.open:
+            return {}
+        return {"knitkit/storage/journal_bytes": float(self._journal.size)}
+
     def put(self, key: UnitKey, array: np.ndarray) -> None:
+        self._require_owner("put")
         value = check_unit(key, array)
         if key in self._entries or key in self._pending:
             raise KeyError(f"unit {key} already exists; use replace() to update it")
@@ -78,8 +146,9 @@ class SafetensorsBackend(UnitBackend):
             self.flush()
 
     def flush(self) -> None:
-        """Write buffered units as one new shard; on failure nothing is left on disk."""
-        if not self._pending:
+        """Write buffered units as one new shard and journal them; on failure nothing is left on
+        disk."""
+        if not self._owns() or not self._pending:
             return
         name = f"shard-{uuid.uuid4().hex[:12]}.safetensors"
         path = os.path.join(self.directory, name)
@@ -95,10 +164,22 @@ class SafetensorsBackend(UnitBackend):
         entries, bad = read_header(path)
         if bad:
             raise CorruptShardError(f"shard {path} was written with invalid entries: {bad}")
-        self._entries.update(entries)
+        self._unsynced.wrote(path, new=True)
+        for key, entry in entries.items():
+            self._index(key, entry)
+        sizes = self._journal.extend(_put_record(k, e) for k, e in entries.items())
+        self._record_bytes.update(zip(entries, sizes, strict=True))
+        self._live_bytes += sum(sizes)
         self._pending.clear()
 
+    def sync(self) -> None:
+        """Fsync every shard written or changed since the last ``sync`` and the directory (see
+        NOTE [ Durable shards ]). Safe to call while this backend's owner thread goes on."""
+        if self._owns():
+            self._unsynced.sync()
+
     def replace(self, key: UnitKey, array: np.ndarray) -> None:
+        self._require_owner("replace")
         entry = self._entry(key)
         check_replacement(key, entry.spec, array)
         data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
@@ -106,10 +187,12 @@ class SafetensorsBackend(UnitBackend):
             written = os.pwritev(fd, [data.data], entry.offset)
         if written != data.nbytes:
             raise OSError(f"short write replacing unit {key} in {entry.shard}")
+        self._unsynced.wrote(entry.shard)
 
     def write_ranges(self, key: UnitKey, ranges: Sequence[SeqRange], values: np.ndarray) -> None:
         """Write the rows in place: into the buffer if the unit is not flushed yet, else one
         ``pwritev`` per range at its offset in the shard (readers of the file see them)."""
+        self._require_owner("write_ranges")
         pending = self._pending.get(key)
         if pending is not None:
             paste_ranges(pending, check_write(key, spec_of(pending), ranges, values), values)
@@ -127,6 +210,7 @@ class SafetensorsBackend(UnitBackend):
                         f"short write of rows [{start}, {stop}) of {key} in {entry.shard}"
                     )
                 at += size
+        self._unsynced.wrote(entry.shard)
 
     def spec(self, key: UnitKey) -> UnitSpec:
         return self._entry(key).spec
@@ -150,10 +234,13 @@ class SafetensorsBackend(UnitBackend):
         file-contiguous pieces with one ``preadv`` (see NOTE [ Batched disk reads ])."""
         if len(reads) != len(outs):
             raise ValueError(f"read_many got {len(reads)} reads but {len(outs)} outs; pair them")
+        if any(unit.key in self._pending for unit in reads):
+            self.flush()
+        self._follow()
         by_shard: dict[str, list[_Piece]] = {}
         moved = 0
         for unit, out in zip(reads, outs, strict=True):
-            entry = self._entry(unit.key)
+            entry = self._lookup(unit.key)
             checked, dst = self._reads.open(unit.key, entry.spec, unit.ranges, out)
             pieces = by_shard.setdefault(entry.shard, [])
             pieces.extend((unit.key, *p) for p in _pieces(entry, checked, dst))
@@ -164,15 +251,19 @@ class SafetensorsBackend(UnitBackend):
         self._reads.bytes += moved
 
     def delete(self, key: UnitKey) -> None:
+        self._require_owner("delete")
         if self._pending.pop(key, None) is not None:
             return
         shard = self._entry(key).shard
-        del self._entries[key]
-        if all(e.shard != shard for e in self._entries.values()):
-            self._files.discard(shard)
+        self._journal.append(("delete", str(key)))  # before the unlink: readers forget it first
+        self._live_bytes -= self._record_bytes.pop(key)
+        if self._unindex(key):
             os.unlink(shard)
+            self._unsynced.removed(shard)
+        self._maybe_compact()
 
     def keys(self) -> Iterator[UnitKey]:
+        self._follow()
         return iter([*self._entries, *self._pending])
 
     @property
@@ -180,69 +271,284 @@ class SafetensorsBackend(UnitBackend):
         return self._reads.bytes
 
     def close(self) -> None:
-        self.flush()
+        if self._owns():
+            self.flush()
+            assert self._finalizer is not None
+            self._finalizer()  # unlinks the journal and the lock; a no-op in a forked child
+        self._journal.close()
         self._files.close()
 
     def __getstate__(self) -> dict[str, Any]:
         self.flush()
+        self._follow()
         return {
             "directory": self.directory,
             "shard_bytes": self.shard_bytes,
             "max_open_shards": self._files.capacity,
             "entries": dict(self._entries),
+            "bad_units": dict(self._bad_units),
+            "journal": self._journal.stem,
+            "generation": self._journal.generation,
+            "offset": self._journal.size if self._owns() else self._journal.offset,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.directory = state["directory"]
         self.shard_bytes = state["shard_bytes"]
-        self._entries = state["entries"]
+        self._entries = {}
+        self._per_shard = Counter()
+        for key, entry in state["entries"].items():
+            self._index(key, entry)
         self._pending = {}
         self._files = OpenShards(state["max_open_shards"])
         self._reads = ReadCounter()
-        self._bad_units = {}
+        self._bad_units = state["bad_units"]
         self._corrupt = {}
+        self._unsynced = _Unsynced(self.directory, parent=False)
+        self._owner_pid = 0
+        self._journal = UnitJournal(
+            state["journal"], owner=False, generation=state["generation"], offset=state["offset"]
+        )
+        self._record_bytes = {}
+        self._live_bytes = 0
+        self._finalizer = None
+
+    def _require_owner(self, op: str) -> None:
+        """Only the creating process writes: a reader's (or a forked child's) index follows the
+        owner's and must not fork from it (NOTE [ Disk readers follow the owner ])."""
+        if not self._owns():
+            raise RuntimeError(
+                f"{op}() on a reader of the disk backend over {self.directory} (a pickled copy, "
+                "or a forked child's copy of the owner); write through the owner"
+            )
 
     def _entry(self, key: UnitKey) -> ShardEntry:
         if key in self._pending:
             self.flush()
-        if key not in self._entries and key not in self._bad_units:
-            self._scan_new_shards()
+        self._follow()
+        return self._lookup(key)
+
+    def _lookup(self, key: UnitKey) -> ShardEntry:
+        """The unit's location as this instance knows it now (``_entry`` follows first)."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry
         if key in self._bad_units:
             raise CorruptShardError(f"unit {key} cannot be read: {self._bad_units[key]}")
-        try:
-            return self._entries[key]
-        except KeyError:
-            corrupt = "".join(
-                f"; corrupt shard {p} ({why}) may have held it" for p, why in self._corrupt.items()
-            )
-            raise KeyError(
-                f"unknown unit {key}; it was never put, was already released, or sits unflushed "
-                f"in another process's backend (call flush() there before sending the plan){corrupt}"
-            ) from None
+        corrupt = "".join(
+            f"; corrupt shard {p} ({why}) may have held it" for p, why in self._corrupt_shards()
+        )
+        raise KeyError(
+            f"unknown unit {key}; it was never put, was already released, or sits unflushed "
+            f"in the owner's backend (call flush() there before sending the plan){corrupt}"
+        ) from None
 
-    def _scan_new_shards(self) -> None:
-        """Index shards written since this instance last looked (another process's flushes), and
-        forget shards deleted since (closing their files, which would otherwise hold their disk
-        space and a descriptor each)."""
-        known = {entry.shard for entry in self._entries.values()}
-        present = set(glob.glob(os.path.join(self.directory, "shard-*.safetensors")))
-        gone = known - present
-        if gone:
-            self._entries = {k: e for k, e in self._entries.items() if e.shard not in gone}
-            for path in gone:
-                self._files.discard(path)
-        for path in present:
-            if path in known or path in self._corrupt:
+    def _follow(self) -> None:
+        """A reader: apply the owner's flushes and deletes journaled since it last looked."""
+        if self._owns():
+            return
+        dropped: set[str] = set()
+        for record in self._journal.new_records():
+            op = record[0]
+            if op == RESET:  # a compacted generation: the whole index follows
+                dropped.update(self._per_shard)
+                self._entries.clear()
+                self._per_shard.clear()
+            elif op == "put":
+                self._index(*self._check_put(record))
+            elif op == "delete":
+                self._unindex(UnitKey.parse(str(record[1])))
+            else:
+                raise ValueError(f"journal {self._journal.path}: unknown record {record!r}")
+        for shard in dropped - set(self._per_shard):
+            self._files.discard(shard)
+
+    def _owns(self) -> bool:
+        """Whether this is the owner. A forked child of the owner becomes a reader of the
+        owner's journal, from the start of its generation (which holds the whole index): its
+        copy of the owner's index goes stale at once (NOTE [ Owner-only clean-up ])."""
+        if self._finalizer is None:
+            return False
+        if os.getpid() == self._owner_pid:
+            return True
+        stem, generation = self._journal.stem, self._journal.generation
+        self._journal.close()  # the child's copy of the owner's append descriptor
+        self._finalizer = None
+        self._pending.clear()
+        self._entries.clear()
+        self._per_shard.clear()
+        self._journal = UnitJournal(stem, owner=False, generation=generation)
+        return False
+
+    def _index(self, key: UnitKey, entry: ShardEntry) -> None:
+        if key in self._entries:
+            self._unindex(key)
+        self._entries[key] = entry
+        self._per_shard[entry.shard] += 1
+
+    def _unindex(self, key: UnitKey) -> bool:
+        """Forget a unit; whether its shard now holds none (its descriptor is closed then)."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        self._per_shard[entry.shard] -= 1
+        if self._per_shard[entry.shard]:
+            return False
+        del self._per_shard[entry.shard]
+        self._files.discard(entry.shard)
+        return True
+
+    def _index_shard(self, path: str) -> None:
+        """Index a shard found in the directory (a resumed owner's start)."""
+        try:
+            entries, bad = read_header(path)
+        except FileNotFoundError:
+            return
+        except CorruptShardError as exc:
+            self._corrupt[path] = str(exc)
+            return
+        for key, entry in entries.items():
+            self._index(key, entry)
+        self._bad_units.update(bad)
+
+    def _corrupt_shards(self) -> list[tuple[str, str]]:
+        """Shard files in the directory that no index names and whose header cannot be read
+        (for the message of an unknown unit: it may have been in one)."""
+        for path in _shard_paths(self.directory):
+            if path in self._per_shard or path in self._corrupt:
                 continue
             try:
-                entries, bad = read_header(path)
-            except FileNotFoundError:
-                continue
+                read_header(path)
             except CorruptShardError as exc:
                 self._corrupt[path] = str(exc)
+            except FileNotFoundError:
                 continue
-            self._entries.update(entries)
-            self._bad_units.update(bad)
+        return [(p, why) for p, why in self._corrupt.items() if os.path.exists(p)]
+
+    def _check_put(self, record: Record) -> tuple[UnitKey, ShardEntry]:
+        """A put record names a shard file of this directory and a valid spec (never trusted
+        blindly: a bad record is an error naming the journal)."""
+        try:
+            _, raw_key, shard, offset, dtype, shape = record
+            key = UnitKey.parse(str(raw_key))
+            name = check_segment_name(str(shard))
+            if not isinstance(shape, list):
+                raise TypeError("shape is not a list")
+            spec = UnitSpec(str(dtype), tuple(_int(n) for n in shape))
+            ok = (
+                name.startswith("shard-")
+                and name.endswith(".safetensors")
+                and spec.dtype in SUPPORTED_DTYPES
+                and all(n >= 0 for n in spec.shape)
+                and _int(offset) >= 0
+            )
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"journal {self._journal.path}: invalid put record {record!r}")
+        return key, ShardEntry(os.path.join(self.directory, name), _int(offset), spec)
+
+    def _maybe_compact(self) -> None:
+        """Rewrite the journal as a snapshot once dead records outweigh live ones (64 KiB at
+        least; at once when nothing is live), so it follows what is stored, not the run's length."""
+        dead = self._journal.size - self._live_bytes
+        if dead <= (max(self._live_bytes, _COMPACT_MIN_BYTES) if self._entries else 0):
+            return
+        sizes = self._journal.rewrite([_put_record(k, e) for k, e in self._entries.items()])
+        self._record_bytes = dict(zip(self._entries, sizes, strict=True))
+        self._live_bytes = self._journal.size
+
+
+class _Unsynced:
+    """The shards written or changed, and whether the directory changed, since the last sync.
+
+    NOTE [ Durable shards ]: ``save_file`` + ``rename`` and ``pwritev`` leave bytes in the page
+    cache; a checkpoint fsynced and committed (NOTE [ Atomic checkpoint directories ] in
+    knitkit/job/checkpoint.py) could name units a power loss then takes. A store's state that
+    names units calls ``sync`` before it is returned (``TrajectoryStore.state_dict``), so the
+    units are durable before any checkpoint holding the state is committed: every shard
+    flushed or written in place since the last sync is fsynced, then the directory (new and
+    removed shard names), and once the directory's own entry if this backend created it. Only
+    there: a flush (every pass serves from one) does not fsync, since a crash before the next
+    state loses nothing a state names. Thread-safe: the driver syncs outside its lock while
+    writers go on (what they add meanwhile waits for the next sync); a failed sync leaves the
+    set for the next one.
+    """
+
+    def __init__(self, directory: str, *, parent: bool) -> None:
+        self.directory = directory
+        self._shards: set[str] = set()
+        self._directory = False
+        self._parent = parent
+        """The directory was created by this backend: its entry in the parent is new too."""
+        self._lock = threading.Lock()
+
+    def wrote(self, shard: str, *, new: bool = False) -> None:
+        with self._lock:
+            self._shards.add(shard)
+            self._directory |= new
+
+    def removed(self, shard: str) -> None:
+        with self._lock:
+            self._shards.discard(shard)
+            self._directory = True
+
+    def sync(self) -> None:
+        with self._lock:
+            shards, directory, parent = self._shards, self._directory, self._parent
+            self._shards, self._directory, self._parent = set(), False, False
+        try:
+            for shard in sorted(shards):
+                with contextlib.suppress(FileNotFoundError):  # deleted since: no state names it
+                    _fsync(shard)
+            if directory:
+                _fsync(self.directory)
+            if parent:
+                _fsync(os.path.dirname(os.path.abspath(self.directory)))
+        except BaseException:
+            with self._lock:
+                self._shards |= shards
+                self._directory |= directory
+                self._parent |= parent
+            raise
+
+
+def _fsync(path: str) -> None:
+    """Fsync a file or a directory by path (a read-only descriptor suffices on Linux)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _shard_paths(directory: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(directory, "shard-*.safetensors")))
+
+
+def _put_record(key: UnitKey, entry: ShardEntry) -> Record:
+    spec = entry.spec
+    return (
+        "put",
+        str(key),
+        os.path.basename(entry.shard),
+        entry.offset,
+        spec.dtype,
+        list(spec.shape),
+    )
+
+
+def _int(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{value!r} is not an integer")
+    return value
+
+
+def _remove_journal(journal: UnitJournal, lock: OwnerLock) -> None:
+    """The owner's clean-up: its journal, then its lock (NOTE [ Owner locks ])."""
+    journal.close()
+    journal.unlink()
+    lock.release()
 
 
 _Piece = tuple[UnitKey, int, memoryview]

@@ -26,15 +26,18 @@ MOVED = "moved"
 class UnitJournal:
     """One writer appends records; readers replay the records appended since they last looked.
 
-    NOTE [ Unit journal ]: the owner of a shared-memory backend appends one length-prefixed JSON
-    record per change (a new slab, a put, a delete) with a single ``os.write`` on an ``O_APPEND``
-    file, and only after the unit's bytes are in place. Records are data only (JSON lists of
-    strings and integers): a reader never runs code written by another process. A reader keeps
-    its byte offset into the journal and, before each lookup, replays whatever complete records
-    were appended since; a record still being written (short length or payload) is left for the
-    next look. So a long-lived reader (a reorganizer process started before the rollout began)
-    sees every unit written before the plan that names it was sent, and never a unit whose bytes
-    are not ready.
+    NOTE [ Unit journal ]: the owner of a shared-memory or disk backend appends one
+    length-prefixed JSON record per change (a new slab, a put with the unit's location, a
+    delete) with ``os.write`` on an ``O_APPEND`` file, and only after the unit's bytes are in
+    place. Records are data only (JSON lists of strings and integers): a reader never runs code
+    written by another process. A reader keeps its byte offset into the journal and, before each
+    lookup, replays whatever complete records were appended since; a record still being written
+    (short length or payload) is left for the next look. So a long-lived reader (a reorganizer
+    process started before the rollout began, or before a resumed store deleted what its
+    checkpoint does not name) sees every unit written before the plan that names it was sent,
+    never a unit whose bytes are not ready, and never a deleted unit's old location: a unit
+    deleted and put again under the same key is read at its new place (the journal is the
+    reader's whole index, in the owner's order).
 
     Compaction: the journal lives in generations ``<stem>-<n>``. ``rewrite(snapshot)`` writes
     generation n+1 whole (``RESET`` then the live state) before it appends ``MOVED n+1`` to
@@ -82,19 +85,29 @@ class UnitJournal:
 
     def append(self, record: Record) -> int:
         """Append one record with a single write; returns its size in bytes."""
-        blob = _encode(record)
-        os.write(self._require_fd(), blob)
-        return len(blob)
+        return self.extend([record])[0]
 
-    def rewrite(self, snapshot: Iterable[Record]) -> None:
-        """Owner: start a new generation holding ``RESET`` + ``snapshot`` and retire the current one."""
+    def extend(self, records: Iterable[Record]) -> list[int]:
+        """Append records with a single write (a reader may see a prefix of them: it replays
+        only complete records); returns each one's size in bytes."""
+        blobs = [_encode(r) for r in records]
+        data = memoryview(b"".join(blobs))
+        fd = self._require_fd()
+        while data:
+            data = data[os.write(fd, data) :]
+        return [len(b) for b in blobs]
+
+    def rewrite(self, snapshot: Iterable[Record]) -> list[int]:
+        """Owner: start a new generation holding ``RESET`` + ``snapshot`` and retire the current
+        one; returns the size in bytes of each snapshot record."""
         assert self.owner, "only the journal's owner compacts it"
         old_fd, old_path = self._require_fd(), self.path
+        blobs = [_encode(r) for r in snapshot]
         self.generation += 1
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND
         fd = os.open(self.path, flags, 0o600)
         try:
-            os.write(fd, b"".join(_encode(r) for r in ((RESET,), *snapshot)))
+            os.write(fd, b"".join((_encode((RESET,)), *blobs)))
         except BaseException:
             os.close(fd)
             os.unlink(self.path)
@@ -104,6 +117,7 @@ class UnitJournal:
         self._fd = fd
         os.close(old_fd)
         os.unlink(old_path)
+        return [len(b) for b in blobs]
 
     def new_records(self) -> Iterator[Record]:
         """Records appended since the previous call (complete ones only), following compactions."""
