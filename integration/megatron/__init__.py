@@ -26,6 +26,8 @@ from knitkit.integration.megatron.pipeline import (
     check_microbatches_agree,
 )
 from knitkit.integration.megatron.rank import MegatronPass, MegatronRank
+from knitkit.integration.megatron.routing import ROUTING_FIELD, routing_dtype
+from knitkit.integration.megatron.routing_replay import RoutingReplay
 from knitkit.integration.megatron.step import DedupVLMStep
 from knitkit.integration.megatron.te import (
     FP8_PAD_MULTIPLE,
@@ -40,6 +42,7 @@ __all__ = [
     "FP8_PAD_MULTIPLE",
     "MROPE_FIELD",
     "MROPE_SCHEMES",
+    "ROUTING_FIELD",
     "Batch",
     "Coord",
     "DedupVLMStep",
@@ -51,6 +54,7 @@ __all__ = [
     "MegatronPass",
     "MegatronRank",
     "PipelineStage",
+    "RoutingReplay",
     "StepRefused",
     "batch_for",
     "block_causal_mask",
@@ -67,5 +71,6 @@ __all__ = [
     "mrope_positions",
     "packed_seq_params",
     "placeholder_runs",
+    "routing_dtype",
     "te_available",
 ]

@@ -251,3 +251,43 @@ def install_pipeline_shim() -> None:
 
     if not isinstance(p2p_communication.torch, _P2PTorch):
         p2p_communication.torch = _P2PTorch()
+
+
+def install_moe_shim() -> None:
+    """Let megatron's MoE router run without Transformer Engine (idempotent; no-op with TE).
+
+    megatron-core 0.16.1's ``RouterGatingLinearFunction`` tests ``te_general_gemm is not None``,
+    a name ``moe_utils.py`` binds only when its TE import succeeds (L34), so without TE every
+    router forward raises ``NameError``; binding it to ``None`` selects the ``torch.mm`` path
+    written for that case.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def moe_block_spec(num_experts: int) -> object:
+    """``block_spec(num_layers)`` for megatron's local MoE layer spec with ``SequenceParallelNorm`` norms
+    (megatron refuses MoE training at TP > 1 without sequence parallelism)."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
+    layer = dataclasses.replace(
+        layer,
+        submodules=dataclasses.replace(
+            layer.submodules,
+            input_layernorm=SequenceParallelNorm,
+            pre_mlp_layernorm=SequenceParallelNorm,
+        ),
+    )
+
+    def block(num_layers: int) -> object:
+        return TransformerBlockSubmodules(
+            layer_specs=[layer] * num_layers, layer_norm=SequenceParallelNorm
+        )
+
+    return block

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from knitkit.integration.megatron.mrope import MROPE_FIELD, Grid, MRopeScheme
+from knitkit.integration.megatron.routing import ROUTING_FIELD, check_expert_ids, routing_dtype
 from knitkit.storage import Trajectory
 
 from .response import FinishReason, GenerateOutput, parse_weight_version
@@ -31,9 +32,10 @@ from .vision import ImageInput, VideoInput, VisionInputs, mrope_field, multimoda
 # - An aborted turn (a partial rollout) is continued by the next output before anything else; a
 #   trajectory may end with environment tokens (verl's interaction loop ends on the user's last
 #   message).
-# - min_version/max_version cover every turn; MoE routing comes from the outputs, later turns
-#   overwriting the prefix they re-report; images the environment returned join the request's,
-#   in order of their placeholder runs.
+# - min_version/max_version cover every turn; MoE routing comes from the outputs, concatenated
+#   turn by turn (each turn's rows start at its routed_experts_start; a later turn wins on the
+#   prefix it re-reports; see NOTE [ Routing of unrouted positions ] for what is refused); images
+#   the environment returned join the request's, in order of their placeholder runs.
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +91,9 @@ class PayloadConfig:
     """Placeholder token of one video patch (Qwen-VL's ``<|video_pad|>``); needed with videos."""
     routing_shape: tuple[int, int] | None = None
     """``(num_hidden_layers, num_experts_per_tok)`` of an MoE model returning routed experts."""
-    routing_dtype: str = "int16"
-    """Stored dtype of the routing field; -1 marks positions SGLang did not route."""
+    num_experts: int | None = None
+    """The MoE model's routed experts per layer (``num_experts``); needed with routed experts:
+    ``routing`` is stored in the smallest unsigned dtype holding the ids (uint8 up to 256)."""
     version_of: Callable[[str], int] = parse_weight_version
     """Maps ``meta_info["weight_version"]`` to an integer policy version."""
     spatial_merge_size: int = 2
@@ -117,7 +120,8 @@ def build_trajectory(
     ``segments`` are SGLang outputs (an aborted one followed by its continuation; how slime and
     verl resume a partial rollout after a weight update) and ``EnvironmentTokens`` between turns.
     Per-token fields: ``tokens`` int32, ``loss_mask`` uint8 (1 on generated tokens), ``logprobs``
-    float32 (0 elsewhere), for MoE models ``routing`` ``[seq, layers, topk]`` and, for Qwen-VL
+    float32 (0 elsewhere), for MoE models ``routing`` ``[seq, layers, topk]`` (``routing_dtype``)
+    and, for Qwen-VL
     requests with grids, ``mrope_position_ids`` ``[seq, 3]`` (computed once here, never on the
     trainer).
     """
@@ -141,9 +145,9 @@ def build_trajectory(
     logprobs = _logprobs(tid, len(tokens), generated)
     if logprobs is not None:
         fields["logprobs"] = logprobs
-    routing = _routing(tid, len(tokens), outputs, config.routing_dtype)
+    routing = _routing(tid, len(tokens), outputs, config.num_experts)
     if routing is not None:
-        fields["routing"] = routing
+        fields[ROUTING_FIELD] = routing
     vision = VisionInputs(
         images=request.images + tuple(i for e in environment for i in e.images),
         image_grid_thw=request.image_grid_thw
@@ -273,20 +277,53 @@ def _logprobs(
 
 
 def _routing(
-    tid: str, length: int, outputs: Sequence[GenerateOutput], dtype: str
+    tid: str, length: int, outputs: Sequence[GenerateOutput], num_experts: int | None
 ) -> np.ndarray | None:
-    """Routing rows aligned with tokens; each response covers the whole stream, so later wins."""
+    """Routing rows aligned with tokens, turn by turn (NOTE [ Routing of unrouted positions ])."""
     routed = [
         (s.routed_experts_start, s.routed_experts) for s in outputs if s.routed_experts is not None
     ]
     if not routed:
         return None
-    last = outputs[-1].routed_experts
-    if last is None:
-        raise ValueError(f"trajectory {tid!r}: the last output has no routed_experts")
-    out = np.full((length, *last.shape[1:]), -1, dtype=dtype)
-    for start, rows in routed:
-        if rows.size and int(rows.max()) > np.iinfo(out.dtype).max:
-            raise ValueError(f"trajectory {tid!r}: expert id {int(rows.max())} overflows {dtype}")
+    if len(routed) != len(outputs):
+        raise ValueError(
+            f"trajectory {tid!r}: {len(outputs) - len(routed)} of its {len(outputs)} outputs "
+            "have no routed_experts; send return_routed_experts=True on every turn"
+        )
+    if num_experts is None:
+        raise ValueError(
+            f"trajectory {tid!r}: SGLang returned routed_experts; set "
+            "PayloadConfig(num_experts=...) (the model's routed experts per layer) so they are "
+            "stored in the smallest dtype that holds them"
+        )
+    row_shape = routed[-1][1].shape[1:]
+    if len(row_shape) != 2:
+        raise ValueError(
+            f"trajectory {tid!r}: routed_experts decoded without a routing shape; set "
+            "PayloadConfig(routing_shape=(num_hidden_layers, num_experts_per_tok))"
+        )
+    out = np.empty((length, *row_shape), dtype=routing_dtype(num_experts))
+    covered = 0  # positions [0, covered) hold reported rows
+    for (start, rows), output in zip(routed, outputs, strict=True):
+        if rows.shape[1:] != row_shape:
+            raise ValueError(
+                f"trajectory {tid!r}: output {output.rid!r} routes {list(rows.shape[1:])} per "
+                f"token, the last output {list(row_shape)}; one model per trajectory"
+            )
+        if start > covered:
+            raise ValueError(
+                f"trajectory {tid!r}: positions [{covered}, {start}) have no routed experts "
+                f"(output {output.rid!r} starts at routed_experts_start={start}); send "
+                f"routed_experts_start_len <= {covered}: every position the trainer runs is "
+                "replayed (NOTE [ Routing of unrouted positions ])"
+            )
+        check_expert_ids(rows, num_experts, where=f"trajectory {tid!r}, output {output.rid!r}")
         out[start : start + len(rows)] = rows
+        covered = max(covered, start + len(rows))
+    if covered < length - 1:
+        raise ValueError(
+            f"trajectory {tid!r}: routed experts cover positions [0, {covered}) of "
+            f"{length}; SGLang reports every position but the last"
+        )
+    out[covered:] = np.arange(row_shape[1], dtype=out.dtype)
     return out

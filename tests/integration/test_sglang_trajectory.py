@@ -84,24 +84,33 @@ def test_fields_align_with_the_sequence() -> None:
         assert (meta.sample_id, meta.source, meta.rollout_step) == ("s0", "chartqa", 3)
 
 
-def test_routing_rows_align_and_pad_the_last_token() -> None:
-    """Row i of routing is the experts of token i; the never-forwarded last token is -1."""
+def test_routing_rows_align_in_the_smallest_dtype_and_fill_the_last_token() -> None:
+    """Row i of routing is the experts of token i, stored uint8 for 128 experts; the
+    never-forwarded last token holds experts 0..topk-1 (NOTE [ Routing of unrouted positions ]);
+    a prompt position SGLang did not report, or an id past num_experts, is refused."""
     record = load("moe_routed_experts.json")
     shape = (record["num_hidden_layers"], record["num_experts_per_tok"])
     out = parse_generate_output(record["response"], routing_shape=shape)
     request = RolloutRequest("t", "s", "math", 0, tuple(record["request"]["input_ids"]))
-    trajectory = build_trajectory(request, [out], PayloadConfig(routing_shape=shape))
+    config = PayloadConfig(routing_shape=shape, num_experts=128)
+    trajectory = build_trajectory(request, [out], config)
     routing = trajectory.token_fields["routing"]
-    assert routing.dtype == np.int16 and routing.shape == (out.num_tokens, *shape)
+    assert routing.dtype == np.uint8 and routing.shape == (out.num_tokens, *shape)
     assert out.routed_experts is not None
     np.testing.assert_array_equal(routing[:-1], out.routed_experts)
-    assert (routing[-1] == -1).all()
+    assert (routing[-1] == np.arange(shape[1])).all()
     assert (trajectory.min_version, trajectory.max_version) == (12, 12)
+    wide = build_trajectory(request, [out], dataclasses.replace(config, num_experts=300))
+    assert wide.token_fields["routing"].dtype == np.uint16
+    with pytest.raises(ValueError, match="set PayloadConfig\\(num_experts"):
+        build_trajectory(request, [out], PayloadConfig(routing_shape=shape))
+    with pytest.raises(ValueError, match=r"trajectory 't'.*expert id 1\d\d is outside \[0, 100\)"):
+        build_trajectory(request, [out], dataclasses.replace(config, num_experts=100))
     started = dataclasses.replace(
         out, routed_experts=out.routed_experts[5:], routed_experts_start=5
     )
-    partial = build_trajectory(request, [started], PayloadConfig()).token_fields["routing"]
-    assert (partial[:5] == -1).all() and (partial[5:-1] == out.routed_experts[5:]).all()
+    with pytest.raises(ValueError, match=r"positions \[0, 5\) have no routed experts"):
+        build_trajectory(request, [started], config)
 
 
 def test_partial_rollout_continues_across_a_weight_update() -> None:

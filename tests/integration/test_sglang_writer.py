@@ -104,16 +104,17 @@ def test_streamed_output_spans_the_versions_it_saw(store: TrajectoryStore) -> No
 
 
 def test_moe_routing_is_stored_for_sliced_reads(store: TrajectoryStore) -> None:
-    """The routing field is [seq, layers, topk] int16; a CP-style range read returns exactly those rows."""
+    """The routing field is [seq, layers, topk] uint8; a CP-style range read returns exactly those rows."""
     record = load("moe_routed_experts.json")
     shape = (record["num_hidden_layers"], record["num_experts_per_tok"])
     request = _prompt_request("t3", record["request"]["input_ids"])
-    meta = RolloutWriter(store, PayloadConfig(routing_shape=shape)).add(request, record["response"])
+    config = PayloadConfig(routing_shape=shape, num_experts=128)
+    meta = RolloutWriter(store, config).add(request, record["response"])
     assert meta is not None
     routing = store.read(UnitKey("t3", "routing"))
-    assert routing.shape == (meta.num_tokens, *shape) and routing.dtype == np.int16
+    assert routing.shape == (meta.num_tokens, *shape) and routing.dtype == np.uint8
     rows = store.read(UnitKey("t3", "routing"), [(3, 7), (meta.num_tokens - 2, meta.num_tokens)])
     np.testing.assert_array_equal(rows[:4], routing[3:7])
-    assert (rows[-1] == -1).all()
+    assert (rows[-1] == np.arange(shape[1])).all()
     with pytest.raises(KeyError, match="already stored"):
-        RolloutWriter(store, PayloadConfig(routing_shape=shape)).add(request, record["response"])
+        RolloutWriter(store, config).add(request, record["response"])

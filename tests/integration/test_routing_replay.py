@@ -1,0 +1,292 @@
+"""MoE routing replay on megatron-core (issue 33.3): stored routing -> packed micro-batches ->
+``RoutingReplay`` -> megatron-core's ``RouterReplay``, against an unwrapped step that calls
+``RouterReplay.set_replay_data`` itself.
+
+Each layout runs a megatron-core MoE ``GPTModel`` (local spec, 8 experts, top-2, alltoall
+dispatcher) in a gloo world: the wrapped path reads the routing from a ``TrajectoryStore``
+through the planner and THD packing (padding included) and replays it with
+``RoutingReplay.replaying``; the reference builds the same micro-batches from the trajectories'
+arrays and hands each router its rows itself. The stored routings are random (never what the
+router would pick), so every check below fails without replay: every router's top-k equals the
+stored experts for every token and layer, and losses and gradients equal the reference's.
+CP2 is not run: megatron-core's local attention has no context parallelism and no THD without
+Transformer Engine (the CP split of the routing field is checked in
+``test_routing_replay_store.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from dist import World
+
+from knitkit.integration.megatron import block_causal_mask, megatron_batch, megatron_batches
+from knitkit.integration.megatron import cpu as megatron_cpu
+from knitkit.integration.megatron.routing_replay import RoutingReplay
+from knitkit.microbatch_iter import MicroBatchIterator, PackedMicroBatch
+from knitkit.next_token import next_token_fields
+from knitkit.storage import (
+    MemoryBackend,
+    PlannerConfig,
+    Topology,
+    Trajectory,
+    TrajectoryStore,
+    pack,
+    plan_minibatch,
+)
+
+LAYERS, EXPERTS, TOPK, VOCAB = 4, 8, 2, 64
+LENGTHS = (9, 14, 6, 11, 7, 12)
+FIELDS = ("tokens", "labels", "loss_mask", "routing")
+
+
+def trajectories(seed: int = 0) -> list[Trajectory]:
+    """Trajectories with random tokens and random (distinct per token) stored experts."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(LENGTHS):
+        routing = np.argsort(rng.random((n, LAYERS, EXPERTS)), axis=-1)[..., :TOPK]
+        fields = {
+            "tokens": rng.integers(1, VOCAB, n).astype(np.int32),
+            "loss_mask": (np.arange(n) >= 3).astype(np.uint8),
+            "routing": routing.astype(np.uint8),
+        }
+        out.append(Trajectory(f"t{i}", f"s{i // 2}", next_token_fields(fields)))
+    return out
+
+
+def _config(tp: int, pp: int) -> Any:
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=16,
+        num_attention_heads=4,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        moe_ffn_hidden_size=8,
+        moe_token_dispatcher_type="allgather",  # alltoall needs CUDA streams
+        moe_router_load_balancing_type="none",
+        moe_enable_routing_replay=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=tp > 1,  # megatron refuses MoE training at TP > 1 without it
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        bias_dropout_fusion=False,
+        pipeline_dtype=torch.float32,
+        variable_seq_lengths=False,  # allgather refuses it: micro-batches are padded to one length
+        batch_p2p_comm=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+
+
+def _model(config: Any) -> torch.nn.Module:
+    """A megatron-core MoE GPTModel (local spec, sequence-parallel norms), seeded."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    torch.manual_seed(0)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=megatron_cpu.moe_block_spec(EXPERTS)(
+            LAYERS // config.pipeline_model_parallel_size
+        ),
+        vocab_size=VOCAB,
+        max_sequence_length=64,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+    )
+
+
+def _forward_step(
+    data_iterator: Iterator[Mapping[str, Any]], model: torch.nn.Module
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]]:
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
+    mask = batch["loss_mask"]
+
+    def loss(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        value = (output.float() * mask).sum() / mask.sum().clamp(min=1)
+        return value, {"loss": value.detach().clone()}
+
+    return output, loss
+
+
+def _observe(model: torch.nn.Module, seen: list[tuple[int, torch.Tensor]]) -> None:
+    """Note every router's routing map (layer, [T_local, experts]) as the forward makes it."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            layer = int(module.layer_number) - 1
+            module.register_forward_hook(
+                lambda m, args, out, layer=layer: seen.append((layer, out[1].detach().clone()))
+            )
+
+
+def _run(model: torch.nn.Module, step: Any, batches: list[Mapping[str, Any]]) -> list[float]:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    losses = get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=len(batches),
+        seq_length=int(batches[0]["tokens"].shape[1]),
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    return [float(out["loss"]) for out in losses]
+
+
+def _layout(rank: int, dp: int, tp: int, pp: int) -> dict[str, Any]:
+    """One layout on every rank: the wrapped replay, then the reference; what each saw."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    megatron_cpu.initialize_model_parallel(tensor_parallel=tp, pipeline_parallel=pp)
+    megatron_cpu.install_pipeline_shim()
+    megatron_cpu.install_moe_shim()
+    try:
+        data = trajectories()
+        store = TrajectoryStore(MemoryBackend())
+        for trajectory in data:
+            store.write(trajectory)
+        topology = Topology(dp=dp, cp=1, tp=tp, sequence_parallel=tp > 1)
+        ids = [t.trajectory_id for t in data]
+        plan = store.register(
+            plan_minibatch(
+                store.metas(ids),
+                topology,
+                PlannerConfig(token_fields=FIELDS, scalar_fields=(), min_micro_batches=2),
+            )
+        )
+        consumer = plan.consumer(ps.get_data_parallel_rank(), 0)
+        schema = store.schema(ids[0])
+        packed = [
+            PackedMicroBatch(*pack(mb, schema, store.read_into)) for mb in consumer.micro_batches
+        ]
+
+        length = max(mb.num_tokens for c in plan.consumers for mb in c.micro_batches)
+
+        def to_batch(micro_batch: Any) -> dict[str, Any]:
+            """megatron_batch plus the routing, padded to one length (PP without variable lengths)."""
+            batch = megatron_batch(micro_batch)
+            batch["routing"] = micro_batch["routing"][None]
+            padded = micro_batch["cu_seqlens_padded"]
+            pad = length - int(padded[-1])
+            for key in ("tokens", "labels", "loss_mask", "position_ids", "routing"):
+                value = batch[key]
+                tail = torch.zeros((1, pad, *value.shape[2:]), dtype=value.dtype)
+                batch[key] = torch.cat([value, tail], dim=1)
+            batch["position_ids"][0, length - pad :] = torch.arange(pad)
+            lengths = torch.cat([padded[1:] - padded[:-1], torch.tensor([pad])])
+            batch["attention_mask"] = block_causal_mask(lengths[lengths > 0])
+            return batch
+
+        with MicroBatchIterator(packed) as iterator:
+            batches = list(megatron_batches(iterator, to_batch))
+        sp_rank, sp = (ps.get_tensor_model_parallel_rank(), tp) if tp > 1 else (0, 1)
+
+        def stored(batch: Mapping[str, Any], layer: int) -> torch.Tensor:
+            rows = batch["routing"][0]
+            local = rows.shape[0] // sp
+            return rows[sp_rank * local : (sp_rank + 1) * local, layer].long()
+
+        # the reference first: RouterReplay.set_replay_data addresses every router the process built
+        RouterReplay.clear_global_router_replay_instances()
+        reference = _model(_config(tp, pp))
+        ref_seen: list[tuple[int, torch.Tensor]] = []
+        _observe(reference, ref_seen)
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        layers = sorted(
+            int(m.layer_number) - 1 for m in reference.modules() if isinstance(m, TopKRouter)
+        )
+        queue = iter(batches)
+
+        def reference_step(data_iterator: Any, model: torch.nn.Module) -> Any:
+            batch = next(queue)
+            RouterReplay.set_replay_data([stored(batch, layer) for layer in layers])
+            RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            return _forward_step(iter([batch]), model)
+
+        ref_losses = _run(reference, reference_step, batches)
+        RouterReplay.clear_global_router_replay_action()
+        RouterReplay.clear_global_indices()
+        ref_grads = {
+            n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None
+        }
+
+        model = _model(_config(tp, pp))
+        seen: list[tuple[int, torch.Tensor]] = []
+        _observe(model, seen)
+        replay = RoutingReplay(model)
+        try:
+            losses = _run(model, replay.replaying(_forward_step), batches)
+        finally:
+            replay.clear()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        assert replay.layers == tuple(layers)
+        wanted = [(layer, stored(b, layer)) for b in batches for layer in layers]
+        return {
+            "wanted": wanted,
+            "seen": seen,
+            "ref_seen": ref_seen,
+            "losses": losses,
+            "ref_losses": ref_losses,
+            "grads": grads,
+            "ref_grads": ref_grads,
+            "leftover": [len(r.replay_backward_list) for _, r in replay._routers],
+        }
+    finally:
+        RouterReplay.clear_global_router_replay_instances()
+        megatron_cpu.destroy_model_parallel()
+
+
+def _check(results: list[dict[str, Any]]) -> None:
+    for rank, got in enumerate(results):
+        assert len(got["seen"]) == len(got["wanted"]) > 0, rank
+        for (layer, routing_map), (want_layer, rows) in zip(
+            got["seen"], got["wanted"], strict=True
+        ):
+            assert layer == want_layer
+            stored = torch.zeros_like(routing_map).scatter(1, rows, True)
+            assert torch.equal(routing_map, stored), (
+                f"rank {rank} layer {layer}: replayed experts differ from the stored ones"
+            )
+        for (layer, a), (_, b) in zip(got["seen"], got["ref_seen"], strict=True):
+            assert torch.equal(a, b), f"rank {rank} layer {layer}: reference routed differently"
+        np.testing.assert_allclose(got["losses"], got["ref_losses"], rtol=1e-6, atol=1e-7)
+        assert got["grads"].keys() == got["ref_grads"].keys()
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(grad, got["ref_grads"][name], rtol=1e-5, atol=1e-6)
+        assert got["leftover"] == [0] * len(got["leftover"]), "replay rows left after the step"
+
+
+@pytest.fixture(scope="module")
+def world2() -> Iterator[World]:
+    with World(2) as world:
+        yield world
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_replayed_topk_equals_the_stored_routing(world2: World, tp: int, pp: int) -> None:
+    """TP2 (sequence parallel: each TP rank replays its half of the packed tokens) and PP2
+    (each stage its own layers): replayed experts == stored for every token and layer, losses
+    and gradients == the unwrapped step's that calls RouterReplay.set_replay_data itself."""
+    _check(world2.run(_layout, 1, tp, pp, timeout_s=300))
+
+
+def test_replay_at_dp2_tp2() -> None:
+    """DP2 x TP2: each DP rank replays its own micro-batches' routing, each TP rank its half."""
+    with World(4) as world:
+        _check(world.run(_layout, 2, 2, 1, timeout_s=300))
