@@ -208,6 +208,28 @@ def test_a_reader_made_before_the_load_reads_a_trajectory_written_again(tmp_path
     resumed.close()
 
 
+def test_a_fresh_store_over_a_killed_runs_directory_clears_it(tmp_path: Path) -> None:
+    """Issue 30.12: a run killed after its first flush, before any checkpoint, leaves units in
+    the directory; a fresh store over it (no state loaded) writes the same ids again instead of
+    ``KeyError: unit t0/tokens already exists``, reads the new bytes, and holds none of the old
+    units (NOTE [ A fresh store clears its backend ]: counted in ``units_cleared``)."""
+    directory = str(tmp_path / "shards")
+    killed = TrajectoryStore(SafetensorsBackend(directory))
+    for i in range(3):
+        killed.write(make_trajectory(i))
+    killed.backend.flush()
+    left = set(killed.backend.keys())
+    killed.close()  # what a SIGKILL after the flush leaves: the shards
+
+    store = TrajectoryStore(SafetensorsBackend(directory))
+    tokens = np.arange(900, 905, dtype=np.int32)
+    store.write(Trajectory("t0", "s0", {"tokens": tokens, "logprobs": tokens / 2}))
+    np.testing.assert_array_equal(store.read(UnitKey("t0", "tokens")), tokens)
+    assert set(store.backend.keys()) == {UnitKey("t0", "tokens"), UnitKey("t0", "logprobs")}
+    assert store.metrics()["knitkit/storage/units_cleared"] == len(left)
+    store.close()
+
+
 @pytest.mark.parametrize("kind", ["shm", "memory"])
 def test_a_state_over_memory_that_did_not_survive_names_the_missing_units(kind: str) -> None:
     """Shared memory (and memory) is not durable: loading a state into a store over a fresh such

@@ -39,6 +39,8 @@ class TrajectoryStore:
     index; the units stay in the backend, so only a durable backend (``SafetensorsBackend``)
     resumes after a crash. Shared memory and memory are not durable: their trajectories must be
     re-written from a durable copy or re-issued (``load_state_dict`` names the missing units).
+    A store that loads no state starts fresh: its first write clears what a previous run left
+    in its durable backend (NOTE [ A fresh store clears its backend ]).
     """
 
     def __init__(self, backend: UnitBackend) -> None:
@@ -53,6 +55,11 @@ class TrajectoryStore:
         self._unit_bytes: dict[UnitKey, int] = {}
         """Payload bytes of every unit the store holds (own fields and multimodal inputs)."""
         self._retained = DeferredDeletes()
+        self._started = False
+        """Whether this store took its backend's units as its own: by ``load_state_dict``, or
+        by its first ``write`` (see ``_start_fresh``)."""
+        self._cleared = 0
+        """Units a fresh start deleted (a previous run's that no state names)."""
 
     def write(self, trajectory: Trajectory) -> TrajectoryMeta:
         """Store a trajectory as atomic units; a multimodal input already stored is referenced, not copied.
@@ -64,6 +71,8 @@ class TrajectoryStore:
         tid = trajectory.trajectory_id
         if tid in self.index:
             raise KeyError(f"trajectory {tid!r} is already stored; use update() to rewrite a field")
+        if not self._started:
+            self._start_fresh()
         units = trajectory.units()
         inputs = tuple(m.key for m in trajectory.multimodal)
         fresh_inputs = {
@@ -252,6 +261,8 @@ class TrajectoryStore:
         - ``minibatches_registered``: registered mini-batches not yet finished or aborted;
         - ``deletes_deferred``: durable units kept for a saved state (NOTE [ Units outlive
           their last state ] in ``retention.py``);
+        - ``units_cleared``: units of a previous run a fresh start deleted from a durable
+          backend (NOTE [ A fresh store clears its backend ]);
         - the backend's own figures (``SharedMemoryBackend``: ``shm_bytes``,
           ``shm_used_bytes``, ``journal_bytes``).
         """
@@ -262,6 +273,7 @@ class TrajectoryStore:
             "knitkit/storage/trajectories_live": float(len(self.index)),
             "knitkit/storage/minibatches_registered": float(len(self._ledger.minibatches())),
             "knitkit/storage/deletes_deferred": float(self._retained.pending),
+            "knitkit/storage/units_cleared": float(self._cleared),
         }
         out.update(self.backend.metrics())
         return out
@@ -382,7 +394,7 @@ class TrajectoryStore:
         unit is missing). Units the backend holds that the state does not name (written after
         the state was taken, or freed before the crash) are deleted and named in the result.
         """
-        if len(self.index) or self._ledger.minibatches():
+        if len(self.index) or self._ledger.minibatches() or self._started:
             raise ValueError("load_state_dict needs an empty store; build a new TrajectoryStore")
         loaded = store_state.decode(state)
         known = {r.meta.trajectory_id for r in loaded.records}
@@ -444,10 +456,34 @@ class TrajectoryStore:
             self.backend.delete(key)
         if self.backend.durable:
             self._retained.taken(kept)  # the checkpoint just loaded may be needed again
+        self._started = True
         return LoadedState(missing, tuple(sorted(dropped)), tuple(dropped_mbs), tuple(deleted))
 
     def close(self) -> None:
         self.backend.close()
+
+    def _start_fresh(self) -> None:
+        """The first write of a store that loaded no state: delete every unit its durable
+        backend holds (see NOTE [ A fresh store clears its backend ])."""
+        # NOTE [ A fresh store clears its backend ]:
+        # A durable backend over a directory a killed run left (flushed shards, no checkpoint
+        # yet, or one the user chose not to load) holds units under the ids the new run writes
+        # again: ``put`` refused them (``KeyError: unit t0/tokens already exists``). A fresh
+        # start CLEARS them, it does not adopt them: no saved state vouches for those bytes (a
+        # rollout regenerating an id may produce other contents, and adopting would serve the
+        # old ones, NOTE [ Disk readers follow the owner ]), and units never written again would
+        # stay on disk with nobody to free them. It is ``load_state_dict``'s rule (delete what
+        # the state does not name) applied to the empty state. It runs at the first write, not
+        # at construction, because only then is it known that no ``load_state_dict`` follows;
+        # ``metrics()["knitkit/storage/units_cleared"]`` counts what went. Only on a durable
+        # backend: the others start empty in every new process.
+        self._started = True
+        if not self.backend.durable:
+            return
+        stale = list(self.backend.keys())
+        for key in stale:
+            self.backend.delete(key)
+        self._cleared = len(stale)
 
     def _check_plan_units(self, plan: MiniBatchPlan) -> None:
         """``register``'s checks of every unit the plan reads (see NOTE [ Plans read stored
