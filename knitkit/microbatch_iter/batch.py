@@ -9,7 +9,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from knitkit.types import MicroBatchLayout
+from knitkit.types import LAYOUT_ALIGNMENT, FieldView, MicroBatchLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,14 +86,63 @@ def field_tensors(
     layout: MicroBatchLayout,
     overrides: Mapping[str, torch.dtype] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Zero-copy tensor views of every field of ``layout`` over the flat uint8 tensor ``flat``."""
-    overrides = overrides or {}
+    """Zero-copy tensor views of every field of ``layout`` over the flat uint8 tensor ``flat``,
+    on any device.
+
+    One construction path, one torch call per field: ``flat`` is viewed once per dtype, and each
+    field is an ``as_strided`` view of that at the field's precomputed element offset (a slice,
+    a dtype view and a reshape per field cost 5x more: ~76 against ~15 us for 9 fields, issue 31).
+    ``overrides`` gives a field another dtype of the same width (bfloat16 over "uint16").
+    """
+    if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < layout.nbytes:
+        raise ValueError(
+            f"field views need a flat uint8 tensor of at least {layout.nbytes} bytes; got "
+            f"{flat.dtype} of shape {tuple(flat.shape)}"
+        )
+    if flat.numel() % LAYOUT_ALIGNMENT:  # a view as a wider dtype needs whole items
+        flat = flat[: flat.numel() - flat.numel() % LAYOUT_ALIGNMENT]
+    first = flat.storage_offset()
+    typed: dict[str, tuple[torch.Tensor, int, int]] = {}
     views = {}
     for view in layout.fields:
-        raw = flat[view.offset : view.offset + view.nbytes].view(torch_dtype(view.dtype))
-        dtype = overrides.get(view.name)
-        views[view.name] = (raw.view(dtype) if dtype is not None else raw).view(view.shape)
+        key = view.dtype if not overrides or view.name not in overrides else view.name
+        base = typed.get(key)
+        if base is None:
+            dtype = overrides[view.name] if key == view.name else torch_dtype(view.dtype)
+            base = typed[key] = _typed(flat, dtype, first, view)
+        tensor, start, itemsize = base
+        shape = view.shape
+        strides = (1,) if len(shape) == 1 else _contiguous(shape)
+        views[view.name] = tensor.as_strided(shape, strides, start + view.offset // itemsize)
     return views
+
+
+def _typed(
+    flat: torch.Tensor, dtype: torch.dtype, first: int, field: FieldView
+) -> tuple[torch.Tensor, int, int]:
+    """``flat`` viewed as ``dtype``, the storage offset (in items) of its first byte ``first``,
+    and the item size; ``ValueError`` naming ``field`` if ``dtype`` is not as wide as its layout
+    dtype."""
+    itemsize = dtype.itemsize
+    if itemsize != _itemsize(field.dtype):
+        raise ValueError(
+            f"field {field.name!r}: {dtype} is not as wide as its layout dtype {field.dtype}; "
+            "override a field only with a dtype of the same width (bfloat16 over uint16)"
+        )
+    return flat.view(dtype), first // itemsize, itemsize
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides (in items) of ``shape``."""
+    strides = [1] * len(shape)
+    for axis in range(len(shape) - 1, 0, -1):
+        strides[axis - 1] = strides[axis] * shape[axis]
+    return tuple(strides)
+
+
+@lru_cache(maxsize=64)
+def _itemsize(numpy_name: str) -> int:
+    return np.dtype(numpy_name).itemsize
 
 
 @lru_cache(maxsize=64)

@@ -64,17 +64,30 @@ from knitkit.types import MicroBatchLayout
 # copy-on-write mapping of its ring's slots) is handed to the training loop as tensors over that
 # view, with no staging copy. Lifetime rule: the yielded tensors are valid until the consumer's
 # next next() or close(), exactly as for a staging slot.
-# - Why copy-on-write: torch has no read-only tensors, and the TP peers of a rank read the same
-#   slot, so a writable tensor over the shared pages let one rank's in-place write (masking
-#   loss_mask, clamp_ on tokens) silently change its peers' micro-batch. The private mapping
-#   (MAP_PRIVATE of the ring's data region) shows the shared pages until a rank writes one: the
-#   write copies that page for this process only. On release the consumer drops the range's
-#   private pages (MADV_DONTNEED) BEFORE it stores its release, so the slot's next occupant is
-#   read from the shared pages again. The pages are faulted in by the prefetch thread when it
-#   takes the view (MADV_POPULATE_READ), so the training loop pays no page faults. Costs measured
-#   on the dev box: populate ~20 us/MiB, drop ~10 us/MiB (both off the loop's critical path in
-#   steady state), vs ~70 us/MiB for a copy into a reused private buffer and its cache traffic.
-#   A read-only mapping was the alternative: free, but a write kills the rank with SIGSEGV.
+# - One copy per delivered byte (issue 31): the reorganizer packs into the ring slot, and the
+#   rank's tensors ARE that slot: no copy on the rank. Each consumer maps its ring's data region
+#   ONCE (one MAP_PRIVATE mapping per ring and process, for the whole job) and keeps every slot's
+#   pages mapped across occupants: the prefetch thread faults a slot's pages in once
+#   (MADV_POPULATE_READ, the first time the slot is used), so neither the loop nor later
+#   hand-outs take page faults or change page tables.
+# - Why copy-on-write and not a read-only mapping: torch has no read-only tensors, and the TP
+#   peers of a rank read the same slot. Over a PROT_READ mapping a rank's in-place write (masking
+#   loss_mask, clamp_ on tokens: common in RL losses) kills the rank with SIGSEGV and no Python
+#   traceback; over a shared writable mapping it silently changes the peers' micro-batch. With
+#   MAP_PRIVATE, a page the rank never writes IS the shared page (reads see each new occupant),
+#   and a write copies that page for this process only: the write works, the peers never see it.
+#   No API change, no ``writable=True`` copy to ask for; ``clone()`` is still the way to keep a
+#   tensor past the lease.
+# - The release undoes writes only where there were some: it reads this process's page map for
+#   the lease's range (/proc/self/pagemap, one pread of 8 bytes per page: a written page is
+#   anonymous, an unwritten one is still the file's; ``written_pages.py``) and drops the private
+#   copies of the written span (MADV_DONTNEED) BEFORE it stores its release, so the slot's next
+#   occupant is read from the shared pages again. Where the page map cannot be read, the whole
+#   range is dropped (the earlier behaviour). Costs (tmp benchmark of this change, 2-core dev
+#   box under load ~5): page-map check ~9 us/MiB; the earlier populate-per-hand-out plus drop per
+#   release ~70 us/MiB (issue 31 measured the whole copy-on-write hand-off at 143 us/MiB against
+#   43 us/MiB for a plain copy); per 2.3 MiB micro-batch the rank's hand-out (wait, decode, views)
+#   fell from ~320 to ~130 us median (decode ~40, views ~20, page-map check ~40-60).
 # - The Staged record carries the lease's release. The consumer's next next() (or close())
 #   retires the held record into ``retired`` (release_held); only retired records are released,
 #   so no slot goes back to the producer while the consumer may still read it.

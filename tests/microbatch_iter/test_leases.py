@@ -237,3 +237,64 @@ def test_metrics_are_flat_namespaced_floats(make_ring):
     assert both["knitkit/delivery/handed_out"] == 3.0
     assert both["knitkit/delivery/handed_out_bytes"] == float(nbytes)
     consumer.close()
+
+
+def test_two_tp_ranks_read_every_micro_batch_once_bit_identical_while_the_ring_wraps(make_ring):
+    """The one-copy path (issue 31.1): two TP ranks iterate the same 2-slot ring concurrently
+    while the producer wraps around it 8 times; each rank gets every micro-batch exactly once, in
+    order, bit-identical to what was published, over the ring itself (no staging copy), even
+    though each rank writes into every tensor it holds."""
+    ring = make_ring(num_slots=2, num_consumers=2)
+    count = 16
+    producer = ring.produce(count)
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    errors: list[BaseException] = []
+
+    def rank(index: int) -> None:
+        try:
+            consumer = MicroBatchConsumer(ring.spec, index, liveness_timeout_s=BOUND_S)
+            config = MicroBatchIterator.Config(depth=1, next_timeout_s=BOUND_S)
+            with consumer, MicroBatchIterator(consumer, config, device="cpu") as it:
+                for mb in it:
+                    value = mb.layout.extra["value"]
+                    assert mb["x"].numpy().tobytes() == expected(value).tobytes(), (index, value)
+                    mb["x"][index::2] = -1  # each rank its own in-place write
+                    seen[index].append(value)
+                assert it.pool.allocations == 0
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=rank, args=(index,)) for index in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(BOUND_S)
+    producer.join(BOUND_S)
+    assert not errors, errors
+    assert seen == {0: list(range(count)), 1: list(range(count))}
+
+
+def test_a_lease_released_late_never_sees_its_slot_overwritten(make_ring):
+    """TP rank 1 holds micro-batch 0 while rank 0 has taken and released micro-batches 0 and 1
+    of a 2-slot ring: the producer cannot publish micro-batch 2 into slot 0 (rank 0 waits in
+    vain), rank 1's lease still reads micro-batch 0 exactly, and once it is released late the
+    producer goes on."""
+    ring = make_ring(num_slots=2, num_consumers=2)
+    producer = ring.produce(3)
+    late = MicroBatchConsumer(ring.spec, 1, liveness_timeout_s=BOUND_S)
+    held = late.next_micro_batch(timeout_s=BOUND_S)
+    with MicroBatchConsumer(ring.spec, 0, liveness_timeout_s=BOUND_S) as ahead:
+        for value in (0, 1):
+            with ahead.next_micro_batch(timeout_s=BOUND_S) as lease:
+                assert np.array_equal(lease.fields["x"], expected(value))
+        with pytest.raises(TimeoutError, match="no micro-batch 2"):
+            ahead.next_micro_batch(timeout_s=0.5)  # slot 0 is still leased by rank 1
+        assert ring.owner.published == 2
+        assert np.array_equal(held.fields["x"], expected(0))
+        assert held.private is not None
+        assert np.array_equal(np.frombuffer(held.private(), np.int64)[:ROWS], expected(0))
+        held.release()
+        with ahead.next_micro_batch(timeout_s=BOUND_S) as lease:
+            assert np.array_equal(lease.fields["x"], expected(2))
+    producer.join(BOUND_S)
+    late.close()

@@ -55,7 +55,7 @@ from knitkit.types import MicroBatchLayout
 # view of the same bytes for the CPU iterator (NOTE [ Zero-copy hand-off ] in
 # knitkit/microbatch_iter/worker.py). Each lease is released exactly once, by its holder (or,
 # as a backstop, once nothing views its bytes); on release the consumer drops its private copies
-# of the slot's pages, then stores RELEASED[c] = s + 1 for the highest s such that it has
+# of the slot's pages it wrote (none when it only read), then stores RELEASED[c] = s + 1 for the highest s such that it has
 # released s and every micro-batch before it (releases may come in any order, from any thread)
 # and wakes the producer. The consumer starts no thread: whoever calls it (the training loop, or
 # the MicroBatchIterator's prefetch thread during compute) waits, decodes and maps.

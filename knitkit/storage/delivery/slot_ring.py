@@ -17,6 +17,7 @@ from knitkit.storage.backends.segments import check_segment_name
 from knitkit.storage.backends.slab import reserve
 from knitkit.storage.delivery.atomic_words import AtomicWords
 from knitkit.storage.delivery.layout_codec import LayoutDecodeError, decode_layout, encode_layout
+from knitkit.storage.delivery.written_pages import WrittenPages
 from knitkit.types import MicroBatchLayout
 
 # Segment layout and word ownership: see NOTE [ Micro-batch publication protocol ] in publication.py.
@@ -113,6 +114,9 @@ class SlotRing:
         self._fd: int | None = None
         """Attached rings keep the segment's file open to check its size (``check_size``)."""
         self._private: mmap.mmap | None = None
+        self._written: WrittenPages | None = None
+        self._mapped: dict[int, int] = {}
+        """Slot index -> leading bytes whose pages the private mapping has mapped (populated)."""
         self._populate = True
         self.words = np.frombuffer(buf, np.int64, spec._num_words)
         self._atomic = AtomicWords(self.words)
@@ -283,9 +287,10 @@ class SlotRing:
         return self._buf[start : start + nbytes]
 
     def private_slot(self, seq: int, nbytes: int) -> memoryview:
-        """The first ``nbytes`` of ``seq``'s slot through a private copy-on-write mapping of the
-        data region, its pages faulted in: writes stay in this process (NOTE [ Zero-copy
-        hand-off ] in knitkit/microbatch_iter/worker.py); ``drop_private`` before the release."""
+        """The first ``nbytes`` of ``seq``'s slot through this process's one copy-on-write mapping
+        of the data region, mapped once per ring and its pages faulted in once per slot: reads
+        see the shared pages, writes stay in this process (NOTE [ Zero-copy hand-off ] in
+        knitkit/microbatch_iter/worker.py); ``drop_private`` before the release."""
         if self._private is None:
             if self._fd is None:
                 raise RuntimeError(
@@ -299,20 +304,33 @@ class SlotRing:
                 prot=mmap.PROT_READ | mmap.PROT_WRITE,
                 offset=self._data_at,
             )
-        start = (seq % self._num_slots) * self.spec.slot_bytes
-        if self._populate and nbytes:
-            try:  # fault the pages in here (the prefetch thread), not in the training step
-                self._private.madvise(_MADV_POPULATE_READ, *_pages(start, nbytes))
-            except OSError:
-                self._populate = False  # kernel < 5.14: the first reads fault them in
+            self._written = WrittenPages(self._private)
+        slot = seq % self._num_slots
+        start = slot * self.spec.slot_bytes
+        mapped = self._mapped.get(slot, 0)
+        if nbytes > mapped:  # pages stay mapped across occupants: only new ones are faulted in
+            if self._populate:
+                try:  # here (the prefetch thread), not in the training step
+                    self._private.madvise(
+                        _MADV_POPULATE_READ, *_pages(start + mapped, nbytes - mapped)
+                    )
+                except OSError:
+                    self._populate = False  # kernel < 5.14: the first reads fault them in
+            self._mapped[slot] = nbytes
         return memoryview(self._private)[start : start + nbytes]
 
     def drop_private(self, seq: int, nbytes: int) -> None:
-        """Drop this process's private copies of ``seq``'s slot pages (MADV_DONTNEED), so the
-        slot's next occupant is read from the shared pages again."""
-        if self._private is not None and nbytes:
-            start = (seq % self._num_slots) * self.spec.slot_bytes
-            self._private.madvise(mmap.MADV_DONTNEED, *_pages(start, nbytes))
+        """Drop this process's private copies of the pages of ``seq``'s first ``nbytes`` it wrote
+        (MADV_DONTNEED over their span; none in the usual read-only case, found from the page map
+        with no page-table change), so the slot's next occupant is read from the shared pages."""
+        if self._private is None or self._written is None or not nbytes:
+            return
+        slot = seq % self._num_slots
+        start = slot * self.spec.slot_bytes
+        span = self._written.span(start, nbytes)
+        if span is not None:
+            self._private.madvise(mmap.MADV_DONTNEED, *span)
+            self._mapped[slot] = min(self._mapped.get(slot, 0), span[0] - start)
 
     def write_meta(self, seq: int, layout: MicroBatchLayout) -> None:
         blob = encode_layout(layout)
@@ -377,6 +395,8 @@ class SlotRing:
                 self._mmap.close()
         except BufferError:
             pass  # a caller still holds zero-copy views; the mapping goes with them
+        if self._written is not None:
+            self._written.close()
         if self._private is not None:
             with contextlib.suppress(BufferError):
                 self._private.close()
