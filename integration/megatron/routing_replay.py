@@ -55,12 +55,15 @@ class RoutingReplay:
     """Routed experts per layer; defaults to the model config's ``num_moe_experts``."""
     key: str = ROUTING_FIELD
     """The batch key holding the micro-batch's routing ``[1, T, layers, topk]`` or ``[T, ...]``."""
+    record_forward_only: bool = False
+    """``wrap`` records instead of replaying in forward-only passes (a rollout stand-in)."""
     recorded: list[torch.Tensor] = field(default_factory=list, init=False)
     """``recording``: each micro-batch's routing ``[T_local, stage layers, topk]``, in order."""
     _routers: list[tuple[int, RouterReplay]] = field(default_factory=list, init=False)
     _num_layers: int = field(default=0, init=False)
     _recompute: bool = field(default=False, init=False)
     _sp: tuple[int, int] = field(default=(0, 1), init=False)
+    _bytes: dict[str, int] = field(default_factory=lambda: {"delivered": 0, "read": 0}, init=False)
 
     def __post_init__(self) -> None:
         from megatron.core import parallel_state as ps
@@ -103,6 +106,30 @@ class RoutingReplay:
         self.recorded.clear()
         return functools.partial(self._step, forward_step, record=True)
 
+    def wrap(self, forward_step: ForwardStep, *, forward_only: bool) -> ForwardStep:
+        """``recording`` for a forward-only pass with ``record_forward_only``, else ``replaying``."""
+        if forward_only and self.record_forward_only:
+            return self.recording(forward_step)
+        return self.replaying(forward_step)
+
+    def metrics(self) -> dict[str, float]:
+        """Routing bytes of the micro-batches replayed so far (cumulative):
+
+        - ``bytes_read``: rows this rank took from its micro-batches' field (its stage's layers
+          of its sequence-parallel tokens, a strided read of the shared buffer) -- exactly what
+          its routers consume, so ``bytes_read_ratio`` (read / consumed) is 1.0;
+        - ``bytes_delivered``: the field's bytes in those micro-batches (every layer, every token
+          of the (DP, CP) group), and ``delivered_ratio`` (delivered / consumed): pipeline
+          stages and sequence-parallel TP ranks share one packed micro-batch.
+        """
+        read, delivered = self._bytes["read"], self._bytes["delivered"]
+        return {
+            "knitkit/routing/bytes_read": float(read),
+            "knitkit/routing/bytes_delivered": float(delivered),
+            "knitkit/routing/bytes_read_ratio": 1.0 if read else 0.0,
+            "knitkit/routing/delivered_ratio": delivered / read if read else 0.0,
+        }
+
     def clear(self) -> None:
         """Drop every target, FIFO entry, record and action of this model's routers."""
         for _, router in self._routers:
@@ -136,7 +163,10 @@ class RoutingReplay:
         local = routing.shape[0] // sp_size
         rows = routing[sp_rank * local : (sp_rank + 1) * local]
         self._check_ids(rows)
-        return [rows[:, layer].long() for layer in self.layers]
+        taken = [rows[:, layer].long() for layer in self.layers]
+        self._bytes["delivered"] += routing.numel() * routing.element_size()
+        self._bytes["read"] += local * len(taken) * routing.shape[2] * routing.element_size()
+        return taken
 
     def _check_ids(self, rows: torch.Tensor) -> None:
         assert self.num_experts is not None

@@ -26,6 +26,7 @@ from knitkit.integration.megatron.pipeline import (
     agree_on_step,
     stage_group,
 )
+from knitkit.integration.megatron.routing_replay import RoutingReplay
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
@@ -64,6 +65,10 @@ class DedupVLMStep:
     """Dotted paths of further modules of the vision path whose parameters the deferred backward
     reaches (e.g. LLaVA's ``vision_projection`` after its ``vision_model``); they join the zero
     anchor and the TP sum but are not swapped."""
+    routing: RoutingReplay | None = None
+    """MoE routing replay (R3): each micro-batch's stored ``routing`` goes to megatron-core's
+    ``RouterReplay`` around its forward, every router is cleared after the schedule (NOTE
+    [ Routing replay in the schedule ] in ``routing_replay.py``)."""
     handshake_timeout_s: float = 600.0
     """Bound on every wait for the other ranks: the step's start (NOTE [ Every rank refuses
     together ] in ``pipeline.py``), the encode and the deferred backward, and their row exchanges
@@ -100,6 +105,36 @@ class DedupVLMStep:
         others once: a refusal or disagreement on any rank raises ``StepRefused`` on every rank
         (NOTE [ Every rank refuses together ] in ``pipeline.py``).
         """
+        replay = self.routing
+        if replay is not None:  # see NOTE [ Routing replay in the schedule ]
+            forward_only = bool(schedule_kwargs.get("forward_only"))
+            forward_step_func = replay.wrap(forward_step_func, forward_only=forward_only)
+        try:
+            return self._run(
+                forward_step_func,
+                data_iterator,
+                route,
+                encode_fn,
+                num_microbatches,
+                schedule_kwargs,
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
+            )
+        finally:
+            if replay is not None:
+                replay.clear()
+
+    def _run(
+        self,
+        forward_step_func: Callable[..., object],
+        data_iterator: Iterable[object],
+        route: RankRoute,
+        encode_fn: EncodeFn,
+        num_microbatches: int,
+        schedule_kwargs: dict[str, object],
+        **shape: int,
+    ) -> list[object]:
+        """``run`` with the forward step as the schedule gets it."""
         forward_only = bool(schedule_kwargs.get("forward_only"))
         vision: _VisionPath | None = None
         failure: Exception | None = None
@@ -114,7 +149,6 @@ class DedupVLMStep:
             agree_on_step(facts, timeout_s=self.handshake_timeout_s)
         except StepRefused as refused:
             raise refused from failure
-        shape = {"seq_length": seq_length, "micro_batch_size": micro_batch_size}
         if vision is None:
             # A later stage holds no vision path: see NOTE [ Encoder under pipeline parallelism ]
             # in pipeline.py.
@@ -156,8 +190,10 @@ class DedupVLMStep:
 
     def metrics(self) -> dict[str, float]:
         """This rank's dedup figures of the last ``run`` (``DedupEncoder.metrics``; per step, not
-        cumulative); empty on pipeline stages without the vision path and before the first run."""
-        return dict(self._figures)
+        cumulative); empty on pipeline stages without the vision path and before the first run;
+        with ``routing``, its figures too (``RoutingReplay.metrics``)."""
+        routing = self.routing.metrics() if self.routing is not None else {}
+        return {**self._figures, **routing}
 
     def _refusals(
         self, route: RankRoute, num_microbatches: int, data_iterator: Iterable[object]

@@ -147,6 +147,118 @@ def _run(model: torch.nn.Module, step: Any, batches: list[Mapping[str, Any]]) ->
     return [float(out["loss"]) for out in losses]
 
 
+def _forward_only(
+    model: torch.nn.Module, step: Any, batches: list[Mapping[str, Any]]
+) -> list[float]:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    losses = get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=len(batches),
+        seq_length=int(batches[0]["tokens"].shape[1]),
+        micro_batch_size=1,
+        forward_only=True,
+    )
+    return [float(out["loss"]) for out in losses]
+
+
+def _record_then_misuse(rank: int) -> dict[str, Any]:
+    """TP2: a forward-only pass records the routers' own choices; replaying them gives the same
+    losses; then each misuse raises, naming the field and the rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    megatron_cpu.initialize_model_parallel(tensor_parallel=2)
+    megatron_cpu.install_schedule_shim()
+    megatron_cpu.install_moe_shim()
+    try:
+        batches = _batches(1, 2)
+        model = _model(_config(2, 1))
+        replay = RoutingReplay(model, record_forward_only=True)
+        plain = _forward_only(model, _forward_step, batches)
+        recorded = _forward_only(model, replay.wrap(_forward_step, forward_only=True), batches)
+        replay.clear()
+        group = ps.get_tensor_model_parallel_group()
+        replayed_batches = []
+        for batch, rows in zip(batches, replay.recorded, strict=True):
+            pieces = [torch.empty_like(rows) for _ in range(2)]
+            torch.distributed.all_gather(pieces, rows.contiguous(), group=group)
+            replayed_batches.append({**batch, "routing": torch.cat(pieces)[None].to(torch.uint8)})
+        replay.record_forward_only = False
+        try:
+            replayed = _forward_only(
+                model, replay.wrap(_forward_step, forward_only=True), replayed_batches
+            )
+        finally:
+            replay.clear()
+        errors = {}
+        bad = {
+            "layers": {**batches[0], "routing": batches[0]["routing"][:, :, :3]},
+            "missing": {k: v for k, v in batches[0].items() if k != "routing"},
+            "range": {**batches[0], "routing": batches[0]["routing"] + EXPERTS},
+        }
+        for name, batch in bad.items():
+            try:
+                _forward_only(model, replay.replaying(_forward_step), [batch])
+            except ValueError as error:
+                errors[name] = str(error)
+            finally:
+                replay.clear()
+        return {
+            "plain": plain,
+            "recorded": recorded,
+            "replayed": replayed,
+            "errors": errors,
+            "metrics": replay.metrics(),
+        }
+    finally:
+        RouterReplay.clear_global_router_replay_instances()
+        megatron_cpu.destroy_model_parallel()
+
+
+def _batches(dp: int, tp: int) -> list[dict[str, Any]]:
+    """This rank's micro-batches, read from a store through the planner and THD packing, as
+    megatron batches plus ``routing`` ``[1, T, layers, topk]``, padded to one length (megatron's
+    allgather dispatcher refuses ``variable_seq_lengths``, which PP needs for varying lengths)."""
+    from megatron.core import parallel_state as ps
+
+    data = trajectories()
+    store = TrajectoryStore(MemoryBackend())
+    for trajectory in data:
+        store.write(trajectory)
+    ids = [t.trajectory_id for t in data]
+    plan = store.register(
+        plan_minibatch(
+            store.metas(ids),
+            Topology(dp=dp, cp=1, tp=tp, sequence_parallel=tp > 1),
+            PlannerConfig(token_fields=FIELDS, scalar_fields=(), min_micro_batches=2),
+        )
+    )
+    consumer = plan.consumer(ps.get_data_parallel_rank(), 0)
+    schema = store.schema(ids[0])
+    packed = [PackedMicroBatch(*pack(mb, schema, store.read_into)) for mb in consumer.micro_batches]
+    length = max(mb.num_tokens for c in plan.consumers for mb in c.micro_batches)
+
+    def to_batch(micro_batch: Any) -> dict[str, Any]:
+        batch = megatron_batch(micro_batch)
+        batch["routing"] = micro_batch["routing"][None]
+        padded = micro_batch["cu_seqlens_padded"]
+        pad = length - int(padded[-1])
+        for key in ("tokens", "labels", "loss_mask", "position_ids", "routing"):
+            value = batch[key]
+            tail = torch.zeros((1, pad, *value.shape[2:]), dtype=value.dtype)
+            batch[key] = torch.cat([value, tail], dim=1)
+        batch["position_ids"][0, length - pad :] = torch.arange(pad)
+        lengths = torch.cat([padded[1:] - padded[:-1], torch.tensor([pad])])
+        batch["attention_mask"] = block_causal_mask(lengths[lengths > 0])
+        return batch
+
+    with MicroBatchIterator(packed) as iterator:
+        return list(megatron_batches(iterator, to_batch))
+
+
 def _layout(rank: int, dp: int, tp: int, pp: int) -> dict[str, Any]:
     """One layout on every rank: the wrapped replay, then the reference; what each saw."""
     from megatron.core import parallel_state as ps
@@ -156,44 +268,7 @@ def _layout(rank: int, dp: int, tp: int, pp: int) -> dict[str, Any]:
     megatron_cpu.install_pipeline_shim()
     megatron_cpu.install_moe_shim()
     try:
-        data = trajectories()
-        store = TrajectoryStore(MemoryBackend())
-        for trajectory in data:
-            store.write(trajectory)
-        topology = Topology(dp=dp, cp=1, tp=tp, sequence_parallel=tp > 1)
-        ids = [t.trajectory_id for t in data]
-        plan = store.register(
-            plan_minibatch(
-                store.metas(ids),
-                topology,
-                PlannerConfig(token_fields=FIELDS, scalar_fields=(), min_micro_batches=2),
-            )
-        )
-        consumer = plan.consumer(ps.get_data_parallel_rank(), 0)
-        schema = store.schema(ids[0])
-        packed = [
-            PackedMicroBatch(*pack(mb, schema, store.read_into)) for mb in consumer.micro_batches
-        ]
-
-        length = max(mb.num_tokens for c in plan.consumers for mb in c.micro_batches)
-
-        def to_batch(micro_batch: Any) -> dict[str, Any]:
-            """megatron_batch plus the routing, padded to one length (PP without variable lengths)."""
-            batch = megatron_batch(micro_batch)
-            batch["routing"] = micro_batch["routing"][None]
-            padded = micro_batch["cu_seqlens_padded"]
-            pad = length - int(padded[-1])
-            for key in ("tokens", "labels", "loss_mask", "position_ids", "routing"):
-                value = batch[key]
-                tail = torch.zeros((1, pad, *value.shape[2:]), dtype=value.dtype)
-                batch[key] = torch.cat([value, tail], dim=1)
-            batch["position_ids"][0, length - pad :] = torch.arange(pad)
-            lengths = torch.cat([padded[1:] - padded[:-1], torch.tensor([pad])])
-            batch["attention_mask"] = block_causal_mask(lengths[lengths > 0])
-            return batch
-
-        with MicroBatchIterator(packed) as iterator:
-            batches = list(megatron_batches(iterator, to_batch))
+        batches = _batches(dp, tp)
         sp_rank, sp = (ps.get_tensor_model_parallel_rank(), tp) if tp > 1 else (0, 1)
 
         def stored(batch: Mapping[str, Any], layer: int) -> torch.Tensor:
@@ -284,6 +359,21 @@ def test_replayed_topk_equals_the_stored_routing(world2: World, tp: int, pp: int
     (each stage its own layers): replayed experts == stored for every token and layer, losses
     and gradients == the unwrapped step's that calls RouterReplay.set_replay_data itself."""
     _check(world2.run(_layout, 1, tp, pp, timeout_s=300))
+
+
+def test_recorded_routing_replays_and_misuse_names_field_and_rank(world2: World) -> None:
+    """A forward-only pass records (the rollout stand-in); replaying the recording gives the
+    same losses. A routing with the wrong layer count, a micro-batch without routing and an
+    expert id past num_experts each raise a ValueError naming 'routing' and the rank."""
+    for rank, got in enumerate(world2.run(_record_then_misuse, timeout_s=300)):
+        assert got["recorded"] == got["plain"] and got["replayed"] == got["plain"]
+        assert set(got["errors"]) == {"layers", "missing", "range"}, got["errors"]
+        for message in got["errors"].values():
+            assert f"rank {rank}:" in message and "'routing'" in message, message
+        assert "[tokens, 4, topk]" in got["errors"]["layers"]
+        assert "outside [0, 8)" in got["errors"]["range"]
+        assert got["metrics"]["knitkit/routing/bytes_read_ratio"] == 1.0
+        assert got["metrics"]["knitkit/routing/delivered_ratio"] == 2.0  # its half of the tokens
 
 
 def test_replay_at_dp2_tp2() -> None:
