@@ -206,12 +206,13 @@ class RoutingReplay:
         output, loss_func = forward_step(_Taking(take), model)
         if record:
             self.recorded.append(self._recorded())
-        for _, router in self._routers:
-            router.clear_router_replay_action() if record else router.set_router_replay_action(
-                RouterReplayAction.REPLAY_BACKWARD
-            )
-            if not record and not self._recompute:
-                router.replay_backward_list.pop()  # nothing recomputes: see the NOTE
+        for _, router in self._routers:  # see NOTE [ Routing replay in the schedule ]
+            if record:
+                router.clear_router_replay_action()
+                continue
+            router.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            if not self._recompute:  # nothing pops this micro-batch's rows
+                router.replay_backward_list.pop()
         return output, loss_func
 
     def _recorded(self) -> torch.Tensor:
