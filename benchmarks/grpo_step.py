@@ -11,6 +11,10 @@ in one run, on the same admitted mini-batches:
 - plain: the same loop without knitkit (``examples/grpo/plain.py``): each rank builds its share
   of the mini-batch from the rollout's outputs (generated before the clock starts), one
   trajectory per micro-batch, the vision path in every micro-batch.
+- plain_packed: the plain loop with its share packed like knitkit's micro-batches (whole
+  trajectories in admission order, up to the same token budget, block-causal mask), the vision
+  path in every micro-batch: the fair baseline for packing (issue 31), so that knitkit's edge
+  over it is the data path and dedup, not packing alone.
 
 Both run the same model and the same fixed extra compute per token (``--work``: 128 x 128
 matmuls per 64 tokens of each micro-batch, real CPU work standing in for a bigger model, not a
@@ -25,7 +29,7 @@ warms up), summed or maxed over ranks as named.
 
     python benchmarks/grpo_step.py [--quick] [--json PATH] [--steps N] [--work W]
 
-JSON keys (``<path>`` = knitkit, plain): ``<path>.exposed_wait_s_per_step`` (max over ranks),
+JSON keys (``<path>`` = knitkit, plain, plain_packed): ``<path>.exposed_wait_s_per_step`` (max over ranks),
 ``<path>.exposed_wait_s_per_step.mean_rank``, ``<path>.exposed_wait_s_per_step.<kind>`` (the
 slowest rank's wait of one kind: ``pass``, ``encoder_inputs``, ``batch``, ``write_back``,
 ``done``; ``load`` for plain), ``<path>.step_s``, ``<path>.cpu_s_per_step``
@@ -45,6 +49,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
@@ -57,6 +64,7 @@ WAIT_KINDS = {
     "load": "loading its share (plain)",
 }
 """The parts of the exposed data wait (``StepClock`` kinds)."""
+PATHS = ("knitkit", "plain", "plain_packed")
 
 
 # ----- inside torchrun: one rank --------------------------------------------------------------
@@ -117,12 +125,75 @@ def _worker(out_dir: Path, steps: int, work: float) -> None:
         plain_trainer.work_per_token = work
         minibatches = [record.trajectory_ids for record in knit]
         plain = plain_loop(run, plain_trainer, minibatches, clock=StepClock(probe))
+        say("packed plain loop: the same mini-batches")
+        packed_trainer = new_trainer(run)
+        packed_trainer.work_per_token = work
+        budget = run.max_tokens_per_micro_batch
+        packed = plain_loop(
+            run,
+            packed_trainer,
+            minibatches,
+            clock=StepClock(probe),
+            batches_of=lambda samples, sequences, device: packed_batches(
+                samples, sequences, device, budget
+            ),
+        )
         result = {
             path: [{"figures": r.figures, "timings": r.timings} for r in history]
-            for path, history in (("knitkit", knit), ("plain", plain))
+            for path, history in (("knitkit", knit), ("plain", plain), ("plain_packed", packed))
         }
         (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
         say("done")
+
+
+def packed_batches(
+    samples: list[Any], sequences: int, device: Any, budget: int
+) -> list[dict[str, object]]:
+    """The plain loop's share packed without knitkit: whole trajectories in admission order into
+    micro-batches of at most ``budget`` tokens (a longer one alone), as ``[1, T]`` batches with
+    a block-causal mask, per-sequence positions and every trajectory's image in order."""
+    import torch
+    from grpo.loss import token_weights
+
+    groups: list[list[Any]] = []
+    for sample in samples:
+        if not groups or sum(len(s.tokens) for s in groups[-1]) + len(sample.tokens) > budget:
+            groups.append([])
+        groups[-1].append(sample)
+    out = []
+    for group in groups:
+        lengths = torch.tensor([len(s.tokens) for s in group])
+        owner = torch.repeat_interleave(torch.arange(len(group)), lengths)
+        total = int(lengths.sum())
+        mask = torch.ones(total, total, dtype=torch.bool).triu(1) | (owner[:, None] != owner[None])
+        loss_mask = torch.from_numpy(np.concatenate([s.loss_mask for s in group]))
+
+        def cat(name: str, group: list[Any] = group) -> torch.Tensor:
+            return torch.from_numpy(np.concatenate([getattr(s, name) for s in group]))[None]
+
+        def per_token(name: str, group: list[Any] = group) -> torch.Tensor:
+            values = [torch.full((len(s.tokens),), getattr(s, name)) for s in group]
+            return torch.cat(values)[None].to(device)
+
+        out.append(
+            {
+                "tokens": cat("tokens").to(device),
+                "labels": cat("labels").to(device),
+                "loss_mask": loss_mask[None].to(device),
+                "position_ids": torch.cat([torch.arange(n) for n in lengths.tolist()])[None].to(
+                    device
+                ),
+                "attention_mask": mask[None, None].to(device),
+                "images": [
+                    (pixels, 0, len(pixels))
+                    for pixels in (torch.from_numpy(s.image).to(device) for s in group)
+                ],
+                "advantage": per_token("advantage"),
+                "reward": per_token("reward"),
+                "weights": token_weights(loss_mask, lengths, sequences)[None].to(device),
+            }
+        )
+    return out
 
 
 # ----- the launcher: torchrun, then the table ---------------------------------------------------
@@ -144,7 +215,7 @@ def _series(ranks: Ranks, path: str, key: str) -> list[list[float]]:
 def summarise(ranks: Ranks) -> dict[str, float]:
     """The flat figures: medians over the measured steps."""
     out: dict[str, float] = {}
-    for path in ("knitkit", "plain"):
+    for path in PATHS:
         waits = _series(ranks, path, "data_wait_s")
         out[f"{path}.exposed_wait_s_per_step"] = _median([max(w) for w in waits])
         out[f"{path}.exposed_wait_s_per_step.mean_rank"] = _median([sum(w) / WORLD for w in waits])
@@ -204,13 +275,14 @@ def _table(figures: dict[str, float]) -> str:
         ("bytes read per step", "bytes_read_per_step", "{:,.0f}"),
         ("image encodings per train pass", "images_encoded_per_step", "{:.0f}"),
     ]
-    lines = [f"{'per step (median over steps 2..)':<46} {'knitkit':>12} {'plain':>12}"]
+    header = "".join(f"{path:>14}" for path in PATHS)
+    lines = [f"{'per step (median over steps 2..)':<46}{header}"]
     for label, key, fmt in rows:
         cells = []
-        for path in ("knitkit", "plain"):
+        for path in PATHS:
             value = figures.get(f"{path}.{key}")
             cells.append(fmt.format(value) if value is not None else "-")
-        lines.append(f"{label:<46} {cells[0]:>12} {cells[1]:>12}")
+        lines.append(f"{label:<46}" + "".join(f"{cell:>14}" for cell in cells))
     return "\n".join(lines)
 
 

@@ -9,7 +9,7 @@ pass's log-probs stay in this rank's memory for the train pass. Nothing here imp
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -105,10 +105,13 @@ def plain_loop(
     minibatches: Sequence[Sequence[str]],
     observe: MetricsObserver | None = None,
     clock: StepClock | None = None,
+    batches_of: Callable[[list[Sample], int, torch.device], list[dict[str, object]]] | None = None,
 ) -> list[StepRecord]:
     """The GRPO steps on ``minibatches`` (trajectory ids per step) without knitkit's data path:
     each pass runs megatron's schedule on this rank's share, log-probs recomputed per step.
-    Loading a step's share counts as its data wait (``clock``): nothing overlaps it."""
+    Loading a step's share counts as its data wait (``clock``): nothing overlaps it.
+    ``batches_of(samples, sequences, device)`` builds the micro-batches (default: one trajectory
+    each, ``batch``; benchmarks/grpo_step.py also packs them)."""
     from megatron.core import parallel_state
 
     dp = parallel_state.get_data_parallel_world_size()
@@ -120,7 +123,11 @@ def plain_loop(
         clock.start()
         with clock.data("load"):
             samples = [load(run.rollout, t) for t in rank_share(ids, dp_rank, dp)]
-            batches = [batch(s, len(ids), device) for s in samples]
+            batches = (
+                batches_of(samples, len(ids), device)
+                if batches_of is not None
+                else [batch(s, len(ids), device) for s in samples]
+            )
             clock.bytes_read += sum(s.nbytes for s in samples)
         old = trainer.logprobs(trainer.policy, batches, len(batches), None)
         ref = trainer.logprobs(trainer.reference, batches, len(batches), None)
