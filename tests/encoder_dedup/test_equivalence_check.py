@@ -76,6 +76,21 @@ def test_report_merges_ranks_and_names_what_fails() -> None:
         fine.raise_if_failed(expect_below_floor=("b",))
 
 
+def test_report_with_most_encoder_gradients_below_the_floor_fails() -> None:
+    """One live projector over a detached trunk proves nothing about the trunk: a vision path
+    with more than half its parameters below the floor fails, naming them; half may be."""
+    one, zero = torch.ones(2), torch.zeros(2)
+    rows = [Comparison.of("encoder.projector", one, one, 0, TOL)]
+    rows += [Comparison.of(f"encoder.trunk{i}", zero, zero, 0, TOL) for i in range(3)]
+    rows.append(Comparison.of("lm.w", one, one, 0, TOL))
+    trunk = EquivalenceReport("t", TOL, tuple(rows), units_with_dedup=1, expected_units=1)
+    assert trunk.failures == () and not trunk.ok
+    assert "3 of 4 encoder parameters" in trunk.problems[0]
+    assert "encoder.trunk0, encoder.trunk1, encoder.trunk2" in trunk.problems[0]
+    half = EquivalenceReport("t", TOL, (*rows[:2], rows[4]), units_with_dedup=1, expected_units=1)
+    assert half.ok, half.problems
+
+
 def test_report_without_an_encoder_gradient_above_the_floor_fails() -> None:
     """A check whose encoder parameters all have ~zero reference gradients proves nothing: it fails."""
     zero = torch.zeros(2)
@@ -87,7 +102,7 @@ def test_report_without_an_encoder_gradient_above_the_floor_fails() -> None:
         expected_units=2,
     )
     assert report.failures == () and not report.ok
-    assert "no encoder parameter" in report.problems[0]
+    assert "1 of 1 encoder parameters" in report.problems[0]
     counted = EquivalenceReport(
         "t",
         TOL,
