@@ -1,13 +1,18 @@
 """A user's own Megatron VLM checked through knitkit's pytest fixture and its command, on CPU (gloo).
 
-The model, its forward step and its data live in a package this test writes into ``tmp_path``
-(``ext_vlm``): knitkit never imports it, and it reaches the ranks only through the import paths
-and the ``python_path`` folder the user names, as a user's own package would. The pytest fixture
-is exercised as a user sets it up (a fresh pytest session in ``tmp_path`` whose ``conftest.py``
-is the one line ``pytest_plugins = [...]``), at TP2 and DP2 x TP2; the command runs under torchrun
-(gloo) at TP2 and DP2 x TP2 and writes its JSON report. A deliberately broken wrap (the wrap's
-encoder runs the projector with its weight detached, so the deferred backward never reaches it)
-fails the check, naming that parameter.
+The user's model is the template ``examples/check_my_model`` (``my_vlm``: provider, forward step,
+trajectories; its conftest and test): knitkit never imports it, it reaches the ranks only through
+the import paths and the ``python_path`` folder the user names. One fresh pytest session runs the
+template's own test as written (TP2 and DP2 x TP2) and, on the same spawned worlds, the planted
+models of ``planted_vlm`` (written into ``tmp_path``): a per-image encoder that reverses an
+image's rows and one that detaches the trunk before the projector fail in the default mode (the
+reference is the model's own forward, NOTE [ Re-encoding reference ]); the correct model with a
+separate forward-only step and explicit reference batches passes; a projector split over TP by
+hand, declared replicated, ends in the report naming its parameter (NOTE [ Hand sharding shows in
+the reference ]). The command runs under torchrun (gloo) at TP2 and DP2 x TP2 and writes its JSON
+report; without torchrun it spawns its ranks and fails the reversing encoder; pointed at callables
+that break the contract (the Megatron example's own ``build_model``) it names them and exits 2
+before any rank starts.
 
 Tolerances: the check's fp32 defaults, ``max|g - g_ref| <= 1e-4 * max(max|g_ref|, 1e-6)``, with
 every reference gradient above the floor.
@@ -24,204 +29,126 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
-MODEL = '''
-"""A user's Megatron VLM that knitkit never imports: GPTModel fed image features as decoder_input."""
+from knitkit.integration.megatron.testing import VLMUnderTest
 
-import functools
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = ROOT / "examples" / "check_my_model"
+
+PLANTED = '''
+"""Planted variants of the template's model: broken per-image encoders, a hand-sharded projector."""
 
 import torch
 
-HIDDEN, PATCH, VOCAB, IMAGE_TOKEN, MAX_SEQ = 32, 10, 48, 7, 256
+from my_vlm.model import HIDDEN, Vision, build
 
 
-class Vision(torch.nn.Module):
-    """Patch embedding and projector; the rows of one image see each other."""
+def reversed_rows(model):
+    """BROKEN: each image's feature rows come out in reverse order."""
+    vision = model.module.vision
+    return lambda patches: vision.encode(patches).flip(0)
+
+
+def detached_trunk(model):
+    """BROKEN: the trunk is cut off from autograd before the projector."""
+    vision = model.module.vision
+    return lambda patches: vision.projector(vision.trunk(patches).detach())
+
+
+class HandShardedVision(Vision):
+    """The projector's output columns split over TP by hand (a plain Linear, no megatron marks)."""
 
     def __init__(self):
         super().__init__()
-        self.embed = torch.nn.Linear(PATCH, 16)
-        self.projector = torch.nn.Linear(16, HIDDEN)
+        from megatron.core import parallel_state
 
-    def encode(self, patches, projector_weight=None):
-        hidden = torch.tanh(self.embed(patches))
-        hidden = hidden * torch.sigmoid(hidden.mean(0, keepdim=True))
-        weight = self.projector.weight if projector_weight is None else projector_weight
-        return torch.nn.functional.linear(hidden, weight, self.projector.bias)
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.projector = torch.nn.Linear(16, HIDDEN // tp)
 
-    def forward(self, images):
-        return torch.cat([self.encode(patches)[a:b] for patches, a, b in images])
+    def encode(self, patches):
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        return gather_from_tensor_model_parallel_region(self.projector(self.trunk(patches)))
 
 
-def provider():
-    from megatron.core import parallel_state
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.enums import ModelType
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import MegatronModule, TransformerConfig
-
-    config = TransformerConfig(
-        num_layers=2,
-        hidden_size=HIDDEN,
-        num_attention_heads=4,
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-
-    class UserVLM(MegatronModule):
-        def __init__(self):
-            super().__init__(config)
-            self.model_type = ModelType.encoder_or_decoder
-            self.vision = Vision()
-            self.lm = GPTModel(
-                config, get_gpt_layer_local_spec(), VOCAB, MAX_SEQ, position_embedding_type="rope"
-            )
-
-        def set_input_tensor(self, tensor):
-            self.lm.set_input_tensor(tensor)
-
-        def forward(self, tokens, position_ids, attention_mask, labels, images=None):
-            embeddings = self.lm.embedding(input_ids=tokens, position_ids=position_ids)
-            features = self.vision(images)
-            at_image = (tokens == IMAGE_TOKEN).t().unsqueeze(-1).expand_as(embeddings)
-            embeddings = embeddings.masked_scatter(at_image, features.to(embeddings.dtype))
-            return self.lm(
-                tokens, position_ids, attention_mask, decoder_input=embeddings, labels=labels
-            )
-
-    model = UserVLM()
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    ddp = DistributedDataParallel(
-        config, DistributedDataParallelConfig(overlap_grad_reduce=True), model
-    )
-    config.no_sync_func = ddp.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    return ddp
+def hand_sharded():
+    return build(HandShardedVision)
 
 
-def _loss(loss_mask, output):
-    loss = (output.float() * loss_mask).sum()
-    return loss, loss_mask.sum().to(torch.int), {"lm loss": loss.detach()}
+def _logprobs(output):
+    return output.sum(), {"logprobs": -output.detach().float().reshape(-1)}
 
 
-def forward_step(data_iterator, model):
+def logprob_step(data_iterator, model):
+    """A separate forward step for log-prob passes."""
     batch = next(data_iterator)
     output = model(
-        batch["tokens"],
-        batch["position_ids"],
-        batch.get("attention_mask"),
-        batch["labels"],
+        batch["tokens"], batch["position_ids"], batch.get("attention_mask"), batch["labels"],
         images=batch.get("images"),
     )
-    return output, functools.partial(_loss, batch["loss_mask"])
-
-
-def with_images(micro_batches, batches, load):
-    """The unwrapped model's own batches: the image pieces each micro-batch consumes."""
-    from knitkit.encoder_dedup import feature_slices
-
-    for batch, plan in zip(batches, micro_batches):
-        yield dict(batch, images=[(load(s.key), s.start, s.stop) for s in feature_slices(plan)])
-
-
-def detached_projector(model):
-    """A BROKEN wrap: its encoder runs the projector with the weight cut off from autograd."""
-    vision = model.module.vision
-    return lambda patches: vision.encode(patches, projector_weight=vision.projector.weight.detach())
+    return output, _logprobs
 '''
 
-DATA = '''
-"""The user's mini-batch: GRPO groups of 4 rollouts sharing their prompt's 1-2 images."""
-
-import numpy as np
-
-from ext_vlm.model import IMAGE_TOKEN, PATCH, VOCAB
-from knitkit.storage import MultimodalInput, Trajectory
-
-
-def trajectories(seed=0, prompts=3, n=4):
-    rng = np.random.default_rng(seed)
-    out = []
-    for p in range(prompts):
-        images, at = [], 1
-        for _ in range(1 + p % 2):
-            rows = int(rng.integers(3, 6))
-            images.append(MultimodalInput("image", rng.standard_normal((rows, PATCH)).astype(np.float32), at, rows))
-            at += rows + 2
-        for r in range(n):
-            tokens = rng.integers(8, VOCAB, size=at + int(rng.integers(6, 16))).astype(np.int64)
-            for image in images:
-                tokens[image.token_start : image.token_start + image.num_tokens] = IMAGE_TOKEN
-            out.append(Trajectory(f"p{p}-r{r}", f"p{p}", {"tokens": tokens}, multimodal=tuple(images)))
-    return out
-'''
-
-CONFTEST = 'pytest_plugins = ["knitkit.integration.megatron.testing.pytest_plugin"]\n'
-
-USER_TESTS = """
-import json
+PLANTED_TESTS = """
 import os
 
 from knitkit.integration.megatron.testing import VLMUnderTest
 
-PATH = (os.environ["EXT_VLM_PATH"],)
-OUT = os.environ["EXT_VLM_OUT"]
-SUBJECT = VLMUnderTest(provider="ext_vlm.model:provider", forward_step="ext_vlm.model:forward_step")
-BROKEN = VLMUnderTest(
-    provider="ext_vlm.model:provider",
-    forward_step="ext_vlm.model:forward_step",
-    encoder="ext_vlm.model:detached_projector",
-    reference_batches="ext_vlm.model:with_images",
-)
+PATH = tuple(os.environ["PLANTED_PATH"].split(os.pathsep))
+VISION = {"vision.embed.weight", "vision.embed.bias", "vision.projector.weight", "vision.projector.bias"}
 
 
-def _save(name, report):
+def _report(checker, provider="my_vlm.model:provider", forward_only=False, **fields):
+    subject = VLMUnderTest(provider=provider, forward_step="my_vlm.model:forward_step", **fields)
+    report = checker.report(
+        subject, "my_vlm.data:trajectories", tensor_parallel=2, python_path=PATH,
+        forward_only=forward_only,
+    )
     print(report.table())
-    with open(os.path.join(OUT, name + ".json"), "w") as f:
-        json.dump(report.to_json(), f)
+    return report
 
 
-def test_tp2(megatron_equivalence):
-    report = megatron_equivalence.check(
-        SUBJECT, "ext_vlm.data:trajectories", tensor_parallel=2, python_path=PATH
+def test_reversed_rows_fail(megatron_equivalence):
+    report = _report(megatron_equivalence, encoder="planted_vlm:reversed_rows")
+    assert not report.ok and VISION <= {c.name for c in report.failures}
+
+
+def test_detached_trunk_fails(megatron_equivalence):
+    report = _report(megatron_equivalence, encoder="planted_vlm:detached_trunk")
+    failing = {c.name for c in report.failures}
+    assert not report.ok and {"vision.embed.weight", "vision.embed.bias"} <= failing
+
+
+def test_forward_only_step_with_reference_batches_passes(megatron_equivalence):
+    report = _report(
+        megatron_equivalence,
+        forward_only=True,
+        forward_only_step="planted_vlm:logprob_step",
+        reference_batches="knitkit.integration.megatron.testing:with_images",
     )
-    _save("fixture_tp2", report)
+    report.raise_if_failed(expect_below_floor=())
+    assert "forward_only[logprobs]" in {c.name for c in report.outputs}
 
 
-def test_dp2_tp2(megatron_equivalence):
-    report = megatron_equivalence.check(
-        SUBJECT, "ext_vlm.data:trajectories", world_size=4, tensor_parallel=2, python_path=PATH
-    )
-    _save("fixture_dp2_tp2", report)
-
-
-def test_broken_wrap(megatron_equivalence):
-    megatron_equivalence.check(BROKEN, "ext_vlm.data:trajectories", tensor_parallel=2, python_path=PATH)
+def test_hand_sharded_projector_declared_replicated_is_named(megatron_equivalence):
+    report = _report(megatron_equivalence, provider="planted_vlm:hand_sharded")
+    assert not report.ok
+    named = [p for p in report.problems if "split over TP by hand" in p]
+    assert named and "vision.projector.weight" in named[0], report.problems
 """
 
 
 @pytest.fixture(scope="module")
-def user_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``ext_vlm`` (model, forward step, data) in a folder no knitkit code or sys.path names."""
-    root = tmp_path_factory.mktemp("user_code")
-    package = root / "ext_vlm"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "model.py").write_text(textwrap.dedent(MODEL))
-    (package / "data.py").write_text(textwrap.dedent(DATA))
+def planted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``planted_vlm`` in a folder no knitkit code or sys.path names."""
+    root = tmp_path_factory.mktemp("planted")
+    (root / "planted_vlm.py").write_text(textwrap.dedent(PLANTED))
     return root
 
 
 def _env(**extra: str) -> dict[str, str]:
-    """The caller's environment (ext_vlm is on no path in it: the ranks get it via python_path)."""
+    """The caller's environment (my_vlm is on no path in it: the ranks get it via python_path)."""
     return dict(os.environ, OMP_NUM_THREADS="1", **extra)
 
 
@@ -248,37 +175,34 @@ def _assert_equivalent(report: dict[str, object]) -> None:
 
 
 @pytest.mark.slow
-def test_fixture_checks_a_model_defined_outside_knitkit(user_package: Path, tmp_path: Path) -> None:
-    """The one-line conftest plugin: the user's model passes at TP2 and DP2 x TP2; the broken wrap
-    fails its test with the per-parameter table, naming the detached projector weight."""
-    tests = tmp_path / "user_tests"
+def test_template_and_planted_models_through_the_fixture(planted: Path, tmp_path: Path) -> None:
+    """One pytest session, as a user runs it: the template's own test passes at TP2 and DP2 x TP2;
+    on the same worlds the reversing and the trunk-detaching encoders fail in the default mode,
+    a forward-only step with reference batches passes, and the hand-sharded projector declared
+    replicated ends in the report naming ``vision.projector.weight`` (no abort inside gloo)."""
+    tests = tmp_path / "planted_tests"
     tests.mkdir()
-    (tests / "conftest.py").write_text(CONFTEST)
-    (tests / "test_user_model.py").write_text(textwrap.dedent(USER_TESTS))
+    (tests / "test_planted.py").write_text(textwrap.dedent(PLANTED_TESTS))
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(tests)],
+        [
+            *(sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"),
+            *(str(TEMPLATE), str(tests)),
+        ],
         cwd=tmp_path,
-        env=_env(EXT_VLM_PATH=str(user_package), EXT_VLM_OUT=str(tmp_path)),
+        env=_env(PLANTED_PATH=os.pathsep.join([str(TEMPLATE), str(planted)])),
         capture_output=True,
         text=True,
         timeout=900,
     )
     out = run.stdout
-    assert "1 failed, 2 passed" in out, out[-6000:] + run.stderr[-3000:]
-    for name in ("fixture_tp2", "fixture_dp2_tp2"):
-        _assert_equivalent(json.loads((tmp_path / f"{name}.json").read_text()))
-    failure = out[out.index("test_broken_wrap") :]
-    assert "NOT equivalent" in failure and "failing (1): vision.projector.weight" in failure, (
-        failure[-4000:]
-    )
-    row = re.search(r"vision\.projector\.weight +(\S+) +(\S+) +(\S+) +\d+ +mismatch", failure)
-    assert row and float(row.group(3)) == 1.0, failure[-4000:]  # its gradient never arrived
+    assert run.returncode == 0 and "6 passed" in out, out[-8000:] + run.stderr[-3000:]
+    assert "PASS" in out and "worst relative gradient error" in out, out[-4000:]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("nproc", "label"), [(2, "tp2"), (4, "dp2_tp2")])
 def test_command_checks_a_model_defined_outside_knitkit(
-    user_package: Path, tmp_path: Path, nproc: int, label: str
+    tmp_path: Path, nproc: int, label: str
 ) -> None:
     """``knitkit check-equivalence`` under torchrun (gloo): prints the table, writes the JSON
     report, exits 0 for the user's model at TP2 (2 ranks) and DP2 x TP2 (4 ranks)."""
@@ -287,10 +211,10 @@ def test_command_checks_a_model_defined_outside_knitkit(
         [
             *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
             *(f"--nproc-per-node={nproc}", "-m", "knitkit", "check-equivalence"),
-            *("--provider", "ext_vlm.model:provider"),
-            *("--forward-step", "ext_vlm.model:forward_step"),
-            *("--trajectories", "ext_vlm.data:trajectories"),
-            *("--tp", "2", "--python-path", str(user_package), "--json", str(report_path)),
+            *("--provider", "my_vlm.model:provider"),
+            *("--forward-step", "my_vlm.model:forward_step"),
+            *("--trajectories", "my_vlm.data:trajectories"),
+            *("--tp", "2", "--python-path", str(TEMPLATE), "--json", str(report_path)),
         ],
         cwd=tmp_path,
         env=_env(),
@@ -307,21 +231,19 @@ def test_command_checks_a_model_defined_outside_knitkit(
 
 
 @pytest.mark.slow
-def test_command_fails_a_broken_wrap_naming_the_parameter(
-    user_package: Path, tmp_path: Path
-) -> None:
-    """Without torchrun the command spawns its ranks (``--nproc``); the broken wrap exits 1 with the
-    projector weight's row marked ``mismatch`` in the table and in the JSON report."""
+def test_command_fails_a_broken_wrap_naming_the_parameter(planted: Path, tmp_path: Path) -> None:
+    """Without torchrun the command spawns its ranks (``--nproc``); the encoder that reverses an
+    image's rows fails in the default mode: exit 1, the vision rows marked ``mismatch`` in the table
+    and in the JSON report."""
     report_path = tmp_path / "broken.json"
     run = subprocess.run(
         [
             *(sys.executable, "-m", "knitkit", "check-equivalence", "--nproc", "2", "--tp", "2"),
-            *("--provider", "ext_vlm.model:provider"),
-            *("--forward-step", "ext_vlm.model:forward_step"),
-            *("--trajectories", "ext_vlm.data:trajectories"),
-            *("--encoder", "ext_vlm.model:detached_projector"),
-            *("--reference-batches", "ext_vlm.model:with_images"),
-            *("--python-path", str(user_package), "--json", str(report_path)),
+            *("--provider", "my_vlm.model:provider"),
+            *("--forward-step", "my_vlm.model:forward_step"),
+            *("--trajectories", "my_vlm.data:trajectories"),
+            *("--encoder", "planted_vlm:reversed_rows"),
+            *("--python-path", str(TEMPLATE), str(planted), "--json", str(report_path)),
         ],
         cwd=tmp_path,
         env=_env(),
@@ -333,6 +255,56 @@ def test_command_fails_a_broken_wrap_naming_the_parameter(
     assert re.search(r"vision\.projector\.weight .* mismatch", run.stdout), run.stdout[-4000:]
     report = json.loads(report_path.read_text())
     assert not report["ok"]
-    assert [r["name"] for r in report["gradients"] if r["status"] == "mismatch"] == [
-        "vision.projector.weight"
-    ]
+    mismatched = {r["name"] for r in report["gradients"] if r["status"] == "mismatch"}
+    assert {"vision.embed.weight", "vision.projector.weight"} <= mismatched, mismatched
+
+
+def test_command_names_callables_that_break_the_contract(tmp_path: Path) -> None:
+    """Pointed at the Megatron example's own ``build_model`` and ``grpo_trajectories`` (each needs
+    arguments the check does not pass), the command exits 2 before any rank starts, naming both
+    callables, their flags and the missing argument."""
+    run = subprocess.run(
+        [
+            *(sys.executable, "-m", "knitkit", "check-equivalence", "--nproc", "2", "--tp", "2"),
+            *("--provider", "megatron_wrap:build_model"),
+            *("--forward-step", "megatron_wrap:forward_step"),
+            *("--trajectories", "megatron_wrap:grpo_trajectories"),
+            *("--python-path", str(ROOT / "examples")),
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stdout[-3000:] + run.stderr[-3000:]
+    err = run.stderr
+    assert "provider (--provider) 'megatron_wrap:build_model'" in err, err
+    assert "'overlap_grad_reduce'" in err and "trajectories (--trajectories)" in err, err
+    assert "'seed'" in err and "forward_step" not in err, err
+    assert "Traceback" not in err, err
+
+
+def test_contract_errors_name_the_callable_and_what_it_returned() -> None:
+    """Signatures and returns of the three callables: a forward step of the wrong arity, a
+    provider that returns a bare module, a forward step returning a bare tensor, trajectories
+    that are not ``Trajectory`` objects: each error names the callable and the fix."""
+    from knitkit.integration.megatron.testing import ContractError
+    from knitkit.integration.megatron.testing.contract import (
+        check_contract,
+        checked_model,
+        checked_step,
+    )
+
+    subject = VLMUnderTest(provider=lambda: None, forward_step=lambda batch: None)
+    with pytest.raises(ContractError) as error:
+        check_contract(subject, [1, 2])
+    text = str(error.value)
+    assert "forward_step (--forward-step)" in text and "(data_iterator, model)" in text, text
+    assert "item 0 is an int, not a knitkit.storage.Trajectory" in text, text
+    assert "provider" not in text.split("forward_step")[0], text  # the provider's signature is fine
+    with pytest.raises(ContractError, match=r"returned a Linear; it must return .*Distributed"):
+        checked_model("my_pkg:provider", torch.nn.Linear(1, 1))
+    step = checked_step("forward_step", lambda data_iterator, model: torch.zeros(1))
+    with pytest.raises(ContractError, match=r"forward_step .* returned a Tensor; .*loss_func"):
+        step(iter([]), None)

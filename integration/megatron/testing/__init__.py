@@ -15,13 +15,16 @@ error and the rank holding the worst; losses and log-probs; units encoded with a
 
 from knitkit.encoder_dedup import Comparison, EquivalenceError, EquivalenceReport, Tolerance
 from knitkit.integration.megatron.testing.check import Trajectories, check_equivalence
+from knitkit.integration.megatron.testing.contract import ContractError
 from knitkit.integration.megatron.testing.job import CheckJob, run_job
+from knitkit.integration.megatron.testing.reference import with_images
 from knitkit.integration.megatron.testing.subject import ReferenceBatches, VLMUnderTest
 from knitkit.integration.megatron.testing.world import WorkerError, World, run_world
 
 __all__ = [
     "CheckJob",
     "Comparison",
+    "ContractError",
     "EquivalenceError",
     "EquivalenceReport",
     "ReferenceBatches",
@@ -33,4 +36,5 @@ __all__ = [
     "check_equivalence",
     "run_job",
     "run_world",
+    "with_images",
 ]

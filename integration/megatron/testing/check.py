@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from knitkit.encoder_dedup import EquivalenceReport, Tolerance
+from knitkit.integration.megatron.testing.contract import check_contract
 from knitkit.integration.megatron.testing.run import CheckRun
 from knitkit.integration.megatron.testing.subject import Ref, VLMUnderTest, resolve
 from knitkit.storage import PlannerConfig, Trajectory
@@ -39,9 +40,10 @@ def check_equivalence(
     Call it on every rank of an initialised ``parallel_state`` (the layout is read from it). The
     two models come from ``subject.provider`` with the same seed; both run ``trajectories``,
     planned by knitkit for this layout (``planner``; default: every per-token field, 3
-    micro-batches per DP rank): the reference through ``get_forward_backward_func()`` with
-    every micro-batch re-encoding its images (NOTE [ Re-encoding reference ], or
-    ``subject.reference_batches``), the wrap through ``DedupVLMStep.run``. Compared: per
+    micro-batches per DP rank): the reference through ``get_forward_backward_func()``, the
+    model's own forward running its real vision path on each micro-batch's images
+    (``batch["images"]``, NOTE [ Re-encoding reference ], or ``subject.reference_batches``), the
+    wrap through ``DedupVLMStep.run`` with ``subject.encoder``. Compared: per
     parameter, its gradient after ``finalize_model_grads`` (``main_grad``; this rank's shard
     under the distributed optimizer); per key, the loss dicts of the training pass and of a
     forward-only pass (``forward_only``); the units encoded (each unique unit once, with every
@@ -55,7 +57,7 @@ def check_equivalence(
     """
     if steps < 1:
         raise ValueError(f"steps={steps}; the check runs at least one mini-batch")
-    run = CheckRun.build(subject, _trajectories(trajectories), planner, seed)
+    run = CheckRun.build(subject, check_contract(subject, trajectories), planner, seed)
     default = Tolerance.for_dtype(run.config.params_dtype)
     tol = Tolerance(
         default.rtol if rtol is None else rtol, default.floor if floor is None else floor
@@ -66,6 +68,9 @@ def check_equivalence(
     try:
         for step in range(steps):
             reports.append(run.training_pass(tol))
+            if run.stopped:  # the wrap cannot run as declared: said in run.problems
+                forward_only = False
+                break
             if optimizers:
                 reports.append(run.optimizer_step(optimizers, tol))
             elif step < steps - 1:
@@ -93,7 +98,14 @@ def _gathered(
     """This rank's rows merged with every other rank's (the same report on every rank)."""
     from megatron.core import parallel_state as ps
 
-    mine = (here, run.encoded, run.reencoded, tuple(run.problems), run.encoded_forward_only)
+    mine = (
+        here,
+        run.encoded,
+        run.reencoded,
+        tuple(run.problems),
+        run.encoded_forward_only,
+        run.stopped,
+    )
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     merged = EquivalenceReport.merged([g[0] for g in gathered])
@@ -104,6 +116,7 @@ def _gathered(
     dtype = str(run.config.params_dtype).removeprefix("torch.")
     first = run.prefix(0, stage=0)
     per_pass = run.unique_units * (topology.tp if run.subject.tp_sharded_vision else 1)
+    stopped = any(g[5] for g in gathered)
     problems = [p for g in gathered for p in g[3]]
     encoded_forward_only = sum(g[4] for g in gathered)
     if forward_only and encoded_forward_only != per_pass:
@@ -120,14 +133,6 @@ def _gathered(
         ),
         units_with_dedup=sum(g[1] for g in gathered),
         units_without_dedup=sum(g[2] for g in gathered),
-        expected_units=per_pass * steps,
+        expected_units=None if stopped else per_pass * steps,
         extra_problems=tuple(dict.fromkeys(problems)),
     )
-
-
-def _trajectories(ref: Ref[Trajectories]) -> Sequence[Trajectory]:
-    value = resolve(ref)
-    trajectories = value() if callable(value) else value
-    if not trajectories:
-        raise ValueError("the check needs a mini-batch: pass at least one trajectory")
-    return trajectories

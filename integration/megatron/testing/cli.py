@@ -5,13 +5,16 @@ CPU), e.g. ``torchrun --nproc-per-node 4 -m knitkit check-equivalence --provider
 my_pkg.model:provider --forward-step my_pkg.model:forward_step --trajectories
 my_pkg.data:trajectories --tp 2`` (DP = ranks / (TP x PP x CP)). Without torchrun it spawns the
 ranks itself (``--nproc``, default TP x PP x CP). Rank 0 prints the per-parameter table and
-writes the JSON report; the exit status is 0 only if the wrap is equivalent.
+writes the JSON report; the exit status is 0 only if the wrap is equivalent, and 2, before any
+rank starts, when a callable breaks its contract (integration/megatron/README.md says what each
+must take and return).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from knitkit.encoder_dedup import EquivalenceReport
+from knitkit.integration.megatron.testing.contract import ContractError, check_contract
 from knitkit.integration.megatron.testing.job import CheckJob, run_job
 from knitkit.integration.megatron.testing.subject import VLMUnderTest
 from knitkit.integration.megatron.testing.world import World, default_backend
@@ -59,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     job = _job(args)
+    try:  # before any rank starts: see integration/megatron/testing/contract.py
+        _check_contract(job)
+    except ContractError as error:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"knitkit check-equivalence: error: {error}", file=sys.stderr)
+        return 2
     if "RANK" in os.environ:  # under torchrun: this process is one rank
         report = _torchrun_rank(job, args.timeout_s)
         rank = dist.get_rank()
@@ -100,6 +110,14 @@ def _job(args: argparse.Namespace) -> CheckJob:
         forward_only=not args.no_forward_only,
         python_path=tuple(str(Path(p).resolve()) for p in args.python_path),
     )
+
+
+def _check_contract(job: CheckJob) -> None:
+    """The user's callables against their contract, in this process (its ``--python-path`` first)."""
+    for folder in reversed(job.python_path):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    check_contract(job.subject, job.trajectories)
 
 
 def _torchrun_rank(job: CheckJob, timeout_s: float) -> EquivalenceReport:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from knitkit.integration.megatron.testing.contract import checked_model
 from knitkit.integration.megatron.testing.subject import VLMUnderTest, resolve
 
 
@@ -18,8 +19,7 @@ def build(subject: VLMUnderTest, seed: int) -> list[Any]:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(seed)
-    model = resolve(subject.provider)()
-    return list(model) if isinstance(model, list) else [model]
+    return checked_model(subject.provider, resolve(subject.provider)())
 
 
 def same_weights(reference: list[Any], wrapped: list[Any]) -> None:

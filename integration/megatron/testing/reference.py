@@ -1,65 +1,57 @@
-"""The unwrapped baseline of the check: every micro-batch re-encodes the unit pieces it consumes."""
+"""The unwrapped baseline of the check: the model's own forward, its real vision path fed the images."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from knitkit.encoder_dedup import RowSlice
-from knitkit.integration.megatron.step import CountingIterator
+from knitkit.encoder_dedup import feature_slices
+from knitkit.storage import MicroBatchPlan
 from knitkit.types import UnitKey
 
+ImagePiece = tuple[torch.Tensor, int, int]
+"""One piece of a unit a micro-batch consumes: (the unit's stored input, first row, end row)."""
 
-class ReencodingVision(torch.nn.Module):
-    """Stands in for the vision path of the reference model: re-encodes the current micro-batch's pieces.
+
+def with_images(
+    micro_batches: Sequence[MicroBatchPlan],
+    batches: Iterable[Mapping[str, object]],
+    load: Callable[[UnitKey], torch.Tensor],
+) -> Iterator[dict[str, object]]:
+    """The reference's batches: each of the wrap's batches plus ``images``, its micro-batch's pieces.
 
     NOTE [ Re-encoding reference ]: the unwrapped step runs the vision path inside every
     micro-batch on the inputs its placeholder tokens consume, so an image shared by n rollouts is
-    encoded n times and back-propagated n times, each inside its micro-batch's backward. This
-    module reproduces exactly that from the plan: in micro-batch ``i`` it encodes every unit
-    piece ``slices[i]`` names (one ``encode`` per piece, graph kept) and returns their rows in
-    feature order, so the reference needs nothing of the user's batch format. The real vision
-    path stays registered as ``inner``: megatron's ``finalize_model_grads`` walks
-    ``named_parameters`` and must still reach every vision parameter (as in NOTE [ Finalize sees
-    the vision path ] of the wrapped step).
+    encoded n times and back-propagated n times, each inside its micro-batch's backward. The
+    check's reference is exactly that, with nothing of the wrap in it: megatron's schedule runs
+    the user's forward step on the unwrapped model, whose real forward calls its real vision path
+    on ``batch["images"]``: per piece of a unit the micro-batch consumes, in placeholder order,
+    ``(the unit's stored input, first row, end row)``, the features being
+    ``torch.cat([vision(x)[a:b] for x, a, b in images])``. The user's per-unit encoder
+    (``VLMUnderTest.encoder``) runs only in the wrap: were it the reference's too, a wrong encoder
+    (rows reversed, a trunk detached from autograd) would agree with itself. A model that takes
+    its images in another form names its own batches (``VLMUnderTest.reference_batches``).
     """
-
-    def __init__(
-        self,
-        inner: torch.nn.Module,
-        encode: Callable[[torch.Tensor], torch.Tensor],
-        load: Callable[[UnitKey], torch.Tensor],
-        slices: Sequence[Sequence[RowSlice]],
-        feed: CountingIterator,
-        empty: torch.Tensor,
-    ) -> None:
-        super().__init__()
-        self.inner = inner
-        self._encode, self._load, self._slices, self._feed = encode, load, slices, feed
-        self._empty = empty
-        self.encoded_units = 0
-
-    def forward(self, *unused: object, **unused_kw: object) -> torch.Tensor:
-        if self._feed.count == 0:
-            raise RuntimeError("the vision path ran before the forward step took its micro-batch")
-        pieces = self._slices[self._feed.count - 1]
-        self.encoded_units += len(pieces)
-        rows = [self._encode(self._load(s.key))[s.start : s.stop] for s in pieces]
-        return torch.cat(rows) if rows else self._empty
+    for batch, micro_batch in zip(batches, micro_batches, strict=True):
+        pieces = [(load(s.key), s.start, s.stop) for s in feature_slices(micro_batch)]
+        yield dict(batch, images=pieces)
 
 
-@contextlib.contextmanager
-def swapped(model: torch.nn.Module, dotted: str, stand_in: torch.nn.Module) -> Iterator[None]:
-    """Put ``stand_in`` at the dotted attribute path of ``model`` for the duration of the block."""
-    *path, name = dotted.split(".")
-    parent = model
-    for part in path:
-        parent = getattr(parent, part)
-    original = getattr(parent, name)
-    setattr(parent, name, stand_in)
-    try:
-        yield
-    finally:
-        setattr(parent, name, original)
+class CallCounter:
+    """Counts the calls of a module's forward while installed (``with``); removes its hook after."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module, self.calls = module, 0
+        self._handle: torch.utils.hooks.RemovableHandle | None = None
+
+    def __enter__(self) -> CallCounter:
+        self._handle = self.module.register_forward_hook(self._count)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+
+    def _count(self, *unused: object) -> None:
+        self.calls += 1

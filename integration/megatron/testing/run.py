@@ -15,8 +15,9 @@ from knitkit.encoder_dedup import Comparison, EquivalenceReport, Tolerance, feat
 from knitkit.integration.megatron.batch import megatron_batches
 from knitkit.integration.megatron.device import current_device
 from knitkit.integration.megatron.pipeline import PipelineStage
-from knitkit.integration.megatron.step import CountingIterator, DedupVLMStep
+from knitkit.integration.megatron.step import DedupVLMStep
 from knitkit.integration.megatron.te import batch_for, te_available
+from knitkit.integration.megatron.testing.contract import checked_step
 from knitkit.integration.megatron.testing.models import (
     build,
     grad_of,
@@ -26,7 +27,7 @@ from knitkit.integration.megatron.testing.models import (
     unit_encoder,
     unwrap,
 )
-from knitkit.integration.megatron.testing.reference import ReencodingVision, swapped
+from knitkit.integration.megatron.testing.reference import CallCounter, with_images
 from knitkit.integration.megatron.testing.subject import VLMUnderTest, resolve
 from knitkit.integration.megatron.topology import MegatronLayout
 from knitkit.microbatch_iter import MicroBatch, MicroBatchIterator, PackedMicroBatch
@@ -61,8 +62,8 @@ class CheckRun:
     config: Any
     """The wrapped model's ``TransformerConfig``."""
     unique_units: int
-    encoders: tuple[Callable[[torch.Tensor], torch.Tensor], ...]
-    """Per-unit encoders of the reference and the wrap (first stage only; built before any swap)."""
+    encoder: Callable[[torch.Tensor], torch.Tensor] | None
+    """The wrap's per-unit encoder (first stage only, else ``None``; built before any swap)."""
     originals: tuple[object, object]
     """The wrapped model's ``finalize_model_grads_func`` and vision module as built."""
     encoded: int = 0
@@ -72,6 +73,8 @@ class CheckRun:
     encoded_forward_only: int = 0
     """Units the wrap encoded in its forward-only pass."""
     problems: list[str] = field(default_factory=list)
+    stopped: bool = False
+    """A training pass found the wrap cannot be run on this model as declared (``problems``)."""
 
     @classmethod
     def build(
@@ -107,7 +110,7 @@ class CheckRun:
             vision_extra=subject.vision_extra,
         )
         first = PipelineStage.current().encodes
-        encoders = tuple(unit_encoder(subject, m[0]) for m in (reference, wrapped)) if first else ()
+        encoder = unit_encoder(subject, wrapped[0]) if first else None
         unique = len({ref.key for meta in metas for ref in meta.multimodal})
         vision = module_at(unwrap(wrapped[0]), subject.vision) if first else None
         originals = (config.finalize_model_grads_func, vision)
@@ -121,15 +124,23 @@ class CheckRun:
             step,
             config,
             unique,
-            encoders,
+            encoder,
             originals,
         )
 
     # ----- passes: each returns this rank's rows --------------------------------------------------
     def training_pass(self, tol: Tolerance) -> EquivalenceReport:
-        """Zeroed buffers, one mini-batch through both; gradients and loss dicts compared."""
+        """Zeroed buffers, one mini-batch through both; gradients and loss dicts compared.
+
+        Between the two runs, a vision path declared replicated is checked to be so (see
+        NOTE [ Hand sharding shows in the reference ]); if it is not, the wrap is not run and
+        ``stopped`` is set.
+        """
         self._zero_grads()
         ref_out = self._reference(forward_only=False)
+        if self._sharded_by_hand(tol):
+            self.stopped = True
+            return _report(tol, [], [])
         got_out = self._wrapped(forward_only=False)
         self.encoded += self.step.last_encoded_units
         rows = [
@@ -182,7 +193,7 @@ class CheckRun:
     def check_restored(self) -> None:
         """The wrap leaves the user's model as it found it: its vision path and finalize func."""
         finalize, vision = self.originals
-        if self.encoders:
+        if self.encoder is not None:
             now = module_at(unwrap(self.wrapped[0]), self.subject.vision)
             if now is not vision:
                 self.problems.append(
@@ -217,79 +228,55 @@ class CheckRun:
 
     # ----- the two runs ---------------------------------------------------------------------------
     def _reference(self, *, forward_only: bool) -> list[Any]:
-        """megatron's schedule on the unwrapped model (see NOTE [ Re-encoding reference ])."""
+        """megatron's schedule on the unwrapped model, its own forward and vision path (see NOTE
+        [ Re-encoding reference ])."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         subject = self.subject
-        step_func = resolve(
-            (subject.forward_only_step or subject.forward_step)
-            if forward_only
-            else subject.forward_step
-        )
-        with self._feeds() as (feeds, micro_batches):
-            swap: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-            stand_in = None
-            if self.encoders and subject.reference_batches is not None:
-                make = resolve(subject.reference_batches)
+        with contextlib.ExitStack() as stack:
+            feeds, micro_batches = stack.enter_context(self._feeds())
+            vision: CallCounter | None = None
+            if self.encoder is not None:  # the first stage: its batches carry the images
+                make = resolve(subject.reference_batches or with_images)
                 feeds[0] = iter(make(micro_batches, feeds[0], self._load))
-                step_func = resolve(subject.reference_forward_step or subject.forward_step)
-                if not forward_only:
-                    self.reencoded += sum(len(feature_slices(mb)) for mb in micro_batches)
-            elif self.encoders:
-                feeds[0] = feed = CountingIterator(feeds[0])
-                stand_in = ReencodingVision(
-                    module_at(unwrap(self.reference[0]), subject.vision),
-                    self.encoders[0],
-                    self._load,
-                    [feature_slices(mb) for mb in micro_batches],
-                    feed,
-                    torch.zeros(
-                        0,
-                        self.config.hidden_size,
-                        dtype=self.config.params_dtype,
-                        device=current_device(),
-                    ),
-                )
-                swap = swapped(unwrap(self.reference[0]), subject.vision, stand_in)
-            with swap:
-                out = get_forward_backward_func()(
-                    forward_step_func=step_func,
-                    data_iterator=feeds if len(feeds) > 1 else feeds[0],
-                    model=self.reference,
-                    num_microbatches=self.plan.num_micro_batches,
-                    seq_length=self._seq_length(),
-                    micro_batch_size=1,
-                    forward_only=forward_only,
-                )
-        if stand_in is not None and not forward_only:
-            self.reencoded += stand_in.encoded_units
-            consumed = sum(len(feature_slices(mb)) for mb in micro_batches)
-            if stand_in.encoded_units < consumed:
+                module = module_at(unwrap(self.reference[0]), subject.vision)
+                vision = stack.enter_context(CallCounter(module))
+            out = get_forward_backward_func()(
+                forward_step_func=self._step_func(forward_only=forward_only, reference=True),
+                data_iterator=feeds if len(feeds) > 1 else feeds[0],
+                model=self.reference,
+                num_microbatches=self.plan.num_micro_batches,
+                seq_length=self._seq_length(),
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
+        if vision is not None:
+            consuming = sum(1 for mb in micro_batches if feature_slices(mb))
+            if not forward_only:
+                self.reencoded += sum(len(feature_slices(mb)) for mb in micro_batches)
+            if vision.calls < consuming:
                 self.problems.append(
-                    f"the reference consumed {stand_in.encoded_units} of {consumed} unit pieces: "
-                    f"the model's forward must call its vision path {subject.vision!r} once per "
-                    "micro-batch"
+                    f"the reference's vision path {subject.vision!r} ran {vision.calls} times for "
+                    f"{consuming} micro-batches with images: the forward step must hand the "
+                    "model batch['images'] and the model's forward must call its vision path on "
+                    "them (see the contract in integration/megatron/README.md)"
                 )
         return list(out)
 
     def _wrapped(self, *, forward_only: bool) -> list[Any]:
         """``DedupVLMStep.run`` on the wrapped model."""
-        subject = self.subject
-        step_func = resolve(
-            (subject.forward_only_step or subject.forward_step)
-            if forward_only
-            else subject.forward_step
-        )
+        encoder = self.encoder
 
         def encode_fn(keys: Sequence[UnitKey]) -> torch.Tensor:
-            rows = torch.cat([self.encoders[1](self._load(key)) for key in keys])
+            assert encoder is not None  # only the first stage encodes
+            rows = torch.cat([encoder(self._load(key)) for key in keys])
             if forward_only and rows.requires_grad:
                 self.problems.append("the forward-only pass kept an encoder graph")
             return rows
 
         with self._feeds() as (feeds, _):
             return self.step.run(
-                forward_step_func=step_func,
+                forward_step_func=self._step_func(forward_only=forward_only, reference=False),
                 data_iterator=feeds if len(feeds) > 1 else feeds[0],
                 route=self.layout.route(self.plan),
                 encode_fn=encode_fn,
@@ -298,6 +285,75 @@ class CheckRun:
                 micro_batch_size=1,
                 forward_only=forward_only,
             )
+
+    def _step_func(self, *, forward_only: bool, reference: bool) -> Callable[..., Any]:
+        """The forward step of a pass: ``forward_only_step`` for forward-only passes (both
+        models), the training step otherwise (``reference_forward_step`` for the reference)."""
+        subject = self.subject
+        if forward_only and subject.forward_only_step is not None:
+            return checked_step("forward_only_step", subject.forward_only_step)
+        if reference and subject.reference_forward_step is not None:
+            return checked_step("reference_forward_step", subject.reference_forward_step)
+        return checked_step("forward_step", subject.forward_step)
+
+    def _sharded_by_hand(self, tol: Tolerance) -> bool:
+        """Whether a vision parameter declared replicated got different reference gradients on
+        the TP ranks (named in ``problems``); the same answer on every rank of the world.
+
+        NOTE [ Hand sharding shows in the reference ]: megatron never reduces a replicated
+        parameter's gradient over TP: it relies on every TP rank computing the same one, as it
+        does when the TP ranks run the same layers on the same images. A vision path split over
+        TP by hand (plain torch layers exchanging activations through the TP group, without
+        megatron's ``tensor_model_parallel`` marks that ``DedupVLMStep`` reads) breaks that: each
+        rank's slice of a parameter gets its own gradient. Declared replicated, the wrap would
+        hand its TP ranks different units, and the layers' exchange would pair rows of different
+        images, or, for images of different sizes, die inside the collective with nothing said.
+        So after the reference's training pass, before the wrap runs, the TP ranks compare each
+        unmarked vision parameter's gradient (its shape, sum, absolute sum and a position-weighted
+        sum) and the check stops, naming the parameters that differ.
+        """
+        from megatron.core import parallel_state as ps
+
+        tp = ps.get_tensor_model_parallel_world_size()
+        mine: list[tuple[str, tuple[int, ...], tuple[float, ...]]] = []
+        if self.encoder is not None and not self.subject.tp_sharded_vision and tp > 1:
+            first = self.prefix(0, stage=0)
+            paths = tuple(f"{first}{p}." for p in (self.subject.vision, *self.subject.vision_extra))
+            for name, ref, _, ref_chunk, _ in self.pairs():
+                if name.startswith(paths) and not getattr(ref, "tensor_model_parallel", False):
+                    grad = owned_grad(ref_chunk, ref).double()
+                    weights = torch.arange(
+                        1, grad.numel() + 1, dtype=grad.dtype, device=grad.device
+                    )
+                    sums = (grad.sum(), grad.abs().sum(), (grad * weights / grad.numel()).sum())
+                    mine.append((name, tuple(ref.shape), tuple(float(x) for x in sums)))
+        differ: list[str] = []
+        if mine:
+            peers: list[Any] = [None] * tp
+            dist.all_gather_object(peers, mine, group=ps.get_tensor_model_parallel_group())
+            for i, (name, shape, stats) in enumerate(mine):
+                for peer in peers:
+                    _, peer_shape, peer_stats = peer[i]
+                    scale = max(abs(stats[1]), tol.floor)
+                    if peer_shape != shape or any(
+                        abs(a - b) > tol.rtol * scale
+                        for a, b in zip(stats, peer_stats, strict=True)
+                    ):
+                        differ.append(name)
+                        break
+        if differ:
+            self.problems.append(
+                f"the vision path is declared replicated (tp_sharded_vision=False) but "
+                f"{len(differ)} of its parameters got different reference gradients on the "
+                f"{tp} TP ranks ({', '.join(differ[:4])}): it is split over TP by hand, without "
+                "megatron's tensor_model_parallel marks; mark its sharded parameters with "
+                "megatron.core.tensor_parallel.set_tensor_model_parallel_attributes and declare "
+                "tp_sharded_vision=True (the wrap was not run: its TP ranks would encode "
+                "different images through layers that exchange rows)"
+            )
+        flag = torch.tensor([float(bool(differ))], device=current_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     @contextlib.contextmanager
     def _feeds(self) -> Iterator[tuple[list[Iterator[Any]], Sequence[MicroBatchPlan]]]:

@@ -53,8 +53,8 @@ class VLMUnderTest:
     """
 
     provider: Ref[Provider]
-    """Called twice (wrapped and reference model) after seeding torch and megatron's RNG alike;
-    both builds must come out with equal weights (checked)."""
+    """Called with no argument twice (wrapped and reference model) after seeding torch and
+    megatron's RNG alike; both builds must come out with equal weights (checked)."""
     forward_step: Ref[ForwardStep]
     """The forward step of the training pass, unchanged for the wrap."""
     vision: str = "vision"
@@ -64,18 +64,21 @@ class VLMUnderTest:
     tp_sharded_vision: bool = False
     """The vision path is TP-sharded (``DedupVLMStep.tp_sharded_vision``)."""
     encoder: Ref[UnitEncoder] | None = None
-    """Default: the vision module's ``encode(x)`` if it has one, else the module itself."""
+    """The wrap's per-unit encoder; default: the vision module's ``encode(x)`` if it has one, else
+    the module itself. The reference never runs it (NOTE [ Re-encoding reference ])."""
     to_batch: Ref[Callable[[MicroBatch], Mapping[str, object]]] | None = None
     """``megatron_batches``' ``to_batch``; default ``batch_for(te_available(), cp)``."""
     forward_only_step: Ref[ForwardStep] | None = None
-    """The forward step of the forward-only pass (old / reference log-probs); default
-    ``forward_step``. Every tensor of its loss dicts is compared."""
+    """The forward step of the forward-only pass (old / reference log-probs) of both models (the
+    reference's on its own batches); default ``forward_step``. Every tensor of its loss dicts is
+    compared."""
     reference_batches: Ref[ReferenceBatches] | None = None
-    """Default ``None``: the reference runs the wrap's batches and its vision path re-encodes,
-    in every micro-batch, each unit piece the micro-batch consumes (see NOTE [ Re-encoding
-    reference ])."""
+    """Default ``None``: the reference runs the wrap's batches plus ``images``, the pieces each
+    micro-batch consumes, through the model's own forward and vision path (``reference.with_images``,
+    NOTE [ Re-encoding reference ]); name your own for a model that takes images otherwise."""
     reference_forward_step: Ref[ForwardStep] | None = None
-    """The reference's forward step (default ``forward_step``); with ``reference_batches``."""
+    """The reference's training forward step (default ``forward_step``), e.g. for
+    ``reference_batches`` of another form; forward-only passes run ``forward_only_step``."""
     token_fields: tuple[str, ...] | None = None
     """Per-token fields to plan; default every per-token field of the first trajectory."""
 
