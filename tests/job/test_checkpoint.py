@@ -146,6 +146,38 @@ def test_a_durable_resume_after_a_kill_at_the_train_pass_serves_the_new_write_ba
     assert_trained_once(seen_first, order[:2], seen_second, data)
 
 
+def test_a_checkpoint_names_only_fsynced_shards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30.13: over a ``SafetensorsBackend`` every shard holding a unit the driver's state
+    names, and the shard directory, are fsynced before the checkpoint holding the state is
+    committed (NOTE [ Durable shards ]). Observed through ``os.fsync`` (a wrapper that records
+    each descriptor's path, then syncs)."""
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    data = trajectories(4, 2, seed=6)
+    directory = (tmp_path / "units").resolve()
+    ckpt = CheckpointDir(tmp_path / "ckpt")
+    store = TrajectoryStore(SafetensorsBackend(str(directory)))
+    with driver_config(1, 1, 1, 1).build(admission=controller(data, 2), store=store) as driver:
+        for trajectory in data[:3]:  # waiting: less than a mini-batch
+            driver.write(trajectory)
+        ckpt.stage(0)
+        write_json(ckpt.staging(0) / "knitkit.json", driver.state_dict(trained=0))
+        ckpt.commit(0)
+        named = {str(p) for p in directory.glob("shard-*.safetensors")}
+    store.close()
+    assert named
+    committing = next(i for i, p in enumerate(synced) if not p.startswith(str(directory)))
+    assert named | {str(directory)} <= set(synced[:committing]), (named, synced)
+
+
 def _checkpoint_after_two(
     data: list[Trajectory],
     written: list[Trajectory],

@@ -163,3 +163,37 @@ def test_the_journal_follows_the_live_units_not_the_run(tmp_path: Path) -> None:
     np.testing.assert_array_equal(reader.read(UnitKey("live", "tokens")), np.arange(4))
     reader.close()
     backend.close()
+
+
+def test_sync_fsyncs_what_changed_since_the_last_sync_and_flush_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [ Durable shards ]: ``flush`` (what every served pass does) fsyncs nothing; ``sync``
+    fsyncs each shard written or changed in place since the last sync, then the directory;
+    a sync with nothing new fsyncs nothing. Observed through ``os.fsync``."""
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    directory = (tmp_path / "shards").resolve()
+    backend = SafetensorsBackend(str(directory), shard_bytes=1 << 20)
+    shards = []
+    for i in range(2):
+        backend.put(UnitKey(f"t{i}", "tokens"), np.arange(4, dtype=np.int32))
+        backend.flush()
+        shards += [str(p) for p in directory.glob("shard-*") if str(p) not in shards]
+    first = shards[0]
+    assert synced == []
+    backend.sync()
+    assert set(synced) == {*shards, str(directory), str(directory.parent)}
+    synced.clear()
+    backend.sync()
+    assert synced == []
+    backend.write_ranges(UnitKey("t0", "tokens"), [(1, 2)], np.array([7], dtype=np.int32))
+    backend.sync()
+    assert synced == [first]
+    backend.close()

@@ -42,7 +42,7 @@ class UnitBackend(Protocol):
     - ``bytes_read`` counts the payload bytes moved by ``read`` since construction.
     - ``write_ranges`` overwrites rows of an existing unit (``check_write``'s errors).
 
-    Subclass it to inherit the defaults (``read_many``, ``write_ranges``, ``flush``,
+    Subclass it to inherit the defaults (``read_many``, ``write_ranges``, ``flush``, ``sync``,
     ``durable``, ``metrics``); a class that only matches the Protocol must define every member
     (``check_backend`` names what is missing when a store is built over it).
     """
@@ -90,8 +90,14 @@ class UnitBackend(Protocol):
     def bytes_read(self) -> int: ...
 
     def flush(self) -> None:
-        """Make every unit put so far readable by other processes and, on a durable backend,
-        persistent (a buffered backend writes its buffer). This default has nothing to do."""
+        """Make every unit put so far readable by other processes (a buffered backend writes
+        its buffer). This default has nothing to do."""
+        return None
+
+    def sync(self) -> None:
+        """On a durable backend, make every unit flushed so far survive a crash of the machine
+        (fsync): ``TrajectoryStore.state_dict`` calls it before it returns a state naming them.
+        May run outside the lock of the thread that writes. This default has nothing to do."""
         return None
 
     @property
@@ -119,6 +125,7 @@ PROTOCOL_MEMBERS = (
     "keys",
     "bytes_read",
     "flush",
+    "sync",
     "durable",
     "metrics",
     "close",
@@ -135,5 +142,5 @@ def check_backend(backend: object) -> None:
         raise TypeError(
             f"{type(backend).__name__} does not implement the UnitBackend Protocol: it has no "
             f"{missing}; subclass knitkit.storage.backends.UnitBackend to inherit the defaults "
-            "of read_many, write_ranges, flush, durable and metrics, or define them"
+            "of read_many, write_ranges, flush, sync, durable and metrics, or define them"
         )

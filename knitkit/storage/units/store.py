@@ -357,8 +357,9 @@ class TrajectoryStore:
         restricted state holds no registered mini-batch (those plan what it may not hold). A
         job driver keeps this way just the rollout fields of the trajectories it resumes with.
 
-        The units are not in it: the backend is flushed, and on a durable backend its units
-        stay readable by a store rebuilt over it (``load_state_dict``); units this state names
+        The units are not in it: the backend is flushed, and on a durable backend synced (its
+        units survive a crash of the machine) and they stay readable by a store rebuilt over it
+        (``load_state_dict``); units this state names
         are kept through later frees until two newer states were taken (NOTE [ Units outlive
         their last state ] in ``retention.py``). Save each state before taking the next.
         """
@@ -381,6 +382,7 @@ class TrajectoryStore:
         if self.backend.durable:
             for key in self._retained.taken(named):
                 self.backend.delete(key)
+            self.backend.sync()  # NOTE [ Durable shards ]: durable before any checkpoint holds it
         return state
 
     def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> LoadedState:
