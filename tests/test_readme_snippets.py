@@ -392,8 +392,14 @@ def _case(snippet: Snippet) -> object:
 @pytest.mark.parametrize("snippet", [_case(s) for s in SNIPPETS])
 def test_snippet_names_exist(snippet: Snippet) -> None:
     """The snippet parses, imports what it uses, and everything it names on knitkit exists
-    and is called the way its signature takes it."""
-    problems = _problems(snippet)
+    and is called the way its signature takes it. A snippet whose imports reach a third-party
+    extension that cannot load here (Mooncake without libibverbs1) is skipped, saying so."""
+    try:
+        problems = _problems(snippet)
+    except ImportError as error:
+        if error.path is None or Path(error.path).is_relative_to(ROOT):
+            raise
+        pytest.skip(f"{snippet.where}: {error.path} cannot load here: {error}")
     assert not problems, f"{snippet.where}:\n  " + "\n  ".join(problems)
 
 
