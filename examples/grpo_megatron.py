@@ -62,6 +62,7 @@ def new_trainer(run: GRPOConfig, keep_gradients: bool = False) -> Trainer:
         optimizer=build_optimizer(policy, run.optim),
         loss=run.loss,
         seq_length=MAX_SEQ,
+        epochs=run.ppo_epochs,
         gradients=[] if keep_gradients else None,
     )
 
@@ -70,7 +71,8 @@ def print_step(step: int, metrics: Mapping[str, float]) -> None:
     grpo = {k.removeprefix("knitkit/grpo/"): v for k, v in metrics.items()}
     print(
         f"step {step}: loss {grpo['loss']:+.6f}, kl {grpo['kl']:.6f}, nll {grpo['nll']:.4f}, "
-        f"reward {grpo['reward']:.3f}, images encoded {grpo['images_encoded']:.0f}",
+        f"reward {grpo['reward']:.3f}, clipped {grpo['clipped']:.3f}, "
+        f"images encoded {grpo['images_encoded']:.0f}",
         flush=True,
     )
 

@@ -41,7 +41,8 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     ),
     # 2 prompts (one image each) per mini-batch: each image encoded once per pass.
     "grpo_megatron.py": tuple(
-        rf"step {i}: loss [-+][\d.e-]+, kl [\d.]+, nll [\d.]+, reward [\d.]+, images encoded 2$"
+        rf"step {i}: loss [-+][\d.e-]+, kl [\d.]+, nll [\d.]+, reward [\d.]+, clipped [\d.]+, "
+        r"images encoded 2$"
         for i in (1, 2, 3)
     ),
     "megatron_llava.py": tuple(rf"step {i}: loss [\d.]+, image encodings 12 " for i in (1, 2, 3)),
@@ -88,10 +89,16 @@ def with_tensorboard(path: Path, command: list[str], directory: Path) -> list[st
     return [*command, "--tensorboard", str(directory)] if path.name in TENSORBOARD else command
 
 
-def check_output(path: Path, stdout: str, tensorboard: Path) -> None:
-    """The example's expected lines; one that trains, a falling loss, and one that logs, its
-    figures in ``tensorboard`` at every printed step."""
+WARNING_LINE = re.compile(r"^.*:\d+: \w*Warning: .*$", re.MULTILINE)
+"""A line ``warnings`` prints (``file:line: Category: message``)."""
+
+
+def check_output(path: Path, stdout: str, stderr: str, tensorboard: Path) -> None:
+    """The example's expected lines and no warning around them; one that trains, a falling loss,
+    and one that logs, its figures in ``tensorboard`` at every printed step."""
     assert stdout.strip(), f"{path.name} printed nothing"
+    warned = WARNING_LINE.findall(stderr)
+    assert not warned, f"{path.name} printed {len(warned)} warnings:\n" + "\n".join(warned[:10])
     for pattern in EXPECTED.get(path.name, ()):
         assert re.search(pattern, stdout, re.MULTILINE), (
             f"{path.name}: no line matches {pattern!r} in:\n{stdout}"

@@ -28,7 +28,7 @@ def test_example_runs(path: Path, tmp_path: Path) -> None:
         timeout=300,
     )
     assert done.returncode == 0, f"{path.name} failed:\n{done.stdout}\n{done.stderr[-3000:]}"
-    check_output(path, done.stdout, tmp_path)
+    check_output(path, done.stdout, done.stderr, tmp_path)
 
 
 def test_every_example_is_checked() -> None:

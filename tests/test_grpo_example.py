@@ -30,6 +30,9 @@ def test_knitkit_loop_equals_plain_loop(tmp_path: Path) -> None:
     pass) agree: per-step figures, every gradient element of every step, and every parameter's
     update after the last step, each within its stated fp32 tolerance (``grpo.compare``:
     FIGURES, GRADIENTS, PARAMETERS), checked relatively where the reference is above the floor.
+    Each mini-batch is trained ``ppo_epochs`` (2) times on its old log-probs, so the ratio leaves 1
+    and PPO's clip binds (the first step clips a tenth of the tokens, the same in both loops);
+    the example prints no warning around its result lines.
     """
     out = tmp_path / "grpo.json"
     example = ROOT / "examples" / "grpo_megatron.py"
@@ -42,7 +45,9 @@ def test_knitkit_loop_equals_plain_loop(tmp_path: Path) -> None:
         timeout=600,
     )
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-4000:]}"
-    check_output(example, done.stdout, tmp_path / "tb")  # test_examples.py leaves it to this run
+    check_output(
+        example, done.stdout, done.stderr, tmp_path / "tb"
+    )  # test_examples.py leaves it to this run
     report = json.loads(out.read_text())
     result = report["comparison"]
     assert result["same_trajectories"], "the plain loop trained other trajectories"
@@ -73,6 +78,10 @@ def test_knitkit_loop_equals_plain_loop(tmp_path: Path) -> None:
         assert mine["figures"]["images_encoded"] == 2
         assert ref["figures"]["images_encoded"] == 32
     assert report["knitkit"][-1]["figures"]["kl"] > 1e-3, "the policy never left the reference"
+    # Several optimizer steps per mini-batch: the ratio moves and the clip binds, in both loops.
+    clipped = [step["figures"]["clipped"] for step in report["knitkit"]]
+    assert clipped[0] > 0.05, f"PPO's clip never bound: clipped fractions {clipped}"
+    assert all(abs(step["figures"]["pg"]) > 1e-3 for step in report["knitkit"]), "ratio stayed 1"
     assert result["ok"]
 
 

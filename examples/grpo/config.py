@@ -14,7 +14,11 @@ class GRPOConfig:
     """Rollout, admission, planning, loss and optimizer of one run."""
 
     steps: int = 3
-    """Optimizer steps; one admitted mini-batch each."""
+    """GRPO steps; one admitted mini-batch each, trained ``ppo_epochs`` times."""
+    ppo_epochs: int = 2
+    """Optimizer steps per mini-batch (PPO epochs), each over all of its micro-batches against
+    the old log-probs computed once before the first: from the second on the policy has moved,
+    so the ratio leaves 1 and the clip binds (``clipped`` > 0)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train_batch_size: int = 32
     """Trajectories per train batch (one rollout step's worth by default)."""
@@ -32,6 +36,8 @@ class GRPOConfig:
         return self.train_batch_size // self.num_minibatches
 
     def __post_init__(self) -> None:
+        if self.ppo_epochs < 1:
+            raise ValueError(f"ppo_epochs={self.ppo_epochs}; each mini-batch trains at least once")
         group = self.rollout.group_size
         if self.train_batch_size % self.num_minibatches or self.minibatch_size % group:
             raise ValueError(

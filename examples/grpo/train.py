@@ -1,4 +1,4 @@
-"""One rank's GRPO step on megatron-core: forward-only log-prob passes, the train pass, the optimizer step.
+"""One rank's GRPO step on megatron-core: forward-only log-prob passes, the train pass, its optimizer steps.
 
 Both data paths (knitkit's handles and the plain reference loop) run their micro-batches through
 the same ``Trainer``; they differ only in where the batches come from and in ``dedup``: knitkit
@@ -61,6 +61,8 @@ class Trainer:
     loss: LossConfig
     seq_length: int
     """Megatron's ``seq_length`` (an upper bound on a micro-batch's tokens)."""
+    epochs: int = 1
+    """Optimizer steps per train pass (``GRPOConfig.ppo_epochs``)."""
     work_per_token: float = 0.0
     """Extra fixed CPU work per micro-batch, in 128 x 128 matmuls per 64 tokens (benchmarks:
     stands in for a bigger model; real compute, never a sleep; no effect on the results)."""
@@ -78,9 +80,24 @@ class Trainer:
     def train(
         self, data: Iterable[Batch], num_microbatches: int, dedup: Dedup | None
     ) -> dict[str, float]:
-        """The train pass and the optimizer step; the step's ``FIGURES`` summed over the world,
-        and ``images_encoded``: the vision path's runs on every rank (one per unique image with
-        dedup, one per micro-batch's image on every TP rank without)."""
+        """The train pass: ``epochs`` optimizer steps on the mini-batch (PPO epochs), each over
+        all of its micro-batches, all against the old log-probs they carry. The first epoch
+        streams ``data`` (prefetch overlaps it as before) and keeps a copy of each batch for the
+        next ones. Returns the step's ``FIGURES`` summed over the world and averaged over the
+        epochs, and ``images_encoded``: the vision path's runs on every rank per epoch (one per
+        unique image with dedup, one per micro-batch's image on every TP rank without)."""
+        kept: list[Batch] = []
+        sums: dict[str, float] = {}
+        for epoch in range(self.epochs):
+            source = _Kept(iter(data), kept if self.epochs > 1 else None) if epoch == 0 else kept
+            figures = self._epoch(source, num_microbatches, dedup)
+            sums = {k: sums.get(k, 0.0) + v for k, v in figures.items()}
+        return {k: v / self.epochs for k, v in sums.items()}
+
+    def _epoch(
+        self, data: Iterable[Batch], num_microbatches: int, dedup: Dedup | None
+    ) -> dict[str, float]:
+        """One optimizer step over every micro-batch of ``data``."""
         self.policy.zero_grad_buffer()
         step = functools.partial(train_step, self.loss, loss_scale(num_microbatches))
         counted = _ImageCount(iter(data))
@@ -129,6 +146,25 @@ class _ImageCount:
     def __next__(self) -> Batch:
         batch = next(self._source)
         self.images += len(batch.get("images") or ())
+        return batch
+
+
+class _Kept:
+    """The data iterator, keeping a copy of each batch in ``into`` (``None``: no copies); a
+    delivered batch may view a slot that is refilled once the next one is taken."""
+
+    def __init__(self, source: Iterator[Batch], into: list[Batch] | None) -> None:
+        self._source, self._into = source, into
+
+    def __iter__(self) -> _Kept:
+        return self
+
+    def __next__(self) -> Batch:
+        batch = next(self._source)
+        if self._into is not None:
+            self._into.append(
+                {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            )
         return batch
 
 
