@@ -50,19 +50,26 @@ Grid = tuple[int, int, int]
 # - Each run holds exactly its grid's tokens; images and videos meet runs in order of appearance;
 #   every grid needs a run. Anything else is refused, naming the item: a silent mismatch shifts
 #   every later position.
-# "Next text at max + 1" is the rule of Qwen's own implementation (transformers PR 35569: "the
-# text start position_ids as the max vision position_ids plus 1"), of SGLang's and vLLM's
-# MRotaryEmbedding.get_rope_index, and of how transformers positions GENERATED tokens
-# (rope_deltas = max + 1 - length). transformers 5.x's single-pass get_rope_index (5.23.0
-# included) continues in-prompt text after a vision run at p + max(h', w') instead: equal to
-# max + 1 for images and Qwen3-VL frames, smaller after a Qwen2.5-VL video whose temporal extent
-# trunc((t - 1) * interval) exceeds max(h', w') - 1 (its own generation then jumps to max + 1).
-# The rollout engine computed the log-probs with max + 1, the trainer must see the positions the
-# rollout saw, and a token's position must not depend on whether it was prefilled or decoded (in a
-# multi-turn episode each turn's output is prefilled again in the next turn's prompt), so knitkit
-# follows max + 1. tests/integration/test_mrope_reference.py compares
-# with transformers 5.23.0 wherever the two agree, and text after a Qwen2.5-VL video with
-# 5.23.0's generation positions.
+# The processor wraps every image, every Qwen2.5-VL video and every Qwen3-VL video frame in
+# <|vision_start|> ... <|vision_end|>, plain text to the model, so text always follows a run.
+# The rule per model family (text after a run, and tokens generated after the prompt):
+# - Images (every family), Qwen3-VL / Qwen3-VL-MoE video frames (t = 1 per run): the next text is
+#   at max + 1 = p + max(h', w'). Qwen's own implementation, SGLang, vLLM and transformers 5.x
+#   (prefill and generation) all agree.
+# - Qwen2.5-VL videos: the next text is at max + 1 = p + max(trunc((t - 1) * interval),
+#   max(h', w') - 1) + 1: Qwen's own implementation (transformers PR 35569: "the text start
+#   position_ids as the max vision position_ids plus 1"), SGLang's and vLLM's
+#   MRotaryEmbedding.get_rope_index. transformers 5.x (5.23.0 included) continues at
+#   p + max(h', w') in its prefill and generates from the prefill's max + 1: the same where the
+#   temporal extent trunc((t - 1) * interval) fits in max(h', w') - 1; past it, its text after the
+#   video sits lower, and with only <|vision_end|> after the video its generated answer sits
+#   exactly 1 below (a token's position then depends on whether it was prefilled or decoded).
+# knitkit follows max + 1: the rollout engine (SGLang, vLLM) computed the log-probs with it, the
+# trainer must see the positions the rollout saw, and in a multi-turn episode each turn's output is
+# prefilled again in the next turn's prompt, so a position must not depend on prefill vs decode.
+# tests/integration/test_mrope_reference.py runs transformers 5.23.0's real get_rope_index and
+# generation path on the processor's layout: equal wherever transformers follows max + 1, and the
+# Qwen2.5-VL overhang case pinned to the difference above.
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +125,7 @@ def mrope_positions(
     ``video_grid_thw`` and ``second_per_grid_ts`` are the processor's outputs for this sequence
     (in patches, one per image / video); ``image_token_id``, ``video_token_id``,
     ``spatial_merge_size`` and ``tokens_per_second`` come from the model config. See NOTE
-    [ Qwen-VL mRoPE positions ] for the rule, and where it differs from transformers 5.x.
+    [ Qwen-VL mRoPE positions ] for the rule per model family, and where transformers 5.x differs.
     """
     if scheme not in MROPE_SCHEMES:
         raise ValueError(f"mRoPE scheme {scheme!r} is not one of {MROPE_SCHEMES}")

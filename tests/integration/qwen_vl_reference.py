@@ -13,6 +13,9 @@ import torch
 
 IMAGE_TOKEN, VIDEO_TOKEN = 151655, 151656
 """Qwen2.5-VL's and Qwen3-VL's ``<|image_pad|>`` and ``<|video_pad|>`` (their configs' defaults)."""
+VISION_START, VISION_END = 151652, 151653
+"""``<|vision_start|>`` and ``<|vision_end|>``: the processors wrap every image, every Qwen2.5-VL
+video and every Qwen3-VL video frame in them (text tokens to the model)."""
 MERGE = 2
 TOKENS_PER_SECOND = 2
 """``vision_config.tokens_per_second`` of the released Qwen2.5-VL checkpoints."""

@@ -22,6 +22,8 @@ from qwen_vl_reference import (
     MERGE,
     TOKENS_PER_SECOND,
     VIDEO_TOKEN,
+    VISION_END,
+    VISION_START,
     generation_positions,
     get_rope_index,
 )
@@ -49,19 +51,23 @@ class Layout:
         self.ids += [1000 + (seed + 7 * i) % 5000 for i in range(n)]
 
     def image(self, grid: tuple[int, int, int]) -> None:
+        """``<|vision_start|>`` + the image's pads + ``<|vision_end|>``, as the processor writes it."""
         self.images.append(grid)
-        self.ids += [IMAGE_TOKEN] * (grid[0] * grid[1] * grid[2] // MERGE**2)
+        self.ids += [VISION_START, *[IMAGE_TOKEN] * (grid[0] * grid[1] * grid[2] // MERGE**2)]
+        self.ids.append(VISION_END)
 
     def video(self, scheme: str, grid: tuple[int, int, int], seconds: float = 1.0) -> None:
+        """The processor's layout: Qwen2.5-VL ``<|vision_start|>`` + all pads + ``<|vision_end|>``;
+        Qwen3-VL per temporal patch ``<t seconds><|vision_start|>`` + its pads + ``<|vision_end|>``."""
         t, h, w = grid
         self.videos.append(grid)
         if scheme == "qwen2_5_vl":
             self.seconds.append(seconds)
-            self.ids += [VIDEO_TOKEN] * (t * h * w // MERGE**2)
+            self.ids += [VISION_START, *[VIDEO_TOKEN] * (t * h * w // MERGE**2), VISION_END]
             return
-        for frame in range(t):  # Qwen3-VL: "<t seconds><|vision_start|>" + frame + "<|vision_end|>"
+        for frame in range(t):
             self.text(3, seed=frame)
-            self.ids += [VIDEO_TOKEN] * (h * w // MERGE**2)
+            self.ids += [VISION_START, *[VIDEO_TOKEN] * (h * w // MERGE**2), VISION_END]
 
     def positions(self, scheme: str) -> np.ndarray:
         return mrope_positions(
@@ -130,26 +136,61 @@ def test_batches_match_transformers_get_rope_index(scheme: str, padding: str, da
         np.testing.assert_array_equal(seq.positions(scheme), expected)
 
 
+@pytest.mark.parametrize("scheme", ["qwen2_5_vl", "qwen3_vl"])
 @SETTINGS
 @given(data=st.data())
-def test_qwen2_5_video_then_text_matches_transformers_generation(data) -> None:  # type: ignore[no-untyped-def]
-    """Text, images, then a Qwen2.5-VL video of any timing, then text (the in-prompt question and
-    the generated answer): positions equal transformers' generation path, which continues after
-    the video's largest position as SGLang does."""
-    seq = data.draw(sequences("qwen2_5_vl", videos_fit=True))
-    seq.video("qwen2_5_vl", data.draw(VIDEO_GRIDS), data.draw(SECONDS))
+def test_generation_matches_transformers_where_it_continues_at_max_plus_one(
+    scheme: str, data
+) -> None:  # type: ignore[no-untyped-def]
+    """A prompt in the processor's layout (every vision run closed by ``<|vision_end|>``, then the
+    question), then the generated answer: every position equals transformers' own generation path
+    (prefill, then ``rope_deltas``) for images, Qwen3-VL videos, and Qwen2.5-VL videos whose
+    temporal extent fits their spatial one (where transformers 5.x continues at max + 1 too)."""
+    seq = data.draw(sequences(scheme, videos_fit=True))
+    assume(seq.images or seq.videos)  # text alone: transformers takes its 1-D path
     prompt = len(seq.ids)
     seq.text(data.draw(st.integers(1, 8)))
-    expected = generation_positions(
-        "qwen2_5_vl", seq.ids[:prompt], len(seq.ids) - prompt, seq.images, seq.videos, seq.seconds
-    )
-    np.testing.assert_array_equal(seq.positions("qwen2_5_vl"), expected)
+    args = (seq.images, seq.videos, seq.seconds)
+    expected = generation_positions(scheme, seq.ids[:prompt], len(seq.ids) - prompt, *args)
+    np.testing.assert_array_equal(seq.positions(scheme), expected)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_qwen2_5_video_overhang_continues_at_max_plus_one(data) -> None:  # type: ignore[no-untyped-def]
+    """A Qwen2.5-VL video whose temporal extent E = trunc((t - 1) * interval) exceeds its spatial
+    one (max(h', w') - 1), in the processor's layout, then text: knitkit gives the video block
+    transformers' own positions and continues the text at the block's max + 1 (Qwen's original
+    rule, SGLang's and vLLM's: the positions the rollout engine used). transformers 5.23.0
+    continues at p + max(h', w') instead, and generates from its prefill's max + 1: with only
+    ``<|vision_end|>`` after the video, its answer sits exactly 1 below knitkit's (NOTE [ Qwen-VL
+    mRoPE positions ]); a change of either side shows here."""
+    seq = data.draw(sequences("qwen2_5_vl", videos_fit=True))
+    grid, seconds = data.draw(VIDEO_GRIDS), data.draw(SECONDS)
+    assume(not _fits(grid, seconds))
+    start = len(seq.ids) + 1  # the video's first pad, after <|vision_start|>
+    seq.video("qwen2_5_vl", grid, seconds)
+    end = len(seq.ids) - 1  # its <|vision_end|>
+    answer = data.draw(st.integers(1, 8))
+    seq.text(answer)
+    got = seq.positions("qwen2_5_vl")
+    args = (seq.images, seq.videos, seq.seconds)
+    prefill = get_rope_index("qwen2_5_vl", [seq.ids], *args)[0]
+    np.testing.assert_array_equal(got[:, :end], prefill[:, :end])  # up to the video's last pad
+    block = got[:, start:end]
+    after = block.max() + 1 + np.arange(1 + answer)
+    np.testing.assert_array_equal(got[:, end:], np.broadcast_to(after, (3, 1 + answer)))
+    _, h, w = grid
+    assert (prefill[:, end] == got[0, start] + max(h, w) // MERGE).all()  # transformers' p + max
+    generated = generation_positions("qwen2_5_vl", seq.ids[: end + 1], answer, *args)
+    np.testing.assert_array_equal(generated[:, end + 1 :], got[:, end + 1 :] - 1)
 
 
 def test_issue_examples() -> None:
     """Issue 22 item 16: a (4, 4, 4) video after 3 text tokens, and an image followed by a video,
-    each followed by text: the vision tokens equal transformers' prefill, every token its
-    generation path (old knitkit gave the video frames one temporal index)."""
+    each in the processor's layout and followed by text: the vision tokens equal transformers'
+    prefill and the frames step in time (old knitkit gave them one temporal index); the text
+    continues at the largest position + 1."""
     video_only = Layout()
     video_only.text(3)
     video_only.video("qwen2_5_vl", (4, 4, 4), 1.0)
@@ -159,17 +200,16 @@ def test_issue_examples() -> None:
     both.text(2)
     both.video("qwen2_5_vl", (2, 4, 8), 0.5)
     for seq, tail in ((video_only, 5), (both, 8)):
-        prompt = len(seq.ids)
+        vision_end = len(seq.ids) - 1
         seq.text(tail)
         got = seq.positions("qwen2_5_vl")
-        args = (seq.images, seq.videos, seq.seconds)
-        prefill = get_rope_index("qwen2_5_vl", [seq.ids], *args)[0]
-        np.testing.assert_array_equal(got[:, :prompt], prefill[:, :prompt])
-        expected = generation_positions("qwen2_5_vl", seq.ids[:prompt], tail, *args)
-        np.testing.assert_array_equal(got, expected)
+        prefill = get_rope_index("qwen2_5_vl", [seq.ids], seq.images, seq.videos, seq.seconds)[0]
+        np.testing.assert_array_equal(got[:, :vision_end], prefill[:, :vision_end])
+        after = got[:, :vision_end].max() + 1 + np.arange(len(seq.ids) - vision_end)
+        np.testing.assert_array_equal(got[:, vision_end:], np.broadcast_to(after, (3, len(after))))
     assert (
-        video_only.positions("qwen2_5_vl")[0, 3:19].tolist()
-        == [3] * 4 + [5] * 4 + [7] * 4 + [9] * 4
+        video_only.positions("qwen2_5_vl")[0, 4:20].tolist()
+        == [4] * 4 + [6] * 4 + [8] * 4 + [10] * 4
     )
 
 
