@@ -36,7 +36,12 @@ independent of the CPU allocator. Dedup keeps every unique image's encoder graph
 mini-batch, so its peak stays below dup's while a mini-batch's unique images do not outnumber one
 micro-batch's trajectories (``unique_per_micro`` <= 1).
 
-    python benchmarks/encoder_dedup.py [--quick] [--json PATH]
+A gloo world of ``--world`` ranks (default 2; 1 skips it) runs the same cases spread over the
+ranks (micro-batch ``i`` on rank ``i % world``; dedup's unique images round robin over the
+ranks, rows and gradients routed over gloo): ``world<W>.<case>.*`` keys, process CPU seconds of
+the slowest rank (gloo's threads included, so routing and handshakes count).
+
+    python benchmarks/encoder_dedup.py [--quick] [--json PATH] [--world N]
 """
 
 from __future__ import annotations
@@ -46,14 +51,17 @@ import json
 import os
 import random
 import statistics
+import tempfile
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from progress import Progress
 from torch import nn
@@ -65,6 +73,7 @@ from knitkit.encoder_dedup import (
     DedupEncoder,
     EncoderAssignment,
     LocalTransport,
+    ProcessGroupTransport,
     build_routing_plan,
     row_slices,
 )
@@ -226,21 +235,33 @@ def dup_step(enc: ViT, bb: Backbone, opt: torch.optim.Optimizer, mb: MiniBatch) 
     return t
 
 
-def dedup_encoder(mb: MiniBatch, width: int) -> DedupEncoder:
-    """One rank's DedupEncoder for the mini-batch: its routing plan built, every unique image
-    encoded once, in encoder micro-batches of ``mb.encoder_batch`` images."""
+def dedup_encoder(mb: MiniBatch, width: int, rank: int = 0, world: int = 1) -> DedupEncoder:
+    """Rank ``rank``'s DedupEncoder for the mini-batch: the routing plan over ``world`` ranks
+    built (unique images round robin over the ranks, in encoder micro-batches of
+    ``mb.encoder_batch``; micro-batch ``i`` on backbone rank ``i % world``), each unique image
+    encoded once in the world; rows travel over gloo when ``world`` > 1."""
     keys = sorted(mb.images)
-    batches = [keys[i : i + mb.encoder_batch] for i in range(0, len(keys), mb.encoder_batch)]
-    encoder = EncoderAssignment({0: batches}, {k: len(mb.images[k]) for k in keys})
-    needs = [
-        [s for i in traj for s in row_slices([mb.refs[i]], [(0, 1 << 30)])]
-        for traj in mb.micro_batches
-    ]
-    plan = build_routing_plan(encoder, BackboneAssignment({0: needs}), world_size=1)
-    return DedupEncoder(plan.for_rank(0), LocalTransport(), hidden=width)
+    mine = {r: keys[r::world] for r in range(world)}
+    batches = {
+        r: [ks[i : i + mb.encoder_batch] for i in range(0, len(ks), mb.encoder_batch)]
+        for r, ks in mine.items()
+    }
+    encoder = EncoderAssignment(batches, {k: len(mb.images[k]) for k in keys})
+    needs = {
+        r: [
+            [s for i in traj for s in row_slices([mb.refs[i]], [(0, 1 << 30)])]
+            for traj in mb.micro_batches[r::world]
+        ]
+        for r in range(world)
+    }
+    plan = build_routing_plan(encoder, BackboneAssignment(needs), world_size=world)
+    transport = LocalTransport() if world == 1 else ProcessGroupTransport()
+    return DedupEncoder(plan.for_rank(rank), transport, hidden=width)
 
 
-def dedup_step(enc: ViT, bb: Backbone, opt: torch.optim.Optimizer, mb: MiniBatch) -> Timing:
+def dedup_step(
+    enc: ViT, bb: Backbone, opt: torch.optim.Optimizer, mb: MiniBatch, rank: int = 0, world: int = 1
+) -> Timing:
     """knitkit's DedupEncoder: unique images once, cached leaves, one deferred encoder backward;
     its encoder time holds everything dedup adds: the routing plan, the encoder, each micro-batch's
     feature gather and the gradient hooks at the leaves, the deferred backward."""
@@ -248,10 +269,10 @@ def dedup_step(enc: ViT, bb: Backbone, opt: torch.optim.Optimizer, mb: MiniBatch
     start = _clock()
     opt.zero_grad()
     t0 = _clock()
-    dedup = dedup_encoder(mb, bb.embed.embedding_dim)
+    dedup = dedup_encoder(mb, bb.embed.embedding_dim, rank, world)
     dedup.encode(lambda ks: enc(torch.stack([mb.images[k] for k in ks])))
     t.encoder_s += _clock() - t0
-    for micro, traj in enumerate(mb.micro_batches):
+    for micro, traj in enumerate(mb.micro_batches[rank::world]):
         t0 = _clock()
         features = dedup.features(micro)
         t.encoder_s += _clock() - t0
@@ -281,15 +302,15 @@ def dup_forward(enc: ViT, bb: Backbone, mb: MiniBatch) -> Timing:
 
 
 @torch.no_grad()
-def dedup_forward(enc: ViT, bb: Backbone, mb: MiniBatch) -> Timing:
+def dedup_forward(enc: ViT, bb: Backbone, mb: MiniBatch, rank: int = 0, world: int = 1) -> Timing:
     """The same pass with ``DedupEncoder.encode(keep_graph=False)``: unique images once, no graph;
     encoder time includes the routing plan and the feature gathers."""
     t = Timing()
     start = _clock()
-    dedup = dedup_encoder(mb, bb.embed.embedding_dim)
+    dedup = dedup_encoder(mb, bb.embed.embedding_dim, rank, world)
     dedup.encode(lambda ks: enc(torch.stack([mb.images[k] for k in ks])), keep_graph=False)
     t.encoder_s += _clock() - start
-    for micro, traj in enumerate(mb.micro_batches):
+    for micro, traj in enumerate(mb.micro_batches[rank::world]):
         t0 = _clock()
         features = dedup.features(micro)
         t.encoder_s += _clock() - t0
@@ -391,6 +412,74 @@ def measure(size: Size, case: Case) -> dict[str, float]:
     }
 
 
+def world_rank(rank: int, world: int, size: Size, init: str, out_dir: str) -> None:
+    """One rank of a gloo world of ``world`` (``--world``): micro-batch ``i`` runs on rank
+    ``i % world``; dup encodes its own micro-batches' images, dedup each unique image once in
+    the world (round robin over the ranks), rows and gradients routed over gloo. Times are CPU
+    seconds of the whole rank process (``time.process_time``: gloo's threads included, so the
+    routing and the handshakes count); figures per case, medians over interleaved repeats."""
+    global _clock
+    _clock = time.process_time
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    figures: dict[str, float] = {}
+    try:
+        for case in CASES:
+            torch.manual_seed(0)
+            enc, bb = ViT(size), Backbone(size)
+            opt = torch.optim.AdamW([*enc.parameters(), *bb.parameters()], lr=1e-4)
+            mb = make_minibatch(size, case)
+            mine = replace(mb, micro_batches=mb.micro_batches[rank::world])
+            modes: dict[str, Callable[[], Timing]] = {
+                "dup": partial(dup_step, enc, bb, opt, mine),
+                "dedup": partial(dedup_step, enc, bb, opt, mb, rank, world),
+                "dup_fwd": partial(dup_forward, enc, bb, mine),
+                "dedup_fwd": partial(dedup_forward, enc, bb, mb, rank, world),
+            }
+            runs: dict[str, list[Timing]] = {mode: [] for mode in modes}
+            for repeat in range(size.repeats + 1):  # the first is a warm-up
+                for mode, run in modes.items():  # interleaved
+                    dist.barrier()
+                    timing = run()
+                    if repeat:
+                        runs[mode].append(timing)
+            for mode, timings in runs.items():
+                for part in ("encoder_s", "step_s"):
+                    figures[f"{case.name}.{mode}.{part}"] = statistics.median(
+                        getattr(t, part) for t in timings
+                    )
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(figures, fh)
+
+
+def measure_world(size: Size, world: int) -> dict[str, float]:
+    """``world_rank`` on ``world`` spawned gloo ranks; per case, the slowest rank's seconds and
+    dup / dedup ratios, as ``world<W>.<case>.*`` keys."""
+    with tempfile.TemporaryDirectory(prefix="encoder-dedup-") as tmp:
+        init = f"file://{tmp}/init"
+        mp.spawn(world_rank, args=(world, size, init, tmp), nprocs=world)
+        ranks = []
+        for rank in range(world):
+            with open(os.path.join(tmp, f"rank{rank}.json")) as fh:
+                ranks.append(json.load(fh))
+    out: dict[str, float] = {}
+    for case in CASES:
+        k, w = case.name, f"world{world}.{case.name}"
+        slowest = {key: max(r[key] for r in ranks) for key in ranks[0] if key.startswith(k + ".")}
+        for key, value in slowest.items():
+            out[f"world{world}.{key}"] = value
+        out[f"{w}.encoder_time_ratio"] = (
+            slowest[f"{k}.dup.encoder_s"] / slowest[f"{k}.dedup.encoder_s"]
+        )
+        out[f"{w}.forward_only_encoder_time_ratio"] = (
+            slowest[f"{k}.dup_fwd.encoder_s"] / slowest[f"{k}.dedup_fwd.encoder_s"]
+        )
+        out[f"{w}.step_time_ratio"] = slowest[f"{k}.dup.step_s"] / slowest[f"{k}.dedup.step_s"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -398,6 +487,12 @@ def main() -> None:
     )
     parser.add_argument("--json", metavar="PATH", help="write the flat figures to PATH")
     parser.add_argument("--wall", action="store_true", help="time with wall clock, not thread CPU")
+    parser.add_argument(
+        "--world",
+        type=int,
+        default=2,
+        help="also run a gloo world of this many ranks (2-4; 1 skips it)",
+    )
     args = parser.parse_args()
     if args.wall:
         global _clock
@@ -428,6 +523,18 @@ def main() -> None:
         f"target: n16.encoder_time_ratio and n16.forward_only_encoder_time_ratio >= {0.75 * 16:.0f}"
         " (ideal 16); peak_memory_ratio <= 1 while unique images per micro-batch <= 1"
     )
+    if args.world > 1:
+        progress(f"gloo world of {args.world} ranks")
+        world = measure_world(size, args.world)
+        figures.update(world)
+        print(f"gloo world of {args.world} ranks (process CPU seconds of the slowest rank):")
+        for case in CASES:
+            w = f"world{args.world}.{case.name}"
+            print(
+                f"{case.name:<5} encoder ratio {world[f'{w}.encoder_time_ratio']:.2f}, "
+                f"forward-only {world[f'{w}.forward_only_encoder_time_ratio']:.2f}, "
+                f"step ratio {world[f'{w}.step_time_ratio']:.2f}"
+            )
     figures["loadavg_1m_at_end"] = os.getloadavg()[0]
     if args.json:
         with open(args.json, "w") as fh:
