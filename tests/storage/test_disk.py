@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
@@ -196,4 +198,39 @@ def test_sync_fsyncs_what_changed_since_the_last_sync_and_flush_does_not(
     backend.write_ranges(UnitKey("t0", "tokens"), [(1, 2)], np.array([7], dtype=np.int32))
     backend.sync()
     assert synced == [first]
+    backend.close()
+
+
+def _forked_reader(backend: SafetensorsBackend, key: UnitKey, conn: Connection) -> None:
+    conn.recv()  # the owner wrote the unit again
+    try:
+        backend.put(UnitKey("child", "tokens"), np.zeros(1, dtype=np.int64))
+        refused = False
+    except RuntimeError:
+        refused = True
+    conn.send((backend.read(key).tolist(), refused))
+
+
+def test_a_forked_child_of_the_owner_reads_as_a_reader(tmp_path: Path) -> None:
+    """A forked child of the owner (a DataLoader worker) follows the owner's journal like a
+    pickled reader: it reads a unit deleted and written again after the fork at its new place,
+    and refuses to write (NOTE [ Disk readers follow the owner ])."""
+    backend = SafetensorsBackend(str(tmp_path), shard_bytes=1 << 20)
+    key = UnitKey("t0", "tokens")
+    backend.put(key, np.arange(100, 108, dtype=np.int64))
+    backend.put(UnitKey("t1", "tokens"), np.arange(8, dtype=np.int64))
+    backend.flush()
+    context = multiprocessing.get_context("fork")
+    ours, theirs = context.Pipe()
+    child = context.Process(target=_forked_reader, args=(backend, key, theirs))
+    child.start()
+    backend.delete(key)
+    backend.put(key, np.arange(900, 908, dtype=np.int64))
+    backend.flush()
+    ours.send(None)
+    assert ours.poll(60), "the forked child never answered"
+    assert ours.recv() == (list(range(900, 908)), True)
+    child.join(60)
+    assert child.exitcode == 0
+    backend.put(UnitKey("t2", "tokens"), np.arange(3, dtype=np.int64))  # still the owner
     backend.close()
