@@ -1,0 +1,16 @@
+"""knitkit.testing: a simulated multi-node cluster on one machine, for tests and benchmarks.
+
+Not on the library's import path: nothing in knitkit imports it, and it imports no engine (Ray
+runs as ``ray start`` commands inside the nodes).
+"""
+
+from knitkit.testing.cluster import SimulatedCluster, SimulatedNode
+from knitkit.testing.namespaces import processes_in, unavailable_reason, wait_processes_gone
+
+__all__ = [
+    "SimulatedCluster",
+    "SimulatedNode",
+    "processes_in",
+    "unavailable_reason",
+    "wait_processes_gone",
+]
