@@ -4,10 +4,11 @@ Not on the library's import path: nothing in knitkit imports it, and it imports 
 runs as ``ray start`` commands inside the nodes).
 """
 
-from knitkit.testing.cluster import SimulatedCluster, SimulatedNode
+from knitkit.testing.cluster import LinkBytes, SimulatedCluster, SimulatedNode
 from knitkit.testing.namespaces import processes_in, unavailable_reason, wait_processes_gone
 
 __all__ = [
+    "LinkBytes",
     "SimulatedCluster",
     "SimulatedNode",
     "processes_in",

@@ -17,6 +17,14 @@ from knitkit.testing.namespaces import NamespaceHolder, processes_in, unavailabl
 from knitkit.testing.raylets import RAY_ENV, start_ray
 
 
+@dataclass(frozen=True, slots=True)
+class LinkBytes:
+    """Bytes a node's link carried, each way (the kernel's interface counters)."""
+
+    sent: int
+    received: int
+
+
 def _hostname(index: int) -> str:
     return f"node{index}"
 
@@ -90,6 +98,15 @@ class SimulatedNode:
         """Lose the node at once, as a machine that dies: SIGKILL every process on it (its
         raylet too) and free its namespaces; the other nodes run on."""
         self._holder.close()
+
+    def link_bytes(self) -> LinkBytes:
+        """Bytes through the node's link so far (its ``eth0``; loopback traffic is not counted)."""
+        for line in Path(f"/proc/{self._holder.pid}/net/dev").read_text().splitlines():
+            name, _, counters = line.partition(":")
+            if name.strip() == "eth0":
+                fields = counters.split()
+                return LinkBytes(sent=int(fields[8]), received=int(fields[0]))
+        raise RuntimeError(f"node {self.index} has no eth0 (was it killed?)")
 
     def path(self, inside: str) -> Path:
         """The host's view of ``inside`` as this node sees it (e.g. ``/dev/shm/x``)."""
