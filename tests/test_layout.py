@@ -161,14 +161,14 @@ def test_no_doc_or_comment_points_outside_the_repository() -> None:
 
 
 def test_library_parts_do_not_load_baselines_or_the_demo() -> None:
-    """Benchmark-only code (``knitkit.storage.baselines``) and the demo stay off the import path
-    of the four library parts."""
+    """Benchmark-only code (``knitkit.storage.baselines``), the demo and the simulated cluster
+    (``knitkit.testing``) stay off the import path of the four library parts."""
     code = (
         "import sys, knitkit.admission, knitkit.storage, knitkit.storage.backends, "
         "knitkit.storage.planning, knitkit.storage.delivery, knitkit.microbatch_iter, "
         "knitkit.encoder_dedup\n"
         "print(sorted(m for m in sys.modules if m.startswith(('knitkit.storage.baselines', "
-        "'knitkit.demo', 'knitkit.admission.replay'))))"
+        "'knitkit.demo', 'knitkit.admission.replay', 'knitkit.testing'))))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120
