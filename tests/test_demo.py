@@ -161,3 +161,80 @@ def test_demo_help_documents_every_flag() -> None:
     flags = {a.dest: a.help for a in parser._actions if a.dest != "help"}
     assert "metrics" in flags
     assert all(flags.values()), [name for name, text in flags.items() if not text]
+
+
+def _drawn(ax: object) -> tuple[object, ...]:
+    """What an axes plots: every line's and every scatter's data, rounded."""
+    import numpy as np
+
+    lines = [tuple(np.round(np.asarray(line.get_ydata(), float), 9)) for line in ax.get_lines()]  # type: ignore[attr-defined]
+    points = [tuple(np.round(c.get_offsets(), 9).ravel()) for c in ax.collections]  # type: ignore[attr-defined]
+    return tuple(sorted(map(str, lines + points)))
+
+
+def test_replay_figure_panels_show_what_differs_per_policy() -> None:
+    """The replay figure of a real replay (paper4, 4 policies): no two panels plot the same data
+    (the old one drew the train-batch composition once per policy: four identical panels), the
+    staleness per step and the admission times are drawn for every policy, and the composition,
+    the same under every policy here, once, saying so."""
+    import matplotlib.pyplot as plt
+
+    from knitkit.admission.replay import preset, run_replay
+    from knitkit.admission.replay.plot import replay_figure
+
+    paper4 = preset("paper4")
+    settings = paper4.settings.with_(train_batches=8, warmup=4, seed=0)
+    policies = ("barrier", "linear", "knittrans", "adaptive")
+    summary = run_replay(paper4.trace(settings), settings, policies)
+    fig = replay_figure(summary)
+    try:
+        drawn = [_drawn(ax) for ax in fig.axes if ax.get_lines() or ax.collections]
+        assert len(set(drawn)) == len(drawn), "two panels plot the same data"
+        titles = {ax.get_title(): ax for ax in fig.axes}
+        staleness = titles["Architectural staleness per train batch"]
+        assert [t.get_text() for t in staleness.get_legend().get_texts()] == list(policies)
+        (composition,) = (ax for t, ax in titles.items() if t.startswith("Train-batch composition"))
+        assert "the same under all 4 policies" in composition.get_title()
+        assert len(composition.get_lines()) == len(summary["settings"]["sources"]) + 1  # + quota
+    finally:
+        plt.close(fig)
+
+
+def test_demo_figure_compares_admissions_over_the_same_mini_batches() -> None:
+    """demo.png's admissions panel covers the mini-batches both policies admitted (the barrier
+    shadow admits more of the stream than the driver trains on), so the earlier policy is the one
+    to the left, not the one with fewer; the encoder panels say what each measures, encodings
+    (count, 384 -> 24: 16x) and fwd+bwd time, each with its own ratio."""
+    import matplotlib.pyplot as plt
+
+    from knitkit.demo.pipeline import AdmissionRecord, PipelineResult
+    from knitkit.demo.report import report_figure
+
+    live = PipelineResult(num_minibatches=4)
+    early, late = AdmissionRecord(), AdmissionRecord()
+    for i in range(12):
+        early.add(i // 4, {"A": 8}, 100.0 * i)
+    for i in range(24):
+        late.add(i // 4, {"A": 8}, 600.0 * (i // 4 + 1))
+    live.admission = {"knittrans": early, "barrier": late}
+    figures = {
+        "loss": [3.0, 2.5, 2.0],
+        "bytes.consumed": 1 << 20,
+        "bytes.knitkit_read": 1 << 20,
+        "bytes.sample_level_read": 3 << 20,
+        "encoder.dup_units": 384,
+        "encoder.dedup_units": 24,
+        "encoder.dup_s": 4.0,
+        "encoder.dedup_s": 1.0,
+    }
+    fig = report_figure(figures, live)
+    try:
+        (admissions,) = (ax for ax in fig.axes if "admitted" in ax.get_title())
+        knittrans, barrier = admissions.get_lines()
+        assert max(knittrans.get_ydata()) == max(barrier.get_ydata()) == 12
+        assert all(a <= b for a, b in zip(knittrans.get_xdata(), barrier.get_xdata(), strict=True))
+        titles = [ax.get_title() for ax in fig.axes]
+        assert any("runs" in t and "16.0x" in t for t in titles), titles
+        assert any("time" in t and "4.0x" in t for t in titles), titles
+    finally:
+        plt.close(fig)
