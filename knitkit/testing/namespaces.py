@@ -36,7 +36,9 @@ import os, signal, sys
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
 sys.stdout.write("ready\\n")
 sys.stdout.flush()
-os.close(1)
+quiet = os.open(os.devnull, os.O_WRONLY)
+os.dup2(quiet, 1)
+os.dup2(quiet, 2)  # the builder closes its pipes: a later write must not kill the node
 while True:
     try:
         while os.waitpid(-1, os.WNOHANG)[0]:
@@ -111,6 +113,10 @@ class NamespaceHolder:
                 )
             self.pid = _only_child(self._unshare.pid)
             self.namespaces = namespace_ids([self.pid], kinds=_kinds(flags))
+        except BaseException:
+            self._unshare.kill()  # its child follows (--kill-child)
+            self._unshare.wait(timeout_s)
+            raise
         finally:
             self._unshare.stdout.close()
             self._unshare.stderr.close()
