@@ -13,6 +13,8 @@ from knitkit.encoder_dedup import RankRoute
 from knitkit.integration.megatron.batch import megatron_batch, megatron_batches
 from knitkit.integration.megatron.device import current_device
 from knitkit.integration.megatron.mrope import MROPE_FIELD
+from knitkit.integration.megatron.routing import ROUTING_FIELD
+from knitkit.integration.megatron.routing_replay import ForwardStep, RoutingReplay
 from knitkit.integration.megatron.topology import MegatronLayout
 from knitkit.job import Pass, PassWork, RankCoords, RankHandle, RankSpec
 from knitkit.microbatch_iter import MicroBatch
@@ -35,9 +37,17 @@ class MegatronRank:
     driver's order, the same on every rank.
     """
 
-    def __init__(self, handle: RankHandle, layout: MegatronLayout, to_batch: ToBatch) -> None:
+    def __init__(
+        self,
+        handle: RankHandle,
+        layout: MegatronLayout,
+        to_batch: ToBatch,
+        routing: RoutingReplay | None = None,
+    ) -> None:
         self.handle = handle
         self.layout = layout
+        self.routing = routing
+        """MoE routing replay of the policy model, if any (``MegatronPass.forward_step``)."""
         self._to_batch = to_batch
 
     @classmethod
@@ -48,6 +58,7 @@ class MegatronRank:
         to_batch: ToBatch | None = None,
         config: RankHandle.Config | None = None,
         sequence_parallel: bool = False,
+        routing: RoutingReplay | None = None,
     ) -> MegatronRank:
         """Attach this rank to the job (a collective: every rank of the world calls it).
 
@@ -56,7 +67,8 @@ class MegatronRank:
         first pipeline stage, the encoder rank ``MegatronLayout.encoder_topology`` places here
         (TP-sharded when ``spec.encoders[0].tp > 1``). ``to_batch`` defaults to
         ``megatron_batch`` at the layout's CP size. ``ValueError`` names any mismatch between
-        the driver's spec and megatron's layout.
+        the driver's spec and megatron's layout. ``routing`` replays MoE routing in every pass
+        (``MegatronPass.forward_step``).
         """
         from megatron.core import parallel_state as ps
 
@@ -92,7 +104,7 @@ class MegatronRank:
             route = functools.partial(layout.route, encoder=spec.encoders[0].name)
         handle = RankHandle(spec, coords, config, device=current_device(), route=route)
         batch = to_batch or functools.partial(megatron_batch, cp_size=layout.topology.cp)
-        return cls(handle, layout, batch)
+        return cls(handle, layout, batch, routing)
 
     def passes(self) -> Iterator[MegatronPass]:
         """Every pass the driver serves, in order, until it finishes."""
@@ -182,6 +194,36 @@ class MegatronPass:
         micro_batches = self.work.micro_batches()
         return megatron_batches(micro_batches, functools.partial(self._rank.batch, self.work))
 
+    def forward_step(self, forward_step: ForwardStep) -> ForwardStep:
+        """``forward_step`` with the rank's MoE routing replay (``MegatronRank(routing=...)``):
+        a pass that writes ``routing`` records it (``write_back_routing``), every other pass
+        replays each micro-batch's stored ``routing`` (a pass that does not read it fails on its
+        first micro-batch, naming the field and the rank); leaving the pass clears every router
+        (NOTE [ Routing replay in the schedule ]). Without a replay, ``forward_step`` itself."""
+        replay = self._rank.routing
+        if replay is None:
+            return forward_step
+        if any(o.name == ROUTING_FIELD for o in self.pass_.writes):
+            return replay.recording(forward_step)
+        return replay.replaying(forward_step)
+
+    def write_back_routing(self) -> None:
+        """Write the routing a recording pass took back into the store (a collective over TP:
+        every rank of the pass calls it; the group's writer sends)."""
+        replay = self._rank.routing
+        if replay is None or not any(o.name == ROUTING_FIELD for o in self.pass_.writes):
+            raise ValueError(
+                f"pass {self.pass_.name!r} records no routing; give MegatronRank(routing=...) and "
+                f"Output({ROUTING_FIELD!r}, 'uint8', (layers, topk)) in the pass's writes"
+            )
+        if self._rank.handle.spec.pipeline > 1:
+            raise ValueError(
+                f"pass {self.pass_.name!r}: recording routing under pipeline parallelism would "
+                "write back the last stage's layers only; record on one stage"
+            )
+        rows = replay.gathered()
+        self.write_back_outputs([{"routing": r} for r in rows], {ROUTING_FIELD: "routing"})
+
     def encode_fn(
         self, encode: Callable[[torch.Tensor], torch.Tensor]
     ) -> Callable[[Sequence[UnitKey]], torch.Tensor]:
@@ -228,4 +270,6 @@ class MegatronPass:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self._rank.routing is not None:
+            self._rank.routing.clear()
         self.work.__exit__(exc_type, exc, tb)

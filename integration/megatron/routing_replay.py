@@ -130,6 +130,28 @@ class RoutingReplay:
             "knitkit/routing/delivered_ratio": delivered / read if read else 0.0,
         }
 
+    def gathered(self) -> list[torch.Tensor]:
+        """``recorded`` with each micro-batch's tokens whole: ``[T, stage layers, topk]`` in the
+        stored dtype, all-gathered over TP under sequence parallelism (a collective: every TP
+        rank calls it). What a recording pass writes back as the ``routing`` field (one stage)."""
+        from knitkit.integration.megatron.routing import routing_dtype
+
+        assert self.num_experts is not None
+        dtype = getattr(torch, routing_dtype(self.num_experts).name)
+        sp_size = self._sp[1]
+        out = []
+        for rows in self.recorded:
+            if sp_size > 1:
+                from megatron.core import parallel_state as ps
+
+                pieces = [torch.empty_like(rows) for _ in range(sp_size)]
+                torch.distributed.all_gather(
+                    pieces, rows.contiguous(), group=ps.get_tensor_model_parallel_group()
+                )
+                rows = torch.cat(pieces)
+            out.append(rows.to(dtype))
+        return out
+
     def clear(self) -> None:
         """Drop every target, FIFO entry, record and action of this model's routers."""
         for _, router in self._routers:

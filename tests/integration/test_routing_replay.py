@@ -16,6 +16,9 @@ Transformer Engine (the CP split of the routing field is checked in
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -24,9 +27,16 @@ import pytest
 import torch
 from dist import World
 
-from knitkit.integration.megatron import block_causal_mask, megatron_batch, megatron_batches
+from knitkit.admission import build_controller
+from knitkit.integration.megatron import (
+    MegatronRank,
+    block_causal_mask,
+    megatron_batch,
+    megatron_batches,
+)
 from knitkit.integration.megatron import cpu as megatron_cpu
 from knitkit.integration.megatron.routing_replay import RoutingReplay
+from knitkit.job import Driver, Output, Pass, RankSpec, broadcast_rank_spec
 from knitkit.microbatch_iter import MicroBatchIterator, PackedMicroBatch
 from knitkit.next_token import next_token_fields
 from knitkit.storage import (
@@ -132,42 +142,51 @@ def _observe(model: torch.nn.Module, seen: list[tuple[int, torch.Tensor]]) -> No
             )
 
 
-def _run(model: torch.nn.Module, step: Any, batches: list[Mapping[str, Any]]) -> list[float]:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    losses = get_forward_backward_func()(
-        forward_step_func=step,
-        data_iterator=iter(batches),
-        model=[model],
-        num_microbatches=len(batches),
-        seq_length=int(batches[0]["tokens"].shape[1]),
-        micro_batch_size=1,
-        forward_only=False,
-    )
-    return [float(out["loss"]) for out in losses]
-
-
-def _forward_only(
-    model: torch.nn.Module, step: Any, batches: list[Mapping[str, Any]]
+def _run(
+    model: torch.nn.Module, step: Any, batches: Any, count: int = 0, forward_only: bool = False
 ) -> list[float]:
+    """Megatron's schedule over ``batches`` (a list, or an iterator of ``count``)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    seq_length = 0  # read only by pipeline p2p, where micro-batches share one padded length
+    if isinstance(batches, list):
+        count, seq_length = len(batches), int(batches[0]["tokens"].shape[1])
+        batches = iter(batches)
     losses = get_forward_backward_func()(
         forward_step_func=step,
-        data_iterator=iter(batches),
+        data_iterator=batches,
         model=[model],
-        num_microbatches=len(batches),
-        seq_length=int(batches[0]["tokens"].shape[1]),
+        num_microbatches=count,
+        seq_length=seq_length,
         micro_batch_size=1,
-        forward_only=True,
+        forward_only=forward_only,
     )
     return [float(out["loss"]) for out in losses]
+
+
+def _noting(
+    taken: list[dict[str, Any]], data_iterator: Iterator[Mapping[str, Any]], model: torch.nn.Module
+) -> Any:
+    """``_forward_step`` keeping a copy of each batch it takes (a prefetched micro-batch's
+    views are reused once the ring comes round)."""
+    batch = next(data_iterator)
+    copy = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    params = batch["packed_seq_params"]
+    real = torch.zeros(batch["tokens"].shape[1], dtype=torch.bool)
+    starts, lengths = params.cu_seqlens_q_padded[:-1], params.cu_seqlens_q.diff()
+    for start, length in zip(starts.tolist(), lengths.tolist(), strict=True):
+        real[start : start + length] = True  # padding rows are not written back
+    taken.append({**copy, "real": real})
+    return _forward_step(iter([batch]), model)
+
+
+def _forward_only(model: torch.nn.Module, step: Any, batches: Any, count: int = 0) -> list[float]:
+    return _run(model, step, batches, count, forward_only=True)
 
 
 def _record_then_misuse(rank: int) -> dict[str, Any]:
     """TP2: a forward-only pass records the routers' own choices; replaying them gives the same
     losses; then each misuse raises, naming the field and the rank."""
-    from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     megatron_cpu.initialize_model_parallel(tensor_parallel=2)
@@ -180,12 +199,10 @@ def _record_then_misuse(rank: int) -> dict[str, Any]:
         plain = _forward_only(model, _forward_step, batches)
         recorded = _forward_only(model, replay.wrap(_forward_step, forward_only=True), batches)
         replay.clear()
-        group = ps.get_tensor_model_parallel_group()
-        replayed_batches = []
-        for batch, rows in zip(batches, replay.recorded, strict=True):
-            pieces = [torch.empty_like(rows) for _ in range(2)]
-            torch.distributed.all_gather(pieces, rows.contiguous(), group=group)
-            replayed_batches.append({**batch, "routing": torch.cat(pieces)[None].to(torch.uint8)})
+        replayed_batches = [
+            {**batch, "routing": rows[None]}
+            for batch, rows in zip(batches, replay.gathered(), strict=True)
+        ]
         replay.record_forward_only = False
         try:
             replayed = _forward_only(
@@ -374,6 +391,132 @@ def test_recorded_routing_replays_and_misuse_names_field_and_rank(world2: World)
         assert "outside [0, 8)" in got["errors"]["range"]
         assert got["metrics"]["knitkit/routing/bytes_read_ratio"] == 1.0
         assert got["metrics"]["knitkit/routing/delivered_ratio"] == 2.0  # its half of the tokens
+
+
+RANK_PASSES = (
+    Pass(
+        "rollout",
+        reads=("tokens", "labels", "loss_mask"),
+        writes=(Output("routing", "uint8", (LAYERS, TOPK)),),
+        forward_only=True,
+    ),
+    Pass("train", reads=("tokens", "labels", "loss_mask", "routing")),
+)
+
+
+def _rank_job(rank: int, spec_json: str) -> list[dict[str, Any]]:
+    """TP2 (sequence parallel) through a real Driver and ``MegatronRank(routing=...)``: the
+    rollout pass records each micro-batch's routing and writes it back; the routers then drift
+    (as the policy does between rollout and training); the train pass replays what was stored.
+    Per train micro-batch: the recorded rows, the routing maps the routers made, and how many
+    tokens the drifted routers would have routed differently on their own."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    megatron_cpu.initialize_model_parallel(tensor_parallel=2)
+    megatron_cpu.install_schedule_shim()
+    megatron_cpu.install_moe_shim()
+    try:
+        spec = broadcast_rank_spec(RankSpec.from_json(spec_json) if rank == 0 else None)
+        model = _model(_config(2, 1))
+        seen: list[tuple[int, torch.Tensor, int]] = []
+
+        def observe(module: Any, args: Any, out: Any) -> None:
+            natural = torch.topk(module.gating(args[0]).reshape(-1, EXPERTS), TOPK).indices
+            own = torch.zeros_like(out[1]).scatter(1, natural, True)
+            changed = int((own != out[1]).any(dim=1).sum())
+            seen.append((int(module.layer_number) - 1, out[1].detach().clone(), changed))
+
+        replay = RoutingReplay(model)
+        recorded: dict[tuple[str, int], torch.Tensor] = {}
+        out: list[dict[str, Any]] = []
+        to_batch = functools.partial(megatron_batch, cp_size=1, attention_mask=True)
+        with MegatronRank.from_parallel_state(
+            spec, to_batch=to_batch, sequence_parallel=True, routing=replay
+        ) as mrank:
+            for work in mrank.passes():
+                with work:
+                    if not work.forward_only:
+                        hooks = [
+                            m.register_forward_hook(observe)
+                            for m in model.modules()
+                            if isinstance(m, TopKRouter)
+                        ]
+                    batches: list[dict[str, Any]] = []
+                    step = work.forward_step(functools.partial(_noting, batches))
+                    if work.forward_only:
+                        _forward_only(model, step, work.data_iterator(), work.num_micro_batches)
+                        for i, rows in enumerate(replay.gathered()):
+                            recorded[(work.minibatch_id, i)] = rows
+                        work.write_back_routing()
+                        with torch.no_grad():  # the policy moves on before training
+                            for m in model.modules():
+                                if isinstance(m, TopKRouter):
+                                    m.weight.add_(torch.randn_like(m.weight))
+                        continue
+                    seen.clear()
+                    _run(model, step, work.data_iterator(), work.num_micro_batches)
+                    for h in hooks:
+                        h.remove()
+                    for i, batch in enumerate(batches):
+                        maps = seen[i * LAYERS : (i + 1) * LAYERS]
+                        out.append(
+                            {
+                                "recorded": recorded[(work.minibatch_id, i)],
+                                "stored": batch["routing"][0].clone(),
+                                "real": batch["real"],
+                                "maps": [(layer, m) for layer, m, _ in maps],
+                                "changed": sum(c for _, _, c in maps),
+                            }
+                        )
+                    assert all(not r.replay_backward_list for _, r in replay._routers)
+        return out
+    finally:
+        RouterReplay.clear_global_router_replay_instances()
+        megatron_cpu.destroy_model_parallel()
+
+
+def test_megatron_rank_records_then_replays_through_the_driver(world2: World) -> None:
+    """A real Driver and MegatronRank(routing=...) at TP2: the forward-only pass's recorded
+    routing reaches the store and the train pass's batches bit-exactly; every router replays
+    it (each TP rank its half of the tokens) though the drifted routers would choose otherwise."""
+    data = [
+        dataclasses.replace(
+            t, token_fields={k: v for k, v in t.token_fields.items() if k != "routing"}
+        )
+        for t in trajectories(seed=2)
+    ]
+    controller = build_controller(
+        "streaming", train_batch_size=len(data), num_minibatches=2, sources=["s"]
+    )
+    config = Driver.Config(
+        passes=RANK_PASSES,
+        topology=Topology(dp=1, cp=1, tp=2, sequence_parallel=True),
+        planner=PlannerConfig(min_micro_batches=2),
+        slot_bytes=1 << 20,
+        schedule_slot_bytes=1 << 20,
+        write_back_slot_bytes=1 << 18,
+    )
+    with config.build(admission=controller) as driver:
+        for trajectory in data:
+            driver.write(dataclasses.replace(trajectory, source="s"))
+        driver.finish()
+        deadline = time.monotonic() + 120  # the driver serves the first pass (rings exist)
+        while not driver.progress().served["rollout"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        results = world2.run(_rank_job, driver.rank_spec().to_json(), timeout_s=300)
+        driver.drain(120)
+    for rank, micro_batches in enumerate(results):
+        assert micro_batches and sum(m["changed"] for m in micro_batches) > 0, rank
+        for got in micro_batches:
+            tokens = got["stored"].shape[0]
+            real = got["real"]
+            assert torch.equal(got["recorded"][real], got["stored"][real]), "store round trip"
+            half = tokens // 2
+            for layer, routing_map in got["maps"]:
+                rows = got["stored"][rank * half : (rank + 1) * half, layer].long()
+                want = torch.zeros_like(routing_map).scatter(1, rows, True)
+                assert torch.equal(routing_map, want), (rank, layer)
 
 
 def test_replay_at_dp2_tp2() -> None:
