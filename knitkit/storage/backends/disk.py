@@ -470,7 +470,9 @@ class _Unsynced:
     flushed or written in place since the last sync is fsynced, then the directory (new and
     removed shard names), and once the directory's own entry if this backend created it. Only
     there: a flush (every pass serves from one) does not fsync, since a crash before the next
-    state loses nothing a state names. Thread-safe: the driver syncs outside its lock while
+    state loses nothing a state names. Cost (``benchmarks/checkpoint.py --quick --backends
+    disk``, 512 trajectories, 3.8 MB of units, ext4, a shared 2-core machine): ``state_dict_s``
+    1.894 s with the sync, 1.878 s without (noise is larger). Thread-safe: the driver syncs outside its lock while
     writers go on (what they add meanwhile waits for the next sync); a failed sync leaves the
     set for the next one.
     """
