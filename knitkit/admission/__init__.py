@@ -23,11 +23,13 @@ from knitkit.admission.selection import (
     PacedSelection,
     SelectionPolicy,
 )
+from knitkit.admission.state import AdmissionSnapshot
 
 __all__ = [
     "POLICY_NAMES",
     "AdmissionConfig",
     "AdmissionController",
+    "AdmissionSnapshot",
     "AdmissionStats",
     "AdmissionView",
     "BarrierSchedule",

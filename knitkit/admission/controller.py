@@ -15,20 +15,10 @@ from knitkit.admission.config import AdmissionConfig, resolve
 from knitkit.admission.guards import candidate_admissible, guard_coverable
 from knitkit.admission.pool import ReadyPool, Unit
 from knitkit.admission.predicates import AdmissionView
-from knitkit.admission.restore import read_state
+from knitkit.admission.recent import RecentWindow
+from knitkit.admission.restore import Shape, read_state
 from knitkit.admission.selection import CandidateRequest
 from knitkit.types import TrajectoryMeta
-
-SEEN_SHARDS = 256
-"""Shards of the set of reported ids (NOTE [ Sharded id set ])."""
-
-# NOTE [ Sharded id set ]: the controller remembers every reported trajectory id, so a retried
-# report is refused even after its trajectory was admitted. One set grows by doubling: the
-# insert that crosses 2/3 of its table copies every id into a new table (~50 ms at 1.4M ids),
-# and unlike the pool's tables it grows with every report of the run, not with what is
-# pending, so that one call would keep getting slower as a run goes on. Hashing ids over 256
-# sets makes each resize copy 1/256 of them. The state dict lists the ids sorted, so it does
-# not depend on the order the sets happen to iterate in.
 
 _WHOLE_FIELDS = (
     ("rollout_step", 0),
@@ -61,6 +51,9 @@ class AdmissionStats:
     """Filtered by ``max_staleness``."""
     discarded: int = 0
     """Dropped on purpose by ``discard_pending`` (e.g. synchronous RL without partial rollout)."""
+    discarded_late: int = 0
+    """Of ``discarded``: members of a GRPO group ``discard_pending`` dropped that were reported
+    after it, discarded on arrival (NOTE [ Duplicate window ])."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +101,11 @@ class AdmissionController:
         ]
         self._fingerprint = state.fingerprint(config, self._quotas)
         self._pool = ReadyPool(config.sources, track_versions=config.max_staleness is not None)
-        self._seen: tuple[set[str], ...] = tuple(set() for _ in range(SEEN_SHARDS))
-        """Every reported trajectory id, sharded by hash (NOTE [ Sharded id set ])."""
+        self._pending_ids: set[str] = set()
+        """Ids in the pool and in incomplete groups."""
+        self._recent = RecentWindow()
+        """Ids settled, and groups discarded, in the open and the previous train batch: with
+        the pending ids, what a duplicate report is checked against (NOTE [ Duplicate window ])."""
         self._open_groups: dict[tuple[str, str], list[TrajectoryMeta]] = {}
         """Incomplete GRPO groups by (source, sample_id): datasets number prompts per source."""
         self._completed_by_step: Counter[int] = Counter()
@@ -120,8 +116,8 @@ class AdmissionController:
         self._t = 0
         self._admitted: dict[str, int] = dict.fromkeys(config.sources, 0)
         self._admitted_total = 0
-        self._open_minibatches: list[tuple[str, ...]] = []
-        """Trajectory ids of each mini-batch admitted into the open train batch."""
+        self._open_minibatches: list[tuple[TrajectoryMeta, ...]] = []
+        """The trajectories of each mini-batch admitted into the open train batch."""
         self._last: MiniBatch | None = None
         self._newest_version: int | None = None
         """Newest policy version any reported token was generated with."""
@@ -154,7 +150,6 @@ class AdmissionController:
     def report(self, meta: TrajectoryMeta) -> None:
         """Record one completed trajectory; validates before changing any state."""
         self._check(meta)
-        self._seen[hash(meta.trajectory_id) % SEEN_SHARDS].add(meta.trajectory_id)
         self._completed_by_step[meta.rollout_step] += 1
         self.stats.reported += 1
         if self._newest_version is None or meta.max_version > self._newest_version:
@@ -163,8 +158,16 @@ class AdmissionController:
             self._add((meta,))
             return
         key = (meta.source, meta.sample_id)
-        group = self._open_groups.setdefault(key, [])
+        group = self._open_groups.get(key)
+        if group is None:
+            if self._recent.late_member(key, meta.rollout_step):  # its group was discarded
+                self.stats.discarded += 1
+                self.stats.discarded_late += 1
+                self._recent.settle((meta.trajectory_id,))
+                return
+            group = self._open_groups[key] = []
         group.append(meta)
+        self._pending_ids.add(meta.trajectory_id)
         if len(group) == self.config.group_size:
             del self._open_groups[key]
             self._add(tuple(group))
@@ -178,7 +181,7 @@ class AdmissionController:
                 f"trajectory {tid!r}: unknown source {meta.source!r}; "
                 f"configured sources: {self.config.sources}"
             )
-        if tid in self._seen[hash(tid) % SEEN_SHARDS]:
+        if tid in self._pending_ids or tid in self._recent:
             raise ValueError(f"trajectory {tid!r} was already reported")
         if not isinstance(meta.sample_id, str):
             raise ValueError(f"trajectory {tid!r}: sample_id={meta.sample_id!r}: give a string")
@@ -213,10 +216,18 @@ class AdmissionController:
         """Drop every pending trajectory (counted in ``stats.discarded``); returns how many.
 
         The open train batch's starting counts forget what was discarded, so its readiness
-        targets never wait for trajectories that are gone.
+        targets never wait for trajectories that are gone. Members of a dropped incomplete
+        GRPO group reported later are discarded on arrival (``stats.discarded_late``) while
+        the duplicate window remembers the group (NOTE [ Duplicate window ]).
         """
         dropped = self._pool.clear()
         count = sum(u.size for u in dropped) + sum(len(g) for g in self._open_groups.values())
+        g = self.config.group_size
+        for key, members in self._open_groups.items():
+            self._recent.discard_group(key, members[0].rollout_step, g - len(members))
+        self._recent.settle(t.trajectory_id for u in dropped for t in u.trajectories)
+        self._recent.settle(t.trajectory_id for m in self._open_groups.values() for t in m)
+        self._pending_ids.clear()
         self._open_groups.clear()
         self.stats.discarded += count
         # s_{i,0} counted the discarded ready trajectories; what survives is what was admitted.
@@ -228,15 +239,26 @@ class AdmissionController:
         return count
 
     def _add(self, trajectories: tuple[TrajectoryMeta, ...]) -> None:
+        """A complete unit: into the pool, or settled as rejected or stale."""
         if not all(t.accepted for t in trajectories):
             self.stats.rejected += len(trajectories)
+            self._settle(trajectories)
             return
         unit = Unit(self._seq, trajectories[0].source, trajectories)
         self._seq += 1
         if self._is_stale(unit):
             self.stats.stale_dropped += unit.size
+            self._settle(trajectories)
             return
         self._pool.push(unit)
+        if len(trajectories) == 1:
+            self._pending_ids.add(trajectories[0].trajectory_id)
+
+    def _settle(self, trajectories: tuple[TrajectoryMeta, ...]) -> None:
+        """They leave the pending state: the duplicate window remembers them."""
+        ids = [t.trajectory_id for t in trajectories]
+        self._pending_ids.difference_update(ids)
+        self._recent.settle(ids)
 
     def _is_stale(self, unit: Unit) -> bool:
         bound = self.config.max_staleness
@@ -264,8 +286,9 @@ class AdmissionController:
             self._admitted[unit.source] += unit.size
         self._admitted_total += len(trajectories)
         self.stats.admitted += len(trajectories)
+        self._settle(trajectories)
         batch = self._last = MiniBatch(self.train_batch, t, trajectories)
-        self._open_minibatches.append(tuple(tr.trajectory_id for tr in trajectories))
+        self._open_minibatches.append(trajectories)
         self._t += 1
         if self._t == self.config.num_minibatches:
             self.train_batch += 1
@@ -273,11 +296,12 @@ class AdmissionController:
             self._admitted = dict.fromkeys(self.config.sources, 0)
             self._admitted_total = 0
             self._open_minibatches = []
+            self._recent.rotate()
             if self.config.max_staleness is not None:
                 oldest = self.training_version - self.config.max_staleness
-                self.stats.stale_dropped += sum(
-                    u.size for u in self._pool.expire_older_than(oldest)
-                )
+                expired = self._pool.expire_older_than(oldest)
+                self.stats.stale_dropped += sum(u.size for u in expired)
+                self._settle(tuple(t for u in expired for t in u.trajectories))
             self._open_train_batch()
         return batch
 
@@ -384,7 +408,8 @@ class AdmissionController:
         - ``pending`` and ``pending/<source>``: accepted, not yet admitted (ready or in an
           incomplete group); ``ready/<source>``: ready units' trajectories.
         - cumulative counters: ``reported``, ``admitted``, ``rejected``, ``stale_dropped``,
-          ``discarded``, ``minibatches_admitted``.
+          ``discarded`` (of which ``discarded_late``: members of discarded groups reported after
+          ``discard_pending()``), ``minibatches_admitted``.
         - the open train batch: ``train_batch`` (its index), ``minibatch`` (mini-batches
           admitted into it), ``admitted/<source>``; per source quota ``quota/<source>/count``
           (admitted), ``quota/<source>/target`` (final lower bound tau_i) and
@@ -401,8 +426,8 @@ class AdmissionController:
             out[f"{p}pending/{source}"] = float(pending[source])
             out[f"{p}ready/{source}"] = float(self._pool.ready[source])
             out[f"{p}admitted/{source}"] = float(self._admitted[source])
-        for name in ("reported", "admitted", "rejected", "stale_dropped", "discarded"):
-            out[p + name] = float(getattr(self.stats, name))
+        for counter in dataclasses.fields(AdmissionStats):
+            out[p + counter.name] = float(getattr(self.stats, counter.name))
         out[f"{p}minibatches_admitted"] = float(
             self.train_batch * self.config.num_minibatches + self._t
         )
@@ -423,57 +448,66 @@ class AdmissionController:
             out[f"{p}last_minibatch/staleness_max"] = float(max(behind))
         return out
 
+    def snapshot(self) -> state.AdmissionSnapshot:
+        """A consistent copy of everything this controller holds, cheap to take: it copies
+        references, O(pending + the duplicate window), so a caller holding a lock around the
+        controller holds it only that long and encodes outside it
+        (``snapshot().state_dict()``; see NOTE [ Admission state ])."""
+        last = self._last
+        return state.AdmissionSnapshot(
+            fingerprint=self._fingerprint,
+            stats=dataclasses.asdict(self.stats),
+            seq=self._seq,
+            train_batch=self.train_batch,
+            minibatch=self._t,
+            admitted=dict(self._admitted),
+            starts=dict(self._starts),
+            ledger=list(self._open_minibatches),
+            open_ready={s: self._open_view.ready.get(s, 0) for s in self.config.sources},
+            open_completed=dict(self._open_view.completed_by_step),
+            completed=dict(self._completed_by_step),
+            issued=dict(self._issued_by_step),
+            newest_version=self._newest_version,
+            last=None if last is None else (last.train_batch, last.index, last.trajectories),
+            queues=self._pool.queues(),
+            groups=[tuple(g) for g in self._open_groups.values()],
+            recent=self._recent.copy(),
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """Everything this controller holds, as plain JSON-ready data (torch's convention):
-        the pool, incomplete GRPO groups, counters, the open train batch (index, admitted and
-        starting counts, each admitted mini-batch's trajectory ids) and the versions, with the
-        config's fingerprint. See NOTE [ Admission state ]."""
-        sources = self.config.sources
-        last = self._last
-        return {
-            "format": state.FORMAT,
-            "config": self._fingerprint,
-            "stats": dataclasses.asdict(self.stats),
-            "seq": self._seq,
-            "seen": sorted(tid for shard in self._seen for tid in shard),
-            "train_batch": self.train_batch,
-            "minibatch": self._t,
-            "admitted": [self._admitted[s] for s in sources],
-            "starts": [self._starts[q.source] for q in self._quotas],
-            "open_minibatches": [list(ids) for ids in self._open_minibatches],
-            "open_view": {
-                "ready": [self._open_view.ready.get(s, 0) for s in sources],
-                "completed_by_step": state.pairs(self._open_view.completed_by_step),
-            },
-            "completed_by_step": state.pairs(self._completed_by_step),
-            "issued_by_step": state.pairs(self._issued_by_step),
-            "newest_version": self._newest_version,
-            "last_minibatch": None
-            if last is None
-            else [last.train_batch, last.index, [state.encode_meta(t) for t in last.trajectories]],
-            "pool": [
-                [u.seq, [state.encode_meta(t) for t in u.trajectories]]
-                for u in self._pool.units_in_order()
-            ],
-            "open_groups": [
-                [state.encode_meta(t) for t in group] for group in self._open_groups.values()
-            ],
-        }
+        the pool, incomplete GRPO groups, the duplicate window, counters, the open train batch
+        (index, admitted and starting counts, each admitted mini-batch's trajectories) and the
+        versions, with the config's fingerprint. ``snapshot().state_dict()``; see NOTE
+        [ Admission state ]."""
+        return self.snapshot().state_dict()
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         """Restore ``state_dict()``'s output. A state saved under a different config is refused
-        naming each difference, a malformed one naming the field; either way nothing changes."""
+        naming each difference, a malformed one naming the field, one that breaks an invariant
+        the controller keeps (a pool unit missing, an id twice, counters that do not add up...)
+        naming the invariant; either way nothing changes."""
+        c = self.config
         fields = [f.name for f in dataclasses.fields(AdmissionStats)]
-        r = read_state(saved, self._fingerprint, fields)
-        pool = ReadyPool(self.config.sources, track_versions=self.config.max_staleness is not None)
+        shape = Shape(
+            sources=tuple(c.sources),
+            quotas=self._quotas,
+            train_batch_size=c.train_batch_size,
+            minibatch_sizes=self.minibatch_sizes,
+            group_size=c.group_size,
+            guarded=c.enforce_quotas and c.guards,
+            enforce_quotas=c.enforce_quotas,
+            max_staleness=c.max_staleness,
+            initial_version=c.initial_version,
+        )
+        r = read_state(saved, self._fingerprint, fields, shape)
+        pool = ReadyPool(c.sources, track_versions=c.max_staleness is not None)
         for unit in r.units:
             pool.push(unit)
-        seen: tuple[set[str], ...] = tuple(set() for _ in range(SEEN_SHARDS))
-        for tid in r.seen:
-            seen[hash(tid) % SEEN_SHARDS].add(tid)
         # Everything is read and checked; from here on nothing can fail.
         self.stats = AdmissionStats(**r.counters)
-        self._seq, self._seen, self._pool, self._open_groups = r.seq, seen, pool, r.groups
+        self._seq, self._pool, self._open_groups = r.seq, pool, r.groups
+        self._pending_ids, self._recent = r.pending_ids, r.recent
         self._completed_by_step, self._issued_by_step = r.completed, r.issued
         self.train_batch, self._t = r.train_batch, r.minibatch
         self._admitted, self._admitted_total = r.admitted, sum(r.admitted.values())
@@ -483,7 +517,7 @@ class AdmissionController:
             r.train_batch,
             1,
             r.open_ready,
-            dict.fromkeys(self.config.sources, 0),
+            dict.fromkeys(c.sources, 0),
             r.open_completed,
             MappingProxyType(self._issued_by_step),
         )

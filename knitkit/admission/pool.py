@@ -93,9 +93,9 @@ class ReadyPool:
         """The ready units of ``source``, oldest first (do not change the pool while iterating)."""
         return iter(self._queues[source].values())
 
-    def units_in_order(self) -> list[Unit]:
-        """Every ready unit, oldest first."""
-        return sorted((u for q in self._queues.values() for u in q.values()), key=lambda u: u.seq)
+    def queues(self) -> list[list[Unit]]:
+        """Each source's ready units, oldest first: copies, O(units) (for a snapshot)."""
+        return [list(q.values()) for q in self._queues.values()]
 
     def prefix_size(self, source: str, count: int) -> int:
         """Trajectories in the ``count`` oldest ready units of ``source``."""
@@ -118,7 +118,8 @@ class ReadyPool:
         return taken
 
     def expire_older_than(self, version: int) -> list[Unit]:
-        """Remove and return every unit whose oldest token's version is below ``version``."""
+        """Remove and return every unit whose oldest token's version is below ``version``,
+        oldest first (in completion order, however the pool was filled)."""
         if self._buckets is None:
             raise RuntimeError("this pool does not track versions (track_versions=False)")
         expired: list[Unit] = []
@@ -128,6 +129,7 @@ class ReadyPool:
                 self.ready[source] -= unit.size
                 self.total -= unit.size
                 expired.append(unit)
+        expired.sort(key=lambda u: u.seq)
         return expired
 
     def clear(self) -> list[Unit]:

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from knitkit.admission import checks
+from knitkit.admission.pool import Unit
+from knitkit.admission.recent import Generation, RecentWindow
 from knitkit.admission.schedules import coefficients
 from knitkit.types import MultimodalRef, TrajectoryMeta, UnitKey
 
 if TYPE_CHECKING:
     from knitkit.admission.config import AdmissionConfig, ResolvedQuota
 
-FORMAT = 1
+FORMAT = 2
 """Version of the state layout; a state of another format is refused."""
 
 # NOTE [ Admission state ]: ``AdmissionController.state_dict()`` is plain data (ints, floats,
@@ -22,17 +27,109 @@ FORMAT = 1
 # ``torch.distributed.checkpoint`` save beside the model's and optimizer's state (dict keys are
 # fixed by the config and variable-length parts are lists, so a fresh controller's state dict
 # is a valid load template), and restoring it never unpickles bytes another process wrote.
-# It holds everything a decision depends on: the ready pool in completion order (with each
-# unit's sequence number, so oldest-first stays oldest-first), incomplete GRPO groups, every
-# reported id (duplicates are still refused after a resume), the counters, per-step
-# completions and issues, and the open train batch (index, admitted counts, starting counts
-# s_{i,0}, the ids each admitted mini-batch took). Resume invariant (property-tested): a
-# controller restored from a state and fed the same remaining reports admits exactly what the
-# uninterrupted one admits. The config is not saved, only its fingerprint: the caller rebuilds
-# the controller from its own config, and a state from a different one (sources, quotas,
-# batch shape, policy: schedules, guards, selection) is refused naming each difference. A
-# user selection policy or predicate that keeps its own state saves it itself; the built-in
-# ones are stateless.
+# It holds everything a decision depends on: the ready pool (each unit's sequence number, so
+# oldest-first stays oldest-first), incomplete GRPO groups, the duplicate window (NOTE
+# [ Duplicate window ]: what settled in the open and the previous train batch, not every id
+# of the run), the counters, per-step completions and issues, and the open train batch
+# (index, admitted counts, starting counts s_{i,0}, the trajectories each admitted mini-batch
+# took). Trajectories are stored as columns, one list per field (``encode_metas``): a million
+# pending trajectories encode and decode in one pass per column, with no per-row list, and a
+# column of the wrong type is found by one C-level pass before a slow one names the row.
+# Resume invariant (property-tested): a controller restored from a state and fed the same
+# remaining reports admits exactly what the uninterrupted one admits. Loading checks every
+# field, then every invariant the running controller keeps (restore.py: ids pending once and
+# never admitted or settled, whole groups of one prompt, admitted counts equal to the open
+# train batch's trajectories, counters that add up, bounds and the guard, the last
+# mini-batch), naming the broken one, as torch's strict load names keys: a damaged state used
+# to load and then admit a trajectory twice or close a train batch short of a quota. The
+# config is not saved, only its fingerprint: the caller rebuilds the controller from its own
+# config, and a state from a different one (sources, quotas, batch shape, policy: schedules,
+# guards, selection) is refused naming each difference; sources and quotas listed in another
+# order are the same config. ``snapshot()`` takes the state as references (O(pending + the
+# window)) and ``AdmissionSnapshot.state_dict()`` encodes it later, so a caller holding a lock
+# around the controller (the job's driver) holds it only for the copy. A user selection
+# policy or predicate that keeps its own state saves it itself; the built-in ones are
+# stateless.
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSnapshot:
+    """A consistent copy of a controller's state (``AdmissionController.snapshot()``): taking it
+    copies references, O(pending + the duplicate window), and nothing in it changes afterwards;
+    ``state_dict()`` does the encoding, the slow part, without the controller (NOTE
+    [ Admission state ])."""
+
+    fingerprint: Mapping[str, Any]
+    stats: dict[str, int]
+    seq: int
+    train_batch: int
+    minibatch: int
+    admitted: dict[str, int]
+    starts: dict[str, float]
+    ledger: list[tuple[TrajectoryMeta, ...]]
+    """The trajectories of each mini-batch admitted into the open train batch."""
+    open_ready: dict[str, int]
+    open_completed: dict[int, int]
+    completed: dict[int, int]
+    issued: dict[int, int]
+    newest_version: int | None
+    last: tuple[int, int, tuple[TrajectoryMeta, ...]] | None
+    queues: list[list[Unit]]
+    """Each source's ready units, oldest first."""
+    groups: list[tuple[TrajectoryMeta, ...]]
+    """Incomplete GRPO groups."""
+    recent: RecentWindow
+
+    def state_dict(self) -> dict[str, Any]:
+        """The snapshot as plain JSON-ready data (the layout of NOTE [ Admission state ])."""
+        units = [u for queue in self.queues for u in queue]
+        return {
+            "format": FORMAT,
+            "config": dict(self.fingerprint),
+            "stats": dict(self.stats),
+            "seq": self.seq,
+            "train_batch": self.train_batch,
+            "minibatch": self.minibatch,
+            "admitted": dict(self.admitted),
+            "starts": dict(self.starts),
+            "open_minibatches": _blocks(self.ledger),
+            "open_view": {
+                "ready": dict(self.open_ready),
+                "completed_by_step": pairs(self.open_completed),
+            },
+            "completed_by_step": pairs(self.completed),
+            "issued_by_step": pairs(self.issued),
+            "newest_version": self.newest_version,
+            "last_minibatch": {
+                "position": None if self.last is None else [self.last[0], self.last[1]],
+                "trajectories": encode_metas(() if self.last is None else self.last[2]),
+            },
+            "pool": {
+                "seq": [u.seq for u in units],
+                "trajectories": encode_metas([t for u in units for t in u.trajectories]),
+            },
+            "open_groups": _blocks(self.groups),
+            "recent": {
+                "previous": _generation(self.recent.previous),
+                "current": _generation(self.recent.current),
+            },
+        }
+
+
+def _blocks(blocks: Sequence[Sequence[TrajectoryMeta]]) -> dict[str, Any]:
+    """Consecutive runs of trajectories (mini-batches, groups): their sizes and one column block
+    (a list of blocks would give a distributed-checkpoint template a variable set of keys)."""
+    return {
+        "sizes": [len(b) for b in blocks],
+        "trajectories": encode_metas([t for b in blocks for t in b]),
+    }
+
+
+def _generation(generation: Generation) -> dict[str, list[Any]]:
+    return {
+        "ids": list(generation.ids),
+        "discarded_groups": [[s, g, v[0], v[1]] for (s, g), v in generation.groups.items()],
+    }
 
 
 def describe(obj: object) -> str:
@@ -43,15 +140,17 @@ def describe(obj: object) -> str:
 
 
 def fingerprint(config: AdmissionConfig, quotas: Sequence[ResolvedQuota]) -> dict[str, Any]:
-    """What a saved state must agree on with the controller it is loaded into."""
+    """What a saved state must agree on with the controller it is loaded into. Sources and
+    quotas are listed sorted: their order changes no decision, so a config listing them in
+    another order loads the state."""
     n = config.num_minibatches
     budget = config.rollout_budget
     return {
-        "sources": list(config.sources),
+        "sources": sorted(config.sources),
         "train_batch_size": int(config.train_batch_size),
         "num_minibatches": int(n),
         "group_size": int(config.group_size),
-        "quotas": [[q.source, q.lower, q.upper, list(q.alphas)] for q in quotas],
+        "quotas": sorted([q.source, q.lower, q.upper, list(q.alphas)] for q in quotas),
         "size_schedule": list(coefficients(config.size_schedule, n, name="size_schedule")),
         "enforce_quotas": bool(config.enforce_quotas),
         "guards": bool(config.guards),
@@ -84,59 +183,96 @@ def _short(value: object) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def encode_meta(meta: TrajectoryMeta) -> list[Any]:
-    """A trajectory's metadata as one row (field order of ``TrajectoryMeta``)."""
-    return [
-        meta.trajectory_id,
-        meta.sample_id,
-        meta.source,
-        int(meta.rollout_step),
-        int(meta.num_tokens),
-        int(meta.min_version),
-        int(meta.max_version),
-        meta.accepted,
-        [
-            [m.key.owner, m.key.field, int(m.token_start), int(m.num_tokens), float(m.cost)]
-            for m in meta.multimodal
-        ],
+COLUMNS = ("trajectory_id", "sample_id", "source", "rollout_step", "num_tokens", "min_version",
+           "max_version", "accepted")  # fmt: skip
+"""The columns of a trajectory block, in ``TrajectoryMeta``'s field order (multimodal apart)."""
+
+_KINDS = {"trajectory_id": "id", "sample_id": "str", "source": "str", "rollout_step": "count",
+          "num_tokens": "count", "min_version": "version", "max_version": "version",
+          "accepted": "bool"}  # fmt: skip
+
+
+def encode_metas(metas: Sequence[TrajectoryMeta]) -> dict[str, list[Any]]:
+    """Trajectories' metadata as one column per field (NOTE [ Admission state ]); multimodal
+    references are sparse: ``[[row, [[owner, field, token_start, num_tokens, cost], ...]], ...]``."""
+    out: dict[str, list[Any]] = {name: list(map(attrgetter(name), metas)) for name in COLUMNS}
+    out["multimodal"] = [
+        [k, [[m.key.owner, m.key.field, m.token_start, m.num_tokens, m.cost] for m in refs]]
+        for k, refs in enumerate(map(attrgetter("multimodal"), metas))
+        if refs
     ]
+    return out
 
 
-def decode_meta(row: object, where: str) -> TrajectoryMeta:
-    """Inverse of ``encode_meta``, checking every field; ValueError names ``where`` and the field."""
-    if not isinstance(row, list) or len(row) != 9:
-        raise ValueError(f"{where}: expected a trajectory row of 9 fields, got {_short(row)}")
-    tid, sample, source, step, tokens, low, high, accepted, refs = row
-    for label, value in (("trajectory_id", tid), ("sample_id", sample), ("source", source)):
-        if not isinstance(value, str):
-            raise ValueError(f"{where}: {label}={_short(value)}: expected a string")
-    if not isinstance(accepted, bool) or not isinstance(refs, list):
-        raise ValueError(f"{where}: accepted={accepted!r}, multimodal={_short(refs)}: wrong type")
-    multimodal = []
-    for ref in refs:
-        if not isinstance(ref, list) or len(ref) != 5:
-            raise ValueError(f"{where}: multimodal entry {_short(ref)}: expected 5 fields")
-        owner, name, start, count, cost = ref
-        if not isinstance(owner, str) or not isinstance(name, str):
-            raise ValueError(f"{where}: multimodal key {owner!r}/{name!r}: expected strings")
-        multimodal.append(
-            MultimodalRef(
-                UnitKey(owner, name),
-                checks.whole(start, f"{where}: token_start"),
-                checks.whole(count, f"{where}: num_tokens"),
-                checks.finite(cost, f"{where}: cost"),
-            )
+def decode_metas(block: object, where: str) -> list[TrajectoryMeta]:
+    """Inverse of ``encode_metas``, checking every field (a fast pass over each column, then a
+    slow one that names the first bad row); ValueError names ``where``, the field and the row."""
+    if not isinstance(block, Mapping):
+        raise ValueError(f"{where}: expected a mapping of trajectory columns, got {_short(block)}")
+    columns = []
+    size = None
+    for name in (*COLUMNS, "multimodal"):
+        column = block.get(name)
+        if not isinstance(column, list):
+            raise ValueError(f"{where}: {name}: expected a list, got {_short(column)}")
+        if name != "multimodal":
+            if size is not None and len(column) != size:
+                raise ValueError(f"{where}: {name} has {len(column)} rows, {COLUMNS[0]} {size}")
+            size = len(column)
+            columns.append(checked(column, _KINDS[name], f"{where}: {name}"))
+    extra = sorted(set(block) - {*COLUMNS, "multimodal"})
+    if extra:
+        raise ValueError(f"{where}: unknown columns {extra}")
+    multimodal: list[tuple[MultimodalRef, ...]] = [()] * (size or 0)
+    for entry in block["multimodal"]:
+        if not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[1], list):
+            raise ValueError(f"{where}: multimodal entry {_short(entry)}: expected [row, refs]")
+        row = checks.whole(entry[0], f"{where}: multimodal row")
+        if row >= len(multimodal):
+            raise ValueError(f"{where}: multimodal row {row} >= {len(multimodal)} rows")
+        multimodal[row] = tuple(_ref(ref, f"{where}: row {row}") for ref in entry[1])
+    ids, low, high = columns[0], columns[5], columns[6]
+    if not all(map(operator.le, low, high)):
+        k = next(k for k, (a, b) in enumerate(zip(low, high, strict=True)) if a > b)
+        raise ValueError(
+            f"{where}: row {k} ({ids[k]!r}): min_version {low[k]} > max_version {high[k]}"
         )
-    return TrajectoryMeta(
-        tid,
-        sample,
-        source,
-        checks.whole(step, f"{where}: rollout_step"),
-        checks.whole(tokens, f"{where}: num_tokens"),
-        checks.whole(low, f"{where}: min_version", minimum=None),
-        checks.whole(high, f"{where}: max_version", minimum=None),
-        accepted,
-        tuple(multimodal),
+    return list(map(TrajectoryMeta, *columns, multimodal))
+
+
+def checked(column: list[Any], kind: str, where: str) -> list[Any]:
+    """``column`` if every value is of ``kind`` (``id``, ``str``, ``bool``, ``count`` >= 0,
+    ``version``; numpy integers become ints); else ValueError naming the first bad row."""
+    types = set(map(type, column))  # one C-level pass: a million rows in milliseconds
+    if kind in ("id", "str"):
+        if types <= {str} and (kind == "str" or all(column)):
+            return column
+        k = next(
+            k for k, v in enumerate(column) if not isinstance(v, str) or (kind == "id" and not v)
+        )
+        raise ValueError(f"{where}[{k}]={_short(column[k])}: expected a non-empty string")
+    if kind == "bool":
+        if types <= {bool}:
+            return column
+        k = next(k for k, v in enumerate(column) if type(v) is not bool)
+        raise ValueError(f"{where}[{k}]={_short(column[k])}: expected true or false")
+    minimum = 0 if kind == "count" else None
+    if types <= {int} and (minimum is None or min(column, default=0) >= 0):
+        return column
+    return [checks.whole(v, f"{where}[{k}]", minimum=minimum) for k, v in enumerate(column)]
+
+
+def _ref(ref: object, where: str) -> MultimodalRef:
+    if not isinstance(ref, list) or len(ref) != 5:
+        raise ValueError(f"{where}: multimodal entry {_short(ref)}: expected 5 fields")
+    owner, name, start, count, cost = ref
+    if not isinstance(owner, str) or not isinstance(name, str):
+        raise ValueError(f"{where}: multimodal key {owner!r}/{name!r}: expected strings")
+    return MultimodalRef(
+        UnitKey(owner, name),
+        checks.whole(start, f"{where}: token_start"),
+        checks.whole(count, f"{where}: num_tokens"),
+        checks.finite(cost, f"{where}: cost"),
     )
 
 
@@ -176,6 +312,18 @@ class Reader:
             checks.whole(v, f"{self.where}: {key}[{i}]", minimum=None)
             for i, v in enumerate(self.entries(key, length))
         ]
+
+    def per_source(self, key: str, names: Sequence[str], *, whole: bool = True) -> dict[str, Any]:
+        """A ``{name: value}`` mapping with exactly ``names`` as keys (any order), in their order."""
+        value = self.get(key)
+        if not isinstance(value, Mapping) or set(value) != set(names):
+            raise ValueError(
+                f"{self.where}: {key}: expected a mapping with keys {sorted(names)}, got "
+                f"{_short(value)}"
+            )
+        if not whole:
+            return {name: value[name] for name in names}
+        return {name: checks.whole(value[name], f"{self.where}: {key}[{name!r}]") for name in names}
 
     def counter(self, key: str) -> Counter[int]:
         out: Counter[int] = Counter()

@@ -426,6 +426,30 @@ def test_discarding_pending_mid_batch_does_not_keep_discarded_trajectories_in_ta
     assert sum(t.source == "a" for t in batch) >= 8
 
 
+def test_members_of_a_discarded_group_reported_later_are_discarded_on_arrival() -> None:
+    """discard_pending() drops an incomplete GRPO group; its members reported afterwards are
+    discarded on arrival (``stats.discarded``, ``discarded_late``), never pending, never counted
+    as supply by shortfall(); other groups complete as before (issue 30.4: they formed a group
+    that could never complete and stayed pending forever)."""
+    ctl = build_controller(
+        "knittrans", train_batch_size=8, num_minibatches=2, sources=["a"], group_size=4
+    )
+    for i in range(2):
+        ctl.report(meta(i, "a", sample="g0"))
+    assert ctl.discard_pending() == 2
+    for i in range(2, 4):
+        ctl.report(meta(i, "a", sample="g0"))
+    assert ctl.pending == 0 and ctl.stats.discarded == 4
+    assert ctl.stats.discarded_late == 2
+    assert ctl.metrics()["knitkit/admission/discarded_late"] == 2.0
+    assert ctl.shortfall().any_source == 8
+    with pytest.raises(ValueError, match="'t3' was already reported"):
+        ctl.report(meta(3, "a", sample="g0"))
+    batches = close_batches(ctl, [meta(10 + i, "a", sample=f"g{1 + i // 4}") for i in range(8)])
+    assert [len(mb.trajectories) for mb in batches] == [4, 4]
+    assert ctl.pending == 0
+
+
 @pytest.mark.parametrize(
     ("build", "message"),
     [
@@ -534,19 +558,24 @@ def test_metrics_are_flat_namespaced_floats_of_the_open_train_batch() -> None:
     assert figures[p + "rollout_version"] == 2.0 and figures[p + "reported"] == 35.0
 
 
-def test_the_reported_id_set_grows_in_shards() -> None:
-    """The set of reported ids (which grows with every report of a run) is spread over shards,
-    so growing it never copies more than a small share of the ids in one call (NOTE [ Sharded
-    id set ]); duplicates are still refused, wherever they hash."""
-    ctl = build_controller("streaming", train_batch_size=4, num_minibatches=1, sources=["A"])
-    for i in range(20_000):
-        ctl.report(meta(i, "A"))
-        drain(ctl)
-    shards = ctl._seen
-    assert len(shards) >= 64 and max(map(len, shards)) < 4 * 20_000 / len(shards)
-    for i in (0, 7777, 19_999):
+def test_duplicates_are_refused_while_pending_and_over_the_window() -> None:
+    """A retried id is refused while its trajectory is pending (however long) and for the train
+    batch it settled in and the next one; after that it is taken as new (NOTE [ Duplicate
+    window ]: the controller no longer remembers every id of the run)."""
+    ctl = build_controller(
+        "knittrans",
+        train_batch_size=4,
+        num_minibatches=1,
+        sources=["A", "B"],
+        quotas=[SourceQuota(source="B", max_count=0)],  # B is never admitted: stays pending
+    )
+    ctl.report(meta(1000, "B"))
+    close_batches(ctl, [meta(i, "A") for i in range(40)])
+    assert ctl.train_batch == 10 and ctl.pending == 1
+    for i in (1000, 36, 39):
         with pytest.raises(ValueError, match=f"'t{i}' was already reported"):
             ctl.report(meta(i, "A"))
+    ctl.report(meta(35, "A"))  # settled two train batches ago: outside the window
 
 
 def test_shortfall_names_what_the_open_train_batch_cannot_get() -> None:

@@ -178,8 +178,8 @@ def test_the_state_is_plain_json_data_with_the_open_train_batch() -> None:
     state = mid_batch().state_dict()
     assert json.loads(json.dumps(state)) == state
     assert state["train_batch"] == 1 and state["minibatch"] == 3
-    assert [len(ids) for ids in state["open_minibatches"]] == [2, 2, 2]
-    assert len(state["pool"]) == 2 and len(state["open_groups"]) == 1
+    assert state["open_minibatches"]["sizes"] == [2, 2, 2]
+    assert len(state["pool"]["seq"]) == 2 and state["open_groups"]["sizes"] == [1]
 
 
 @pytest.mark.parametrize(
@@ -227,11 +227,15 @@ def corrupt(state: dict[str, Any], path: tuple[Any, ...], value: object) -> dict
         (("format",), 99, "format=99"),
         (("seq",), 2.5, "seq=2.5"),
         (("minibatch",), 4, "minibatch=4: must be < num_minibatches"),
-        (("pool", 0, 1, 0, 3), "0", r"pool\[0\]: rollout_step='0'"),
-        (("pool", 0, 0), 10**6, r"pool\[0\]: seq=1000000 is not below"),
-        (("open_groups", 0), [], r"open_groups\[0\]: expected 1 to group_size - 1"),
-        (("stats", "reported"), 3, "inconsistent"),
-        (("admitted",), [1, 2, 3], "admitted: expected a list of 2 entries"),
+        (
+            ("pool", "trajectories", "rollout_step", 0),
+            "0",
+            r"pool: trajectories: rollout_step\[0\]='0'",
+        ),
+        (("pool", "trajectories", "source"), ["a"], "source has 1 rows, trajectory_id 4"),
+        (("open_groups", "sizes", 0), 0, r"open_groups: sizes \[0\] do not sum"),
+        (("admitted",), [1, 2], "admitted: expected a mapping with keys"),
+        (("recent", "current", "ids"), [3], "recent: current: ids: expected a list of strings"),
     ],
 )
 def test_a_malformed_state_is_refused_naming_the_field(
@@ -243,6 +247,104 @@ def test_a_malformed_state_is_refused_naming_the_field(
     with pytest.raises(ValueError, match=message):
         ctl.load_state_dict(corrupt(mid_batch().state_dict(), path, value))
     assert ctl.state_dict() == before
+
+
+def damage(state: dict[str, Any], kind: str) -> None:
+    """Break one invariant of ``mid_batch()``'s state (see DAMAGE)."""
+    pool = state["pool"]["trajectories"]
+    if kind == "a pool unit missing":
+        state["pool"]["seq"].pop(0)
+        for name in pool:
+            if name != "multimodal":
+                del pool[name][:2]
+    elif kind == "an id twice in the pool":
+        pool["trajectory_id"][2] = pool["trajectory_id"][0]
+    elif kind == "a pool id in the open train batch":
+        pool["trajectory_id"][0] = state["open_minibatches"]["trajectories"]["trajectory_id"][0]
+    elif kind == "a pool id already settled":
+        pool["trajectory_id"][0] = state["recent"]["previous"]["ids"][0]
+    elif kind == "admitted counts swapped":
+        state["admitted"] = {"a": state["admitted"]["b"], "b": state["admitted"]["a"]}
+    elif kind == "an emptied mini-batch":
+        state["open_minibatches"]["sizes"][1:] = [0, 4]
+    elif kind == "counters that do not add up":
+        state["stats"]["rejected"] += 2
+    elif kind == "admitted total off":
+        state["stats"]["admitted"] += 2
+        state["stats"]["reported"] += 2
+        state["completed_by_step"][0][1] += 2
+    elif kind == "a group naming two prompts":
+        pool["sample_id"][1] = "another prompt"
+    elif kind == "a rejected trajectory in the pool":
+        pool["accepted"][0] = False
+    elif kind == "pool out of completion order":
+        state["pool"]["seq"][0] = state["seq"]
+    elif kind == "last mini-batch elsewhere":
+        state["last_minibatch"]["position"][1] = 0
+
+
+DAMAGE = {
+    "a pool unit missing": "reported = admitted \\+ rejected",
+    "an id twice in the pool": "each pending trajectory id once: 't16' is pending twice",
+    "a pool id in the open train batch": "a pending trajectory is not in the open train batch",
+    "a pool id already settled": "a pending trajectory has not settled",
+    "admitted counts swapped": "admitted counts are the open train batch's trajectories",
+    "an emptied mini-batch": r"each admitted mini-batch has its size: open_minibatches\[1\]",
+    "counters that do not add up": "reported = admitted \\+ rejected",
+    "admitted total off": "stats.admitted = train_batch x train_batch_size",
+    "a group naming two prompts": "a GRPO group's members share source, sample_id",
+    "a rejected trajectory in the pool": "the pool holds accepted trajectories only",
+    "pool out of completion order": "pool units are numbered below seq",
+    "last mini-batch elsewhere": "last_minibatch is the last one admitted",
+}
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_a_damaged_state_is_refused_naming_the_broken_invariant(kind: str) -> None:
+    """A state whose fields are well-formed but break an invariant the controller keeps is
+    refused naming the invariant, and nothing changes (issue 30.2: such states loaded, and a
+    guarded policy then admitted a trajectory twice or closed a batch short of a quota)."""
+    ctl = controller()
+    before = ctl.state_dict()
+    state = json.loads(json.dumps(mid_batch().state_dict()))
+    damage(state, kind)
+    with pytest.raises(ValueError, match="inconsistent: " + DAMAGE[kind]):
+        ctl.load_state_dict(state)
+    assert ctl.state_dict() == before
+
+
+def test_a_state_loads_whatever_order_its_sources_and_quotas_are_listed_in() -> None:
+    """Sources and quotas listed in another order are the same config: a state saved by one
+    controller loads into the other, and both go on alike (issue 30.2: refused)."""
+    quotas = [SourceQuota(source="a", min_count=4), SourceQuota(source="b", max_count=6)]
+    first = controller(quotas=quotas)
+    tail: list[Event] = [
+        ("report", TrajectoryMeta(f"u{i}", f"r{i // 2}", "ab"[i // 2 % 2], 0, 5, 1, 1))
+        for i in range(20)
+    ]
+    play(first, tail[:9])
+    other = controller(sources=["b", "a"], quotas=quotas[::-1])
+    other.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert play(other, tail[9:]) == play(first, tail[9:])
+    assert other.metrics() == first.metrics()
+
+
+def test_the_state_holds_what_is_pending_and_the_window_not_the_run() -> None:
+    """The state lists what is pending and what settled in the open and the previous train
+    batch, however many trajectories were reported before (issue 30.3: every id ever reported,
+    22.9 MB at 2M); a retry inside that window is still refused."""
+    ctl = controller(quotas=[], group_size=1)
+    sizes = []
+    for i in range(800):
+        ctl.report(TrajectoryMeta(f"t{i}", f"s{i}", "ab"[i % 2], 0, 5, 0, 0))
+        ctl.next_minibatch()
+        if i in (199, 399, 799):  # at train-batch boundaries, ids of three digits
+            sizes.append(len(json.dumps(ctl.state_dict())))
+    assert max(sizes) - min(sizes) < 16, sizes  # counters gain digits, nothing else grows
+    state = ctl.state_dict()
+    assert len(state["recent"]["previous"]["ids"]) == 8 and state["recent"]["current"]["ids"] == []
+    with pytest.raises(ValueError, match="'t792' was already reported"):
+        ctl.report(TrajectoryMeta("t792", "s", "a", 0, 5, 0, 0))
 
 
 def test_a_refused_report_leaves_the_whole_state_unchanged() -> None:
