@@ -1,8 +1,9 @@
 """Transfer benchmark: knitkit vs sample-level vs TransferQueue delivering packed micro-batches to real rank processes.
 
-A DP2 x CP2 x TP2 backbone (8 rank processes) and a DP2 vision encoder train mini-batches of GRPO
-groups of 8 trajectories (MoE routing ``[seq, layers, top-8]``, log-probs, masks, a reward, one
-image per group). Every method runs three regimes on the same steps, each step ending in a barrier
+Methods: knitkit, sample-level (every rank reads its share), sample-level with TP broadcast (TP0
+reads and packs, its TP peers receive), TransferQueue. A DP2 x CP2 x TP2 backbone (8 rank
+processes) and a DP2 vision encoder train mini-batches of GRPO groups of 8 trajectories (MoE
+routing ``[seq, layers, top-8]``, log-probs, masks, a reward, one image per group). Every method runs three regimes on the same steps, each step ending in a barrier
 of all ranks (the optimizer step's synchronisation):
 
 - eager: no compute, no look-ahead across the step's start; the figure is how long the slowest
@@ -24,8 +25,10 @@ what each method does, what is counted, every key.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
+import mmap
 import multiprocessing as mp
 import os
 import pickle
@@ -82,7 +85,7 @@ SCALARS = ("reward",)
 TOPOLOGY = Topology(dp=2, cp=2, tp=2)
 ENCODER = EncoderTopology("vision", dp=2)
 RANKS = tuple(RankPosition(d, c, t) for d in range(2) for c in range(2) for t in range(2))
-METHODS = ("knitkit", "sample_level", "transferqueue")
+METHODS = ("knitkit", "sample_level", "sample_level_bcast", "transferqueue")
 ORACLE = "oracle"
 REGIMES = ("eager", "lookahead", "lookahead2")
 DEPTH = {"eager": 1, "lookahead": 1, "lookahead2": 2}
@@ -105,7 +108,8 @@ BARRIER_TIMEOUT_S = 900.0
 #   reorganizer cannot run further ahead). The driver submits step s + 1 at the start of step s.
 # - sample_level: one thread per rank reads the step's share, shares the images and packs micro-
 #   batch by micro-batch into D + 1 reused buffers, taking a buffer's credit before each; the loop
-#   hands its buffer's credit back when it asks for the next micro-batch (so D are ahead of it).
+#   hands its buffer's credit back when it asks for the next micro-batch (so D are ahead of it);
+#   sample_level_bcast the same on TP0, and its TP peers' thread receives with the same credits.
 # - transferqueue: its StreamingDataLoader with one worker and prefetch_factor=D (the loader keeps
 #   D requests in flight beyond the micro-batch the loop holds); the worker fetches the DP rank's
 #   rows and, in TQ's process_batch_fn and collate_fn, splits them into micro-batches of the same
@@ -204,7 +208,7 @@ def schedule(with_tq: bool) -> list[Phase]:
     """Every method's three regimes, with an oracle phase before the first method and after
     each one, so the oracle's steps sample the machine's state around every method's."""
     phases = [Phase(ORACLE, "lookahead", 0)]
-    for method in METHODS if with_tq else METHODS[:2]:
+    for method in METHODS if with_tq else METHODS[:-1]:
         phases += [Phase(method, regime) for regime in REGIMES]
         phases.append(Phase(ORACLE, "lookahead", len(phases)))
     return phases
@@ -330,6 +334,11 @@ class RankSetup:
     """knitkit's rings per regime (its reorganizers create them before the phase)."""
     image_rings: dict[str, RingSpec]
     """Sample-level's image-share ring of this rank's DP group, per regime (TP0/CP0 makes it)."""
+    bcast: dict[str, _Broadcast]
+    """The broadcast variant's channel of this rank's (DP, CP) group, per regime."""
+    bcast_image_rings: dict[str, RingSpec]
+    """The broadcast variant's image-share ring of this rank's DP group (TP0/CP0 to the other
+    CP ranks' TP0), per regime."""
     sizes: Sizes
     phases: list[Phase]
     tq_config: Any
@@ -436,6 +445,9 @@ class _Rank:
         for arena in (self.raw, *self.packed):
             arena.reset()
         self.read: dict[str, dict[str, int]] = {"sample_level": _share_bytes(setup)}
+        self.read["sample_level_bcast"] = (
+            _share_bytes(setup) if self.rank.tp == 0 else {"fields": 0, "image": 0}
+        )
         self.read["transferqueue"] = {"fields": 0, "image": 0}
         self.in_memory = [  # the oracle's micro-batches, packed in this rank's private memory
             [packed for _, packed in pack_local(group, read_share(setup.backend, plan, rank))]
@@ -490,22 +502,42 @@ class _Rank:
         micro-batches packed from the local copies into reused buffers."""
         self._reopen_store()
         # TP0/CP0 makes the ring before the start barrier, its peers attach at their first step
-        images = _ImageShare(self.rank, self.setup.image_rings[phase.regime], self.backend)
+        index = self.rank.cp * TOPOLOGY.tp + self.rank.tp - 1
+        images = _ImageShare(self.rank, self.setup.image_rings[phase.regime], self.backend, index)
+        return self._sample_level(phase, steps, images, None)
+
+    def sample_level_bcast(self, phase: Phase, steps: _Steps) -> list[float]:
+        """The Megatron habit (``get_batch_on_this_tp_rank``): TP rank 0 reads the DP share
+        (images shared by TP0/CP0 with the other CP ranks' TP0) and packs, then broadcasts each
+        packed micro-batch to its TP peers, who receive a copy (NOTE [ Broadcast on one node ])."""
+        channel = self.setup.bcast[phase.regime]
+        images = None
+        if self.rank.tp == 0:
+            self._reopen_store()
+            spec = self.setup.bcast_image_rings[phase.regime]
+            images = _ImageShare(self.rank, spec, self.backend, self.rank.cp - 1)
+        return self._sample_level(phase, steps, images, channel)
+
+    def _sample_level(
+        self,
+        phase: Phase,
+        steps: _Steps,
+        images: _ImageShare | None,
+        channel: _Broadcast | None,
+    ) -> list[float]:
+        """Both sample-level variants; ``images`` is None on a rank that only receives."""
         waits = []
         if not phase.computes:
             for step in steps.run():
                 start = time.perf_counter()
-                self.raw.reset()
-                local = read_share(self.backend, self.setup.plans[step], self.rank, self.raw)
-                images.share(local)
-                for _ in pack_local(self.groups[step], local, self.packed):
+                for _ in _sample_level_batches(self, step, images, channel, self.packed):
                     pass
                 waits.append(time.perf_counter() - start)
         else:
             started: list[_SampleLevelPrefetch] = []
 
             def start_thread() -> None:  # at the phase's start, like every method's helpers
-                started.append(_SampleLevelPrefetch(self, images, phase.depth))
+                started.append(_SampleLevelPrefetch(self, images, channel, phase.depth))
 
             for step in steps.run(start_thread):
                 wait, count = 0.0, len(self.groups[step].micro_batches)
@@ -516,7 +548,8 @@ class _Rank:
                     self.compute.run(packed, self.compute.share(index, count))
                 waits.append(wait)
             started[0].join()
-        images.close()
+        if images is not None:
+            images.close()
         return waits
 
     def _reopen_store(self) -> None:
@@ -584,8 +617,10 @@ class _ImageShare:
     TP0/CP0 owns the ring (made before the ranks' start barrier, so the peers attach after it)
     and publishes each step's images as one micro-batch of whole units, read from the store."""
 
-    def __init__(self, rank: RankPosition, spec: RingSpec, backend: UnitBackend) -> None:
-        self.rank, self.spec = rank, spec
+    def __init__(
+        self, rank: RankPosition, spec: RingSpec, backend: UnitBackend, index: int
+    ) -> None:
+        self.rank, self.spec, self.index = rank, spec, index
         self.out: ReorganizerHost | None = None
         self.into: MicroBatchConsumer | None = None
         self.shared = 0
@@ -599,9 +634,7 @@ class _ImageShare:
             self.out.deliver(f"images{self.shared}", plan)
         else:
             if self.into is None:
-                self.into = MicroBatchConsumer(
-                    self.spec, self.rank.cp * TOPOLOGY.tp + self.rank.tp - 1
-                )
+                self.into = MicroBatchConsumer(self.spec, self.index)
             receive_multimodal(self.into, local)
         self.shared += 1
 
@@ -613,14 +646,117 @@ class _ImageShare:
             self.into.close()
 
 
+def _sample_level_batches(
+    rank: _Rank,
+    step: int,
+    images: _ImageShare | None,
+    channel: _Broadcast | None,
+    buffers: list[Arena],
+    credit: Callable[[], None] = lambda: None,
+) -> Iterator[np.ndarray]:
+    """A sample-level rank's micro-batches of ``step`` in ``buffers`` in turn: read the share,
+    share the images, pack (and broadcast, on a TP0 with a ``channel``), or receive each one
+    (a TP peer); ``credit()`` runs before every micro-batch after the first."""
+    group = rank.groups[step]
+    if channel is not None and rank.rank.tp != 0:
+        for index in range(len(group.micro_batches)):
+            if index:
+                credit()
+            yield channel.receive(buffers[index % len(buffers)], rank.rank.tp - 1)
+        return
+    rank.raw.reset()
+    local = read_share(rank.backend, rank.setup.plans[step], rank.rank, rank.raw)
+    if images is not None:
+        images.share(local)
+    for index, (_, buffer) in enumerate(pack_local(group, local, buffers)):
+        if index:
+            credit()
+        if channel is not None:
+            channel.send(buffer)
+        yield buffer
+
+
+# NOTE [ Broadcast on one node ]
+#
+# The broadcast sample-level variant's TP "broadcast" is the cheapest one a node has: TP0 copies
+# each packed micro-batch into a shared-memory slot and every TP peer copies it out into its own
+# buffer (two copies, no serialisation, no socket), with two semaphores for flow control (slots
+# free, slots filled per peer). gloo's broadcast over loopback copies more; NCCL on GPUs moves
+# device memory instead. So this variant is the strongest form of the habit on one machine.
+
+
+class _Broadcast:
+    """TP0 -> TP peers through ``slots`` shared-memory slots (NOTE [ Broadcast on one node ]);
+    made by the driver (``create``, ``unlink``), handed to the rank processes pickled."""
+
+    def __init__(self, ctx: Any, slots: int, slot_bytes: int, peers: int) -> None:
+        self.path = f"/dev/shm/knitkit-bench-bcast-{os.getpid()}-{id(self):x}"
+        self.slots, self.stride, self.peers = slots, slot_bytes + 64, peers
+        self.free = ctx.Semaphore(slots * peers)
+        self.filled = [ctx.Semaphore(0) for _ in range(peers)]
+        self._view: np.ndarray | None = None
+        self._sent = self._received = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: getattr(self, k) for k in ("path", "slots", "stride", "peers", "free")}
+        return state | {"filled": self.filled, "_view": None, "_sent": 0, "_received": 0}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+    def create(self) -> None:
+        with open(self.path, "wb") as segment:
+            segment.truncate(self.slots * self.stride)
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def _slot(self, seq: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._view is None:
+            with open(self.path, "r+b") as segment:
+                self._view = np.frombuffer(mmap.mmap(segment.fileno(), 0), np.uint8)
+        raw = self._view[(seq % self.slots) * self.stride :][: self.stride]
+        return raw[:8].view(np.int64), raw[64:]
+
+    def send(self, packed: np.ndarray) -> None:
+        for _ in range(self.peers):  # every peer copied this slot's previous micro-batch out
+            if not self.free.acquire(timeout=BARRIER_TIMEOUT_S):
+                raise TimeoutError("broadcast: a TP peer did not take its micro-batch")
+        size, data = self._slot(self._sent)
+        flat = packed.reshape(-1).view(np.uint8)
+        size[0] = flat.nbytes
+        np.copyto(data[: flat.nbytes], flat)
+        self._sent += 1
+        for filled in self.filled:
+            filled.release()
+
+    def receive(self, into: Arena, peer: int) -> np.ndarray:
+        """The next micro-batch, copied into ``into``; ``peer``: this rank's TP rank - 1."""
+        if not self.filled[peer].acquire(timeout=BARRIER_TIMEOUT_S):
+            raise TimeoutError("broadcast: TP0 sent nothing")
+        size, data = self._slot(self._received)
+        into.reset()
+        out = into.take(int(size[0]))
+        np.copyto(out, data[: out.nbytes])
+        self._received += 1
+        self.free.release()
+        return out
+
+
 class _SampleLevelPrefetch:
     """A careful sample-level loader with look-ahead: a thread reads each step's share, shares the
-    images and packs micro-batch by micro-batch into ``depth + 1`` reused buffers, at most
-    ``depth`` ahead of the one the loop holds (NOTE [ Equal look-ahead ])."""
+    images and packs micro-batch by micro-batch into ``depth + 1`` reused buffers (or, a TP peer
+    in the broadcast variant, receives them), at most ``depth`` ahead of the one the loop holds
+    (NOTE [ Equal look-ahead ])."""
 
-    def __init__(self, rank: _Rank, images: _ImageShare, depth: int) -> None:
+    def __init__(
+        self, rank: _Rank, images: _ImageShare | None, channel: _Broadcast | None, depth: int
+    ) -> None:
         self._rank = rank
         self._images = images
+        self._channel = channel
         self._buffers = rank.packed[: depth + 1]
         self._credits = threading.Semaphore(depth + 1)  # a buffer each: held + ``depth`` ahead
         self._ready: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -629,21 +765,18 @@ class _SampleLevelPrefetch:
         self._thread.start()
 
     def _run(self) -> None:
-        rank, setup = self._rank, self._rank.setup
+        rank = self._rank
         packed = 0  # micro-batches packed so far: the buffers rotate across steps
         try:
-            for plan, group in zip(setup.plans, rank.groups, strict=True):
+            for step in range(len(rank.groups)):
                 self._credits.acquire()  # for the step's first micro-batch, read with the share
-                rank.raw.reset()
-                local = read_share(rank.backend, plan, rank.rank, rank.raw)
-                self._images.share(local)
                 turn = packed % len(self._buffers)
                 buffers = self._buffers[turn:] + self._buffers[:turn]
-                for index, (_, buffer) in enumerate(pack_local(group, local, buffers)):
+                for buffer in _sample_level_batches(
+                    rank, step, self._images, self._channel, buffers, self._credits.acquire
+                ):
                     self._ready.put(buffer)
                     packed += 1
-                    if index + 1 < len(group.micro_batches):
-                        self._credits.acquire()
         except BaseException as exc:  # carried to the consumer, raised there
             self._ready.put(exc)
 
@@ -881,6 +1014,21 @@ def run_delivery(work: Workload, sizes: Sizes, with_tq: bool) -> dict[str, float
         {r: RingSpec.new(num_slots=2, slot_bytes=image_bytes, num_consumers=peers) for r in REGIMES}
         for _ in range(TOPOLOGY.dp)
     ]
+    bcast_image_rings = [
+        {
+            r: RingSpec.new(num_slots=2, slot_bytes=image_bytes, num_consumers=TOPOLOGY.cp - 1)
+            for r in REGIMES
+        }
+        for _ in range(TOPOLOGY.dp)
+    ]
+    bcast = {
+        (d, c): {r: _Broadcast(ctx, DEPTH[r] + 1, backbone_bytes, TOPOLOGY.tp - 1) for r in REGIMES}
+        for d in range(TOPOLOGY.dp)
+        for c in range(TOPOLOGY.cp)
+    }
+    for channels in bcast.values():
+        for channel in channels.values():
+            channel.create()
     knitkit = _Knitkit(work, rings)
     processes: list[Any] = []
     tq_process, tq_stop = None, ctx.Event()
@@ -895,6 +1043,8 @@ def run_delivery(work: Workload, sizes: Sizes, with_tq: bool) -> dict[str, float
                 plans,
                 rings,
                 image_rings[rank.dp],
+                bcast[(rank.dp, rank.cp)],
+                bcast_image_rings[rank.dp],
                 sizes,
                 phases,
                 tq_config,
@@ -942,6 +1092,9 @@ def run_delivery(work: Workload, sizes: Sizes, with_tq: bool) -> dict[str, float
             process.join(60)
             if process.is_alive():
                 process.kill()
+        for channels in bcast.values():
+            for channel in channels.values():
+                channel.unlink()
     return figures_of(work, phases, records, got, knitkit.read, statistics.median(memcpy))
 
 
@@ -1259,13 +1412,13 @@ def print_table(figures: dict[str, float]) -> None:
         f"({figures['oracle.compute_s_per_step']:.2f} s of a rank's thread); oracle step "
         f"{figures['oracle.step_wall_s']:.3f} s"
     )
-    header = f"{'method':<14}{'eager s':>9}{'ahead1 s':>10}{'ahead2 s':>10}{'step s':>8}"
+    header = f"{'method':<20}{'eager s':>9}{'ahead1 s':>10}{'ahead2 s':>10}{'step s':>8}"
     print(header + f"{'overhead':>10}{'ahead2':>8}{'CPU s/step':>12}{'read/consumed':>15}")
     for method in METHODS:
         if f"{method}.bytes_read_ratio" not in figures:
             continue
         print(
-            f"{method:<14}{figures[f'eager.{method}.exposed_s_per_step']:>9.4f}"
+            f"{method:<20}{figures[f'eager.{method}.exposed_s_per_step']:>9.4f}"
             f"{figures[f'lookahead.{method}.exposed_s_per_step']:>10.4f}"
             f"{figures[f'lookahead2.{method}.exposed_s_per_step']:>10.4f}"
             f"{figures[f'{method}.step_wall_s']:>8.3f}"

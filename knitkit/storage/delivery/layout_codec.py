@@ -44,6 +44,7 @@ DTYPES = tuple((name, np.dtype(name).itemsize) for name in sorted(SUPPORTED_DTYP
 """dtype codes (index) with their item sizes: the dtypes every backend stores, plain numeric
 ones only (bfloat16 travels as uint16), so no decoded field can hold Python objects."""
 _CODES = {name: code for code, (name, _) in enumerate(DTYPES)}
+_NUM_DTYPES = len(DTYPES)
 
 
 class LayoutDecodeError(ValueError):
@@ -126,11 +127,13 @@ def decode_layout(blob: bytes, capacity: int) -> MicroBatchLayout:
     names = n_fields + n_traj + n_units
     if strings.pop() or len(strings) != n_strings or n_strings < names + n_extra:
         raise LayoutDecodeError(f"{n_strings} strings expected, the record holds {len(strings)}")
+    rows = list(_FIELD.iter_unpack(blob[_HEADER.size : at]))
     dtypes, shapes, offsets = [], [], []
     spans: list[tuple[int, int, str]] = []
-    for name, row in zip(strings, _FIELD.iter_unpack(blob[_HEADER.size : at]), strict=False):
+    # one pass, no per-field generator: a consumer decodes every micro-batch (issue 31)
+    for name, row in zip(strings, rows, strict=False):
         offset, code, ndim = row[0], row[1], row[2]
-        if code >= len(DTYPES) or ndim > MAX_NDIM:
+        if code >= _NUM_DTYPES or ndim > MAX_NDIM:
             raise LayoutDecodeError(f"field {name!r} has dtype code {code} and {ndim} dimensions")
         dtype, size = DTYPES[code]
         shape = row[3 : 3 + ndim]
@@ -140,7 +143,7 @@ def decode_layout(blob: bytes, capacity: int) -> MicroBatchLayout:
                 f"field {name!r} ({dtype}{list(shape)} at offset {offset}) reaches past the "
                 f"layout's {nbytes} bytes"
             )
-        if offset % LAYOUT_ALIGNMENT or any(dim > capacity for dim in shape):
+        if offset % LAYOUT_ALIGNMENT or (shape and max(shape) > capacity):
             raise LayoutDecodeError(
                 f"field {name!r} ({dtype}{list(shape)} at offset {offset}) cannot be viewed: "
                 f"offsets are multiples of {LAYOUT_ALIGNMENT} and no dimension exceeds the "
