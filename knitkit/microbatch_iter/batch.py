@@ -9,7 +9,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from knitkit.types import LAYOUT_ALIGNMENT, FieldView, MicroBatchLayout
+from knitkit.types import LAYOUT_ALIGNMENT, MicroBatchLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,35 +101,26 @@ def field_tensors(
         )
     if flat.numel() % LAYOUT_ALIGNMENT:  # a view as a wider dtype needs whole items
         flat = flat[: flat.numel() - flat.numel() % LAYOUT_ALIGNMENT]
-    first = flat.storage_offset()
-    typed: dict[str, tuple[torch.Tensor, int, int]] = {}
+    first = int(flat.storage_offset())
+    typed: dict[torch.dtype, tuple[torch.Tensor, int, int]] = {}
     views = {}
     for view in layout.fields:
-        key = view.dtype if not overrides or view.name not in overrides else view.name
-        base = typed.get(key)
-        if base is None:
-            dtype = overrides[view.name] if key == view.name else torch_dtype(view.dtype)
-            base = typed[key] = _typed(flat, dtype, first, view)
+        dtype = overrides.get(view.name) if overrides else None
+        if dtype is None:
+            dtype = torch_dtype(view.dtype)
+        elif dtype.itemsize != _itemsize(view.dtype):
+            raise ValueError(
+                f"field {view.name!r}: {dtype} is not as wide as its layout dtype {view.dtype}; "
+                "override a field only with a dtype of the same width (bfloat16 over uint16)"
+            )
+        base = typed.get(dtype)
+        if base is None:  # once per dtype: ``flat`` as items of it, and where it starts
+            base = typed[dtype] = (flat.view(dtype), first // dtype.itemsize, dtype.itemsize)
         tensor, start, itemsize = base
         shape = view.shape
         strides = (1,) if len(shape) == 1 else _contiguous(shape)
         views[view.name] = tensor.as_strided(shape, strides, start + view.offset // itemsize)
     return views
-
-
-def _typed(
-    flat: torch.Tensor, dtype: torch.dtype, first: int, field: FieldView
-) -> tuple[torch.Tensor, int, int]:
-    """``flat`` viewed as ``dtype``, the storage offset (in items) of its first byte ``first``,
-    and the item size; ``ValueError`` naming ``field`` if ``dtype`` is not as wide as its layout
-    dtype."""
-    itemsize = dtype.itemsize
-    if itemsize != _itemsize(field.dtype):
-        raise ValueError(
-            f"field {field.name!r}: {dtype} is not as wide as its layout dtype {field.dtype}; "
-            "override a field only with a dtype of the same width (bfloat16 over uint16)"
-        )
-    return flat.view(dtype), first // itemsize, itemsize
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:

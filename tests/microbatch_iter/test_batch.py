@@ -21,6 +21,35 @@ def test_field_tensors_are_views_of_the_flat_buffer():
     assert flat[layout.field("b").offset : layout.field("b").offset + 2].any()
 
 
+def test_field_tensors_match_numpy_views_at_any_storage_offset():
+    """Views built from precomputed offsets (one ``as_strided`` per field) read exactly what the
+    layout's numpy views read, multi-dimensional fields included, over a flat tensor that starts
+    inside a larger storage (a ring slot); a flat too short or an override of another width is
+    refused, naming what is wrong."""
+    layout = MicroBatchLayout.build(
+        {
+            "a": ("int64", (3,)),
+            "r": ("uint8", (2, 3, 4)),
+            "f": ("float32", (5,)),
+            "e": ("int32", (0,)),
+        }
+    )
+    storage = torch.arange(4096, dtype=torch.int64).view(torch.uint8)
+    flat = storage[128 : 128 + layout.nbytes]
+    views = field_tensors(flat, layout)
+    expected = layout.numpy_views(flat.numpy())
+    for name, array in expected.items():
+        assert views[name].shape == array.shape and torch.equal(
+            views[name], torch.from_numpy(array)
+        )
+    views["r"][1, 2, 3] = 255  # a view, not a copy
+    assert expected["r"][1, 2, 3] == 255
+    with pytest.raises(ValueError, match="at least"):
+        field_tensors(flat[:64], layout)
+    with pytest.raises(ValueError, match=r"'f'.*not as wide"):
+        field_tensors(flat, layout, {"f": torch.bfloat16})
+
+
 def test_iter_stats_totals_and_steady_wait():
     """Totals add up; the first wait is kept apart so steady-state waits can be read alone."""
     stats = IterStats()
