@@ -106,8 +106,14 @@ def main() -> None:
     parser.add_argument(
         "--final-params", type=Path, help="every rank saves its final policy here (rank<r>.pt)"
     )
+    parser.add_argument("--moe", action="store_true", help="MoE policy with routing replay")
     common.tensorboard_argument(parser)
     args = parser.parse_args()
+    if args.moe:  # grpo/moe.py: a megatron-core MoE GPTModel trained with R3
+        from grpo.moe import moe_main
+
+        moe_main(args.steps)
+        return
     if (args.resume or args.ledger) and not args.checkpoint_dir:
         parser.error("--resume and --ledger need --checkpoint-dir")
     if args.checkpoint_dir and args.reference:

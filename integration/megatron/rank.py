@@ -207,10 +207,11 @@ class MegatronPass:
             return replay.recording(forward_step)
         return replay.replaying(forward_step)
 
-    def write_back_routing(self) -> None:
+    def write_back_routing(self, replay: RoutingReplay | None = None) -> None:
         """Write the routing a recording pass took back into the store (a collective over TP:
-        every rank of the pass calls it; the group's writer sends)."""
-        replay = self._rank.routing
+        every rank of the pass calls it; the group's writer sends). ``replay`` is the one that
+        recorded (default: the rank's; another model's, e.g. a rollout policy's, works too)."""
+        replay = replay or self._rank.routing
         if replay is None or not any(o.name == ROUTING_FIELD for o in self.pass_.writes):
             raise ValueError(
                 f"pass {self.pass_.name!r} records no routing; give MegatronRank(routing=...) and "

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
+import sys
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from dist import World
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 from knitkit.admission import build_controller
 from knitkit.integration.megatron import (
@@ -501,9 +504,6 @@ def test_megatron_rank_records_then_replays_through_the_driver(world2: World) ->
         for trajectory in data:
             driver.write(dataclasses.replace(trajectory, source="s"))
         driver.finish()
-        deadline = time.monotonic() + 120  # the driver serves the first pass (rings exist)
-        while not driver.progress().served["rollout"] and time.monotonic() < deadline:
-            time.sleep(0.05)
         results = world2.run(_rank_job, driver.rank_spec().to_json(), timeout_s=300)
         driver.drain(120)
     for rank, micro_batches in enumerate(results):
@@ -517,6 +517,36 @@ def test_megatron_rank_records_then_replays_through_the_driver(world2: World) ->
                 rows = got["stored"][rank * half : (rank + 1) * half, layer].long()
                 want = torch.zeros_like(routing_map).scatter(1, rows, True)
                 assert torch.equal(routing_map, want), (rank, layer)
+
+
+def _example(rank: int, spec_json: str) -> list[dict[str, float]]:
+    """``grpo_megatron.py --moe``'s passes on this world's ranks (TP2, sequence parallel)."""
+    from grpo.moe import MoEConfig, train
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    megatron_cpu.initialize_model_parallel(tensor_parallel=2, seed=1234)
+    megatron_cpu.install_schedule_shim()
+    try:
+        spec = broadcast_rank_spec(RankSpec.from_json(spec_json) if rank == 0 else None)
+        return train(spec, MoEConfig(steps=1))
+    finally:
+        RouterReplay.clear_global_router_replay_instances()
+        megatron_cpu.destroy_model_parallel()
+
+
+def test_moe_grpo_example_trains_with_the_rollout_routing(world2: World) -> None:
+    """The example (issue 33.4): the first mini-batch trains with the weights that rolled it
+    out, so replay changes nothing; the second replays the rollout's routing although the
+    policy's routers moved with the first update (replay overrides some of their choices)."""
+    from grpo.moe import MoEConfig, start_driver
+
+    topology = Topology(dp=1, cp=1, tp=2, sequence_parallel=True)
+    with start_driver(MoEConfig(steps=1), topology) as driver:
+        results = world2.run(_example, driver.rank_spec().to_json(), timeout_s=300)
+        driver.drain(120)
+    for history in results:
+        assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)
+        assert history[0]["overridden"] == 0.0 and history[1]["overridden"] > 0.0, history
 
 
 def test_replay_at_dp2_tp2() -> None:
