@@ -3,10 +3,12 @@ the reductions of knittrans/adaptive against linear, a rho sweep, regret against
 optimum on small windows, and the admission decision cost with 100k pending trajectories.
 ``--families``: the trace families, and the decision cost and worst single call with
 ``max_staleness`` at 1k/100k/1M pending. ``--random``: adaptive, knittrans and linear on random
-small configurations (2-5 sources, rho 0.8-1.2, atomic GRPO groups). Progress goes to stderr,
-one line per finished configuration; stdout holds the tables.
+small configurations (2-5 sources, rho 0.8-1.2, atomic GRPO groups). ``--stability``: adaptive
+against knittrans on random configurations over 64 train batches and several seeds each (mean and
+spread across seeds, and where adaptive loses). Progress goes to stderr, one line per finished
+configuration; stdout holds the tables.
 
-    python benchmarks/admission.py [--quick] [--families | --random] [--json PATH]
+    python benchmarks/admission.py [--quick] [--families | --random | --stability] [--json PATH]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from knitkit.admission.replay import (
     FAMILIES,
     ReplaySettings,
     SourceProfile,
+    Trace,
     family_regret,
     generate_trace,
     preset,
@@ -248,6 +251,26 @@ def random_configuration(seed: int) -> tuple[tuple[SourceProfile, ...], int, Rep
     return profiles, group, settings
 
 
+def random_trace(
+    seed: int, trace_seed: int | None = None, train_batches: int | None = None
+) -> tuple[Trace, ReplaySettings]:
+    """Configuration ``seed``'s settings (over ``train_batches``, default its own) and a trace
+    long enough for them, drawn with ``trace_seed`` (default ``seed``)."""
+    profiles, group, settings = random_configuration(seed)
+    if train_batches is not None:
+        settings = settings.with_(train_batches=train_batches)
+    shares = settings.issue_shares or {}
+    per_step = (1 + settings.oversample) * settings.train_batch_size * max(shares.values())
+    needed = int(per_step / group * (settings.train_batches + 4) * 2) + 8
+    trace = generate_trace(  # 4000 trajectories a source, more where a big batch needs them
+        profiles,
+        samples_per_source=max(4000 // group + 50, needed),
+        group_size=group,
+        seed=seed if trace_seed is None else trace_seed,
+    )
+    return trace, settings
+
+
 def random_figures(count: int) -> dict[str, float]:
     """adaptive vs knittrans and knittrans vs linear over ``count`` random configurations: how
     often and by how much each is above the other, and whether adaptive ran faster (shorter
@@ -255,16 +278,7 @@ def random_figures(count: int) -> dict[str, float]:
     rows = []
     skipped = 0
     for seed in range(count):
-        profiles, group, settings = random_configuration(seed)
-        shares = settings.issue_shares or {}
-        per_step = (1 + settings.oversample) * settings.train_batch_size * max(shares.values())
-        needed = int(per_step / group * (settings.train_batches + 4) * 2) + 8
-        trace = generate_trace(  # 4000 trajectories a source, more where a big batch needs them
-            profiles,
-            samples_per_source=max(4000 // group + 50, needed),
-            group_size=group,
-            seed=seed,
-        )
+        trace, settings = random_trace(seed)
         try:
             runs = run_replay(trace, settings, ("linear", "knittrans", "adaptive"))["policies"]
         except RuntimeError:  # a step cannot feed the quotas even with dynamic sampling
@@ -321,6 +335,76 @@ def random_figures(count: int) -> dict[str, float]:
     return figures
 
 
+STABLE_TRAIN_BATCHES = 64
+"""Train batches per replay of ``--stability`` (the random study's 16 were too few to be stable)."""
+
+
+def stability_figures(configurations: list[int], seeds: int) -> dict[str, float]:
+    """adaptive against knittrans (relative staleness, ``adaptive / knittrans - 1``) on the
+    random study's ``configurations``, each replayed over STABLE_TRAIN_BATCHES train batches with ``seeds``
+    trace and replay seeds: the mean over configurations of each one's mean over seeds, the
+    spread across seeds (per configuration, then the mean and the largest), and the same split
+    by mini-batches per train batch and by the colocated reference's staleness (below 0.5 or
+    not)."""
+    rows: list[tuple[int, ReplaySettings, float, list[float]]] = []
+    skipped = 0
+    for done, seed in enumerate(configurations, start=1):
+        ratios, colocated = [], []
+        for k in range(seeds):
+            trace, base = random_trace(seed, 1000 * seed + k, STABLE_TRAIN_BATCHES)
+            settings = base.with_(seed=1000 * seed + k)
+            try:
+                summary = run_replay(trace, settings, ("knittrans", "adaptive"))
+            except RuntimeError:  # a step cannot feed the quotas even with dynamic sampling
+                break
+            runs = summary["policies"]
+            knit = runs["knittrans"]["architectural_staleness"]
+            ratios.append(runs["adaptive"]["architectural_staleness"] / knit - 1 if knit else 0.0)
+            colocated.append(summary["colocated_staleness"])
+        if len(ratios) < seeds:
+            skipped += 1
+            continue
+        rows.append((seed, base, float(np.mean(colocated)), ratios))
+        progress(f"stability configuration {seed} ({done}/{len(configurations)}): done")
+    figures: dict[str, float] = {
+        "stability.configurations": len(rows),
+        "stability.stalled": skipped,
+        "stability.seeds": seeds,
+        "stability.train_batches": STABLE_TRAIN_BATCHES,
+    }
+
+    def summarise(key: str, chosen: list[tuple[int, ReplaySettings, float, list[float]]]) -> None:
+        means = [float(np.mean(r)) for _, _, _, r in chosen]
+        spreads = [float(np.std(r)) for _, _, _, r in chosen]
+        figures[f"{key}.configurations"] = len(chosen)
+        figures[f"{key}.mean"] = float(np.mean(means)) if means else 0.0
+        figures[f"{key}.median"] = float(np.median(means)) if means else 0.0
+        figures[f"{key}.max"] = max(means, default=0.0)
+        figures[f"{key}.min"] = min(means, default=0.0)
+        figures[f"{key}.seed_spread_mean"] = float(np.mean(spreads)) if spreads else 0.0
+        figures[f"{key}.seed_spread_max"] = max(spreads, default=0.0)
+        figures[f"{key}.single_seed_max"] = max((max(r) for *_, r in chosen), default=0.0)
+        figures[f"{key}.adaptive_worse"] = sum(m > 1e-9 for m in means)
+        figures[f"{key}.adaptive_worse_by_5pct"] = sum(m > 0.05 for m in means)
+
+    summarise("stability", rows)
+    for n in (2, 4, 8):
+        summarise(f"stability.mb{n}", [r for r in rows if r[1].num_minibatches == n])
+    summarise("stability.colocated_lt_0.5", [r for r in rows if r[2] < 0.5])
+    summarise("stability.colocated_ge_0.5", [r for r in rows if r[2] >= 0.5])
+    summarise("stability.drain", [r for r in rows if r[1].partial_rollout == "drain"])
+    summarise("stability.rho_ge_1", [r for r in rows if r[1].rho >= 1])
+    for seed, settings, colocated, ratios in rows:
+        key = f"stability.seed{seed}"
+        figures[key] = float(np.mean(ratios))
+        figures[f"{key}.spread"] = float(np.std(ratios))
+        figures[f"{key}.num_minibatches"] = settings.num_minibatches
+        figures[f"{key}.colocated_staleness"] = colocated
+        figures[f"{key}.rho"] = settings.rho
+        figures[f"{key}.drain"] = float(settings.partial_rollout == "drain")
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -340,7 +424,16 @@ def main() -> None:
         action="store_true",
         help="compare adaptive, knittrans and linear on random small configurations instead",
     )
+    mode.add_argument(
+        "--stability",
+        action="store_true",
+        help=f"adaptive vs knittrans on random configurations over {STABLE_TRAIN_BATCHES} train "
+        "batches and 3 seeds each (mean and spread) instead",
+    )
     args = parser.parse_args()
+    if args.stability:
+        stability_main(args)
+        return
     if args.families:
         families_main(args)
         return
@@ -487,6 +580,53 @@ def random_main(args: argparse.Namespace) -> None:
         f"{f['random.rho_ge_1']:.0f} configurations have; "
         f"{f['random.knittrans_worse_than_linear_drain']:.0f} in drain mode)"
     )
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(f, out, indent=1, sort_keys=True)
+
+
+def stability_main(args: argparse.Namespace) -> None:
+    # The random study's first configurations, and 206: its largest loss at 16 train batches.
+    configurations, seeds = ([*range(12), 206], 2) if args.quick else ([*range(100), 206], 3)
+    f = stability_figures(configurations, seeds)
+    print(
+        f"adaptive vs knittrans, {f['stability.configurations']:.0f} random configurations "
+        f"({f['stability.stalled']:.0f} could not be fed), {seeds} seeds each, "
+        f"{STABLE_TRAIN_BATCHES} train batches: staleness of adaptive relative to knittrans"
+    )
+    print(
+        f"{'configurations':<26} {'n':>3} {'mean':>7} {'median':>7} {'min':>7} {'max':>7} "
+        f"{'seed spread':>11} {'(max)':>7} {'worse':>5} {'>5%':>4}"
+    )
+    for key, label in (
+        ("stability", "all"),
+        ("stability.mb2", "2 mini-batches"),
+        ("stability.mb4", "4 mini-batches"),
+        ("stability.mb8", "8 mini-batches"),
+        ("stability.colocated_lt_0.5", "colocated staleness < 0.5"),
+        ("stability.colocated_ge_0.5", "colocated staleness >= 0.5"),
+        ("stability.drain", "drain"),
+        ("stability.rho_ge_1", "rho >= 1"),
+    ):
+        print(
+            f"{label:<26} {f[key + '.configurations']:>3.0f} {f[key + '.mean']:>+7.1%} "
+            f"{f[key + '.median']:>+7.1%} {f[key + '.min']:>+7.1%} {f[key + '.max']:>+7.1%} "
+            f"{f[key + '.seed_spread_mean']:>11.1%} {f[key + '.seed_spread_max']:>7.1%} "
+            f"{f[key + '.adaptive_worse']:>5.0f} {f[key + '.adaptive_worse_by_5pct']:>4.0f}"
+        )
+    print(
+        f"largest single-seed gap: {f['stability.single_seed_max']:+.1%}; configurations where "
+        "adaptive is above knittrans (mean over seeds), and 206:"
+    )
+    for seed in configurations:
+        key = f"stability.seed{seed}"
+        if key in f and (f[key] > 1e-9 or seed == 206):
+            print(
+                f"    configuration {seed}: {f[key]:+.1%} +- {f[key + '.spread']:.1%} "
+                f"(std over seeds), {f[key + '.num_minibatches']:.0f} mini-batches, colocated "
+                f"staleness {f[key + '.colocated_staleness']:.2f}, rho {f[key + '.rho']:.2f}, "
+                f"{'drain' if f[key + '.drain'] else 'abort_resume'}"
+            )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump(f, out, indent=1, sort_keys=True)
