@@ -28,6 +28,16 @@ largest state a step boundary can hold for these trajectories). Timed, median ov
 
 JSON (flat): ``n<size>.<figure>`` (shm) and ``n<size>.disk.<figure>`` for each size and the
 figures above (plus ``.trajectories``), and ``repeats``.
+
+The admission controller's own state (issue 30.3: it used to list every id ever reported), for
+``reported`` trajectories settled before and ``pending`` waiting (knittrans, GRPO groups of 8,
+two sources with 50% quotas, the backlog all of one source, so it stays pending):
+``admission.r<reported>_p<pending>.<figure>`` with ``snapshot_s`` (the copy a lock holder pays:
+``AdmissionController.snapshot()``), ``save_s`` (encoding the snapshot, JSON, owner-only write,
+fsync), ``load_s`` (reading it and ``load_state_dict`` on a fresh controller, every invariant
+checked), ``bytes``, and ``save_cpu_s`` / ``load_cpu_s`` (process CPU time: figures that hold on
+a busy shared machine). Sizes: reported 0 and 2M, pending 0 and 1M (``--quick``: 200k and 100k);
+``--admission-only`` runs just these.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ from pathlib import Path
 
 from progress import Progress
 
-from knitkit.admission import build_controller
+from knitkit.admission import AdmissionController, SourceQuota, build_controller
 from knitkit.job import Driver, Output, Pass
 from knitkit.job.checkpoint import CheckpointDir, read_json, write_json
 from knitkit.storage import (
@@ -53,6 +63,7 @@ from knitkit.storage import (
     TrajectoryStore,
 )
 from knitkit.storage.baselines import synthetic_trajectories
+from knitkit.types import TrajectoryMeta
 
 progress = Progress("checkpoint")
 
@@ -138,6 +149,81 @@ def measure(size: int, repeats: int, root: Path, backend: str) -> dict[str, floa
     return out
 
 
+ADMISSION_GROUP = 8
+
+
+def admission_controller() -> AdmissionController:
+    return build_controller(
+        "knittrans",
+        train_batch_size=256,
+        num_minibatches=4,
+        sources=["fast", "slow"],
+        quotas=[SourceQuota(source=s, min_ratio=0.5) for s in ("fast", "slow")],
+        group_size=ADMISSION_GROUP,
+    )
+
+
+def admission_state(reported: int, pending: int, root: Path) -> dict[str, float]:
+    """Save and load times and bytes of a controller that settled ``reported`` trajectories
+    (admitted in full train batches) and holds ``pending`` ones of the fast source, waiting on
+    the slow one."""
+    ctl = admission_controller()
+    for k in range(reported):
+        source = "fast" if k // ADMISSION_GROUP % 2 else "slow"
+        ctl.report(TrajectoryMeta(f"r{k:09d}", f"r{k // 8}", source, k // 4096, 300, 0, 0))
+        if k % ADMISSION_GROUP == ADMISSION_GROUP - 1:
+            while ctl.next_minibatch() is not None:
+                pass
+    for k in range(pending):
+        ctl.report(TrajectoryMeta(f"p{k:09d}", f"p{k // 8}", "fast", 9999, 300, 0, 0))
+    while ctl.next_minibatch() is not None:
+        pass
+    assert ctl.pending >= pending - 256, "the backlog must stay pending"
+    path = root / f"admission-r{reported}-p{pending}.json"
+    cpu, wall = time.process_time, time.perf_counter
+    t0, c0 = wall(), cpu()
+    snapshot = ctl.snapshot()
+    t1 = wall()
+    write_json(path, snapshot.state_dict())
+    t2, c2 = wall(), cpu()
+    del snapshot
+    fresh = admission_controller()
+    t3, c3 = wall(), cpu()
+    fresh.load_state_dict(read_json(path))
+    t4, c4 = wall(), cpu()
+    assert fresh.metrics() == ctl.metrics()
+    return {
+        "snapshot_s": t1 - t0,
+        "save_s": t2 - t0,
+        "save_cpu_s": c2 - c0,
+        "load_s": t4 - t3,
+        "load_cpu_s": c4 - c3,
+        "bytes": float(path.stat().st_size),
+    }
+
+
+def admission_cases(quick: bool, root: Path) -> dict[str, float]:
+    reported_sizes, pending_sizes = (
+        ((200_000,), (100_000,)) if quick else ((2_000_000,), (1_000_000,))
+    )
+    report: dict[str, float] = {}
+    print(f"\n{'reported':>10} {'pending':>9} {'snapshot_s':>10} {'save_s':>8} {'(cpu)':>7} "
+          f"{'load_s':>8} {'(cpu)':>7} {'MB':>7}")  # fmt: skip
+    for reported in (0, *reported_sizes):
+        for pending in (0, *pending_sizes):
+            figures = admission_state(reported, pending, root)
+            prefix = f"admission.r{reported}_p{pending}"
+            report |= {f"{prefix}.{name}": value for name, value in figures.items()}
+            progress(f"admission state, {reported} reported, {pending} pending: done")
+            print(
+                f"{reported:>10} {pending:>9} {figures['snapshot_s']:>10.4f} "
+                f"{figures['save_s']:>8.3f} {figures['save_cpu_s']:>7.3f} "
+                f"{figures['load_s']:>8.3f} {figures['load_cpu_s']:>7.3f} "
+                f"{figures['bytes'] / 1e6:>7.2f}"
+            )
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -147,20 +233,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backends", nargs="+", choices=("shm", "disk"), default=["shm", "disk"])
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--admission-only", action="store_true", help="only the admission controller's state"
+    )
     args = parser.parse_args()
     sizes, repeats = ([64, 512], 2) if args.quick else (args.sizes, args.repeats)
     report: dict[str, float] = {"repeats": float(repeats)}
-    rows = [(n, backend) for n in sizes for backend in args.backends]
+    rows = [] if args.admission_only else [(n, backend) for n in sizes for backend in args.backends]
     with tempfile.TemporaryDirectory(prefix="knitkit-ckpt-bench-") as tmp:
         for n, backend in rows:
             figures = measure(n, repeats, Path(tmp), backend)
             report |= {f"{_prefix(n, backend)}.{name}": value for name, value in figures.items()}
             progress(f"{n} trajectories on {backend}: done")
     names = ("state_dict_s", "save_s", "pause_s", "load_s", "reissue_s", "reissued")
-    print(f"{'trajectories':>12} {'backend':>8} " + " ".join(f"{name:>13}" for name in names))
+    if rows:
+        print(f"{'trajectories':>12} {'backend':>8} " + " ".join(f"{n:>13}" for n in names))
     for n, backend in rows:
         figures = [report[f"{_prefix(n, backend)}.{name}"] for name in names]
         print(f"{n:>12} {backend:>8} " + " ".join(f"{value:>13.4g}" for value in figures))
+    with tempfile.TemporaryDirectory(prefix="knitkit-ckpt-bench-") as tmp:
+        report |= admission_cases(args.quick, Path(tmp))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 
