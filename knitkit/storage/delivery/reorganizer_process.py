@@ -6,9 +6,11 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnProcess
 
 from knitkit.storage.backends.backend import UnitBackend, check_backend
@@ -34,8 +36,14 @@ from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan
 # interpreter exit (the finalizer). If the launcher is SIGKILLed, its resource tracker unlinks
 # the ring. close(): set STOP (the child's loop and a producer blocked on a full ring give up),
 # join for `join_timeout_s`, then terminate and finally kill the child, then unlink the ring.
-# The child ignores SIGINT (the launcher decides), polls its assignment queue with a timeout and
-# exits when STOP is set or the launcher's pid is gone, so it never outlives its owner for long.
+# The child ignores SIGINT (the launcher decides), polls its assignment pipe with a timeout and
+# exits when STOP is set, the launcher is gone (the ring's owner lock is free: NOTE [ Ring role
+# locks ] in slot_ring.py) or the pipe ends, so it never outlives its owner for long.
+# Assignments travel over a pipe, not a multiprocessing queue: a spawn-context queue makes three
+# named POSIX semaphores (/dev/shm/sem.mp-*) that only its finalizers remove, so every SIGKILLed
+# launcher left three behind. A pipe is two descriptors the kernel closes with the process. The
+# launcher writes it from a sender thread (`_Assignments`), so `submit` never blocks while the
+# child is busy delivering: the child reads the next assignment between deliveries.
 # Whatever ends the child's loop is written to the ring (DONE or FAILED + reason; ReorganizerHost),
 # so consumers raise instead of waiting; a killed child is caught by the consumers' liveness
 # check. A consumer that died holding a slot ends the child's loop the same way (FAILED, naming
@@ -50,6 +58,8 @@ from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan
 # lists its parent's) nor fails joining it. submit()/finish() in a fork raise, naming the owner.
 
 _POLL_S = 0.2
+_CLOSE = object()
+"""Ends the sender thread of ``_Assignments``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +68,40 @@ class _Assignment:
 
     minibatch_id: str
     plan: ConsumerPlan | EncoderRankPlan
+
+
+class _Assignments:
+    """The launcher's end of a reorganizer's assignment pipe: ``put`` never blocks; a sender
+    thread writes in order (see NOTE [ Reorganizer process shutdown ])."""
+
+    def __init__(self, connection: Connection, name: str) -> None:
+        self._connection = connection
+        self._name = name
+        self._pending: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def put(self, item: _Assignment | None) -> None:
+        """Queue ``item`` (``None``: no more assignments) for the child."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._send, name=f"knitkit-reorganizer-submit-{self._name}", daemon=True
+            )
+            self._thread.start()
+        self._pending.put(item)
+
+    def close(self, join_s: float) -> None:
+        """End the sender (after the child stopped: a pending send fails on the closed pipe)."""
+        self._pending.put(_CLOSE)
+        if self._thread is not None:
+            self._thread.join(join_s)
+        self._connection.close()
+
+    def _send(self) -> None:
+        while (item := self._pending.get()) is not _CLOSE:
+            try:
+                self._connection.send(item)
+            except OSError:  # the child is gone: what it would have read goes with it
+                return
 
 
 class ReorganizerProcess:
@@ -71,10 +115,11 @@ class ReorganizerProcess:
         self.spec = spec
         self.join_timeout_s = join_timeout_s
         self.ring = SlotRing.create(spec)
-        self._assignments: mp.Queue[_Assignment | None] = mp.get_context("spawn").Queue()
+        reader, writer = mp.get_context("spawn").Pipe(duplex=False)
+        self._assignments = _Assignments(writer, spec.name)
         self._process = _ReorganizerChild(
             target=_serve,
-            args=(backend, spec, self._assignments),
+            args=(backend, spec, reader),
             name=f"knitkit-reorganizer-{spec.name}",
         )
         sigterm_exits.hold()  # see NOTE [ SIGTERM while reorganizers are open ]
@@ -86,6 +131,8 @@ class ReorganizerProcess:
         except BaseException:
             self._finalizer()
             raise
+        finally:
+            reader.close()  # the child's end: a dead child then fails the sender's writes
         self.ring.set_producer_pid(self._process.pid or 0)
 
     @property
@@ -198,7 +245,7 @@ class _ReorganizerChild(SpawnProcess):
 def _shutdown(
     ring: SlotRing,
     process: _ReorganizerChild,
-    assignments: mp.Queue[_Assignment | None],
+    assignments: _Assignments,
     join_s: float,
 ) -> None:
     try:
@@ -211,26 +258,28 @@ def _shutdown(
             if process.is_alive():
                 process.kill()
                 process.join()
-        assignments.close()
-        assignments.cancel_join_thread()
+        assignments.close(join_s)
         ring.close()
         ring.unlink()
     finally:
         sigterm_exits.release()
 
 
-def _serve(backend: UnitBackend, spec: RingSpec, assignments: mp.Queue[_Assignment | None]) -> None:
+def _serve(backend: UnitBackend, spec: RingSpec, assignments: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # see NOTE [ Reorganizer process shutdown ]
     host = ReorganizerHost(backend, spec)
     try:
         while True:
-            try:
-                item = assignments.get(timeout=_POLL_S)
-            except queue.Empty:
+            if not assignments.poll(_POLL_S):
                 if host.abandoned:
                     host.fail(f"ring {spec.name!r} closed by its owner")
                     return
                 continue
+            try:
+                item = assignments.recv()
+            except EOFError:  # the launcher closed (or lost) its end
+                host.fail(f"ring {spec.name!r} closed by its owner")
+                return
             if item is None:
                 host.finish()
                 return
