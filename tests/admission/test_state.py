@@ -347,6 +347,25 @@ def test_the_state_holds_what_is_pending_and_the_window_not_the_run() -> None:
         ctl.report(TrajectoryMeta("t792", "s", "a", 0, 5, 0, 0))
 
 
+def test_a_snapshot_keeps_the_state_it_was_taken_at() -> None:
+    """snapshot() copies the state (references, O(pending)); encoding it later, after the
+    controller has moved on (reports, admissions, a train batch closing, a discard), gives the
+    state dict of the moment it was taken: a lock holder copies, and encodes outside the lock."""
+    ctl = mid_batch()
+    expected = ctl.state_dict()
+    snapshot = ctl.snapshot()
+    play(
+        ctl,
+        [
+            ("report", TrajectoryMeta(f"u{i}", f"r{i // 2}", "ab"[i % 2], 0, 5, 1, 1))
+            for i in range(6)
+        ],
+    )
+    ctl.discard_pending()
+    assert ctl.state_dict() != expected
+    assert snapshot.state_dict() == expected
+
+
 def test_a_refused_report_leaves_the_whole_state_unchanged() -> None:
     """Every refused report (fractional count, bad acceptance, disagreeing group member,
     duplicate) leaves the complete state dict exactly as it was."""
