@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -222,4 +223,27 @@ def test_a_forked_child_never_releases_its_parents_leases(ring):
     assert owner.released(0) == 0 and owner.consumer_pid(0) == os.getpid()
     lease.release()
     assert owner.released(0) == 1
+    consumer.close()
+
+
+def test_a_write_through_torch_from_numpy_never_reaches_the_peers(ring):
+    """A lease's numpy views are read-only, but ``torch.from_numpy`` only warns and writes: the
+    write lands in this consumer's copy-on-write view, never in the shared slot its TP peer
+    reads, and the slot's next occupant is read from the shared pages again (issue 30, item 15)."""
+    torch = pytest.importorskip("torch")
+    spec, _, publisher = ring
+    publish(publisher, 3)
+    consumer = MicroBatchConsumer(spec, 0)
+    with consumer.next_micro_batch(timeout_s=BOUND_S) as lease, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The given NumPy array is not writable"
+        torch.from_numpy(lease.fields["x"])[0] = 99
+        assert lease.fields["x"].tolist() == [99, 3, 3, 3]  # the write stays with this rank
+    with MicroBatchConsumer(spec, 1) as peer:
+        with peer.next_micro_batch(timeout_s=BOUND_S) as twin:
+            assert twin.fields["x"].tolist() == [3] * 4
+        publish(publisher, 4)
+        publish(publisher, 5)  # into the slot written through torch above
+        for value in (4, 5):
+            with consumer.next_micro_batch(timeout_s=BOUND_S) as mine:
+                assert mine.fields["x"].tolist() == [value] * 4
     consumer.close()

@@ -6,8 +6,6 @@ import time
 
 import pytest
 
-from knitkit.storage.backends.segments import pid_alive
-from knitkit.storage.delivery import consumer as consumer_module
 from knitkit.storage.delivery.consumer import MicroBatchConsumer
 from knitkit.storage.delivery.liveness import WaitSlices
 from knitkit.storage.delivery.publication import Publisher
@@ -28,15 +26,18 @@ def test_wait_slices_check_is_due_once_per_period() -> None:
 
 
 def test_waiting_consumer_checks_liveness_per_period_not_per_poll(monkeypatch) -> None:
-    """A consumer waiting 0.3 s on a live producer reads /proc about once per liveness period (at
-    most once per 10 ms), not once per wake, and still times out with TimeoutError."""
+    """A consumer waiting 0.3 s on a live producer checks its liveness (a lock probe, NOTE [ Ring
+    role locks ]) about once per liveness period (at most once per 10 ms), not once per wake, and
+    still times out with TimeoutError."""
     calls = []
+    probe = SlotRing.producer_alive.fget
+    assert probe is not None
 
-    def counted(pid: int) -> bool:
-        calls.append(pid)
-        return pid_alive(pid)
+    def counted(ring: SlotRing) -> bool:
+        calls.append(ring)
+        return probe(ring)
 
-    monkeypatch.setattr(consumer_module, "pid_alive", counted)
+    monkeypatch.setattr(SlotRing, "producer_alive", property(counted))
     spec = RingSpec.new(num_slots=2, slot_bytes=64, num_consumers=1)
     ring = SlotRing.create(spec)
     publisher = Publisher(SlotRing.attach(spec))

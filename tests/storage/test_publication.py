@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-from knitkit.storage.backends.segments import pid_alive
 from knitkit.storage.delivery.atomic_words import AtomicWords, _libatomic
 from knitkit.storage.delivery.consumer import (
     MicroBatchConsumer,
@@ -120,15 +119,16 @@ def test_sizes_are_checked(ring):
 
 
 def test_failure_and_death_reach_consumers(ring):
-    """A failed producer's message reaches consumers; a producer whose pid is gone is dead."""
+    """A failed producer's message reaches consumers; a producer whose role lock is free is
+    dead, whatever its pid (NOTE [ Ring role locks ])."""
     spec, owner, publisher = ring
     consumer = MicroBatchConsumer(spec, 0, liveness_timeout_s=1.0)
     publisher.fail("unit t3/routing vanished")
     with pytest.raises(ReorganizerError, match="t3/routing vanished"):
         consumer.next_micro_batch(timeout_s=5)
-    owner.set_state(1)  # pretend it runs again, as a pid that does not exist
-    owner.set_producer_pid(2**22 + 1)
-    assert not pid_alive(2**22 + 1)
+    owner.set_state(1)  # pretend it runs again, then its file closes as a death closes it
+    owner.beat()
+    publisher.ring.close()
     with pytest.raises(ReorganizerDiedError, match="died"):
         consumer.next_micro_batch(timeout_s=5)
     consumer.close()
@@ -233,3 +233,36 @@ def test_atomic_words_are_shared_between_mappings():
     finally:
         owner.close()
         owner.unlink()
+
+
+def test_a_consumer_that_leaves_a_live_stream_fails_the_ring_naming_it(ring):
+    """A TP rank that leaves through Python (close, an exception out of ``with``, sys.exit: its
+    consumer detaches) while the producer still runs: the producer, once it waits for that rank's
+    release, fails the ring naming the consumer, and its peer raises ``ReorganizerError`` at once
+    instead of waiting for a micro-batch that can never come (issue 30, item 9)."""
+    spec, _, publisher = ring
+    peer = MicroBatchConsumer(spec, 1, liveness_timeout_s=5.0)
+    leaving = MicroBatchConsumer(spec, 0, liveness_timeout_s=5.0)
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            for value in range(6):
+                _publish(publisher, value)
+        except BaseException as error:
+            publisher.fail(str(error))  # as ReorganizerHost writes it for the consumers
+            errors.append(error)
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    with leaving.next_micro_batch(timeout_s=30):
+        pass
+    leaving.close()  # leaves at micro-batch 1 while the producer still has 5 to publish
+    start = time.monotonic()
+    with pytest.raises(ReorganizerError, match=r"consumer 0 \(pid \d+\) .* left at micro-batch 1"):
+        for _ in range(6):
+            peer.next_micro_batch(timeout_s=60).release()
+    assert time.monotonic() - start < 30
+    producer.join(30)
+    assert len(errors) == 1 and "left at micro-batch 1" in str(errors[0])
+    peer.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -178,3 +180,26 @@ def test_empty_fields_may_share_an_offset(ring: SlotRing) -> None:
     )
     ring.write_meta(1, layout)
     assert ring.read_meta(1) == layout
+
+
+_FORK_AND_EXIT = """
+import os, sys
+from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing
+ring = SlotRing.create(RingSpec.new(num_slots=1, slot_bytes=4096, num_consumers=1))
+if os.fork() == 0:
+    sys.exit(0)  # a forked copy (a DataLoader worker) ends with a normal interpreter exit
+_, status = os.wait()
+ring.close()
+ring.unlink()
+sys.exit(status >> 8)
+"""
+
+
+def test_a_forked_copy_of_a_ring_owner_exits_quietly() -> None:
+    """A forked child of a process that owns a ring exits without a traceback (the ring's
+    mapping has live array views; ``SharedMemory.__del__`` used to print a BufferError there)
+    and leaves the ring to its owner (issue 30, item 15)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_AND_EXIT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]

@@ -12,21 +12,24 @@ finalizers, SIGINT, SIGTERM); only SIGKILL (or a crash in C) leaves them behind,
   ``knitkit-<pid>-<hex>-lock`` can be locked (its owner is dead, in whatever namespace it ran);
   a group without a lock file (written by a knitkit before owner locks) goes only when its pid
   is dead in this namespace, as before;
-- slot rings (``rings=True``, ``knitkit shm-clean`` only): a ring goes when the ring file itself
-  can be locked and its pid is dead here (a ring whose owner locks it is never removed while that
-  owner lives, in any namespace);
+- slot rings: a ring ``knitkit_<pid>_<hex>`` goes once its owner's byte lock on the ring file
+  itself can be taken (NOTE [ Ring role locks ]), in whatever namespace the owner ran;
 - nothing else: names that are not knitkit's, other users' files, anything that is not a regular
   file (a directory named like a segment is skipped, never a reason to fail).
-A shared-memory backend sweeps its directory at start-up (backend segments only).
+A shared-memory backend sweeps its directory at start-up (rings included), and so does the first
+ring a process creates (``SlotRing.create``), so a job started after a whole-job SIGKILL removes
+what the killed one left, whatever its store.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
 import stat
+import struct
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -37,6 +40,10 @@ _OWNED = re.compile(r"^knitkit[-_](\d+)[-_][0-9a-f]{8}([-_].*)?$")
 _GROUP = re.compile(r"^(knitkit-\d+-[0-9a-f]{8})(-.*)?$")
 """A backend owner's group: every segment named ``<group>-...``."""
 LOCK_SUFFIX = "-lock"
+RING_OWNER_BYTE = 0
+"""The byte of a ring file its owner locks (NOTE [ Ring role locks ] in slot_ring.py)."""
+_FLOCK = struct.Struct("hhqqi4x")
+"""``struct flock`` (x86-64 and aarch64): l_type, l_whence, l_start, l_len, l_pid."""
 
 
 def pid_alive(pid: int) -> bool:
@@ -123,6 +130,25 @@ class OwnerLock:
         self._fd = None
 
 
+def lock_byte(fd: int, byte: int) -> bool:
+    """Take an exclusive open-file-description lock on ``byte`` of ``fd``'s file (never
+    blocks); False if another open file description holds it. Released only when every
+    descriptor of this open file description is closed (NOTE [ Ring role locks ])."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def byte_locked(fd: int, byte: int) -> bool:
+    """Whether an open file description other than ``fd``'s holds a lock on ``byte``."""
+    probe = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0)
+    return _FLOCK.unpack(fcntl.fcntl(fd, fcntl.F_OFD_GETLK, probe))[0] != fcntl.F_UNLCK
+
+
 @dataclass(slots=True)
 class SweepReport:
     """What a sweep removed (or would, in a dry run) and what it left and why."""
@@ -137,9 +163,8 @@ def sweep_dead_segments(
 ) -> SweepReport:
     """Unlink this user's knitkit segments in ``directory`` whose owner is dead (see
     NOTE [ Segment names ] for exactly what goes and NOTE [ Owner locks ] for how liveness is
-    decided). ``rings=False`` keeps slot rings: a ring is named by the process that made its
-    spec, so only a person (``knitkit shm-clean``) removes those. Never raises for one entry it
-    cannot handle: the report says why it was skipped.
+    decided). ``rings=False`` keeps slot rings. Never raises for one entry it cannot handle:
+    the report says why it was skipped.
     """
     report = SweepReport()
     try:
@@ -236,23 +261,21 @@ def _sweep_group(
 
 
 def _sweep_ring(directory: str, name: str, dry_run: bool, report: SweepReport) -> None:
-    """A slot ring: removed if nobody holds its lock and its pid is dead here."""
+    """A slot ring: removed while holding its owner's byte lock (its owner is gone)."""
     path = os.path.join(directory, name)
-    pid = segment_pid(name)
-    if pid is None or pid == os.getpid() or pid_alive(pid):
-        return
     if not _regular_and_mine(path, report):
         return
     try:
-        fd = _try_lock(path)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
-        return
+        return  # its owner unlinked it right now
     except OSError as exc:
-        report.skipped[path] = f"cannot lock: {exc}"
-        return
-    if fd is None:
+        report.skipped[path] = f"cannot open: {exc}"
         return
     try:
-        _unlink([path], dry_run, report)
+        if lock_byte(fd, RING_OWNER_BYTE):
+            _unlink([path], dry_run, report)
+    except OSError as exc:
+        report.skipped[path] = f"cannot lock: {exc}"
     finally:
         os.close(fd)

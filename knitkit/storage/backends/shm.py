@@ -60,7 +60,7 @@ class SharedMemoryBackend(UnitBackend):
         self.slab_bytes = slab_bytes
         self.directory = directory
         if sweep:
-            sweep_dead_segments(directory, rings=False)
+            sweep_dead_segments(directory)
         self._prefix = f"knitkit-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._slabs: list[Slab] = []
         self._paths: list[str] = []

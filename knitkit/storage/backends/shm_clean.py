@@ -1,8 +1,9 @@
 """Remove /dev/shm segments (slabs, journals, slot rings) left behind by knitkit processes that died.
 
 Only this user's segments whose owner is dead are removed: a backend's segments once its owner
-lock is free, in any pid namespace that shares the directory (see NOTE [ Segment names ] in
-``knitkit/storage/backends/segments.py`` for exactly what goes); live owners are never touched.
+lock is free, a slot ring once its owner's lock on the ring file is free, in any pid namespace
+that shares the directory (see NOTE [ Segment names ] in ``knitkit/storage/backends/segments.py``
+for exactly what goes); live owners are never touched.
 Run it after a SIGKILLed trainer or reorganizer. Entries it cannot remove are listed with the
 reason; they never stop it.
 """

@@ -2,13 +2,15 @@
 
 The face for engine adapters that host a reorganizer themselves (a Ray actor): they run a
 ``ReorganizerHost`` and unlink the rings of hosts that died with ``unlink_ring``; a consumer of
-its own (one that follows a restarted reorganizer) hands out exact counts with ``Take``; users need only
+its own (one that follows a restarted reorganizer) hands out exact counts with ``Take``, waits for
+a ring to appear on ``RingNotReadyError`` and names its producer with ``Producer``; users need only
 ``ReorganizerProcess``, ``RingSpec`` and ``MicroBatchConsumer`` from ``knitkit.storage``.
 """
 
 from knitkit.storage.delivery.consumer import (
     ConsumerClosedError,
     MicroBatchConsumer,
+    Producer,
     ReorganizerDiedError,
     ReorganizerError,
     ReorganizerUnitsLostError,
@@ -18,6 +20,7 @@ from knitkit.storage.delivery.reorganizer import ReorganizerHost
 from knitkit.storage.delivery.reorganizer_process import ReorganizerProcess
 from knitkit.storage.delivery.slot_ring import (
     RingClosedError,
+    RingNotReadyError,
     RingSpec,
     RingTruncatedError,
     unlink_ring,
@@ -26,12 +29,14 @@ from knitkit.storage.delivery.slot_ring import (
 __all__ = [
     "ConsumerClosedError",
     "MicroBatchConsumer",
+    "Producer",
     "ReorganizerDiedError",
     "ReorganizerError",
     "ReorganizerHost",
     "ReorganizerProcess",
     "ReorganizerUnitsLostError",
     "RingClosedError",
+    "RingNotReadyError",
     "RingSpec",
     "RingTruncatedError",
     "Take",

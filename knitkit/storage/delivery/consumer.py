@@ -7,17 +7,19 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
 import numpy as np
 
 from knitkit.storage.backends.lost import UnitsLostError, lost_units_in
-from knitkit.storage.backends.segments import pid_alive
 from knitkit.storage.delivery.liveness import CHECK_EVERY_S, WaitSlices
 from knitkit.storage.delivery.slot_ring import (
     DONE,
     FAILED,
+    LEFT,
+    RUNNING,
     STARTING,
     RingSpec,
     SlotRing,
@@ -57,6 +59,17 @@ class ReorganizerDiedError(RuntimeError):
 
 class ConsumerClosedError(RuntimeError):
     """A micro-batch was asked of a consumer that is closed (or was closed while it waited)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Producer:
+    """Who fills a ring, as a consumer's errors name it: what it is and what to do once it died."""
+
+    name: str = "reorganizer"
+    remedy: str = "restart the mini-batch's reorganizers"
+
+
+REORGANIZER = Producer()
 
 
 class _Releases:
@@ -125,11 +138,16 @@ class _SlotBytes:
 
 
 def _detach(ring: SlotRing, releases: _Releases, key: tuple[str, int]) -> None:
-    """Forget the attachment and unmap (``close()``, or GC of a consumer never closed)."""
+    """Forget the attachment and unmap (``close()``, or GC or interpreter exit of a consumer
+    never closed). A consumer that leaves while its producer still runs marks its pid word
+    ``LEFT``: its TP peers cannot go on without it, so the producer fails the ring once it waits
+    for it (NOTE [ Micro-batch publication protocol ], "Dead consumers")."""
     releases.close()
     index = key[1]
-    if ring.consumer_pid(index) == os.getpid():
-        ring.set_consumer_pid(index, 0)
+    pid = os.getpid()
+    if ring.consumer_pid(index) == pid:  # never a forked copy's: the parent is still attached
+        live = ring.state in (STARTING, RUNNING)
+        ring.set_consumer_pid(index, LEFT * pid if live else 0)
     ring.close()
     with _ATTACHED_LOCK:
         _ATTACHED.discard(key)
@@ -157,12 +175,14 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
         liveness_timeout_s: float = 30.0,
         startup_timeout_s: float = 120.0,
         wait_timeout_s: float = 600.0,
+        producer: Producer = REORGANIZER,
     ):
         """Attach as TP consumer ``consumer_index``; see NOTE [ Micro-batch publication protocol ].
 
         ``liveness_timeout_s``: a producer that makes no progress this long counts as dead.
         ``wait_timeout_s``: the default bound of ``next_micro_batch`` (``math.inf`` to wait
         while the producer lives, e.g. for a mini-batch that is still being generated).
+        ``producer``: how errors name the ring's producer (a reorganizer by default).
         """
         if not 0 <= consumer_index < spec.num_consumers:
             raise ValueError(
@@ -181,21 +201,23 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
                 )
             _ATTACHED.add(key)
         try:
-            ring = SlotRing.attach(spec)
+            ring = SlotRing.attach(spec, read_only_slots=True)  # it hands out private views
         except BaseException:
             with _ATTACHED_LOCK:
                 _ATTACHED.discard(key)
             raise
-        holder = ring.consumer_pid(consumer_index)
-        if holder not in (0, os.getpid()) and pid_alive(holder):
+        if not ring.claim_consumer(consumer_index):  # NOTE [ Ring role locks ] in slot_ring.py
+            holder = abs(ring.consumer_pid(consumer_index))
             ring.close()
             with _ATTACHED_LOCK:
                 _ATTACHED.discard(key)
             raise ValueError(
-                f"consumer_index={consumer_index} of ring {spec.name!r} is attached by live pid "
-                f"{holder}; each TP rank attaches with its own index"
+                f"consumer_index={consumer_index} of ring {spec.name!r} is attached by a live "
+                f"process, pid {holder} (in its own pid namespace); each TP rank attaches with "
+                "its own index"
             )
         ring.set_consumer_pid(consumer_index, os.getpid())
+        self.producer = producer
         self._ring = ring
         self._index = consumer_index
         self._wait_timeout_s = wait_timeout_s
@@ -246,7 +268,10 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
             ring.check_size()  # a truncated segment would SIGBUS below
             layout = ring.read_meta(seq)
             releases = self._releases
-            holder = _SlotBytes(np.frombuffer(ring.slot(seq, layout.nbytes), np.uint8))
+            # every hand-out reads through this process's copy-on-write mapping (NOTE [ Zero-copy
+            # hand-off ] in knitkit/microbatch_iter/worker.py): numpy views are read-only, but a
+            # write through ``torch.from_numpy`` of one stays with this rank, never its TP peers
+            holder = _SlotBytes(np.frombuffer(releases.private(seq, layout.nbytes), np.uint8))
             release = weakref.finalize(holder, releases.release, seq)  # runs once: see _SlotBytes
             release.atexit = False
             lease = PackedMicroBatch(
@@ -375,26 +400,28 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
         return message
 
     def _check_alive(self, state: int) -> None:
-        ring = self._ring
-        pid = ring.producer_pid
+        """Raise ``ReorganizerDiedError`` once the producer is gone (its role lock is free: NOTE
+        [ Ring role locks ] in slot_ring.py), never started, or made no progress."""
+        ring, producer = self._ring, self.producer
+        pid = ring.producer_pid  # a hint for people: it means nothing in another pid namespace
+        where = f"{producer.name} of ring {ring.spec.name!r} (pid {pid or 'unknown'})"
         now = time.monotonic()
         if state == STARTING:
-            if (pid and not pid_alive(pid)) or now > self._startup_deadline:
+            if not ring.owner_alive or now > self._startup_deadline:
                 raise ReorganizerDiedError(
-                    f"reorganizer of ring {ring.spec.name!r} (pid {pid or 'unknown'}) never "
-                    "started; check its process for an error at start-up"
+                    f"{where} never started (its ring's owner is gone, or the start-up timeout "
+                    f"passed); check its process for an error at start-up; {producer.remedy}"
                 )
             return
-        if not pid_alive(pid):
+        if not ring.producer_alive:
             raise ReorganizerDiedError(
-                f"reorganizer pid {pid} of ring {ring.spec.name!r} died before micro-batch "
-                f"{self._next}; restart the mini-batch's reorganizers"
+                f"{where} died before micro-batch {self._next}; {producer.remedy}"
             )
         if now - ring.heartbeat > self._liveness_timeout_s:
             raise ReorganizerDiedError(
-                f"reorganizer pid {pid} of ring {ring.spec.name!r} made no progress (heartbeat) "
-                f"for {now - ring.heartbeat:.1f} s (liveness_timeout_s="
-                f"{self._liveness_timeout_s}): a read is stuck or the process is stopped"
+                f"{where} made no progress (heartbeat) for {now - ring.heartbeat:.1f} s "
+                f"(liveness_timeout_s={self._liveness_timeout_s}): a read is stuck or the process "
+                "is stopped"
             )
 
 

@@ -7,7 +7,6 @@ import os
 import threading
 from collections.abc import Iterator
 
-from knitkit.storage.backends.segments import pid_alive
 from knitkit.storage.delivery.liveness import WaitSlices
 from knitkit.storage.delivery.slot_ring import (
     DONE,
@@ -66,9 +65,11 @@ from knitkit.types import MicroBatchLayout
 #
 # Termination. The producer sets STATE=DONE after its last micro-batch, or STATE=FAILED with the
 # error text, each followed by NOTIFY + 1 and a wake. A consumer that finds no new micro-batch
-# raises if STATE is FAILED, stops if DONE, and declares the producer dead if its pid is gone (or
-# a zombie) or HEARTBEAT (CLOCK_MONOTONIC, node-wide) is older than the liveness timeout. The
-# owner sets STOP (and wakes the RELEASED words) to make a producer blocked on a full ring give up.
+# raises if STATE is FAILED, stops if DONE, and declares the producer dead if its role lock is free
+# (NOTE [ Ring role locks ] in slot_ring.py) or HEARTBEAT (CLOCK_MONOTONIC, node-wide) is older
+# than the liveness timeout. The owner sets STOP (and wakes the RELEASED words) to make a
+# producer blocked on a full ring give up; a producer also gives up once the owner's role lock is
+# free (the owner is gone).
 # A consumer closed (or interrupted) from another thread of its process wakes NOTIFY and makes
 # its own wait raise at once (ConsumerClosedError / InterruptedError).
 #
@@ -87,11 +88,17 @@ from knitkit.types import MicroBatchLayout
 # stops the heartbeat and consumers raise ReorganizerDiedError after the liveness timeout, while
 # a producer waiting for work or for its consumers stays alive.
 #
-# Dead consumers. Consumer c writes its pid into CONSUMER_PID[c] when it attaches. A producer
-# waiting for a slot checks the pids of the consumers that still hold it: if one is gone, it
-# raises ConsumerDiedError naming that consumer and the micro-batch it held; its process wrapper
-# (or Ray actor) then writes FAILED with that message, so the other TP ranks raise
-# ReorganizerError instead of waiting on a ring that will never move again.
+# Dead consumers. Consumer c takes its role lock (NOTE [ Ring role locks ] in slot_ring.py), then
+# writes its pid into CONSUMER_PID[c] when it attaches. It detaches by writing 0 there if the
+# stream ended (STATE is DONE or FAILED), or LEFT * pid if the producer still runs (closed,
+# garbage-collected, or its process exiting through Python: Ctrl-C, an exception out of a `with`,
+# sys.exit), then closing its file, which drops the lock. A producer waiting for a slot checks the
+# consumers that still hold it: one marked LEFT, or one whose word is a pid while its lock is free
+# (it died without running Python: SIGKILL), raises ConsumerDiedError naming that consumer and the
+# micro-batch it stopped at; its process wrapper (or Ray actor) then writes FAILED with that
+# message, so the other TP ranks raise ReorganizerError within one liveness period instead of
+# waiting on a ring that will never move again. A word of 0 means not attached yet: the producer
+# waits (ranks attach when they start).
 
 
 class Publisher:
@@ -108,6 +115,7 @@ class Publisher:
     def start(self) -> None:
         """Mark the producer running and start its idle heartbeat (see NOTE [ Micro-batch
         publication protocol ])."""
+        self.ring.claim_producer()  # NOTE [ Ring role locks ] in slot_ring.py
         self.ring.set_producer_pid(os.getpid())
         self.ring.beat()
         self.ring.set_state(RUNNING)
@@ -134,9 +142,9 @@ class Publisher:
             if self.ring.stop_requested:
                 raise RingClosedError(f"ring {spec.name!r}: its owner asked the producer to stop")
             if slices.check_due():  # see NOTE [ Liveness checks off the poll path ] in liveness.py
-                if not pid_alive(self.ring.owner_pid):
+                if not self.ring.owner_alive:  # NOTE [ Ring role locks ] in slot_ring.py
                     raise RingClosedError(
-                        f"ring {spec.name!r}: owner pid {self.ring.owner_pid} died"
+                        f"ring {spec.name!r}: its owner (pid {self.ring.owner_pid}) is gone"
                     )
                 self._check_consumers()
                 self.ring.check_size()
@@ -186,17 +194,26 @@ class Publisher:
             self.ring.beat()
 
     def _check_consumers(self) -> None:
-        """Raise ``ConsumerDiedError`` if a consumer holding the slot we wait for is gone."""
+        """Raise ``ConsumerDiedError`` if a consumer holding the slot we wait for died or left
+        (see NOTE [ Micro-batch publication protocol ], "Dead consumers")."""
         ring = self.ring
         for consumer in range(ring.spec.num_consumers):
             held = ring.released(consumer)
             if held > self._next - ring.spec.num_slots:
                 continue
             pid = ring.consumer_pid(consumer)
-            if pid and not pid_alive(pid):
+            where = f"consumer {consumer} (pid {abs(pid)}) of ring {ring.spec.name!r}"
+            if pid < 0:
                 raise ConsumerDiedError(
-                    f"consumer {consumer} (pid {pid}) of ring {ring.spec.name!r} died holding "
-                    f"micro-batch {held}; restart its TP group (every TP rank of the ring)"
+                    f"{where} left at micro-batch {held} while the ring still runs (closed, or "
+                    "its process exited through Python: Ctrl-C, an exception, sys.exit); its TP "
+                    "peers cannot go on without it: restart its TP group (every TP rank of the "
+                    "ring)"
+                )
+            if pid and not ring.consumer_attached(consumer):
+                raise ConsumerDiedError(
+                    f"{where} died holding micro-batch {held}; restart its TP group (every TP "
+                    "rank of the ring)"
                 )
 
     def _beat(self) -> None:

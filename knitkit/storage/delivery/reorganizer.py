@@ -7,7 +7,6 @@ import traceback
 
 from knitkit.storage.backends.backend import UnitBackend, check_backend
 from knitkit.storage.backends.lost import UnitsLostError
-from knitkit.storage.backends.segments import pid_alive
 from knitkit.storage.delivery.publication import Publisher
 from knitkit.storage.delivery.slot_ring import (
     ConsumerDiedError,
@@ -121,9 +120,18 @@ class ReorganizerHost:
     directory call), and ``release(keys)`` after it.
     """
 
-    def __init__(self, backend: UnitBackend, spec: RingSpec, *, owns_ring: bool = False) -> None:
+    def __init__(
+        self,
+        backend: UnitBackend,
+        spec: RingSpec,
+        *,
+        owns_ring: bool = False,
+        role: str = "reorganizer",
+    ) -> None:
+        """``role`` names the producer in the errors it writes to the ring."""
         check_backend(backend)  # a wrapper handed over without a store fails here, named
         self.spec = spec
+        self.role = role
         self.backend = backend
         self._ring = SlotRing.create(spec) if owns_ring else SlotRing.attach(spec)
         self._owns_ring = owns_ring
@@ -145,10 +153,14 @@ class ReorganizerHost:
         """Micro-batches published into this ring so far."""
         return self._ring.published
 
+    def consumers_attached(self) -> int:
+        """How many of the ring's consumers are attached now (NOTE [ Ring role locks ])."""
+        return sum(self._ring.consumer_attached(c) for c in range(self.spec.num_consumers))
+
     @property
     def abandoned(self) -> bool:
         """The ring's owner asked the producer to stop, or died: an idle host should leave."""
-        return self._ring.stop_requested or not pid_alive(self._ring.owner_pid)
+        return self._ring.stop_requested or not self._ring.owner_alive
 
     def deliver(self, minibatch_id: str, plan: ConsumerPlan | EncoderRankPlan) -> int:
         """Read, pack and publish every micro-batch of ``plan`` in order; returns how many.
@@ -169,10 +181,10 @@ class ReorganizerHost:
             self.fail(str(error))
             raise
         except UnitsLostError as error:  # keys first: the ring keeps 4096 bytes of the text
-            self.fail(f"{error}\nreorganizer pid {os.getpid()}:\n{traceback.format_exc()}")
+            self.fail(f"{error}\n{self.role} pid {os.getpid()}:\n{traceback.format_exc()}")
             raise
         except BaseException:
-            self.fail(f"reorganizer pid {os.getpid()} failed:\n{traceback.format_exc()}")
+            self.fail(f"{self.role} pid {os.getpid()} failed:\n{traceback.format_exc()}")
             raise
         finally:
             if release is not None:

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import secrets
 import struct
 import time
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker
 
 import numpy as np
 
-from knitkit.storage.backends.segments import check_segment_name
+from knitkit.storage.backends.segments import (
+    RING_OWNER_BYTE,
+    SHM_DIR,
+    byte_locked,
+    check_segment_name,
+    lock_byte,
+    sweep_dead_segments,
+)
 from knitkit.storage.backends.slab import reserve
 from knitkit.storage.delivery.atomic_words import AtomicWords
 from knitkit.storage.delivery.layout_codec import LayoutDecodeError, decode_layout, encode_layout
@@ -21,6 +29,35 @@ from knitkit.storage.delivery.written_pages import WrittenPages
 from knitkit.types import MicroBatchLayout
 
 # Segment layout and word ownership: see NOTE [ Micro-batch publication protocol ] in publication.py.
+
+# NOTE [ Ring role locks ]
+#
+# Who is alive on a ring is decided by kernel locks on the ring file, not by pids: a pid means
+# nothing in another pid namespace, and ranks in containers that share /dev/shm (`--ipc=host`)
+# do not share pids with the driver. Each role holds an exclusive open-file-description lock
+# (F_OFD_SETLK) on its own byte of the ring file for as long as it plays the role: byte 0 the
+# OWNER (from before the ring has a name until it is unlinked), byte 1 the PRODUCER
+# (`Publisher.start` until it closes), byte 2 + c CONSUMER c (attach until detach). The kernel
+# drops a lock when the last descriptor of its open file description closes, however the process
+# ends (SIGKILL included), and every process that opens the file, in any pid namespace, sees it
+# (F_OFD_GETLK). So a consumer counts its producer dead once byte 1 is free while the ring runs;
+# a producer gives up once byte 0 is free (its owner is gone); taking byte 2 + c is the attach
+# itself, so a second consumer on one index is refused in any process; and a sweep removes a
+# ring only while it holds byte 0 itself (NOTE [ Segment names ]). A forked child shares its
+# parent's descriptors and keeps the parent's roles alive until it exits too: conservative,
+# never a false death. Nobody unlocks explicitly (a fork sharing the open file description would
+# unlock its parent's role): a role ends when its descriptor closes. The pid words stay as hints
+# for people and to say how a consumer left (NOTE [ Micro-batch publication protocol ], "Dead
+# consumers").
+#
+# A ring appears complete or not at all: its owner creates an unnamed file in /dev/shm
+# (O_TMPFILE), locks byte 0, sizes and reserves it, writes the control block and MAGIC, and only
+# then gives it its name (linkat through /proc/self/fd). So nobody attaching sees a file of 0
+# bytes or without MAGIC from a creator at work (a creation killed half-way leaves nothing). A
+# name that holds no complete ring anyway (a foreign file, a ring truncated by a process of this
+# user) makes `attach` raise RingNotReadyError, as an absent name does: a wait for a ring to
+# appear (the driver's collector, a rank following a restarted reorganizer) keeps waiting within
+# its bound, then reports what it found.
 
 STARTING, RUNNING, DONE, FAILED = 0, 1, 2, 3
 _MAGIC = 0x4B4E4954_52494E47
@@ -49,6 +86,22 @@ class ConsumerDiedError(RuntimeError):
 
 class RingTruncatedError(RuntimeError):
     """The ring's segment file is shorter than the ring: a process of this user truncated it."""
+
+
+class RingNotReadyError(FileNotFoundError):
+    """No complete ring under the name: absent (not created yet, or removed), or a file that is
+    not a whole ring; waits for a ring to appear keep waiting (NOTE [ Ring role locks ])."""
+
+
+class RingIncompleteError(RingNotReadyError, RingTruncatedError):
+    """At attach: the file under the ring's name is shorter than the ring."""
+
+
+_PRODUCER_BYTE = RING_OWNER_BYTE + 1
+"""Byte of the ring file the producer locks; consumer c locks ``_PRODUCER_BYTE + 1 + c``."""
+LEFT = -1
+"""Sign of a consumer pid word once it left a live stream (NOTE [ Micro-batch publication
+protocol ], "Dead consumers")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,74 +159,147 @@ class RingSpec:
 class SlotRing:
     """A mapped slot ring: typed views of its control block, slot metadata and slot payloads."""
 
-    def __init__(self, spec: RingSpec, buf: memoryview, owner: shared_memory.SharedMemory | None):
+    def __init__(self, spec: RingSpec, fd: int, *, owner: bool, read_only_slots: bool) -> None:
+        """Map the ring file ``fd`` (kept open: role locks, ``check_size``); ``create`` and
+        ``attach`` build rings."""
         self.spec = spec
-        self._buf = buf
-        self._owner = owner
-        self._mmap: mmap.mmap | None = None
-        self._fd: int | None = None
-        """Attached rings keep the segment's file open to check its size (``check_size``)."""
+        self._fd: int | None = fd
+        self._owner = os.getpid() if owner else 0
+        """The creating process: the only one that unlinks (NOTE [ Owner-only clean-up ])."""
+        self._roles: set[int] = set()
+        """Bytes of the ring file this object's descriptor locks (NOTE [ Ring role locks ])."""
+        self._head: mmap.mmap | None = mmap.mmap(fd, spec._data_offset)
+        """Control block, error text and slot metadata: read-write for every role."""
+        prot = mmap.PROT_READ if read_only_slots else mmap.PROT_READ | mmap.PROT_WRITE
+        self._data: mmap.mmap | None = mmap.mmap(
+            fd, spec.segment_bytes - spec._data_offset, prot=prot, offset=spec._data_offset
+        )
+        """The shared slots: the producer writes them; consumers map them read-only and hand out
+        views of their private copy-on-write mapping (``private_slot``)."""
+        self._buf = memoryview(self._head)
+        self._slots = memoryview(self._data)
         self._private: mmap.mmap | None = None
         self._written: WrittenPages | None = None
         self._mapped: dict[int, int] = {}
         """Slot index -> leading bytes whose pages the private mapping has mapped (populated)."""
         self._populate = True
-        self.words = np.frombuffer(buf, np.int64, spec._num_words)
+        self.words = np.frombuffer(self._buf, np.int64, spec._num_words)
         self._atomic = AtomicWords(self.words)
-        self._heartbeat = np.frombuffer(buf, np.float64, 1, 8 * _HEARTBEAT_W)
+        self._heartbeat = np.frombuffer(self._buf, np.float64, 1, 8 * _HEARTBEAT_W)
         # offsets as plain ints: a consumer computes them per micro-batch right after waking
-        self._meta_at, self._data_at = spec._meta_offset, spec._data_offset
+        self._meta_at = spec._meta_offset
         self._num_slots, self._meta_bytes = spec.num_slots, spec.meta_bytes
 
     @classmethod
     def create(cls, spec: RingSpec) -> SlotRing:
-        """Create the segment and fault its pages in; the caller owns it and must ``unlink``."""
-        shm = shared_memory.SharedMemory(spec.name, create=True, size=spec.segment_bytes)
-        fd = os.open(f"/dev/shm/{spec.name}", os.O_RDWR)
+        """Create the ring, complete, under its name (NOTE [ Ring role locks ]); its pages are
+        reserved now. The caller owns it: it holds the owner's lock and must ``unlink``."""
+        path = _path(spec)
+        _sweep_once()
+        fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR, 0o600)
         try:
-            reserve(fd, f"/dev/shm/{spec.name}", spec.segment_bytes)  # every page now, or OSError
+            lock_byte(fd, RING_OWNER_BYTE)  # a fresh unnamed file: nobody else can hold it
+            reserve(fd, path, spec.segment_bytes)  # every page now, or OSError
+            ring = cls(spec, fd, owner=True, read_only_slots=False)
         except BaseException:
-            shm.close()
-            shm.unlink()
-            raise
-        finally:
             os.close(fd)
-        assert shm.buf is not None
-        ring = cls(spec, shm.buf, shm)
-        ring.words[_OWNER_PID_W] = os.getpid()
-        ring._heartbeat[0] = time.monotonic()
-        ring.words[_MAGIC_W] = _MAGIC
+            raise
+        try:
+            ring._roles.add(RING_OWNER_BYTE)
+            ring.words[_OWNER_PID_W] = os.getpid()
+            ring._heartbeat[0] = time.monotonic()
+            ring.words[_MAGIC_W] = _MAGIC
+            directory = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.link(f"/proc/self/fd/{fd}", spec.name, dst_dir_fd=directory)
+            finally:
+                os.close(directory)
+        except FileExistsError:
+            ring.close()
+            raise FileExistsError(
+                f"slot ring {spec.name!r} already exists ({path}): a RingSpec is created once; "
+                "make a new one (RingSpec.new)"
+            ) from None
+        except BaseException:
+            ring.close()
+            raise
+        # the backstop if this owner alone is SIGKILLed; a whole-job kill: the start-up sweep
+        resource_tracker.register(f"/{spec.name}", "shared_memory")
         return ring
 
     @classmethod
-    def attach(cls, spec: RingSpec) -> SlotRing:
-        """Map an existing ring by file (no resource-tracker registration: see
-        NOTE [ Micro-batch publication protocol ] in publication.py)."""
-        path = f"/dev/shm/{spec.name}"
+    def attach(cls, spec: RingSpec, *, read_only_slots: bool = False) -> SlotRing:
+        """Map an existing ring by file (no resource-tracker registration: see NOTE [ Micro-batch
+        publication protocol ] in publication.py); ``RingNotReadyError`` if its name holds no
+        complete ring (NOTE [ Ring role locks ])."""
+        path = _path(spec)
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
-            raise FileNotFoundError(
+            raise RingNotReadyError(
                 f"slot ring {spec.name!r} does not exist ({path}); its owner must create it "
                 "first and keep it until every producer and consumer has closed"
             ) from None
         try:
-            _check_size(spec, fd)
-            mapped = mmap.mmap(fd, spec.segment_bytes)
+            size = os.fstat(fd).st_size
+            if size < spec.segment_bytes:
+                raise RingIncompleteError(
+                    f"slot ring {spec.name!r} ({path}) is {size} bytes, not the ring's "
+                    f"{spec.segment_bytes}: not a complete ring (a file that is not one, or a "
+                    "ring a process of this user truncated)"
+                )
+            ring = cls(spec, fd, owner=False, read_only_slots=read_only_slots)
         except BaseException:
             os.close(fd)
             raise
-        ring = cls(spec, memoryview(mapped), None)
-        ring._mmap = mapped
-        ring._fd = fd
         if ring.words[_MAGIC_W] != _MAGIC:
             ring.close()
-            raise ValueError(f"/dev/shm/{spec.name} is not a knitkit slot ring")
+            raise RingNotReadyError(f"{path} is not a knitkit slot ring (no MAGIC)")
         return ring
+
+    # -- roles (NOTE [ Ring role locks ]) --
+    def claim_producer(self) -> None:
+        """Take the producer's role lock; ``RuntimeError`` if a live producer holds it."""
+        self._claim(_PRODUCER_BYTE, "a live producer already publishes into it")
+
+    def claim_consumer(self, consumer: int) -> bool:
+        """Take consumer ``consumer``'s role lock; False if a live process holds it."""
+        byte = _PRODUCER_BYTE + 1 + consumer
+        if byte in self._roles or not lock_byte(self._fd_or_raise(), byte):
+            return False
+        self._roles.add(byte)
+        return True
+
+    @property
+    def owner_alive(self) -> bool:
+        """Whether the owner holds its role lock (in any pid namespace)."""
+        return self._held(RING_OWNER_BYTE)
+
+    @property
+    def producer_alive(self) -> bool:
+        """Whether a producer holds its role lock (in any pid namespace)."""
+        return self._held(_PRODUCER_BYTE)
+
+    def consumer_attached(self, consumer: int) -> bool:
+        """Whether a process holds consumer ``consumer``'s role lock (in any pid namespace)."""
+        return self._held(_PRODUCER_BYTE + 1 + consumer)
+
+    def _claim(self, byte: int, why: str) -> None:
+        if byte not in self._roles and not lock_byte(self._fd_or_raise(), byte):
+            raise RuntimeError(f"slot ring {self.spec.name!r}: {why}")
+        self._roles.add(byte)
+
+    def _held(self, byte: int) -> bool:
+        return byte in self._roles or byte_locked(self._fd_or_raise(), byte)
+
+    def _fd_or_raise(self) -> int:
+        if self._fd is None:
+            raise RuntimeError(f"slot ring {self.spec.name!r} is closed")
+        return self._fd
 
     def check_size(self) -> None:
         """Raise ``RingTruncatedError`` if the segment file shrank under this mapping (reading a
-        page past its end would kill the process with SIGBUS); attached rings only, one fstat."""
+        page past its end would kill the process with SIGBUS); one fstat."""
         if self._fd is not None:
             _check_size(self.spec, self._fd)
 
@@ -275,7 +401,9 @@ class SlotRing:
         self._atomic.wait(_RELEASED_W + consumer, seen, timeout_s)
 
     def consumer_pid(self, consumer: int) -> int:
-        """Pid of the process attached as ``consumer`` (0: none attached yet)."""
+        """Pid of the process attached as ``consumer``: 0 if none attached (yet, or it detached
+        at the end of its stream), ``LEFT * pid`` if it left a live stream (NOTE [ Micro-batch
+        publication protocol ], "Dead consumers")."""
         return int(self.words[_RELEASED_W + self.spec.num_consumers + consumer])
 
     def set_consumer_pid(self, consumer: int, pid: int) -> None:
@@ -283,8 +411,8 @@ class SlotRing:
 
     # -- slots --
     def slot(self, seq: int, nbytes: int) -> memoryview:
-        start = self._data_at + (seq % self._num_slots) * self.spec.slot_bytes
-        return self._buf[start : start + nbytes]
+        start = (seq % self._num_slots) * self.spec.slot_bytes
+        return self._slots[start : start + nbytes]
 
     def private_slot(self, seq: int, nbytes: int) -> memoryview:
         """The first ``nbytes`` of ``seq``'s slot through this process's one copy-on-write mapping
@@ -292,17 +420,13 @@ class SlotRing:
         see the shared pages, writes stay in this process (NOTE [ Zero-copy hand-off ] in
         knitkit/microbatch_iter/worker.py); ``drop_private`` before the release."""
         if self._private is None:
-            if self._fd is None:
-                raise RuntimeError(
-                    f"slot ring {self.spec.name!r}: only attached rings map privately"
-                )
             length = self._num_slots * self.spec.slot_bytes
             self._private = mmap.mmap(
-                self._fd,
+                self._fd_or_raise(),
                 length,
                 flags=mmap.MAP_PRIVATE,
                 prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                offset=self._data_at,
+                offset=self.spec._data_offset,
             )
             self._written = WrittenPages(self._private)
         slot = seq % self._num_slots
@@ -383,43 +507,55 @@ class SlotRing:
         return bytes(self._buf[start : start + length]).decode(errors="replace")
 
     def close(self) -> None:
-        """Unmap; views still held elsewhere keep the mapping alive until they are dropped."""
+        """Unmap (views still held elsewhere keep a mapping alive until they are dropped) and
+        close the file: this object's roles end (NOTE [ Ring role locks ])."""
         self.words = np.zeros(self.spec._num_words, np.int64)
         self._atomic = AtomicWords(self.words)
         self._heartbeat = np.zeros(1, np.float64)
-        try:
-            if self._owner is not None:
-                self._owner.close()
-            elif self._mmap is not None:
-                self._buf.release()
-                self._mmap.close()
-        except BufferError:
-            pass  # a caller still holds zero-copy views; the mapping goes with them
         if self._written is not None:
             self._written.close()
-        if self._private is not None:
-            with contextlib.suppress(BufferError):
-                self._private.close()
+        for view in (self._buf, self._slots):
+            with contextlib.suppress(BufferError):  # arrays over it are still alive
+                view.release()
+        for mapped in (self._head, self._data, self._private):
+            if mapped is not None:
+                with contextlib.suppress(BufferError):  # a caller still holds zero-copy views
+                    mapped.close()
+        self._head = self._data = self._private = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        self._roles.clear()
 
     def unlink(self) -> None:
-        """Remove the segment name (owner only); idempotent."""
-        if self._owner is None:
+        """Remove the ring's name (owner only; a no-op in a forked copy: NOTE [ Owner-only
+        clean-up ] in backends/owner.py); idempotent."""
+        if not self._owner:
             raise RuntimeError(f"slot ring {self.spec.name!r}: only its owner may unlink it")
-        with contextlib.suppress(FileNotFoundError):
-            self._owner.unlink()
+        if os.getpid() == self._owner and unlink_ring(self.spec.name):
+            resource_tracker.unregister(f"/{self.spec.name}", "shared_memory")
 
 
 def unlink_ring(name: str) -> bool:
     """Remove a ring's /dev/shm name without mapping it; True if it existed."""
     check_segment_name(name)
     try:
-        os.unlink(f"/dev/shm/{name}")
+        os.unlink(os.path.join(SHM_DIR, name))
     except FileNotFoundError:
         return False
     return True
+
+
+@functools.cache
+def _sweep_once() -> None:
+    """The first ring a process creates sweeps /dev/shm of what dead owners left (their locks are
+    free: NOTE [ Segment names ]): a job resumed over a disk store, which starts no
+    ``SharedMemoryBackend`` and so no start-up sweep, removes the rings of the run it follows."""
+    sweep_dead_segments(SHM_DIR)
+
+
+def _path(spec: RingSpec) -> str:
+    return os.path.join(SHM_DIR, spec.name)
 
 
 def _check_size(spec: RingSpec, fd: int) -> None:
