@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from knitkit.job.passes import Pass
 from knitkit.storage import EncoderTopology, Topology
@@ -138,6 +138,30 @@ class Resumed:
     """Layout entries that differ from the checkpoint's: name -> (saved, now)."""
     restored: tuple[str, ...] = ()
     """Trajectories the checkpoint needs that a durable backend still held (not re-written)."""
+
+
+class StateSnapshot(Protocol):
+    """A part's state copied at one instant (admission's ``snapshot()``, the store's): its
+    ``state_dict()`` encodes it, without the part."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A driver checkpoint copied under the driver's lock (NOTE [ Checkpoint without holding
+    writers ] in driver.py); ``encode()`` builds ``Driver.state_dict()``'s plain data."""
+
+    state: DriverState
+    """Everything but admission's and the store's parts (``admission`` empty, ``store`` None)."""
+    admission: StateSnapshot
+    store: StateSnapshot | None
+    """On a durable backend: the store's index of ``state.reissue()``'s trajectories."""
+
+    def encode(self) -> dict[str, Any]:
+        admission = self.admission.state_dict()
+        store = None if self.store is None else self.store.state_dict()
+        return encode(replace(self.state, admission=admission, store=store))
 
 
 def encode(state: DriverState) -> dict[str, Any]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from knitkit.admission import AdmissionController, Shortfall
 from knitkit.job import checkpoint_state
-from knitkit.job.checkpoint_state import DriverState, Pending, Resumed, Shape
+from knitkit.job.checkpoint_state import DriverState, Pending, Resumed, Shape, Snapshot
 from knitkit.job.collect import Collector
 from knitkit.job.core import JobCore
 from knitkit.job.intake import Intake
@@ -266,7 +266,7 @@ class Driver:
         """
         core = self._core
 
-        def taken() -> dict[str, Any] | None:
+        def taken() -> Snapshot | None:
             ledger = core.ledger
             if trained > len(ledger.order):
                 raise ValueError(
@@ -282,7 +282,7 @@ class Driver:
                     "with it (see NOTE [ Resume rule ])"
                 )
             if len(done) == trained:
-                return checkpoint_state.encode(self._state(trained))
+                return self._snapshot(trained)
             return None
 
         def outstanding(timeout: float) -> str:
@@ -293,7 +293,19 @@ class Driver:
                 f"{timeout} s: {self._outstanding()}"
             )
 
-        return self._wait_until(taken, timeout_s, outstanding)
+        # NOTE [ Checkpoint without holding writers ]:
+        # Every write waits for the core lock (NOTE [ Driver threads ]), so the checkpoint holds
+        # it only to COPY what it saves, at one instant: admission's snapshot (references to
+        # what is pending and the duplicate window, no encoding: NOTE [ Admission state ]), the
+        # ledger's order, pending mini-batches, waiting trajectories and counters, and on a
+        # durable backend the store's index of the trajectories it needs (copied records; the
+        # backend flushed, their units taken off later deletes: NOTE [ Units outlive their last
+        # state ]). Encoding all of it and syncing the shards (NOTE [ Durable shards ]) happen
+        # after the lock is released, while writes, admissions and serving go on: the copies do
+        # not change under them, later flushes are synced by the next checkpoint, and the units
+        # the copy names cannot be deleted meanwhile.
+        snapshot = self._wait_until(taken, timeout_s, outstanding)
+        return snapshot.encode()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> Resumed:
         """Resume from ``state_dict()``'s output, on a fresh driver (nothing written yet).
@@ -338,7 +350,8 @@ class Driver:
         with self._core.lock:
             return tuple(self._intake.reissue)
 
-    def _state(self, trained: int) -> DriverState:
+    def _snapshot(self, trained: int) -> Snapshot:
+        """The checkpoint's copy, under the lock (NOTE [ Checkpoint without holding writers ])."""
         core, intake = self._core, self._intake
         ledger = core.ledger
         resumed = intake.resumed
@@ -358,7 +371,7 @@ class Driver:
             groups += resumed.groups_open
         state = DriverState(
             shape=self._shape(),
-            admission=self.admission.state_dict(),
+            admission={},
             order=list(ledger.order),
             released=trained,
             pending=pending,
@@ -369,11 +382,11 @@ class Driver:
             counts=dict(ledger.counts),
             wait_s=ledger.wait_s,
         )
-        if not self.store.backend.durable:
-            return state
-        stored = [t for t in state.reissue() if t in self.store.index]  # resumed: not all back
-        index = self.store.state_dict(trajectories=stored, fields=core.rollout)
-        return replace(state, store=index)
+        store = None
+        if self.store.backend.durable:
+            stored = [t for t in state.reissue() if t in self.store.index]  # resumed: not all back
+            store = self.store.snapshot(trajectories=stored, fields=core.rollout)
+        return Snapshot(state, self.admission.snapshot(), store)
 
     def _shape(self) -> Shape:
         c = self.config

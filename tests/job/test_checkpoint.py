@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import stat
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from job_harness import (
     wait_for,
 )
 
-from knitkit.job import Output, Pass
+from knitkit.job import Output, Pass, checkpoint_state
 from knitkit.job.checkpoint import CheckpointDir, read_json, write_json
 from knitkit.storage import SafetensorsBackend, Trajectory, TrajectoryStore
 
@@ -146,32 +147,55 @@ def test_a_durable_resume_after_a_kill_at_the_train_pass_serves_the_new_write_ba
     assert_trained_once(seen_first, order[:2], seen_second, data)
 
 
-def test_a_checkpoint_names_only_fsynced_shards(
+def test_a_checkpoint_holds_writers_only_for_its_copy_and_names_only_fsynced_shards(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 30.13: over a ``SafetensorsBackend`` every shard holding a unit the driver's state
-    names, and the shard directory, are fsynced before the checkpoint holding the state is
-    committed (NOTE [ Durable shards ]). Observed through ``os.fsync`` (a wrapper that records
-    each descriptor's path, then syncs)."""
+    """Issue 30.3, the driver's part: ``state_dict`` holds the driver's lock only to copy what
+    it saves (NOTE [ Checkpoint without holding writers ]): with its encoding held on an event,
+    a rollout write completes, and the state is the copy from before that write. Issue 30.13:
+    over a ``SafetensorsBackend`` every shard holding a unit the state names, and the shard
+    directory, are fsynced before the checkpoint holding the state is committed (NOTE
+    [ Durable shards ]); observed through ``os.fsync`` (a wrapper that records each
+    descriptor's path, then syncs)."""
+    encoding, release, wrote = threading.Event(), threading.Event(), threading.Event()
+    encode, fsync = checkpoint_state.encode, os.fsync
     synced: list[str] = []
-    fsync = os.fsync
+
+    def held(state: checkpoint_state.DriverState) -> dict[str, Any]:
+        encoding.set()
+        assert release.wait(60), "the test never released the encoding"
+        return encode(state)
 
     def recording(fd: int) -> None:
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         fsync(fd)
 
+    monkeypatch.setattr(checkpoint_state, "encode", held)
     monkeypatch.setattr(os, "fsync", recording)
     data = trajectories(4, 2, seed=6)
     directory = (tmp_path / "units").resolve()
     ckpt = CheckpointDir(tmp_path / "ckpt")
+    saved: dict[str, Any] = {}
     store = TrajectoryStore(SafetensorsBackend(str(directory)))
     with driver_config(1, 1, 1, 1).build(admission=controller(data, 2), store=store) as driver:
-        for trajectory in data[:3]:  # waiting: less than a mini-batch
+        for trajectory in data[:2]:  # waiting: less than a mini-batch
             driver.write(trajectory)
-        ckpt.stage(0)
-        write_json(ckpt.staging(0) / "knitkit.json", driver.state_dict(trained=0))
-        ckpt.commit(0)
+        saver = threading.Thread(target=lambda: saved.update(driver.state_dict(trained=0)))
+        writer = threading.Thread(target=lambda: (driver.write(data[2]), wrote.set()))
+        saver.start()
+        try:
+            assert encoding.wait(60), "state_dict never reached its encoding"
+            writer.start()
+            assert wrote.wait(30), "the write waited for the checkpoint's encoding"
+        finally:
+            release.set()
+            saver.join(60)
+            writer.join(60)
+        assert saved["waiting"] == sorted(t.trajectory_id for t in data[:2])
         named = {str(p) for p in directory.glob("shard-*.safetensors")}
+        ckpt.stage(0)
+        write_json(ckpt.staging(0) / "knitkit.json", saved)
+        ckpt.commit(0)
     store.close()
     assert named
     committing = next(i for i, p in enumerate(synced) if not p.startswith(str(directory)))

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from knitkit.storage.backends.backend import UnitBackend
 from knitkit.storage.planning.packing import RowSpec
 from knitkit.storage.units.index import TrajectoryRecord
 from knitkit.types import MultimodalRef, TrajectoryMeta, UnitKey
@@ -48,6 +49,27 @@ class StoreState:
             for key in (*record.fields.values(), *record.inputs):
                 out.setdefault(key, tid)
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSnapshot:
+    """A store's state copied at one instant (``TrajectoryStore.snapshot``): ``state_dict()``
+    syncs the backend and encodes, without the store (writes may go on meanwhile)."""
+
+    records: list[TrajectoryRecord]
+    """Copies: later writes to the store do not change them."""
+    schema: dict[str, RowSpec]
+    declared: set[str]
+    unit_bytes: dict[UnitKey, int]
+    minibatches: dict[str, dict[str, Any]]
+    backend: UnitBackend
+
+    def state_dict(self) -> dict[str, Any]:
+        """``TrajectoryStore.state_dict``'s output; on a durable backend its units are synced
+        first (NOTE [ Durable shards ] in knitkit/storage/backends/disk.py)."""
+        if self.backend.durable:
+            self.backend.sync()
+        return encode(self.records, self.schema, self.declared, self.unit_bytes, self.minibatches)
 
 
 def encode(

@@ -19,7 +19,7 @@ from knitkit.storage.units.index import HierarchicalIndex, IndexEntry, Trajector
 from knitkit.storage.units.lifetime import ConsumerLedger
 from knitkit.storage.units.payload import Trajectory
 from knitkit.storage.units.retention import DeferredDeletes
-from knitkit.storage.units.state import LoadedState
+from knitkit.storage.units.state import LoadedState, StoreSnapshot
 from knitkit.types import SeqRange, TrajectoryMeta, UnitKey, UnitRead
 
 
@@ -264,7 +264,7 @@ class TrajectoryStore:
         - ``units_cleared``: units of a previous run a fresh start deleted from a durable
           backend (NOTE [ A fresh store clears its backend ]);
         - the backend's own figures (``SharedMemoryBackend``: ``shm_bytes``,
-          ``shm_used_bytes``, ``journal_bytes``).
+          ``shm_used_bytes``, ``journal_bytes``; ``SafetensorsBackend``: ``journal_bytes``).
         """
         out = {
             "knitkit/storage/bytes_read": float(self.backend.bytes_read),
@@ -358,11 +358,24 @@ class TrajectoryStore:
         job driver keeps this way just the rollout fields of the trajectories it resumes with.
 
         The units are not in it: the backend is flushed, and on a durable backend synced (its
-        units survive a crash of the machine) and they stay readable by a store rebuilt over it
-        (``load_state_dict``); units this state names
-        are kept through later frees until two newer states were taken (NOTE [ Units outlive
-        their last state ] in ``retention.py``). Save each state before taking the next.
+        units survive a crash of the machine, NOTE [ Durable shards ]) and they stay readable
+        by a store rebuilt over it (``load_state_dict``); units this state names are kept
+        through later frees until two newer states were taken (NOTE [ Units outlive their last
+        state ] in ``retention.py``). Save each state before taking the next. Equal to
+        ``snapshot(...).state_dict()``.
         """
+        return self.snapshot(trajectories=trajectories, fields=fields).state_dict()
+
+    def snapshot(
+        self,
+        *,
+        trajectories: Iterable[str] | None = None,
+        fields: Collection[str] | None = None,
+    ) -> StoreSnapshot:
+        """``state_dict``'s first half, for a caller that holds a lock around the store (the
+        job driver): flush the backend, copy the index (records, schema, consumers; no
+        encoding) and take the state's units off later deletes. Its ``state_dict()`` syncs and
+        encodes, and needs no lock: writes may go on meanwhile."""
         self.backend.flush()
         whole = trajectories is None and fields is None
         ids = self.index.trajectory_ids() if trajectories is None else list(trajectories)
@@ -372,18 +385,18 @@ class TrajectoryStore:
             if whole
             else {k for r in records for k in (*r.fields.values(), *r.inputs)}
         )
-        state = store_state.encode(
+        snapshot = StoreSnapshot(
             records,
-            self._fields,
-            self._declared,
+            dict(self._fields),
+            set(self._declared),
             {k: n for k, n in self._unit_bytes.items() if k in named},
             self._ledger.state_dict() if whole else {},
+            self.backend,
         )
         if self.backend.durable:
             for key in self._retained.taken(named):
                 self.backend.delete(key)
-            self.backend.sync()  # NOTE [ Durable shards ]: durable before any checkpoint holds it
-        return state
+        return snapshot
 
     def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> LoadedState:
         """Restore ``state_dict``'s index into this (empty) store over the backend holding the
@@ -586,13 +599,16 @@ class TrajectoryStore:
 
 
 def _only(record: TrajectoryRecord, fields: Collection[str] | None) -> TrajectoryRecord:
-    """``record`` with just ``fields`` (all when ``None``) and their written-back ranges."""
-    if fields is None:
-        return record
+    """A copy of ``record`` with just ``fields`` (all when ``None``) and their written-back
+    ranges (later writes to the record do not change it)."""
     return TrajectoryRecord(
         record.meta,
-        {name: key for name, key in record.fields.items() if name in fields},
-        {name for name in record.token_fields if name in fields},
+        {name: key for name, key in record.fields.items() if fields is None or name in fields},
+        {name for name in record.token_fields if fields is None or name in fields},
         record.inputs,
-        {name: ranges for name, ranges in record.partial.items() if name in fields},
+        {
+            name: list(ranges)
+            for name, ranges in record.partial.items()
+            if fields is None or name in fields
+        },
     )
