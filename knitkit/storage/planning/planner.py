@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import gc
 import math
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
 from operator import attrgetter
 
 import numpy as np
 
+from knitkit.collector import collector_paused
 from knitkit.storage.planning.balance import CostModel, karmarkar_karp_parts, pack_ranks
 from knitkit.storage.planning.columns import MetaColumns
 from knitkit.storage.planning.cp import chunks_by_rank, padded_lengths
@@ -86,7 +84,7 @@ def plan_minibatch(
     Trajectories with ``accepted=False`` are dropped. Every DP rank gets the same number of
     micro-batches; every real token lands on exactly one (DP, CP) consumer.
     """
-    with _collector_paused():  # see NOTE [ Planner and the garbage collector ]
+    with collector_paused():  # see NOTE [ Planner and the garbage collector ]
         return _plan(metas, topology, config or PlannerConfig(), encoders, minibatch_id)
 
 
@@ -102,29 +100,9 @@ def plan_minibatch(
 # pauses it, the last one out switches it back on if it was on, so no planner runs with it on
 # and threads planning at once never leave it off; a collector that was off when the first
 # planner went in stays off (one switched off while planners run is switched back on: the
-# switch does not say who turned it). Other threads' garbage waits for the pause too.
-# Process-wide state knitkit touches: docs/lifecycle.md.
-_pause_lock = threading.Lock()
-_pausing = 0
-_resume = False
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause the garbage collector while planning, shared by every planning thread."""
-    global _pausing, _resume
-    with _pause_lock:
-        if _pausing == 0:
-            _resume = gc.isenabled()
-            gc.disable()
-        _pausing += 1
-    try:
-        yield
-    finally:
-        with _pause_lock:
-            _pausing -= 1
-            if _pausing == 0 and _resume:
-                gc.enable()
+# switch does not say who turned it). Other threads' garbage waits for the pause too. The
+# count is ``knitkit.collector``'s, shared with admission's state load
+# (NOTE [ Loading with the collector paused ]). Process-wide state: docs/lifecycle.md.
 
 
 def _plan(
