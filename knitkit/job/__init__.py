@@ -10,6 +10,7 @@ from knitkit.job.driver import Driver
 from knitkit.job.errors import (
     DriverDiedError,
     DriverFailedError,
+    DriverNotFoundError,
     JobError,
     RankFailedError,
     ReorganizerFailedError,
@@ -26,6 +27,7 @@ __all__ = [
     "Driver",
     "DriverDiedError",
     "DriverFailedError",
+    "DriverNotFoundError",
     "JobError",
     "MiniBatchLedger",
     "Output",

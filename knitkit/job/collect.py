@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Mapping
 
 import numpy as np
@@ -15,7 +16,7 @@ from knitkit.job.passes import Pass
 from knitkit.job.records import Record, RecordReader
 from knitkit.metrics import merge, sum_over
 from knitkit.storage import ReorganizerDiedError, ReorganizerError, RingSpec
-from knitkit.storage.delivery import ConsumerClosedError
+from knitkit.storage.delivery import ConsumerClosedError, Producer, RingNotReadyError
 
 ATTACH_POLL_S = 0.05
 """How often a collector looks for its writer rank's ring before the rank has created it."""
@@ -28,13 +29,22 @@ class Collector:
     ``unpack`` undoes packing and the CP split, the store's ``write_ranges`` writes them. A
     ``done`` record ends the group's pass (checked complete); after the last pass the group's
     units are queued to be freed (``JobCore.free_published``), and after the last group the
-    mini-batch is released and its figures queued for the observer. An ``error`` record, or the
-    writer rank's death, fails the job.
+    mini-batch is released and its figures queued for the observer. An ``error`` record, the
+    writer rank's death, or no writer rank attached within ``attach_timeout_s`` of the first
+    pass served, fails the job.
     """
 
-    def __init__(self, core: JobCore, group: str, spec: RingSpec, liveness_timeout_s: float):
+    def __init__(
+        self,
+        core: JobCore,
+        group: str,
+        spec: RingSpec,
+        liveness_timeout_s: float,
+        attach_timeout_s: float,
+    ) -> None:
         self.core, self.group, self.spec = core, group, spec
         self.liveness_timeout_s = liveness_timeout_s
+        self.attach_timeout_s = attach_timeout_s
         self.reader: RecordReader | None = None
         self.thread = threading.Thread(
             target=self._run, name=f"knitkit-driver-{group}", daemon=True
@@ -73,12 +83,21 @@ class Collector:
                 core.fail(error)
 
     def _attach(self) -> RecordReader | None:
-        """The writer rank creates its ring when it starts: wait for it (until stopped)."""
+        """The writer rank creates its ring when it starts: wait for it (until stopped), at most
+        ``attach_timeout_s`` once the schedule holds work for the ranks."""
         core = self.core
+        writer = Producer(f"the writer rank of {self.group}", "its rank's log says why")
+        deadline = math.inf
         while not core.stopping.is_set():
             try:
-                reader = RecordReader(self.spec, 0, liveness_timeout_s=self.liveness_timeout_s)
-            except (FileNotFoundError, ValueError):  # not created, or not initialised yet
+                reader = RecordReader(
+                    self.spec, 0, producer=writer, liveness_timeout_s=self.liveness_timeout_s
+                )
+            except RingNotReadyError as missing:  # NOTE [ Ring role locks ] in slot_ring.py
+                if deadline == math.inf and core.schedule.published:
+                    deadline = time.monotonic() + self.attach_timeout_s
+                if time.monotonic() > deadline:
+                    raise self._none_attached(missing) from None
                 core.stopping.wait(ATTACH_POLL_S)
                 continue
             with core.lock:
@@ -87,6 +106,16 @@ class Collector:
                     return reader
             reader.close()
         return None
+
+    def _none_attached(self, missing: RingNotReadyError) -> RankFailedError:
+        schedule = self.core.schedule
+        return RankFailedError(
+            f"no rank attached to {self.group} within attach_timeout_s={self.attach_timeout_s} "
+            "s of the first pass served: its writer rank (TP 0 of the last pipeline stage) "
+            f"never created its write-back ring ({missing}); ranks attached to the schedule: "
+            f"{schedule.readers_attached()} of {schedule.spec.num_consumers}. Start every rank "
+            "with this driver's rank_spec() on the driver's node (sharing its /dev/shm)"
+        )
 
     def _apply(self, record: Record) -> None:
         """One record from the group's writer rank (under the lock)."""

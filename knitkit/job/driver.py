@@ -114,7 +114,10 @@ class Driver:
         """Default bound of every blocking call (``drain``, a rank's wait for its next pass)."""
         pass_timeout_s: float = 1800.0
         """How long the scheduler waits for the fields a pass reads before it fails with
-        ``WriteBackMissingError`` (a writer rank that stopped, or never started)."""
+        ``WriteBackMissingError`` (a writer rank that stopped)."""
+        attach_timeout_s: float = 600.0
+        """How long after the first pass is served a group's writer rank may take to attach
+        before the job fails naming the group (``RankFailedError``: no rank attached)."""
         join_timeout_s: float = 10.0
         """How long ``close`` waits for each thread and reorganizer."""
         restart_reorganizers: int = 0
@@ -179,6 +182,7 @@ class Driver:
                     num_consumers=t.dp * t.cp * t.tp * config.pipeline,
                 ),
                 owns_ring=True,
+                role="the driver",
             )
             undo.callback(schedule.close)
             self._core = JobCore(passes, self.store, pool, schedule)
@@ -201,7 +205,9 @@ class Driver:
                 for c in range(t.cp)
             }
             self._collectors = [
-                Collector(self._core, name, spec, config.liveness_timeout_s)
+                Collector(
+                    self._core, name, spec, config.liveness_timeout_s, config.attach_timeout_s
+                )
                 for name, spec in self._write_back.items()
             ]
             self._closed = False

@@ -15,6 +15,11 @@ class DriverDiedError(JobError):
     """Ranks: the driver process is gone (or stopped making progress) before finishing."""
 
 
+class DriverNotFoundError(JobError, FileNotFoundError):
+    """Ranks: the driver's rings are not in this node's /dev/shm (the driver is not running, or
+    runs on another node); names the ring and the cause."""
+
+
 class RankFailedError(JobError):
     """Driver: a rank raised inside a pass (its traceback travels here) or its process died."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -11,7 +12,7 @@ import numpy as np
 import torch
 
 from knitkit.encoder_dedup import RankRoute
-from knitkit.job.errors import DriverDiedError, DriverFailedError
+from knitkit.job.errors import DriverDiedError, DriverFailedError, DriverNotFoundError
 from knitkit.job.records import RecordReader, RecordWriter
 from knitkit.job.recovery import FollowingConsumer, restarts_of
 from knitkit.job.spec import RankCoords, RankSpec, encoder_rank_name, group_name
@@ -23,6 +24,7 @@ from knitkit.storage import (
     ReorganizerDiedError,
     ReorganizerError,
 )
+from knitkit.storage.delivery import Producer, RingNotReadyError
 from knitkit.types import UnitKey
 
 _ITERATOR_FIGURES = (
@@ -50,6 +52,12 @@ class RankHandle:
     ``stage * tp + tp``), its encoder rank's ring (if it encodes) and, on the group's writer
     rank (TP 0, last stage), creates the write-back ring to the driver. Nothing else is needed
     than the driver's ``RankSpec`` and where the rank sits (``RankCoords``).
+
+    A rank that leaves before the driver finished (``close()`` or an exception out of ``with``
+    before ``passes()`` ended, or its process exiting through Python) leaves its rings failed,
+    not waiting: its write-back ring (writer ranks) fails with the reason, so the driver fails
+    naming the group, and its reorganizers fail their rings naming it once they wait for it, so
+    its TP peers raise at once (NOTE [ Micro-batch publication protocol ], "Dead consumers").
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -84,13 +92,16 @@ class RankHandle:
         self._current: PassWork | None = None
         self._totals: dict[str, float] = dict.fromkeys(_ITERATOR_FIGURES, 0.0)
         self._closed = False
+        self._finished = False
+        """The driver finished the schedule (``next_pass`` returned ``None``)."""
         waits = {
             "liveness_timeout_s": spec.liveness_timeout_s,
             "wait_timeout_s": spec.wait_timeout_s,
         }
         group = group_name(coords.dp, coords.cp)
-        with contextlib.ExitStack() as stack:
-            self._schedule = RecordReader(spec.schedule, coords.rank, **waits)
+        with contextlib.ExitStack() as stack, _driver_rings(coords.rank):
+            driver = Producer("the driver", "restart the job")
+            self._schedule = RecordReader(spec.schedule, coords.rank, producer=driver, **waits)
             stack.callback(self._schedule.close)
             # follows its reorganizer across restarts: see NOTE [ Reorganizer restart ]
             restarts = restarts_of(spec.extra)
@@ -108,7 +119,9 @@ class RankHandle:
             # the writer rank creates its write-back ring (see NOTE [ Records over slot rings ]
             # in records.py): the driver's collector attaches once it exists
             self._writeback = (
-                RecordWriter(spec.write_back[group], owns_ring=True) if self.writer else None
+                RecordWriter(spec.write_back[group], owns_ring=True, role=f"rank {coords.rank}")
+                if self.writer
+                else None
             )
             stack.pop_all()
 
@@ -135,6 +148,7 @@ class RankHandle:
         except ReorganizerError as error:
             raise DriverFailedError(f"rank {self.coords.rank}: {error}") from None
         if record is None:
+            self._finished = True
             return None
         minibatch_id, name = str(record.header["mb"]), str(record.header["pass"])
         if "plan" in record.arrays:
@@ -157,14 +171,21 @@ class RankHandle:
             consumers.append(self._units.metrics())
         return merge(sum_over(consumers), self._totals)
 
-    def close(self) -> None:
-        """Finish nothing more: detach from every ring; the writer ends its write-back ring
-        (the driver's collector stops after its last record). Idempotent."""
+    def close(self, reason: str = "") -> None:
+        """Finish nothing more: detach from every ring. The writer ends its write-back ring: the
+        driver's collector stops after its last record once the driver finished, and fails the
+        job naming this rank and ``reason`` if it closes earlier. Idempotent."""
         if self._closed:
             return
         self._closed = True
         if self._writeback is not None:
-            self._writeback.finish()
+            if self._finished:
+                self._writeback.finish()
+            else:
+                self._writeback.fail(
+                    f"rank {self.coords.rank} left before the driver finished "
+                    f"({reason or 'its handle was closed'})"
+                )
             self._writeback.close()
         for consumer in (self._data, self._units):
             if consumer is not None:
@@ -174,8 +195,8 @@ class RankHandle:
     def __enter__(self) -> RankHandle:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, error: object, tb: object) -> None:
+        self.close(f"{kind.__name__}: {error}" if kind is not None else "")
 
     # ----- for PassWork --------------------------------------------------------------------------
     def route_of(self, plan: MiniBatchPlan) -> RankRoute:
@@ -261,3 +282,17 @@ class RankHandle:
         if self._writeback is not None:
             with contextlib.suppress(Exception):
                 self.send(work, "error", {"message": message[-3000:]}, {})
+
+
+@contextlib.contextmanager
+def _driver_rings(rank: int) -> Iterator[None]:
+    """Turn a driver ring missing at attach into ``DriverNotFoundError`` naming the cause."""
+    try:
+        yield
+    except RingNotReadyError as missing:
+        raise DriverNotFoundError(
+            f"rank {rank}: the driver's rings are not in /dev/shm on this node "
+            f"({socket.gethostname()}): {missing}. Ranks must run on the driver's node, sharing "
+            "its /dev/shm (containers: --ipc=host), while its driver runs (a closed driver has "
+            "removed its rings)"
+        ) from None

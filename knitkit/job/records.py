@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from knitkit.storage import MemoryBackend
-from knitkit.storage.delivery import MicroBatchConsumer, ReorganizerHost, RingSpec
+from knitkit.storage.delivery import MicroBatchConsumer, Producer, ReorganizerHost, RingSpec
 from knitkit.storage.planning import EncoderRankPlan
 from knitkit.types import UnitKey
 
@@ -45,10 +45,11 @@ class Record:
 class RecordWriter:
     """The producer of a record ring; ``owns_ring`` creates it (and unlinks it in ``close``)."""
 
-    def __init__(self, spec: RingSpec, *, owns_ring: bool) -> None:
+    def __init__(self, spec: RingSpec, *, owns_ring: bool, role: str) -> None:
+        """``role`` names the writer in the errors its readers get (the driver, a writer rank)."""
         self.spec = spec
         self._backend = MemoryBackend()
-        self._host = ReorganizerHost(self._backend, spec, owns_ring=owns_ring)
+        self._host = ReorganizerHost(self._backend, spec, owns_ring=owns_ring, role=role)
         self._numbers = itertools.count()
 
     def send(
@@ -71,6 +72,15 @@ class RecordWriter:
         finally:
             for key in keys:
                 self._backend.delete(key)
+
+    @property
+    def published(self) -> int:
+        """Records published so far."""
+        return self._host.published
+
+    def readers_attached(self) -> int:
+        """How many of the ring's readers are attached now."""
+        return self._host.consumers_attached()
 
     def finish(self) -> None:
         """No more records: readers stop after the last one."""
@@ -96,9 +106,11 @@ class RecordReader:
         spec: RingSpec,
         index: int,
         *,
+        producer: Producer,
         liveness_timeout_s: float = 30.0,
         wait_timeout_s: float = 600.0,
     ) -> None:
+        """``producer`` names the writer in this reader's errors."""
         self.spec = spec
         self._consumer = MicroBatchConsumer(
             spec,
@@ -106,6 +118,7 @@ class RecordReader:
             liveness_timeout_s=liveness_timeout_s,
             startup_timeout_s=math.inf,  # a writer rank may start long after the ring exists
             wait_timeout_s=wait_timeout_s,
+            producer=producer,
         )
 
     def next(self, timeout_s: float | None = None) -> Record | None:

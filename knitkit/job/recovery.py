@@ -11,7 +11,7 @@ from knitkit.job.errors import ReorganizerFailedError
 from knitkit.job.pool import Assignment, ReorganizerDied, ReorganizerPool, successor_ring
 from knitkit.metrics import sum_over
 from knitkit.storage import MicroBatchConsumer, ReorganizerDiedError, RingSpec
-from knitkit.storage.delivery import Take
+from knitkit.storage.delivery import RingNotReadyError, Take
 from knitkit.types import PackedMicroBatch
 
 # NOTE [ Reorganizer restart ]:
@@ -138,8 +138,8 @@ class FollowingConsumer:
         liveness_timeout_s: float,
         wait_timeout_s: float,
     ) -> None:
-        self._waits = {"liveness_timeout_s": liveness_timeout_s, "wait_timeout_s": wait_timeout_s}
-        self.consumer = MicroBatchConsumer(spec, index, **self._waits)
+        self._liveness_timeout_s, self._wait_timeout_s = liveness_timeout_s, wait_timeout_s
+        self.consumer = self._attach(spec, index)
         self.spec, self.index = spec, index
         self.restarts = restarts
         self.generation = 0
@@ -196,20 +196,30 @@ class FollowingConsumer:
         for consumer in (*self._retired, self.consumer):
             consumer.close()
 
+    def _attach(self, spec: RingSpec, index: int) -> MicroBatchConsumer:
+        return MicroBatchConsumer(
+            spec,
+            index,
+            liveness_timeout_s=self._liveness_timeout_s,
+            wait_timeout_s=self._wait_timeout_s,
+        )
+
     def _follow(self, died: ReorganizerDiedError, cancel: threading.Event) -> None:
         """Attach to the newest live successor ring within ``liveness_timeout_s``, else raise."""
-        deadline = time.monotonic() + self._waits["liveness_timeout_s"]
+        deadline = time.monotonic() + self._liveness_timeout_s
         candidates = []
         spec = self.spec
         for _ in range(self.restarts - self.generation):
             spec = successor_ring(spec)
             candidates.append(spec)
+        found = ""
         while True:
             for generation in range(len(candidates), 0, -1):
                 spec = candidates[generation - 1]
                 try:
-                    consumer = MicroBatchConsumer(spec, self.index, **self._waits)
-                except (FileNotFoundError, ValueError):  # not there (yet), or being initialised
+                    consumer = self._attach(spec, self.index)
+                except RingNotReadyError as missing:  # NOTE [ Ring role locks ] in slot_ring.py
+                    found = str(missing)
                     continue
                 self._retired.append(self.consumer)
                 self.consumer, self.spec = consumer, spec
@@ -220,7 +230,7 @@ class FollowingConsumer:
             if time.monotonic() > deadline:
                 raise ReorganizerDiedError(
                     f"{died}; no restarted reorganizer on {[c.name for c in candidates]} within "
-                    f"liveness_timeout_s={self._waits['liveness_timeout_s']}"
+                    f"liveness_timeout_s={self._liveness_timeout_s} ({found})"
                 ) from died
             cancel.wait(ATTACH_POLL_S)
 

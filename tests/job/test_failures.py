@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -23,6 +25,8 @@ from job_harness import (
 
 from knitkit.job import (
     DriverDiedError,
+    JobError,
+    PassWork,
     ProcessPool,
     RankCoords,
     RankFailedError,
@@ -112,9 +116,12 @@ def test_a_dead_writer_rank_fails_the_driver_with_a_named_error() -> None:
         assert reached.wait(120), "the rank process did not take its first pass"
         wait_for(lambda: "old_lp from" in driver.progress().blocked, what="waiting for old_lp")
         os.kill(rank.pid or 0, signal.SIGKILL)
-        with pytest.raises(RankFailedError, match=r"writer rank of backbone/dp0/cp0 stopped"):
+        with pytest.raises(
+            RankFailedError, match=r"writer rank of backbone/dp0/cp0 stopped"
+        ) as failed:
             driver.drain(60)
         rank.join(30)
+    assert "reorganizer" not in str(failed.value)  # a rank, named as one (issue 30, item 15)
 
 
 def _held_rank(spec_json: str, reached: Any) -> None:
@@ -200,3 +207,73 @@ def _fails(pool: ProcessPool) -> bool:
     except ReorganizerFailedError:
         return True
     return False
+
+
+def test_with_no_rank_attached_the_driver_names_the_cause_within_its_bound() -> None:
+    """No rank ever attaches (a file that is not a whole ring sits under the writer rank's ring
+    name): once the first pass is served the driver fails within ``attach_timeout_s`` with
+    ``RankFailedError`` saying no rank attached to the group, not after ``pass_timeout_s``
+    blaming a writer rank; a rank started after the driver closed is told the driver's rings
+    are not on its node, not a bare ``FileNotFoundError`` (issue 30, items 8 and 14)."""
+    from knitkit.storage.delivery import unlink_ring
+
+    data = trajectories(2, 2, seed=11)
+    config = driver_config(1, 1, 1, 1, attach_timeout_s=1.0)
+    with config.build(admission=controller(data, 2)) as driver:
+        spec = driver.rank_spec()
+        ring = spec.write_back["backbone/dp0/cp0"].name
+        with open(f"/dev/shm/{ring}", "wb"):
+            pass  # named, 0 bytes: not a ring yet
+        try:
+            for trajectory in data:
+                driver.write(trajectory)
+            with pytest.raises(
+                RankFailedError,
+                match=r"no rank attached to backbone/dp0/cp0 .*not a complete ring.*ranks attached "
+                r"to the schedule: 0 of 1",
+            ):
+                driver.drain(60)
+        finally:
+            unlink_ring(ring)
+    with pytest.raises(JobError, match=r"rank 0: the driver's rings are not in /dev/shm.*node"):
+        RankHandle(spec, RankCoords(0, 0, encoder_rank=0))
+
+
+def _leave_in_first_pass(spec: RankSpec, coords: RankCoords) -> None:
+    """A TP rank that takes its first micro-batch, then leaves through Python (an exception out
+    of ``with RankHandle``: Ctrl-C, an error, sys.exit leave the same way)."""
+    with contextlib.suppress(KeyboardInterrupt), RankHandle(spec, coords, device="cpu") as rank:
+        work = rank.next_pass()
+        assert isinstance(work, PassWork)
+        with work:
+            for _ in work.micro_batches():
+                raise KeyboardInterrupt
+
+
+def test_a_tp_rank_leaving_through_python_fails_its_peer_and_the_driver_fast() -> None:
+    """A TP rank leaves mid-pass through Python (its consumers detach while the reorganizer still
+    runs): the reorganizer fails the ring naming it once it waits for it, so its TP peer raises a
+    typed error and the driver fails naming the group and the consumer (from the pool's health
+    check or the peer's error record, whichever comes first), within seconds instead of the
+    peer's wait_timeout_s and the driver's pass_timeout_s (issue 30, item 9)."""
+    data = trajectories(8, 2, seed=12)
+    with driver_config(1, 1, 2, 1).build(admission=controller(data, 4)) as driver:
+        spec = driver.rank_spec()
+        coords = grid(1, 1, 2, 1)
+        threads, seen = run_ranks(spec, coords[:1])
+        leaver = threading.Thread(target=_leave_in_first_pass, args=(spec, coords[1]), daemon=True)
+        leaver.start()
+        start = time.monotonic()
+        for trajectory in data:
+            try:
+                driver.write(trajectory)
+            except ReorganizerFailedError:
+                break
+        with pytest.raises(  # the reorganizer's failure, or the writer rank's report of it
+            (ReorganizerFailedError, RankFailedError),
+            match=r"(?s)backbone/dp0/cp0.*consumer 1 \(pid \d+\) .* left at micro-batch",
+        ):
+            driver.drain(60)
+        assert time.monotonic() - start < 60
+        join([*threads, leaver])
+    assert seen[0].error.startswith(("ReorganizerError", "DriverFailedError")), seen[0].error

@@ -294,3 +294,37 @@ def test_a_killed_ray_reorganizer_actor_is_restarted_and_re_served_exactly_once(
         backend.close()
         ray.shutdown()
     print(f"three Ray jobs in {time.monotonic() - started:.1f} s")
+
+
+def test_a_successor_ring_not_complete_yet_counts_as_not_there() -> None:
+    """A rank following its dead reorganizer finds a file under the successor's name that is
+    not a whole ring (what a creator's first instant looked like before rings were created
+    complete): it keeps looking within ``liveness_timeout_s``, then raises
+    ``ReorganizerDiedError`` naming the successor and what it found, not ``RingTruncatedError``
+    at once (issue 30, item 8)."""
+    from knitkit.job.pool import successor_ring
+    from knitkit.job.recovery import FollowingConsumer
+    from knitkit.storage.delivery import ReorganizerDiedError, RingSpec, unlink_ring
+    from knitkit.storage.delivery.publication import Publisher
+    from knitkit.storage.delivery.slot_ring import SlotRing
+
+    spec = RingSpec.new(num_slots=2, slot_bytes=4096, num_consumers=1)
+    successor = successor_ring(spec)
+    owner = SlotRing.create(spec)
+    publisher = Publisher(SlotRing.attach(spec))
+    publisher.start()
+    follower = FollowingConsumer(spec, 0, restarts=1, liveness_timeout_s=1.0, wait_timeout_s=60)
+    try:
+        with open(f"/dev/shm/{successor.name}", "wb"):
+            pass  # named, 0 bytes
+        publisher.close()  # the reorganizer is gone without a word
+        with pytest.raises(
+            ReorganizerDiedError,
+            match=rf"no restarted reorganizer on \['{successor.name}'\].*not a complete ring",
+        ):
+            follower.next_micro_batch(cancel=threading.Event())
+    finally:
+        follower.close()
+        unlink_ring(successor.name)
+        owner.close()
+        owner.unlink()
