@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +21,7 @@ from knitkit.storage.delivery.publication import Publisher
 from knitkit.storage.delivery.slot_ring import (
     _PUBLISHED_W,
     _RELEASED_W,
+    ConsumerDiedError,
     RingClosedError,
     RingSpec,
     SlotRing,
@@ -266,3 +270,48 @@ def test_a_consumer_that_leaves_a_live_stream_fails_the_ring_naming_it(ring):
     producer.join(30)
     assert len(errors) == 1 and "left at micro-batch 1" in str(errors[0])
     peer.close()
+
+
+_EXITS_HOLDING = """
+import sys
+from knitkit.storage.delivery.consumer import MicroBatchConsumer
+from knitkit.storage.delivery.slot_ring import RingSpec
+consumer = MicroBatchConsumer(RingSpec({name!r}, 2, 4096, 2), 0)
+lease = consumer.next_micro_batch(timeout_s=60)
+print("holding", lease.seq, flush=True)
+sys.exit(0)  # through Python, holding the lease, the consumer never closed
+"""
+
+
+def test_a_consumer_process_exiting_through_python_fails_the_ring_for_its_peer(ring):
+    """The exit finalizer of a consumer never closed (sys.exit, an uncaught exception, Ctrl-C)
+    marks it as left, as a death would: its TP peer raises ``ReorganizerError`` naming it instead
+    of waiting (the finalizer used to zero its pid, which reads as 'not attached yet')."""
+    spec, _, publisher = ring
+    peer = MicroBatchConsumer(spec, 1, liveness_timeout_s=5.0)
+    _publish(publisher, 0)
+    child = subprocess.run(
+        [sys.executable, "-c", _EXITS_HOLDING.format(name=spec.name)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert child.returncode == 0 and "holding 0" in child.stdout, child
+    producer = threading.Thread(
+        target=lambda: _publish_until_failed(publisher, range(1, 6)), daemon=True
+    )
+    producer.start()
+    with pytest.raises(ReorganizerError, match=r"consumer 0 \(pid \d+\) .* left at micro-batch 0"):
+        for _ in range(6):
+            peer.next_micro_batch(timeout_s=60).release()
+    producer.join(30)
+    peer.close()
+
+
+def _publish_until_failed(publisher: Publisher, values: range) -> None:
+    try:
+        for value in values:
+            _publish(publisher, value)
+    except ConsumerDiedError as error:
+        publisher.fail(str(error))  # as ReorganizerHost writes it for the consumers
