@@ -86,7 +86,7 @@ class Collector:
         """The writer rank creates its ring when it starts: wait for it (until stopped), at most
         ``attach_timeout_s`` once the schedule holds work for the ranks."""
         core = self.core
-        writer = Producer(f"the writer rank of {self.group}", "its rank's log says why")
+        writer = Producer(f"writer rank of {self.group}", "its rank's log says why")
         deadline = math.inf
         while not core.stopping.is_set():
             try:

@@ -100,7 +100,7 @@ class RankHandle:
         }
         group = group_name(coords.dp, coords.cp)
         with contextlib.ExitStack() as stack, _driver_rings(coords.rank):
-            driver = Producer("the driver", "restart the job")
+            driver = Producer("driver", "restart the job")
             self._schedule = RecordReader(spec.schedule, coords.rank, producer=driver, **waits)
             stack.callback(self._schedule.close)
             # follows its reorganizer across restarts: see NOTE [ Reorganizer restart ]

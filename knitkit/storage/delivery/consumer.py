@@ -45,12 +45,13 @@ class ReorganizerUnitsLostError(UnitsLostError, ReorganizerError):
     ``ReorganizerError``."""
 
 
-def _failure(ring: str, text: str) -> ReorganizerError:
-    """The typed error for a ring that failed with ``text``: lost units stay named."""
+def _failure(producer: str, ring: str, text: str) -> ReorganizerError:
+    """The typed error for a ring whose ``producer`` failed with ``text``: lost units stay
+    named."""
     lost = lost_units_in(text)
     if lost:
-        return ReorganizerUnitsLostError(lost, f"the reorganizer of ring {ring!r}", text)
-    return ReorganizerError(f"reorganizer of ring {ring!r}: {text}")
+        return ReorganizerUnitsLostError(lost, f"the {producer} of ring {ring!r}", text)
+    return ReorganizerError(f"{producer} of ring {ring!r}: {text}")
 
 
 class ReorganizerDiedError(RuntimeError):
@@ -369,7 +370,7 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
                 return
             state = ring.state
             if state == FAILED:
-                raise _failure(ring.spec.name, ring.error())
+                raise _failure(self.producer.name, ring.spec.name, ring.error())
             if state == DONE:
                 if ring.published <= seq:
                     raise StopIteration
