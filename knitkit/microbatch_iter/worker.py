@@ -83,11 +83,12 @@ from knitkit.types import MicroBatchLayout
 #   anonymous, an unwritten one is still the file's; ``written_pages.py``) and drops the private
 #   copies of the written span (MADV_DONTNEED) BEFORE it stores its release, so the slot's next
 #   occupant is read from the shared pages again. Where the page map cannot be read, the whole
-#   range is dropped (the earlier behaviour). Costs (tmp benchmark of this change, 2-core dev
-#   box under load ~5): page-map check ~9 us/MiB; the earlier populate-per-hand-out plus drop per
-#   release ~70 us/MiB (issue 31 measured the whole copy-on-write hand-off at 143 us/MiB against
-#   43 us/MiB for a plain copy); per 2.3 MiB micro-batch the rank's hand-out (wait, decode, views)
-#   fell from ~320 to ~130 us median (decode ~40, views ~20, page-map check ~40-60).
+#   range is dropped (the earlier behaviour). Costs, per 2.3 MiB micro-batch of transfer.py's
+#   fields (one consumer, thread CPU medians, 2-core dev box, issue 31): hand-out 49 us (wait
+#   check, layout decode, lease), staging 34 us (views), release 68 us (the page-map read: it
+#   touches every page's struct page, 25-65 us) = ~150 us, against 58 + 196 (populate per
+#   hand-out) + 56 (drop) = ~310 us before; issue 31 measured the earlier copy-on-write hand-off
+#   at 143 us/MiB against 43 us/MiB for a plain copy.
 # - The Staged record carries the lease's release. The consumer's next next() (or close())
 #   retires the held record into ``retired`` (release_held); only retired records are released,
 #   so no slot goes back to the producer while the consumer may still read it.
