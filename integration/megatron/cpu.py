@@ -291,3 +291,21 @@ def moe_block_spec(num_experts: int) -> object:
         )
 
     return block
+
+
+def install_recompute_shim() -> None:
+    """Let megatron's activation recompute (``recompute_granularity``) run on CPU (idempotent;
+    no-op with CUDA).
+
+    ``CheckpointFunction`` saves and restores the CUDA RNG state around the recomputed forward
+    (``_get_all_rng_states`` / ``_set_all_rng_states`` in ``tensor_parallel/random.py``), which
+    raises without CUDA; on CPU there is no CUDA RNG to keep (dropout draws from torch's CPU
+    generator, saved and restored beside it), so the two CUDA calls become no-ops.
+    """
+    install()
+    if torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: None  # type: ignore[assignment]
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None  # type: ignore[assignment]

@@ -182,8 +182,8 @@ class RoutingReplay:
                 f"multiple of the sequence-parallel size {sp_size}; plan with "
                 "Topology(sequence_parallel=True)"
             )
-        local = routing.shape[0] // sp_size
-        rows = routing[sp_rank * local : (sp_rank + 1) * local]
+        rows = stage_rows(routing, sp_rank, sp_size)
+        local = rows.shape[0]
         self._check_ids(rows)
         taken = [rows[:, layer].long() for layer in self.layers]
         self._bytes["delivered"] += routing.numel() * routing.element_size()
@@ -244,6 +244,14 @@ class RoutingReplay:
                 f"rank {_rank()}: a router recorded nothing; the forward step must run the model"
             )
         return torch.stack([r for r in rows if r is not None], dim=1)
+
+
+def stage_rows(routing: torch.Tensor, sp_rank: int = 0, sp_size: int = 1) -> torch.Tensor:
+    """The rows of a packed micro-batch's ``[T, layers, topk]`` routing that one rank's routers
+    see: its contiguous 1/``sp_size`` of the tokens under sequence parallelism (a view; the
+    rank then reads only its stage's layers of it)."""
+    local = routing.shape[0] // sp_size
+    return routing[sp_rank * local : (sp_rank + 1) * local]
 
 
 class _Taking:

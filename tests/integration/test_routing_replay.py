@@ -72,10 +72,18 @@ def trajectories(seed: int = 0) -> list[Trajectory]:
     return out
 
 
-def _config(tp: int, pp: int) -> Any:
+def _config(tp: int, pp: int, recompute: bool = False) -> Any:
     from megatron.core.transformer import TransformerConfig
 
+    recomputed: dict[str, Any] = {}
+    if recompute:  # every layer's forward runs again inside its backward
+        recomputed = {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
     return TransformerConfig(
+        **recomputed,
         num_layers=LAYERS,
         hidden_size=16,
         num_attention_heads=4,
@@ -279,7 +287,7 @@ def _batches(dp: int, tp: int) -> list[dict[str, Any]]:
         return list(megatron_batches(iterator, to_batch))
 
 
-def _layout(rank: int, dp: int, tp: int, pp: int) -> dict[str, Any]:
+def _layout(rank: int, dp: int, tp: int, pp: int, recompute: bool) -> dict[str, Any]:
     """One layout on every rank: the wrapped replay, then the reference; what each saw."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
@@ -287,6 +295,7 @@ def _layout(rank: int, dp: int, tp: int, pp: int) -> dict[str, Any]:
     megatron_cpu.initialize_model_parallel(tensor_parallel=tp, pipeline_parallel=pp)
     megatron_cpu.install_pipeline_shim()
     megatron_cpu.install_moe_shim()
+    megatron_cpu.install_recompute_shim()
     try:
         batches = _batches(dp, tp)
         sp_rank, sp = (ps.get_tensor_model_parallel_rank(), tp) if tp > 1 else (0, 1)
@@ -298,7 +307,7 @@ def _layout(rank: int, dp: int, tp: int, pp: int) -> dict[str, Any]:
 
         # the reference first: RouterReplay.set_replay_data addresses every router the process built
         RouterReplay.clear_global_router_replay_instances()
-        reference = _model(_config(tp, pp))
+        reference = _model(_config(tp, pp, recompute))
         ref_seen: list[tuple[int, torch.Tensor]] = []
         _observe(reference, ref_seen)
         from megatron.core.transformer.moe.router import TopKRouter
@@ -309,10 +318,13 @@ def _layout(rank: int, dp: int, tp: int, pp: int) -> dict[str, Any]:
         queue = iter(batches)
 
         def reference_step(data_iterator: Any, model: torch.nn.Module) -> Any:
+            """As Megatron-LM's users do: replay forward, then the recompute pops in order."""
             batch = next(queue)
             RouterReplay.set_replay_data([stored(batch, layer) for layer in layers])
             RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-            return _forward_step(iter([batch]), model)
+            out = _forward_step(iter([batch]), model)
+            RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            return out
 
         ref_losses = _run(reference, reference_step, batches)
         RouterReplay.clear_global_router_replay_action()
@@ -321,7 +333,7 @@ def _layout(rank: int, dp: int, tp: int, pp: int) -> dict[str, Any]:
             n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None
         }
 
-        model = _model(_config(tp, pp))
+        model = _model(_config(tp, pp, recompute))
         seen: list[tuple[int, torch.Tensor]] = []
         _observe(model, seen)
         replay = RoutingReplay(model)
@@ -333,6 +345,7 @@ def _layout(rank: int, dp: int, tp: int, pp: int) -> dict[str, Any]:
         assert replay.layers == tuple(layers)
         wanted = [(layer, stored(b, layer)) for b in batches for layer in layers]
         return {
+            "calls": 2 if recompute else 1,
             "wanted": wanted,
             "seen": seen,
             "ref_seen": ref_seen,
@@ -348,16 +361,24 @@ def _layout(rank: int, dp: int, tp: int, pp: int) -> dict[str, Any]:
 
 
 def _check(results: list[dict[str, Any]]) -> None:
+    """Every router call (the recomputed forwards included) routed a micro-batch's stored
+    experts, as often as the schedule runs it; the reference routed the same, call by call."""
     for rank, got in enumerate(results):
-        assert len(got["seen"]) == len(got["wanted"]) > 0, rank
-        for (layer, routing_map), (want_layer, rows) in zip(
-            got["seen"], got["wanted"], strict=True
-        ):
-            assert layer == want_layer
-            stored = torch.zeros_like(routing_map).scatter(1, rows, True)
-            assert torch.equal(routing_map, stored), (
-                f"rank {rank} layer {layer}: replayed experts differ from the stored ones"
-            )
+        assert got["wanted"] and len(got["seen"]) == got["calls"] * len(got["wanted"]), rank
+        for layer in {layer for layer, _ in got["wanted"]}:
+            maps = [m for seen_layer, m in got["seen"] if seen_layer == layer]
+            want = [
+                torch.zeros_like(maps[0]).scatter(1, rows, True)
+                for wanted_layer, rows in got["wanted"]
+                if wanted_layer == layer
+            ]
+            if got["calls"] == 1:  # the order of the micro-batches
+                assert all(map(torch.equal, maps, want)), f"rank {rank} layer {layer}"
+            else:  # 1F1B interleaves forwards and recomputes: compare as multisets
+                key = lambda m: m.numpy().tobytes()  # noqa: E731
+                assert sorted(map(key, maps)) == sorted(key(m) for m in want * got["calls"]), (
+                    f"rank {rank} layer {layer}: replayed experts differ from the stored ones"
+                )
         for (layer, a), (_, b) in zip(got["seen"], got["ref_seen"], strict=True):
             assert torch.equal(a, b), f"rank {rank} layer {layer}: reference routed differently"
         np.testing.assert_allclose(got["losses"], got["ref_losses"], rtol=1e-6, atol=1e-7)
@@ -376,9 +397,11 @@ def world2() -> Iterator[World]:
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_replayed_topk_equals_the_stored_routing(world2: World, tp: int, pp: int) -> None:
     """TP2 (sequence parallel: each TP rank replays its half of the packed tokens) and PP2
-    (each stage its own layers): replayed experts == stored for every token and layer, losses
-    and gradients == the unwrapped step's that calls RouterReplay.set_replay_data itself."""
-    _check(world2.run(_layout, 1, tp, pp, timeout_s=300))
+    (each stage its own layers, 1F1B), both with full activation recompute (each layer's
+    forward reruns in its backward and must replay the same micro-batch's rows): replayed
+    experts == stored for every token, layer and call; losses and gradients == the unwrapped
+    step's that calls RouterReplay.set_replay_data itself."""
+    _check(world2.run(_layout, 1, tp, pp, True, timeout_s=300))
 
 
 def test_recorded_routing_replays_and_misuse_names_field_and_rank(world2: World) -> None:
@@ -552,4 +575,4 @@ def test_moe_grpo_example_trains_with_the_rollout_routing(world2: World) -> None
 def test_replay_at_dp2_tp2() -> None:
     """DP2 x TP2: each DP rank replays its own micro-batches' routing, each TP rank its half."""
     with World(4) as world:
-        _check(world.run(_layout, 2, 2, 1, timeout_s=300))
+        _check(world.run(_layout, 2, 2, 1, False, timeout_s=300))
