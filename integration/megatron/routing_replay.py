@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from knitkit.integration.megatron.routing import ROUTING_FIELD
+from knitkit.integration.megatron.routing import ROUTING_FIELD, routing_dtype
 
 if TYPE_CHECKING:
     from megatron.core.transformer.moe.router_replay import RouterReplay
@@ -134,8 +134,6 @@ class RoutingReplay:
         """``recorded`` with each micro-batch's tokens whole: ``[T, stage layers, topk]`` in the
         stored dtype, all-gathered over TP under sequence parallelism (a collective: every TP
         rank calls it). What a recording pass writes back as the ``routing`` field (one stage)."""
-        from knitkit.integration.megatron.routing import routing_dtype
-
         assert self.num_experts is not None
         dtype = getattr(torch, routing_dtype(self.num_experts).name)
         sp_size = self._sp[1]
