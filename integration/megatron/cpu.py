@@ -307,5 +307,5 @@ def install_recompute_shim() -> None:
         return
     from megatron.core.tensor_parallel import random as tp_random
 
-    tp_random._get_cuda_rng_state = lambda *args, **kwargs: None  # type: ignore[assignment]
-    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None  # type: ignore[assignment]
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
