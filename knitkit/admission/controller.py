@@ -245,7 +245,7 @@ class AdmissionController:
             self.stats.rejected += len(trajectories)
             self._settle(trajectories)
             return
-        unit = Unit(self._seq, trajectories[0].source, trajectories)
+        unit = Unit.of(self._seq, trajectories[0].source, trajectories)
         self._seq += 1
         if self._is_stale(unit):
             self.stats.stale_dropped += unit.size
@@ -513,8 +513,7 @@ class AdmissionController:
         with collector_paused():  # see NOTE [ Loading with the collector paused ]
             r = read_state(saved, self._fingerprint, fields, shape)
             pool = ReadyPool(c.sources, track_versions=c.max_staleness is not None)
-            for unit in r.units:
-                pool.push(unit)
+            pool.fill(r.units)
         # Everything is read and checked; from here on nothing can fail.
         self.stats = AdmissionStats(**r.counters)
         self._seq, self._pool, self._open_groups = r.seq, pool, r.groups

@@ -6,32 +6,73 @@ import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any
 
 from knitkit.types import TrajectoryMeta
 
+COLUMNS = ("trajectory_id", "sample_id", "source", "rollout_step", "num_tokens", "min_version",
+           "max_version", "accepted", "multimodal")  # fmt: skip
+"""``TrajectoryMeta``'s fields, in its order: the columns of ``Rows`` and of a saved state."""
+
 
 @dataclass(frozen=True, slots=True)
+class Rows:
+    """Trajectory metadata as checked columns (one list per field of ``COLUMNS``, multimodal as
+    a tuple per row), as a saved state's pool is restored: rows become ``TrajectoryMeta``
+    objects only when a unit on them is admitted, dropped or inspected (NOTE [ Restored pool
+    kept as columns ])."""
+
+    columns: tuple[list[Any], ...]
+
+    def metas(self, start: int, stop: int) -> tuple[TrajectoryMeta, ...]:
+        """Rows ``[start, stop)`` as metadata (their fields were checked when the rows were read)."""
+        return tuple(map(TrajectoryMeta, *(column[start:stop] for column in self.columns)))
+
+
+# NOTE [ Restored pool kept as columns ]: a million pending trajectories used to load as a
+# million frozen ``TrajectoryMeta`` objects (about 1.5 us each, with their units, the pool's
+# tables and the collector's scan of them all: 2.4-3.3 s of CPU), although admission reads
+# only each unit's source, size, sequence number and oldest version until it takes the unit.
+# So a loaded pool keeps the state's checked columns (``Rows``, one block shared by every
+# restored unit) and each restored unit its first row; the unit makes its metadata on first
+# use of ``trajectories`` (admitted, expired, discarded, or a user reading the pool), O(its
+# size), and keeps it. Every check on load still covers every row (restore.py reads the
+# columns, vectorised where the pool is large). A snapshot encodes a run of restored units
+# lying back to back in one block as slices of its columns, so a resumed job's next
+# checkpoint is as cheap as the load and materialises nothing.
+@dataclass(slots=True, eq=False)
 class Unit:
-    """What admission moves atomically: one trajectory, or a whole GRPO group when groups are atomic."""
+    """What admission moves atomically: one trajectory, or a whole GRPO group when groups are
+    atomic. Built from metadata (``Unit.of``) or on rows of a restored block (NOTE
+    [ Restored pool kept as columns ])."""
 
     seq: int
     """Completion order across all sources (smaller is older)."""
     source: str
-    trajectories: tuple[TrajectoryMeta, ...]
-    min_version: int = field(init=False, compare=False, repr=False)
-    """Oldest version any of its tokens was generated with (computed once)."""
+    size: int
+    """Its trajectories."""
+    min_version: int
+    """Oldest version any of its tokens was generated with."""
+    rows: Rows | None = None
+    """The restored block it lies in (rows ``start`` to ``start + size``), or None."""
+    start: int = 0
+    metas: tuple[TrajectoryMeta, ...] | None = None
 
-    def __post_init__(self) -> None:
-        first = self.trajectories[0].min_version
-        oldest = (
-            first if len(self.trajectories) == 1 else min(t.min_version for t in self.trajectories)
-        )
-        object.__setattr__(self, "min_version", oldest)
+    @classmethod
+    def of(cls, seq: int, source: str, trajectories: tuple[TrajectoryMeta, ...]) -> Unit:
+        """A unit of ``trajectories`` (metadata already made)."""
+        oldest = min(t.min_version for t in trajectories)
+        return cls(seq, source, len(trajectories), oldest, None, 0, trajectories)
 
     @property
-    def size(self) -> int:
-        return len(self.trajectories)
+    def trajectories(self) -> tuple[TrajectoryMeta, ...]:
+        metas = self.metas
+        if metas is None:
+            assert self.rows is not None  # built by ``of`` or on rows, never neither
+            metas = self.metas = self.rows.metas(self.start, self.start + self.size)
+        return metas
 
 
 class ReadyPool:
@@ -85,6 +126,31 @@ class ReadyPool:
                 bucket = self._buckets[version] = {}
                 heapq.heappush(self._versions, version)
             bucket[unit.seq] = unit.source
+
+    def fill(self, units: list[Unit]) -> None:
+        """Push ``units``, each source's in completion order, into this empty pool, in C-level
+        passes (a restored pool of a million units; ``push`` one by one costs ~2 us each)."""
+        if self.total:
+            raise RuntimeError("fill() takes an empty pool")
+        for source, run in itertools.groupby(units, attrgetter("source")):
+            members = list(run)
+            self._queues[source].update(zip(map(attrgetter("seq"), members), members, strict=True))
+            size = sum(map(attrgetter("size"), members))
+            self.ready[source] += size
+            self.total += size
+        if self._buckets is not None:
+            for version, run in itertools.groupby(
+                sorted(units, key=attrgetter("min_version")), attrgetter("min_version")
+            ):
+                members = list(run)
+                self._buckets[version] = dict(
+                    zip(
+                        map(attrgetter("seq"), members),
+                        map(attrgetter("source"), members),
+                        strict=True,
+                    )
+                )
+                heapq.heappush(self._versions, version)
 
     def units(self, source: str) -> int:
         return len(self._queues[source])

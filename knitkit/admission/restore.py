@@ -3,6 +3,8 @@ keeps, before anything is applied."""
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -11,7 +13,7 @@ from typing import Any
 
 from knitkit.admission import checks, state
 from knitkit.admission.config import ResolvedQuota
-from knitkit.admission.pool import Unit
+from knitkit.admission.pool import COLUMNS, Rows, Unit
 from knitkit.admission.recent import Generation, GroupKey, RecentWindow
 from knitkit.types import TrajectoryMeta
 
@@ -29,7 +31,10 @@ class Restored:
     ledger: list[tuple[TrajectoryMeta, ...]]
     """The trajectories of each mini-batch admitted into the open train batch."""
     units: list[Unit]
-    """The ready pool, each source oldest first."""
+    """The ready pool, each source oldest first, on ``pool`` (NOTE [ Restored pool kept as
+    columns ])."""
+    pool: Rows
+    """The pool's trajectories, checked columns."""
     groups: dict[GroupKey, list[TrajectoryMeta]]
     pending_ids: set[str]
     """The ids in the pool and in incomplete groups."""
@@ -96,6 +101,7 @@ def read_state(
         },
         ledger=[],
         units=[],
+        pool=Rows(tuple([] for _ in COLUMNS)),
         groups={},
         pending_ids=set(),
         recent=RecentWindow(),
@@ -117,7 +123,7 @@ def read_state(
             f"{restored.minibatch}"
         )
     restored.ledger = [tuple(mb) for mb in ledger]
-    restored.units = _pool(read.section("pool"), shape.group_size)
+    restored.pool, restored.units = _pool(read.section("pool"), shape.group_size)
     restored.groups = _groups(read.section("open_groups"), shape.group_size)
     recent = read.section("recent")
     restored.recent = RecentWindow(
@@ -128,20 +134,30 @@ def read_state(
     return restored
 
 
-def _pool(read: state.Reader, group_size: int) -> list[Unit]:
+def _pool(read: state.Reader, group_size: int) -> tuple[Rows, list[Unit]]:
+    """The pool's units on its checked columns, nothing materialised (NOTE [ Restored pool kept
+    as columns ]); the columns a group shares are saved once per unit, ``accepted`` not at all
+    (``encode_pool``)."""
     seqs = state.checked(read.entries("seq"), "count", f"{read.where}: seq")
-    metas = state.decode_metas(read.get("trajectories"), f"{read.where}: trajectories")
-    if len(metas) != len(seqs) * group_size:
-        raise ValueError(
-            f"{read.where}: {len(seqs)} units of group_size={group_size} need "
-            f"{len(seqs) * group_size} trajectories, the state has {len(metas)}"
+    g, repeat = group_size, itertools.repeat
+    shared = {}
+    for name in state.UNIT_COLUMNS:
+        column = state.checked(
+            read.entries(name, len(seqs)), state.KINDS[name], f"{read.where}: {name}"
         )
-    if group_size == 1:
-        return list(map(Unit, seqs, (m.source for m in metas), ((m,) for m in metas)))
-    return [
-        Unit(seq, metas[k * group_size].source, tuple(metas[k * group_size : (k + 1) * group_size]))
-        for k, seq in enumerate(seqs)
-    ]
+        shared[name] = (
+            column
+            if g == 1
+            else list(itertools.chain.from_iterable(map(repeat, column, repeat(g))))
+        )
+    shared["accepted"] = [True] * (len(seqs) * g)
+    rows = state.decode_rows(read.get("trajectories"), f"{read.where}: trajectories", shared)
+    low = rows.columns[COLUMNS.index("min_version")]
+    oldest = low if g == 1 else list(map(min, *(low[j::g] for j in range(g))))
+    source = rows.columns[COLUMNS.index("source")]
+    return rows, list(
+        map(Unit, seqs, source[::g], repeat(g), oldest, repeat(rows), range(0, len(low), g))
+    )
 
 
 def _blocks(read: state.Reader) -> list[list[TrajectoryMeta]]:
@@ -204,44 +220,35 @@ def _broken(invariant: str, detail: str) -> ValueError:
 
 def _check_invariants(r: Restored, shape: Shape) -> set[str]:
     """The invariants the running controller keeps; the first broken one is named. Returns the
-    pending ids."""
-    pooled = [t for u in r.units for t in u.trajectories]
+    pending ids. The pool, which may hold millions, is checked column by column in C-level
+    passes, without making its metadata (NOTE [ Restored pool kept as columns ])."""
+    pooled = dict(zip(COLUMNS, r.pool.columns, strict=True))
     grouped = [t for members in r.groups.values() for t in members]
     _check_groups(r, shape, pooled, grouped)
-    pending_ids = _check_ids(r, pooled, grouped)
+    pending_ids = _check_ids(r, pooled["trajectory_id"], grouped)
     _check_batch(r, shape)
-    _check_counters(r, shape, len(pooled) + len(grouped))
-    _check_versions(r, shape, pooled + grouped)
+    _check_counters(r, shape, len(pooled["trajectory_id"]) + len(grouped))
+    newest = max(pooled["max_version"], default=None)
+    for t in grouped:
+        newest = t.max_version if newest is None else max(newest, t.max_version)
+    _check_versions(r, shape, newest)
     return pending_ids
 
 
 def _check_groups(
-    r: Restored, shape: Shape, pooled: list[TrajectoryMeta], grouped: list[TrajectoryMeta]
+    r: Restored, shape: Shape, pooled: dict[str, list[Any]], grouped: list[TrajectoryMeta]
 ) -> None:
-    """Known sources; whole GRPO groups (one source, prompt and rollout step); an accepted pool
-    in completion order."""
+    """Known sources; whole GRPO groups (one source, prompt and rollout step); a pool in
+    completion order."""
     g, sources = shape.group_size, set(shape.sources)
-    blocks = [("pool", pooled), ("open_groups", grouped)]
-    blocks += [(f"open_minibatches[{k}]", list(mb)) for k, mb in enumerate(r.ledger)]
-    blocks.append(("last_minibatch", [] if r.last is None else list(r.last[2])))
-    for name, metas in blocks:
-        unknown = set(map(attrgetter("source"), metas)) - sources
+    blocks = [("pool", set(pooled["source"])), ("open_groups", {t.source for t in grouped})]
+    blocks += [(f"open_minibatches[{k}]", {t.source for t in mb}) for k, mb in enumerate(r.ledger)]
+    blocks.append(("last_minibatch", set() if r.last is None else {t.source for t in r.last[2]}))
+    for name, named in blocks:
+        unknown = named - sources
         if unknown:
             raise _broken("every trajectory has a configured source", f"{name} names {unknown}")
-    # The pool (large) is compared column-wise: member j of every unit against member 0.
-    for field in ("source", "sample_id", "rollout_step") if g > 1 else ():
-        values = list(map(attrgetter(field), pooled))
-        if any(values[j::g] != values[::g] for j in range(1, g)):
-            members = next(
-                u.trajectories
-                for u in r.units
-                if len({getattr(t, field) for t in u.trajectories}) > 1
-            )
-            raise _broken(
-                "a GRPO group's members share source, sample_id and rollout step",
-                f"pool has a group of {[t.trajectory_id for t in members]} with {field}s "
-                f"{sorted({getattr(t, field) for t in members})}",
-            )
+    # The pool's groups are whole by construction: it saves their shared fields once per unit.
     units = [
         (f"open_minibatches[{k}]", mb[i : i + g])
         for k, mb in enumerate(r.ledger)
@@ -255,28 +262,36 @@ def _check_groups(
                 f"{name} has a group of {[t.trajectory_id for t in members]} naming "
                 f"{sorted({(t.source, t.sample_id, t.rollout_step) for t in members})}",
             )
-    if not all(map(attrgetter("accepted"), pooled)):
-        bad = next(t.trajectory_id for t in pooled if not t.accepted)
-        raise _broken("the pool holds accepted trajectories only", f"{bad!r} is rejected")
-    last: dict[str, int] = {}
-    for k, unit in enumerate(r.units):
-        if unit.seq >= r.seq or unit.seq <= last.get(unit.source, -1):
-            raise _broken(
-                "pool units are numbered below seq, each source in completion order",
-                f"pool unit {k} has seq {unit.seq} (seq={r.seq}, previous of "
-                f"{unit.source!r}: {last.get(unit.source)})",
-            )
-        last[unit.source] = unit.seq
-    if len({u.seq for u in r.units}) != len(r.units):
+    seqs = list(map(attrgetter("seq"), r.units))
+    if not _in_completion_order(seqs, list(map(attrgetter("source"), r.units)), r.seq):
+        last: dict[str, int] = {}
+        for k, unit in enumerate(r.units):
+            if unit.seq >= r.seq or unit.seq <= last.get(unit.source, -1):
+                raise _broken(
+                    "pool units are numbered below seq, each source in completion order",
+                    f"pool unit {k} has seq {unit.seq} (seq={r.seq}, previous of "
+                    f"{unit.source!r}: {last.get(unit.source)})",
+                )
+            last[unit.source] = unit.seq
+    if len(set(seqs)) != len(seqs):
         raise _broken("pool units have distinct sequence numbers", "a sequence number repeats")
 
 
-def _check_ids(
-    r: Restored, pooled: list[TrajectoryMeta], grouped: list[TrajectoryMeta]
-) -> set[str]:
+def _in_completion_order(seqs: list[int], sources: list[str], below: int) -> bool:
+    """Every sequence number is below ``below`` and each source's increase (C-level passes)."""
+    if max(seqs, default=-1) >= below:
+        return False
+    for source in set(sources):
+        mine = list(itertools.compress(seqs, map(operator.eq, sources, itertools.repeat(source))))
+        if not all(map(operator.lt, mine, itertools.islice(mine, 1, None))):
+            return False
+    return True
+
+
+def _check_ids(r: Restored, pooled: list[str], grouped: list[TrajectoryMeta]) -> set[str]:
     """Pending ids are unique, not in the open train batch, not settled; the open train batch's
     ids settled in its window."""
-    pending = list(map(attrgetter("trajectory_id"), pooled + grouped))
+    pending = pooled + [t.trajectory_id for t in grouped]
     pending_ids = set(pending)
     if len(pending_ids) != len(pending):
         twice = next(tid for tid, count in Counter(pending).items() if count > 1)
@@ -370,15 +385,15 @@ def _check_counters(r: Restored, shape: Shape, pending: int) -> None:
         )
 
 
-def _check_versions(r: Restored, shape: Shape, pending: list[TrajectoryMeta]) -> None:
-    """Versions, staleness and the last admitted mini-batch."""
+def _check_versions(r: Restored, shape: Shape, newest: int | None) -> None:
+    """Versions (``newest``: the newest of the pending trajectories), staleness and the last
+    admitted mini-batch."""
     reported = r.counters["reported"]
     if (r.newest_version is None) != (reported == 0):
         raise _broken(
             "newest_version is set once anything was reported",
             f"newest_version={r.newest_version}, reported={reported}",
         )
-    newest = max(map(attrgetter("max_version"), pending), default=None)
     if newest is not None and r.newest_version is not None and newest > r.newest_version:
         raise _broken(
             "newest_version is the newest reported version",
@@ -386,7 +401,7 @@ def _check_versions(r: Restored, shape: Shape, pending: list[TrajectoryMeta]) ->
         )
     if shape.max_staleness is not None and r.units:
         oldest = shape.initial_version + r.train_batch - shape.max_staleness
-        if min(u.min_version for u in r.units) < oldest:
+        if min(map(attrgetter("min_version"), r.units)) < oldest:
             raise _broken(
                 "pool units are within max_staleness", f"a unit's oldest version is below {oldest}"
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -11,7 +12,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from knitkit.admission import checks
-from knitkit.admission.pool import Unit
+from knitkit.admission.pool import COLUMNS, Rows, Unit
 from knitkit.admission.recent import Generation, RecentWindow
 from knitkit.admission.schedules import coefficients
 from knitkit.types import MultimodalRef, TrajectoryMeta, UnitKey
@@ -19,7 +20,7 @@ from knitkit.types import MultimodalRef, TrajectoryMeta, UnitKey
 if TYPE_CHECKING:
     from knitkit.admission.config import AdmissionConfig, ResolvedQuota
 
-FORMAT = 2
+FORMAT = 3
 """Version of the state layout; a state of another format is refused."""
 
 # NOTE [ Admission state ]: ``AdmissionController.state_dict()`` is plain data (ints, floats,
@@ -34,7 +35,13 @@ FORMAT = 2
 # (index, admitted counts, starting counts s_{i,0}, the trajectories each admitted mini-batch
 # took). Trajectories are stored as columns, one list per field (``encode_metas``): a million
 # pending trajectories encode and decode in one pass per column, with no per-row list, and a
-# column of the wrong type is found by one C-level pass before a slow one names the row.
+# column of the wrong type is found by one C-level pass before a slow one names the row. The
+# pool saves the fields a GRPO group's members share (``UNIT_COLUMNS``: prompt, source,
+# rollout step) once per unit beside its sequence number, and no ``accepted`` column
+# (``encode_pool``), so its groups are whole and accepted by construction, and 1M pending
+# trajectories in groups of 8 take 24 MB, not 48 MB;
+# a loaded pool stays columns until a unit is admitted (NOTE [ Restored pool kept as
+# columns ] in pool.py).
 # Resume invariant (property-tested): a controller restored from a state and fed the same
 # remaining reports admits exactly what the uninterrupted one admits. Loading checks every
 # field, then every invariant the running controller keeps (restore.py: ids pending once and
@@ -104,10 +111,7 @@ class AdmissionSnapshot:
                 "position": None if self.last is None else [self.last[0], self.last[1]],
                 "trajectories": encode_metas(() if self.last is None else self.last[2]),
             },
-            "pool": {
-                "seq": [u.seq for u in units],
-                "trajectories": encode_metas([t for u in units for t in u.trajectories]),
-            },
+            "pool": encode_pool(units, self.fingerprint["group_size"]),
             "open_groups": _blocks(self.groups),
             "recent": {
                 "previous": _generation(self.recent.previous),
@@ -183,11 +187,14 @@ def _short(value: object) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-COLUMNS = ("trajectory_id", "sample_id", "source", "rollout_step", "num_tokens", "min_version",
-           "max_version", "accepted")  # fmt: skip
-"""The columns of a trajectory block, in ``TrajectoryMeta``'s field order (multimodal apart)."""
+UNIT_COLUMNS = ("sample_id", "source", "rollout_step")
+"""The columns every member of a GRPO group shares: the pool saves them once per unit, so its
+groups are whole by construction."""
+POOL_COLUMNS = tuple(name for name in COLUMNS if name not in (*UNIT_COLUMNS, "accepted"))
+"""The columns the pool saves per trajectory: it holds accepted trajectories only, so it does
+not save ``accepted``."""
 
-_KINDS = {"trajectory_id": "id", "sample_id": "str", "source": "str", "rollout_step": "count",
+KINDS = {"trajectory_id": "id", "sample_id": "str", "source": "str", "rollout_step": "count",
           "num_tokens": "count", "min_version": "version", "max_version": "version",
           "accepted": "bool"}  # fmt: skip
 
@@ -195,32 +202,83 @@ _KINDS = {"trajectory_id": "id", "sample_id": "str", "source": "str", "rollout_s
 def encode_metas(metas: Sequence[TrajectoryMeta]) -> dict[str, list[Any]]:
     """Trajectories' metadata as one column per field (NOTE [ Admission state ]); multimodal
     references are sparse: ``[[row, [[owner, field, token_start, num_tokens, cost], ...]], ...]``."""
-    out: dict[str, list[Any]] = {name: list(map(attrgetter(name), metas)) for name in COLUMNS}
-    out["multimodal"] = [
-        [k, [[m.key.owner, m.key.field, m.token_start, m.num_tokens, m.cost] for m in refs]]
-        for k, refs in enumerate(map(attrgetter("multimodal"), metas))
-        if refs
+    return _encode({name: list(map(attrgetter(name), metas)) for name in COLUMNS})
+
+
+def encode_pool(units: Sequence[Unit], group_size: int) -> dict[str, Any]:
+    """The pool's units, in order: their sequence numbers and the columns a GRPO group shares
+    (``UNIT_COLUMNS``) one value per unit, ``POOL_COLUMNS`` per trajectory as ``encode_metas``
+    lays them out. Restored units lying back to back in one block are column slices of it,
+    not metadata (NOTE [ Restored pool kept as columns ])."""
+    runs: list[tuple[Rows, int, int] | list[TrajectoryMeta]] = []
+    for unit in units:
+        last = runs[-1] if runs else None
+        if unit.rows is None:
+            if isinstance(last, list):
+                last.extend(unit.trajectories)
+            else:
+                runs.append(list(unit.trajectories))
+        elif isinstance(last, tuple) and last[0] is unit.rows and last[2] == unit.start:
+            runs[-1] = (last[0], last[1], unit.start + unit.size)
+        else:
+            runs.append((unit.rows, unit.start, unit.start + unit.size))
+
+    def gather(name: str, every: int) -> list[Any]:
+        k = COLUMNS.index(name)
+        return list(
+            itertools.chain.from_iterable(
+                map(attrgetter(name), run[::every])
+                if isinstance(run, list)
+                else run[0].columns[k][run[1] : run[2] : every]
+                for run in runs
+            )
+        )
+
+    return {
+        "seq": list(map(attrgetter("seq"), units)),
+        **{name: gather(name, group_size) for name in UNIT_COLUMNS},
+        "trajectories": _encode({name: gather(name, 1) for name in POOL_COLUMNS}),
+    }
+
+
+def _encode(columns: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    out = {name: column for name, column in columns.items() if name != "multimodal"}
+    refs = columns["multimodal"]
+    out["multimodal"] = [  # compress: a C-level pass skips the rows without references
+        [k, [[m.key.owner, m.key.field, m.token_start, m.num_tokens, m.cost] for m in row]]
+        for k, row in itertools.compress(enumerate(refs), refs)
     ]
     return out
 
 
 def decode_metas(block: object, where: str) -> list[TrajectoryMeta]:
-    """Inverse of ``encode_metas``, checking every field (a fast pass over each column, then a
-    slow one that names the first bad row); ValueError names ``where``, the field and the row."""
+    """Inverse of ``encode_metas``, checking every field (``decode_rows``)."""
+    rows = decode_rows(block, where)
+    return list(rows.metas(0, len(rows.columns[0])))
+
+
+def decode_rows(block: object, where: str, shared: Mapping[str, list[Any]] | None = None) -> Rows:
+    """Inverse of ``encode_metas`` as columns, checking every field (a fast pass over each
+    column, then a slow one that names the first bad row); ValueError names ``where``, the
+    field and the row. ``shared``: columns read (and checked) elsewhere, one value per row,
+    which ``block`` does not hold (the pool's ``UNIT_COLUMNS``)."""
     if not isinstance(block, Mapping):
         raise ValueError(f"{where}: expected a mapping of trajectory columns, got {_short(block)}")
+    shared = shared or {}
     columns = []
     size = None
-    for name in (*COLUMNS, "multimodal"):
-        column = block.get(name)
+    for name in COLUMNS:
+        column = shared[name] if name in shared else block.get(name)
         if not isinstance(column, list):
             raise ValueError(f"{where}: {name}: expected a list, got {_short(column)}")
         if name != "multimodal":
             if size is not None and len(column) != size:
                 raise ValueError(f"{where}: {name} has {len(column)} rows, {COLUMNS[0]} {size}")
             size = len(column)
-            columns.append(checked(column, _KINDS[name], f"{where}: {name}"))
-    extra = sorted(set(block) - {*COLUMNS, "multimodal"})
+            columns.append(
+                column if name in shared else checked(column, KINDS[name], f"{where}: {name}")
+            )
+    extra = sorted(set(block) - set(COLUMNS).difference(shared))
     if extra:
         raise ValueError(f"{where}: unknown columns {extra}")
     multimodal: list[tuple[MultimodalRef, ...]] = [()] * (size or 0)
@@ -237,7 +295,7 @@ def decode_metas(block: object, where: str) -> list[TrajectoryMeta]:
         raise ValueError(
             f"{where}: row {k} ({ids[k]!r}): min_version {low[k]} > max_version {high[k]}"
         )
-    return list(map(TrajectoryMeta, *columns, multimodal))
+    return Rows((*columns, multimodal))
 
 
 def checked(column: list[Any], kind: str, where: str) -> list[Any]:

@@ -32,7 +32,7 @@ def test_pool_matches_a_naive_model(ops: list[Op]) -> None:
     for seq, (op, source, value) in enumerate(ops):
         if op == "push":
             meta = TrajectoryMeta(f"t{seq}", f"s{seq}", source, 0, 1, value, value + 1)
-            unit = Unit(seq, source, (meta,) * (1 + value % 2))
+            unit = Unit.of(seq, source, (meta,) * (1 + value % 2))
             pool.push(unit)
             model[source].append(unit)
         elif op == "take":
@@ -65,9 +65,9 @@ def test_no_call_sweeps_the_pool() -> None:
     backlog = 5000
     metas = [TrajectoryMeta(f"t{k}", f"s{k}", "A", 0, 1, 0, 0) for k in range(3 * backlog)]
     for seq in range(backlog):
-        pool.push(Unit(seq, "B", (metas[seq],)))
+        pool.push(Unit.of(seq, "B", (metas[seq],)))
     for seq in range(backlog, 3 * backlog):
-        pool.push(Unit(seq, "A", (metas[seq],)))
+        pool.push(Unit.of(seq, "A", (metas[seq],)))
         before = sum(len(b) for b in pool._buckets.values())
         pool.take({"A": 1})
         assert sum(len(b) for b in pool._buckets.values()) == before - 1 == backlog

@@ -228,11 +228,19 @@ def corrupt(state: dict[str, Any], path: tuple[Any, ...], value: object) -> dict
         (("seq",), 2.5, "seq=2.5"),
         (("minibatch",), 4, "minibatch=4: must be < num_minibatches"),
         (
-            ("pool", "trajectories", "rollout_step", 0),
+            ("pool", "trajectories", "num_tokens", 0),
             "0",
-            r"pool: trajectories: rollout_step\[0\]='0'",
+            r"pool: trajectories: num_tokens\[0\]='0'",
         ),
-        (("pool", "trajectories", "source"), ["a"], "source has 1 rows, trajectory_id 4"),
+        (("pool", "rollout_step", 1), "0", r"pool: rollout_step\[1\]='0'"),
+        (("pool", "source"), ["a"], "pool: source: expected a list of 2 entries"),
+        (("pool", "trajectories", "num_tokens"), [1], "num_tokens has 1 rows, trajectory_id 4"),
+        (("pool", "trajectories", "accepted"), [True] * 4, r"unknown columns \['accepted'\]"),
+        (
+            ("pool", "trajectories", "source"),
+            ["a"] * 4,
+            r"pool: trajectories: unknown columns \['source'\]",
+        ),
         (("open_groups", "sizes", 0), 0, r"open_groups: sizes \[0\] do not sum"),
         (("admitted",), [1, 2], "admitted: expected a mapping with keys"),
         (("recent", "current", "ids"), [3], "recent: current: ids: expected a list of strings"),
@@ -253,7 +261,8 @@ def damage(state: dict[str, Any], kind: str) -> None:
     """Break one invariant of ``mid_batch()``'s state (see DAMAGE)."""
     pool = state["pool"]["trajectories"]
     if kind == "a pool unit missing":
-        state["pool"]["seq"].pop(0)
+        for name in ("seq", "sample_id", "source", "rollout_step"):
+            state["pool"][name].pop(0)
         for name in pool:
             if name != "multimodal":
                 del pool[name][:2]
@@ -274,9 +283,7 @@ def damage(state: dict[str, Any], kind: str) -> None:
         state["stats"]["reported"] += 2
         state["completed_by_step"][0][1] += 2
     elif kind == "a group naming two prompts":
-        pool["sample_id"][1] = "another prompt"
-    elif kind == "a rejected trajectory in the pool":
-        pool["accepted"][0] = False
+        state["open_minibatches"]["trajectories"]["sample_id"][1] = "another prompt"
     elif kind == "pool out of completion order":
         state["pool"]["seq"][0] = state["seq"]
     elif kind == "last mini-batch elsewhere":
@@ -293,7 +300,6 @@ DAMAGE = {
     "counters that do not add up": "reported = admitted \\+ rejected",
     "admitted total off": "stats.admitted = train_batch x train_batch_size",
     "a group naming two prompts": "a GRPO group's members share source, sample_id",
-    "a rejected trajectory in the pool": "the pool holds accepted trajectories only",
     "pool out of completion order": "pool units are numbered below seq",
     "last mini-batch elsewhere": "last_minibatch is the last one admitted",
 }
@@ -364,6 +370,31 @@ def test_a_snapshot_keeps_the_state_it_was_taken_at() -> None:
     ctl.discard_pending()
     assert ctl.state_dict() != expected
     assert snapshot.state_dict() == expected
+
+
+def test_a_restored_pool_makes_metadata_only_for_the_units_it_admits() -> None:
+    """NOTE [ Restored pool kept as columns ]: a loaded pool keeps the state's columns; a unit
+    makes its ``TrajectoryMeta`` objects when admitted, the rest stay columns, and a state
+    taken after the load (slices of the columns) equals the saved one and the uninterrupted
+    controller's."""
+    first = controller(quotas=[], group_size=2, num_minibatches=2, max_staleness=3)
+    reports = [
+        TrajectoryMeta(f"t{i}", f"s{i // 2}", "ab"[i // 4 % 2], 0, 5, 0, 1) for i in range(40)
+    ]
+    for meta in reports:
+        first.report(meta)
+    saved = json.loads(json.dumps(first.state_dict()))
+    resumed = controller(quotas=[], group_size=2, num_minibatches=2, max_staleness=3)
+    resumed.load_state_dict(saved)
+    units = [u for queue in resumed._pool.queues() for u in queue]
+    assert len(units) == 20 and all(u.metas is None and u.rows is units[0].rows for u in units)
+    assert resumed.state_dict() == saved
+    taken, expected = resumed.next_minibatch(), first.next_minibatch()
+    assert (
+        taken is not None and expected is not None and taken.trajectories == expected.trajectories
+    )
+    assert sum(u.metas is not None for u in units) == 2  # the mini-batch's two groups
+    assert resumed.state_dict() == first.state_dict()
 
 
 def test_a_refused_report_leaves_the_whole_state_unchanged() -> None:
