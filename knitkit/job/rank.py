@@ -53,11 +53,12 @@ class RankHandle:
     rank (TP 0, last stage), creates the write-back ring to the driver. Nothing else is needed
     than the driver's ``RankSpec`` and where the rank sits (``RankCoords``).
 
-    A rank that leaves before the driver finished (``close()`` or an exception out of ``with``
-    before ``passes()`` ended, or its process exiting through Python) leaves its rings failed,
-    not waiting: its write-back ring (writer ranks) fails with the reason, so the driver fails
-    naming the group, and its reorganizers fail their rings naming it once they wait for it, so
-    its TP peers raise at once (NOTE [ Micro-batch publication protocol ], "Dead consumers").
+    A rank that leaves through an exception out of ``with`` or in the middle of a pass (or whose
+    process exits through Python without closing it) leaves its rings failed, not waiting: its
+    write-back ring (writer ranks) fails with the reason, so the driver fails naming the group,
+    and its reorganizers fail their rings naming it once they wait for it, so its TP peers raise
+    at once (NOTE [ Micro-batch publication protocol ], "Dead consumers"). Closing between passes
+    is a clean end: the driver may still drain what the rank finished.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -92,8 +93,6 @@ class RankHandle:
         self._current: PassWork | None = None
         self._totals: dict[str, float] = dict.fromkeys(_ITERATOR_FIGURES, 0.0)
         self._closed = False
-        self._finished = False
-        """The driver finished the schedule (``next_pass`` returned ``None``)."""
         waits = {
             "liveness_timeout_s": spec.liveness_timeout_s,
             "wait_timeout_s": spec.wait_timeout_s,
@@ -148,7 +147,6 @@ class RankHandle:
         except ReorganizerError as error:
             raise DriverFailedError(f"rank {self.coords.rank}: {error}") from None
         if record is None:
-            self._finished = True
             return None
         minibatch_id, name = str(record.header["mb"]), str(record.header["pass"])
         if "plan" in record.arrays:
@@ -173,19 +171,19 @@ class RankHandle:
 
     def close(self, reason: str = "") -> None:
         """Finish nothing more: detach from every ring. The writer ends its write-back ring: the
-        driver's collector stops after its last record once the driver finished, and fails the
-        job naming this rank and ``reason`` if it closes earlier. Idempotent."""
+        driver's collector stops after its last record, or fails the job naming this rank and
+        ``reason`` (an exception out of ``with``) or the pass it left unfinished. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self._current is not None and not self._current.finished:
+            where = f"pass {self._current.pass_.name!r} of {self._current.minibatch_id!r}"
+            reason = f"{reason}; in {where}" if reason else f"closed in {where}"
         if self._writeback is not None:
-            if self._finished:
-                self._writeback.finish()
+            if reason:
+                self._writeback.fail(f"rank {self.coords.rank} left: {reason}")
             else:
-                self._writeback.fail(
-                    f"rank {self.coords.rank} left before the driver finished "
-                    f"({reason or 'its handle was closed'})"
-                )
+                self._writeback.finish()
             self._writeback.close()
         for consumer in (self._data, self._units):
             if consumer is not None:
