@@ -25,7 +25,12 @@ one call megatron makes. Tested against megatron-core 0.16.1 (the line numbers b
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
 _installed = False
 
@@ -185,13 +190,21 @@ class SequenceParallelNorm(torch.nn.LayerNorm):
 
 def sequence_parallel_block_spec(qk_layernorm: bool = False) -> object:
     """``block_spec(num_layers)`` for megatron's local layer spec with ``SequenceParallelNorm`` norms."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return _sequence_parallel_blocks(
+        get_gpt_layer_local_spec(qk_layernorm=qk_layernorm), qk_layernorm
+    )
+
+
+def _sequence_parallel_blocks(layer: ModuleSpec, qk_layernorm: bool) -> object:
+    """``block_spec(num_layers)`` repeating ``layer`` with every norm a ``SequenceParallelNorm``
+    (the q/k norms too when ``qk_layernorm``, else identities)."""
     import dataclasses
 
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    layer = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
     attention = layer.submodules.self_attention
     norm_or_identity = SequenceParallelNorm if qk_layernorm else IdentityOp
     attention = dataclasses.replace(
@@ -270,27 +283,10 @@ def install_moe_shim() -> None:
 def moe_block_spec(num_experts: int) -> object:
     """``block_spec(num_layers)`` for megatron's local MoE layer spec with ``SequenceParallelNorm`` norms
     (megatron refuses MoE training at TP > 1 without sequence parallelism)."""
-    import dataclasses
-
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
-    layer = dataclasses.replace(
-        layer,
-        submodules=dataclasses.replace(
-            layer.submodules,
-            input_layernorm=SequenceParallelNorm,
-            pre_mlp_layernorm=SequenceParallelNorm,
-        ),
-    )
-
-    def block(num_layers: int) -> object:
-        return TransformerBlockSubmodules(
-            layer_specs=[layer] * num_layers, layer_norm=SequenceParallelNorm
-        )
-
-    return block
+    return _sequence_parallel_blocks(layer, qk_layernorm=False)
 
 
 def install_recompute_shim() -> None:
