@@ -13,6 +13,9 @@ when the engine is unavailable). The suite closes every backend it made. An opti
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -78,3 +81,15 @@ def local_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Un
         yield made
     finally:
         made.close()
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[str]:
+    """A private directory on /dev/shm's tmpfs: a sweep there sees the very segment and ring
+    files (rings hard-linked into it, and their locks) without touching anyone else's /dev/shm."""
+    path = f"/dev/shm/knitkit-test-{uuid.uuid4().hex}"
+    os.mkdir(path, 0o700)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

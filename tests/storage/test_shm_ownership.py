@@ -7,18 +7,15 @@ import base64
 import multiprocessing as mp
 import os
 import pickle
-import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from shm_processes import python, unshare_pid
 
 from knitkit.cli import main as knitkit_main
 from knitkit.storage.backends.lost import UnitsLostError
@@ -26,20 +23,8 @@ from knitkit.storage.backends.segments import pid_alive, segment_pid
 from knitkit.storage.backends.shm import SharedMemoryBackend
 from knitkit.types import UnitKey, UnitRead
 
-ROOT = Path(__file__).resolve().parents[2]
 KEY = UnitKey("t0", "tokens")
 WAIT_S = 120
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[str]:
-    """A private directory on /dev/shm's tmpfs (the file system the issue is about)."""
-    path = f"/dev/shm/knitkit-test-{uuid.uuid4().hex}"
-    os.mkdir(path, 0o700)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _owned(directory: str, pid: int) -> list[str]:
@@ -49,34 +34,6 @@ def _owned(directory: str, pid: int) -> list[str]:
 def _data(directory: str, pid: int) -> list[str]:
     """An owner's slabs and journal (its lock file aside)."""
     return [n for n in _owned(directory, pid) if not n.endswith("-lock")]
-
-
-def _python(code: str, *prefix: str, stdin: int | None = None) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        [*prefix, sys.executable, "-c", textwrap.dedent(code)],
-        stdin=subprocess.PIPE if stdin is None else stdin,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=str(ROOT),
-    )
-
-
-def _unshare_pid() -> list[str]:
-    """The command prefix that runs a process in a new pid namespace with its own /proc."""
-    prefix = ["unshare", "--pid", "--fork", "--mount-proc"]
-    try:
-        done = subprocess.run([*prefix, "true"], capture_output=True, timeout=WAIT_S)
-    except (FileNotFoundError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"no `unshare` to make a second pid namespace here: {exc}")
-    if done.returncode != 0:
-        pytest.skip(
-            "cannot create a pid namespace here (needs root or CAP_SYS_ADMIN): "
-            + done.stderr.decode().strip()
-        )
-    return prefix
 
 
 _SWEEP_AND_CLEAN = """
@@ -92,14 +49,14 @@ def test_a_sweep_in_another_pid_namespace_keeps_a_live_owners_segments(shm_dir: 
     """A backend started in a second pid namespace that shares /dev/shm (and ``knitkit
     shm-clean`` there) sees this process's pid as dead; it must still keep this live owner's
     slab, journal and lock, and new readers still read every unit."""
-    prefix = _unshare_pid()
+    prefix = unshare_pid()
     owner = SharedMemoryBackend(slab_bytes=1 << 16, directory=shm_dir)
     try:
         owner.put(KEY, np.arange(8, dtype=np.int32))
         before = _owned(shm_dir, os.getpid())
         assert len(_data(shm_dir, os.getpid())) == 2
         code = _SWEEP_AND_CLEAN.replace("sys.argv[1]", repr(shm_dir))
-        probe = _python(
+        probe = python(
             f"import os; print(os.path.exists('/proc/{os.getpid()}'))\n" + textwrap.dedent(code),
             *prefix,
         )
@@ -153,9 +110,9 @@ def test_an_owner_in_another_pid_namespace_is_kept_while_it_lives(shm_dir: str, 
     """An owner running in a second pid namespace under a pid that is dead in ours: our sweep
     and ``knitkit shm-clean`` keep its segments while it lives (we read its units meanwhile);
     after it closes nothing is left, and after a SIGKILL our sweep removes what it left."""
-    prefix = _unshare_pid()
+    prefix = unshare_pid()
     target = _dead_pid_here()
-    inner = _python(_OWNER_AT_PID.format(target=target, directory=shm_dir), *prefix)
+    inner = python(_OWNER_AT_PID.format(target=target, directory=shm_dir), *prefix)
     try:
         assert inner.stdout is not None and inner.stdin is not None
         line = inner.stdout.readline().split()
@@ -295,7 +252,7 @@ def test_a_forked_child_that_exits_leaves_its_parents_store_alone(
     it exits normally (its finalizers run) or closes its copy, the parent's slabs, journal and
     lock stay: the parent keeps writing and reading; clean-up runs only in the owner."""
     code = _FORK_THEN_EXIT.format(directory=str(tmp_path), explicit_close=explicit_close)
-    run = _python(code, stdin=subprocess.DEVNULL)
+    run = python(code, stdin=subprocess.DEVNULL)
     out, err = run.communicate(timeout=WAIT_S)
     assert run.returncode == 0 and out.strip() == "ok", err
     assert os.listdir(tmp_path) == []  # the owner's own exit cleaned up
@@ -386,7 +343,7 @@ def test_the_sweep_never_removes_a_live_owner_in_this_namespace(tmp_path: Path) 
 def test_an_owner_ended_by_sigterm_is_swept(tmp_path: Path) -> None:
     """SIGTERM with its default action runs no Python code: the owner lock dies with the
     process and the next sweep removes everything it left."""
-    process = _python(
+    process = python(
         f"""
         import sys, numpy as np
         from knitkit.storage.backends.shm import SharedMemoryBackend

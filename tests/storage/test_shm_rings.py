@@ -5,16 +5,9 @@ items 10, 11, 14)."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
-import sys
-import textwrap
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
+from shm_processes import python, unshare_pid
 
 from knitkit.storage.backends.shm import SharedMemoryBackend
 from knitkit.storage.delivery.publication import Publisher
@@ -22,47 +15,7 @@ from knitkit.storage.delivery.reorganizer_process import ReorganizerProcess
 from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing, unlink_ring
 from knitkit.types import MicroBatchLayout
 
-ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 120
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[str]:
-    """A private directory on /dev/shm's tmpfs: rings are hard-linked into it, so a sweep there
-    sees the very ring files (and their locks) without touching anyone else's /dev/shm."""
-    path = f"/dev/shm/knitkit-test-{uuid.uuid4().hex}"
-    os.mkdir(path, 0o700)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _python(code: str, *prefix: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [*prefix, sys.executable, "-c", textwrap.dedent(code)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        cwd=str(ROOT),
-    )
-
-
-def _unshare_pid() -> list[str]:
-    """The command prefix that runs a process in a new pid namespace with its own /proc."""
-    prefix = ["unshare", "--pid", "--fork", "--mount-proc"]
-    try:
-        done = subprocess.run([*prefix, "true"], capture_output=True, timeout=WAIT_S)
-    except (FileNotFoundError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"no `unshare` to make a second pid namespace here: {exc}")
-    if done.returncode != 0:
-        pytest.skip(
-            "cannot create a pid namespace here (needs root or CAP_SYS_ADMIN): "
-            + done.stderr.decode().strip()
-        )
-    return prefix
 
 
 _RING_OWNER = """
@@ -78,15 +31,15 @@ def test_a_live_ring_survives_other_namespaces_and_a_killed_ones_is_swept(shm_di
     """A ring whose owner lives is kept by ``knitkit shm-clean`` run in a second pid namespace
     (where the owner's pid means nothing); once its owner is SIGKILLed (nothing of it ran), the
     next job's start-up sweep (a ``SharedMemoryBackend``) removes it."""
-    prefix = _unshare_pid()
-    owner = _python(_RING_OWNER)
+    prefix = unshare_pid()
+    owner = python(_RING_OWNER)
     name = ""
     try:
         assert owner.stdout is not None
         name = owner.stdout.readline().strip()
         assert name, owner.stderr.read() if owner.stderr else ""
         os.link(f"/dev/shm/{name}", os.path.join(shm_dir, name))
-        clean = _python(
+        clean = python(
             f"from knitkit.cli import main; main(['shm-clean', '--directory', {shm_dir!r}])",
             *prefix,
         )
@@ -129,12 +82,12 @@ def test_a_consumer_in_another_pid_namespace_sees_its_producer_alive() -> None:
     """A rank in a container sharing /dev/shm (``--ipc=host``) but not pids: its waits outlast
     several liveness checks without a false ``ReorganizerDiedError`` (the producer's pid is not
     visible there), and it reads what the producer publishes next."""
-    prefix = _unshare_pid()
+    prefix = unshare_pid()
     spec = RingSpec.new(num_slots=2, slot_bytes=4096, num_consumers=1)
     owner = SlotRing.create(spec)
     publisher = Publisher(SlotRing.attach(spec))
     publisher.start()
-    far = _python(_FAR_CONSUMER.format(name=spec.name), *prefix)
+    far = python(_FAR_CONSUMER.format(name=spec.name), *prefix)
     try:
         assert far.stdout is not None and far.stdin is not None
         assert far.stdout.readline().strip() == "waited", far.communicate(timeout=WAIT_S)
