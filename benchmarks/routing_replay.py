@@ -54,7 +54,7 @@ from knitkit.storage import (
     TrajectoryStore,
     plan_minibatch,
 )
-from knitkit.storage.baselines import RankPosition, read_share
+from knitkit.storage.baselines import LocalTrajectories, RankPosition, read_share
 from knitkit.storage.planning import pack_into, pack_layout
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
@@ -122,16 +122,7 @@ def _sample_level_rank(backend: MemoryBackend, plan: Any, rank: RankPosition) ->
     """The rank's DP share read whole (every token, every layer), then its micro-batches packed."""
     before = backend.bytes_read
     local = read_share(backend, plan, rank)
-    group = plan.consumer(rank.dp, rank.cp)
-    taken = 0
-    for mb in group.micro_batches:
-        schema = local.schema(mb)
-        layout = pack_layout(mb, schema)
-        buffer = np.empty(layout.nbytes, np.uint8)
-        views = pack_into(mb, layout, buffer, local.read_into)
-        rows = stage_rows(torch.from_numpy(views["routing"]), rank.tp, TP)[:, : LAYERS // PP]
-        taken += rows.contiguous().numel()
-    return {"read": backend.bytes_read - before, "consumed": taken}
+    return {"read": backend.bytes_read - before, "consumed": _take_from_share(local, plan, rank)}
 
 
 def _tq_rank(config: Any, plan: Any, rank: RankPosition) -> dict[str, int]:
@@ -140,17 +131,23 @@ def _tq_rank(config: Any, plan: Any, rank: RankPosition) -> dict[str, int]:
 
     client = TransferQueueConnection(config).client()
     local, moved = read_share_tq(client, plan, rank, "routing")
+    taken = _take_from_share(local, plan, rank)
+    client.close()
+    return {"read": moved, "consumed": taken}
+
+
+def _take_from_share(local: LocalTrajectories, plan: Any, rank: RankPosition) -> int:
+    """Pack the rank's micro-batches from its DP share read whole (``local``),
+    one buffer each, and take its rows of stage 0; the elements taken."""
     group = plan.consumer(rank.dp, rank.cp)
     taken = 0
     for mb in group.micro_batches:
-        schema = local.schema(mb)
-        layout = pack_layout(mb, schema)
+        layout = pack_layout(mb, local.schema(mb))
         buffer = np.empty(layout.nbytes, np.uint8)
         views = pack_into(mb, layout, buffer, local.read_into)
         rows = stage_rows(torch.from_numpy(views["routing"]), rank.tp, TP)[:, : LAYERS // PP]
         taken += rows.contiguous().numel()
-    client.close()
-    return {"read": moved, "consumed": taken}
+    return taken
 
 
 def _measure(method: str, source: Any, plans: list[Any], out: Any) -> None:
