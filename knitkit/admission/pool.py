@@ -17,7 +17,7 @@ COLUMNS = ("trajectory_id", "sample_id", "source", "rollout_step", "num_tokens",
 """``TrajectoryMeta``'s fields, in its order: the columns of ``Rows`` and of a saved state."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Rows:
     """Trajectory metadata as checked columns (one list per field of ``COLUMNS``, multimodal as
     a tuple per row), as a saved state's pool is restored: rows become ``TrajectoryMeta``

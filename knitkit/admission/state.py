@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import operator
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
@@ -210,29 +210,34 @@ def encode_pool(units: Sequence[Unit], group_size: int) -> dict[str, Any]:
     (``UNIT_COLUMNS``) one value per unit, ``POOL_COLUMNS`` per trajectory as ``encode_metas``
     lays them out. Restored units lying back to back in one block are column slices of it,
     not metadata (NOTE [ Restored pool kept as columns ])."""
-    runs: list[tuple[Rows, int, int] | list[TrajectoryMeta]] = []
-    for unit in units:
-        last = runs[-1] if runs else None
-        if unit.rows is None:
-            if isinstance(last, list):
-                last.extend(unit.trajectories)
-            else:
-                runs.append(list(unit.trajectories))
-        elif isinstance(last, tuple) and last[0] is unit.rows and last[2] == unit.start:
-            runs[-1] = (last[0], last[1], unit.start + unit.size)
-        else:
-            runs.append((unit.rows, unit.start, unit.start + unit.size))
+    # Runs of units on one restored block (or on none), each as C-level passes over its units:
+    # the block's row numbers (one slice where they lie back to back), or the units' metadata.
+    runs: list[tuple[Rows, list[int] | slice] | list[TrajectoryMeta]] = []
+    for rows, run in itertools.groupby(units, attrgetter("rows")):
+        members = list(run)
+        if rows is None:
+            runs.append(
+                list(itertools.chain.from_iterable(map(attrgetter("trajectories"), members)))
+            )
+            continue
+        starts = list(map(attrgetter("start"), members))
+        stops = list(map(operator.add, starts, map(attrgetter("size"), members)))
+        index = list(itertools.chain.from_iterable(map(range, starts, stops)))
+        whole = index == list(range(starts[0], stops[-1]))
+        runs.append((rows, slice(starts[0], stops[-1]) if whole else index))
 
     def gather(name: str, every: int) -> list[Any]:
         k = COLUMNS.index(name)
-        return list(
-            itertools.chain.from_iterable(
-                map(attrgetter(name), run[::every])
-                if isinstance(run, list)
-                else run[0].columns[k][run[1] : run[2] : every]
-                for run in runs
-            )
-        )
+
+        def part(run: tuple[Rows, list[int] | slice] | list[TrajectoryMeta]) -> Iterable[Any]:
+            if isinstance(run, list):
+                return map(attrgetter(name), run[::every])
+            column, where = run[0].columns[k], run[1]
+            if isinstance(where, slice):
+                return column[where.start : where.stop : every]
+            return map(column.__getitem__, where[::every])
+
+        return list(itertools.chain.from_iterable(map(part, runs)))
 
     return {
         "seq": list(map(attrgetter("seq"), units)),

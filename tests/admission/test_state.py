@@ -64,6 +64,7 @@ def setups(draw: st.DrawFn) -> Setup:
     rng = draw(st.randoms(use_true_random=False))
     events: list[Event] = []
     open_groups: list[tuple[str, str, int, int]] = []  # source, sample, step, members left
+    discarded: set[tuple[str, str, int]] = set()
     step = version = serial = 0
     for _ in range(draw(st.integers(0, 120))):
         roll = rng.random()
@@ -73,14 +74,19 @@ def setups(draw: st.DrawFn) -> Setup:
             events.append(("issue", step, rng.randrange(4 * batch)))
         elif roll < 0.07:
             events.append(("discard",))
-            open_groups.clear()  # the controller drops incomplete groups too
+            # The controller drops incomplete groups too, and discards their late members:
+            # a new group never reuses a discarded one's prompt at its rollout step.
+            discarded |= {g[:3] for g in open_groups}
+            open_groups.clear()
         elif roll < 0.25:
             events.append(("admit",))
         else:
             if not open_groups or rng.random() < 0.3:
                 sample = str(rng.randrange(6))  # ids repeat across sources and steps
                 source = rng.choice(sources)
-                if any(g[0] == source and g[1] == sample for g in open_groups):
+                if (source, sample, step) in discarded or any(
+                    g[0] == source and g[1] == sample for g in open_groups
+                ):
                     continue
                 open_groups.append((source, sample, step, group))
             k = rng.randrange(len(open_groups))
