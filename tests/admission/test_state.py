@@ -18,6 +18,8 @@ from knitkit.admission import (
     SourceQuota,
     build_controller,
 )
+from knitkit.admission.pool import Unit
+from knitkit.admission.state import encode_pool
 from knitkit.types import MultimodalRef, TrajectoryMeta, UnitKey
 
 Event = tuple[Any, ...]
@@ -401,6 +403,12 @@ def test_a_restored_pool_makes_metadata_only_for_the_units_it_admits() -> None:
     )
     assert sum(u.metas is not None for u in units) == 2  # the mini-batch's two groups
     assert resumed.state_dict() == first.state_dict()
+    # A pool with a gap in its block (as an expiry leaves), partly of units made from metadata,
+    # encodes as the same units made from metadata do.
+    kept = [u for u in units if u.metas is None]
+    del kept[3]
+    made = [Unit.of(u.seq, u.source, u.trajectories) for u in kept]
+    assert encode_pool(kept, 2) == encode_pool(made, 2) == encode_pool(kept[:9] + made[9:], 2)
 
 
 def test_a_refused_report_leaves_the_whole_state_unchanged() -> None:
