@@ -171,6 +171,11 @@ class MegatronPass:
         return self.work.pass_.forward_only
 
     @property
+    def records_routing(self) -> bool:
+        """Whether this pass writes ``routing`` (it records the routers' choices, not replays)."""
+        return any(o.name == ROUTING_FIELD for o in self.pass_.writes)
+
+    @property
     def num_micro_batches(self) -> int:
         return self.work.num_micro_batches
 
@@ -203,7 +208,7 @@ class MegatronPass:
         replay = self._rank.routing
         if replay is None:
             return forward_step
-        if any(o.name == ROUTING_FIELD for o in self.pass_.writes):
+        if self.records_routing:
             return replay.recording(forward_step)
         return replay.replaying(forward_step)
 
@@ -212,7 +217,7 @@ class MegatronPass:
         every rank of the pass calls it; the group's writer sends). ``replay`` is the one that
         recorded (default: the rank's; another model's, e.g. a rollout policy's, works too)."""
         replay = replay or self._rank.routing
-        if replay is None or not any(o.name == ROUTING_FIELD for o in self.pass_.writes):
+        if replay is None or not self.records_routing:
             raise ValueError(
                 f"pass {self.pass_.name!r} records no routing; give MegatronRank(routing=...) and "
                 f"Output({ROUTING_FIELD!r}, 'uint8', (layers, topk)) in the pass's writes"
