@@ -21,7 +21,8 @@ class DriverNotFoundError(JobError, FileNotFoundError):
 
 
 class RankFailedError(JobError):
-    """Driver: a rank raised inside a pass (its traceback travels here) or its process died."""
+    """Driver: a writer rank raised inside a pass (its traceback travels here), died, or left
+    through an exception or mid-pass; or no rank attached to a group within ``attach_timeout_s``."""
 
 
 class ReorganizerFailedError(JobError):
