@@ -121,9 +121,8 @@ def build_trajectory(
     verl resume a partial rollout after a weight update) and ``EnvironmentTokens`` between turns.
     Per-token fields: ``tokens`` int32, ``loss_mask`` uint8 (1 on generated tokens), ``logprobs``
     float32 (0 elsewhere), for MoE models ``routing`` ``[seq, layers, topk]`` (``routing_dtype``)
-    and, for Qwen-VL
-    requests with grids, ``mrope_position_ids`` ``[seq, 3]`` (computed once here, never on the
-    trainer).
+    and, for Qwen-VL requests with grids, ``mrope_position_ids`` ``[seq, 3]`` (computed once
+    here, never on the trainer).
     """
     tid = request.trajectory_id
     outputs = _check_order(tid, segments)
