@@ -88,13 +88,10 @@ class UnitJournal:
         return self.extend([record])[0]
 
     def extend(self, records: Iterable[Record]) -> list[int]:
-        """Append records with a single write (a reader may see a prefix of them: it replays
-        only complete records); returns each one's size in bytes."""
+        """Append records in one write (a reader may see a prefix of them: it replays only
+        complete records); returns each one's size in bytes."""
         blobs = [_encode(r) for r in records]
-        data = memoryview(b"".join(blobs))
-        fd = self._require_fd()
-        while data:
-            data = data[os.write(fd, data) :]
+        _write_all(self._require_fd(), b"".join(blobs))
         return [len(b) for b in blobs]
 
     def rewrite(self, snapshot: Iterable[Record]) -> list[int]:
@@ -107,7 +104,7 @@ class UnitJournal:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND
         fd = os.open(self.path, flags, 0o600)
         try:
-            os.write(fd, b"".join((_encode((RESET,)), *blobs)))
+            _write_all(fd, b"".join((_encode((RESET,)), *blobs)))
         except BaseException:
             os.close(fd)
             os.unlink(self.path)
@@ -191,6 +188,14 @@ class UnitJournal:
         if self._fd is None:
             raise ValueError(f"journal {self.path} is closed")
         return self._fd
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte is written (a regular file takes it in one call, save on a
+    signal or a full disk)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _encode(record: Record) -> bytes:
