@@ -41,7 +41,9 @@ class Rows:
 # size), and keeps it. Every check on load still covers every row (restore.py reads the
 # columns, vectorised where the pool is large). A snapshot encodes a run of restored units
 # lying back to back in one block as slices of its columns, so a resumed job's next
-# checkpoint is as cheap as the load and materialises nothing.
+# checkpoint is as cheap as the load and materialises nothing. At 1M pending in groups of 8
+# (``benchmarks/checkpoint.py --admission-only``) the load, JSON parse included, takes
+# 0.72-0.78 s of CPU, of which the parse 0.24, the id set 0.12, the column checks 0.11.
 @dataclass(slots=True, eq=False)
 class Unit:
     """What admission moves atomically: one trajectory, or a whole GRPO group when groups are
