@@ -119,10 +119,10 @@ def print_report(figures: dict[str, Any], replay_policies: list[str]) -> None:
 
 def plot_report(figures: dict[str, Any], live: PipelineResult, path: Path) -> None:
     """Write ``report_figure`` as a PNG."""
-    import matplotlib.pyplot as plt
-
     fig = report_figure(figures, live)
     fig.savefig(path, dpi=100)
+    import matplotlib.pyplot as plt  # after report_figure chose the Agg backend
+
     plt.close(fig)
 
 
