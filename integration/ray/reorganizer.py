@@ -24,8 +24,9 @@ from knitkit.storage.delivery import ReorganizerHost
 # for it): `stop` sets the ring's STOP word and the blocked producer gives up; `close` also
 # waits for a running `deliver` to return before it unmaps anything. A failing `deliver` writes
 # FAILED and the reason to the ring before re-raising (ReorganizerHost), so consumers raise
-# instead of waiting. If the actor process dies (node loss, `ray.kill`), consumers see its pid
-# gone within their liveness timeout and raise (or follow the actor a job's driver restarts on
+# instead of waiting. If the actor process dies (node loss, `ray.kill`), consumers see its
+# producer lock on the ring free (NOTE [ Ring role locks ] in knitkit/storage/delivery/slot_ring.py)
+# within their liveness timeout and raise (or follow the actor a job's driver restarts on
 # a successor ring: NOTE [ Reorganizer restart ] in knitkit/job/recovery.py); the segment is
 # unlinked by the actor process's multiprocessing resource tracker.
 
