@@ -404,14 +404,15 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
         """Raise ``ReorganizerDiedError`` once the producer is gone (its role lock is free: NOTE
         [ Ring role locks ] in slot_ring.py), never started, or made no progress."""
         ring, producer = self._ring, self.producer
-        pid = ring.producer_pid  # a hint for people: it means nothing in another pid namespace
+        pid = abs(ring.producer_pid)  # a hint for people: it means nothing in another pid namespace
         where = f"{producer.name} of ring {ring.spec.name!r} (pid {pid or 'unknown'})"
         now = time.monotonic()
         if state == STARTING:
-            if not ring.owner_alive or now > self._startup_deadline:
+            if ring.exited_before_start or not ring.owner_alive or now > self._startup_deadline:
                 raise ReorganizerDiedError(
-                    f"{where} never started (its ring's owner is gone, or the start-up timeout "
-                    f"passed); check its process for an error at start-up; {producer.remedy}"
+                    f"{where} never started (its process exited at start-up, its ring's owner "
+                    "is gone, or the start-up timeout passed); check its process for an error at "
+                    f"start-up; {producer.remedy}"
                 )
             return
         if not ring.producer_alive:

@@ -19,6 +19,7 @@ from knitkit.storage.delivery.reorganizer import ReorganizerHost
 from knitkit.storage.delivery.sigterm import sigterm_exits
 from knitkit.storage.delivery.slot_ring import (
     DONE,
+    STARTING,
     ConsumerDiedError,
     RingClosedError,
     RingSpec,
@@ -168,7 +169,7 @@ class ReorganizerProcess:
         (a failed read, a consumer that died holding a slot) did not just die: ``failure()``."""
         if not self._finalizer.in_owner or self.ring.failed:
             return False
-        code = self._process.exitcode
+        code = self._exit_code()
         return code is not None and not (code == 0 and self.ring.state == DONE)
 
     def failure(self) -> str | None:
@@ -179,10 +180,20 @@ class ReorganizerProcess:
         a consumer to hit the error."""
         if self.ring.failed:
             return self.ring.error()
-        code = self._process.exitcode if self._finalizer.in_owner else None
+        code = self._exit_code() if self._finalizer.in_owner else None
         if code is not None and not (code == 0 and self.ring.state == DONE):
             return f"reorganizer process pid {self.pid} exited with code {code}"
         return None
+
+    def _exit_code(self) -> int | None:
+        """The child's exit code (``None`` while it runs). A child that exited before it took the
+        producer's role lock leaves its ring STARTING, which no lock can tell from a slow start:
+        the launcher, the one process that sees the exit, says so in the ring (NOTE [ Ring role
+        locks ] in slot_ring.py), so consumers waiting for it stop at once."""
+        code = self._process.exitcode
+        if code is not None and self.ring.state == STARTING and not self.ring.producer_alive:
+            self.ring.mark_exited_before_start()
+        return code
 
     def submit(self, minibatch_id: str, plan: ConsumerPlan | EncoderRankPlan) -> None:
         """Queue one mini-batch's assignment; its micro-batches follow the previous ones'."""

@@ -48,7 +48,10 @@ from knitkit.types import MicroBatchLayout
 # never a false death. Nobody unlocks explicitly (a fork sharing the open file description would
 # unlock its parent's role): a role ends when its descriptor closes. The pid words stay as hints
 # for people and to say how a consumer left (NOTE [ Micro-batch publication protocol ], "Dead
-# consumers").
+# consumers"). One gap no lock closes: a producer that dies before it takes byte 1 leaves the
+# ring STARTING, the same as a slow start. Its launcher (the owner, who sees the child's exit
+# code) then stores the negated pid in the producer-pid word (`mark_exited_before_start`), and a
+# consumer waiting on a STARTING ring counts that as a death at once, not at its start-up bound.
 #
 # A ring appears complete or not at all: its owner creates an unnamed file in /dev/shm
 # (O_TMPFILE), locks byte 0, sizes and reserves it, writes the control block and MAGIC, and only
@@ -324,6 +327,16 @@ class SlotRing:
 
     def set_producer_pid(self, pid: int) -> None:
         self.words[_PRODUCER_PID_W] = pid
+
+    @property
+    def exited_before_start(self) -> bool:
+        """Whether the launcher saw the producer exit before it started (NOTE [ Ring role locks ])."""
+        return self.producer_pid < 0
+
+    def mark_exited_before_start(self) -> None:
+        """Launcher: its producer process exited before taking its role lock."""
+        self.words[_PRODUCER_PID_W] = -abs(self.producer_pid)
+        self._notify()
 
     @property
     def owner_pid(self) -> int:
