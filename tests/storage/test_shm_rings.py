@@ -9,6 +9,7 @@ import signal
 
 from shm_processes import python, unshare_pid
 
+from knitkit.storage.backends.segments import sweep_dead_segments
 from knitkit.storage.backends.shm import SharedMemoryBackend
 from knitkit.storage.delivery.publication import Publisher
 from knitkit.storage.delivery.reorganizer_process import ReorganizerProcess
@@ -123,3 +124,16 @@ def test_a_reorganizer_process_leaves_no_named_semaphores() -> None:
         assert reorganizer.finish(WAIT_S)
         assert _named_semaphores() == before
     backend.close()
+
+
+def test_a_lock_free_ring_is_kept_while_its_pid_lives_here(shm_dir: str) -> None:
+    """A ring of a knitkit before role locks holds no lock while its owner runs: the sweep keeps
+    a lock-free ring whose pid is alive in this namespace and removes one whose pid is dead."""
+    exited = python("pass")
+    exited.wait(WAIT_S)
+    live, dead = f"knitkit_{os.getpid()}_0a1b2c3d", f"knitkit_{exited.pid}_0a1b2c3d"
+    for name in (live, dead):
+        with open(os.path.join(shm_dir, name), "wb") as ring_file:
+            ring_file.write(bytes(4096))
+    sweep_dead_segments(shm_dir)
+    assert sorted(os.listdir(shm_dir)) == [live]

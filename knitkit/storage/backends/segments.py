@@ -13,7 +13,10 @@ finalizers, SIGINT, SIGTERM); only SIGKILL (or a crash in C) leaves them behind,
   a group without a lock file (written by a knitkit before owner locks) goes only when its pid
   is dead in this namespace, as before;
 - slot rings: a ring ``knitkit_<pid>_<hex>`` goes once its owner's byte lock on the ring file
-  itself can be taken (NOTE [ Ring role locks ]), in whatever namespace the owner ran;
+  itself can be taken (NOTE [ Ring role locks ]), in whatever namespace the owner ran, unless its
+  pid is alive in this namespace: a ring of a knitkit before role locks holds no lock while its
+  owner lives, and a lock-free ring whose pid lives here cannot be told from one (it waits for
+  a later sweep; a dead owner's pid is rarely reused at once);
 - nothing else: names that are not knitkit's, other users' files, anything that is not a regular
   file (a directory named like a segment is skipped, never a reason to fail).
 A shared-memory backend sweeps its directory at start-up (rings included), and so does the first
@@ -261,9 +264,10 @@ def _sweep_group(
 
 
 def _sweep_ring(directory: str, name: str, dry_run: bool, report: SweepReport) -> None:
-    """A slot ring: removed while holding its owner's byte lock (its owner is gone)."""
+    """A slot ring: removed while holding its owner's byte lock (its owner is gone), unless its
+    pid is alive here (NOTE [ Segment names ]: it may be a lock-less ring of an older knitkit)."""
     path = os.path.join(directory, name)
-    if not _regular_and_mine(path, report):
+    if pid_alive(segment_pid(name) or 0) or not _regular_and_mine(path, report):
         return
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
