@@ -77,7 +77,7 @@ def test_sample_level_thread_prepares_exactly_depth_ahead(transfer: ModuleType, 
         packed=[Arena() for _ in range(depth + 1)],
     )
     images = SimpleNamespace(share=lambda local: None)
-    prefetch = transfer._SampleLevelPrefetch(rank, images, depth)
+    prefetch = transfer._SampleLevelPrefetch(rank, images, None, depth)
     prefetch.next()  # the loop holds micro-batch 0
     _wait_until(lambda: prefetch._ready.qsize() >= depth and prefetch._credits._value == 0)
     assert prefetch._ready.qsize() == depth  # blocked for a buffer: no more than depth ahead
@@ -152,7 +152,7 @@ def test_knitkit_delivery_counts_the_cpu_of_every_knitkit_process(transfer: Modu
     cpu |= {f"rank.{transfer.rank_name(r)}": 0.5 for r in transfer.RANKS}
     compute_s = 0.3  # each rank's compute over the phase: not the data path's
     records = {p.name: transfer._PhaseRecord([1.0] * steps, dict(cpu)) for p in phases}
-    reads = {"sample_level": {"fields": 1, "image": 1}}
+    reads = {m: {"fields": 1, "image": 1} for m in ("sample_level", "sample_level_bcast")}
     got = [
         (rank, {p.name: ([0.01] * steps, compute_s) for p in phases}, reads)
         for rank in transfer.RANKS
