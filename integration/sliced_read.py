@@ -1,7 +1,7 @@
 """Sliced-read throughput of the engine backends (Ray, Mooncake) against a ceiling moving the same bytes.
 
 ``python -m knitkit.integration.sliced_read [--quick] [--json PATH]`` prints the table;
-``benchmarks/transfer.py`` calls ``measure(engine, quick)`` for its
+``benchmarks/transfer.py`` calls ``measure_engines(engines, quick)`` for its
 ``sliced_read.<engine>.fraction_of_ceiling`` keys (against a memcpy of the same bytes, as for
 every other backend; plus Mooncake's ``fraction_of_ceiling_over_transport``,
 ``fraction_of_whole_unit_transport`` and ``fraction_of_transport``).
@@ -10,6 +10,7 @@ every other backend; plus Mooncake's ``fraction_of_ceiling_over_transport``,
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import statistics
@@ -132,6 +133,43 @@ def measure(engine: str, quick: bool = False) -> dict[str, float]:
     raise ValueError(f"unknown engine {engine!r}; choose 'ray' or 'mooncake'")
 
 
+ENGINE_MODULES = {"ray": ("ray",), "mooncake": ("mooncake.engine", "mooncake.store")}
+"""The modules each engine's backend loads; an engine whose modules do not import is skipped."""
+
+
+def unavailable(engine: str) -> str | None:
+    """Why ``engine`` cannot run here (its wheel or a system library it links is missing), or
+    ``None`` when its modules load."""
+    for module in ENGINE_MODULES[engine]:
+        try:
+            importlib.import_module(module)
+        except (ImportError, OSError) as error:
+            return (
+                f"{engine} cannot load ({module}: {error}); install it (./dev.sh test installs "
+                "the engines and, as root, the system libraries they link)"
+            )
+    return None
+
+
+def measure_engines(
+    engines: list[str], quick: bool = False
+) -> tuple[dict[str, float], dict[str, str]]:
+    """The figures of every engine in ``engines`` that loads, and for each one that does not,
+    ``sliced_read.<engine>.skipped``: the reason (said on stdout too)."""
+    figures: dict[str, float] = {}
+    skipped: dict[str, str] = {}
+    for engine in engines:
+        if engine not in ENGINE_MODULES:
+            raise ValueError(f"unknown engine {engine!r}; choose from {sorted(ENGINE_MODULES)}")
+        reason = unavailable(engine)
+        if reason is None:
+            figures.update(measure(engine, quick))
+        else:
+            skipped[f"sliced_read.{engine}.skipped"] = reason
+            print(f"sliced reads on {engine}: skipped, {reason}", flush=True)
+    return figures, skipped
+
+
 def _store_units(
     backend: UnitBackend, num_units: int, tokens: int, prefix: str = "sliced-read"
 ) -> tuple[list[UnitKey], list[np.ndarray]]:
@@ -218,13 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the figures as one flat JSON object")
     parser.add_argument("--engines", nargs="+", default=["ray", "mooncake"])
     args = parser.parse_args(argv)
-    figures = {k: v for engine in args.engines for k, v in measure(engine, args.quick).items()}
+    figures, skipped = measure_engines(args.engines, args.quick)
     print(f"{'figure':<56} {'value':>8}")
     for name, value in figures.items():
         print(f"{name:<56} {value:>8.2f}")
     if args.json:
         with open(args.json, "w") as out:
-            json.dump(figures, out, indent=1)
+            json.dump({**figures, **skipped}, out, indent=1)
     return 0
 
 
