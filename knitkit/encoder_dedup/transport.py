@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -182,20 +183,15 @@ def _wait(
 ) -> None:
     """Wait for ``works`` (``owners[i]``: the peers of work ``i``), within ``timeout_s`` if given.
 
-    Works on CUDA tensors (NCCL) complete on the GPU and ``wait`` does not block the host, so they
-    are polled (``is_completed`` queries their CUDA event); gloo's point-to-point works on the CPU
-    complete only inside ``wait``, which takes the bound itself. See NOTE [ Rows travel point to
-    point ].
+    Works on CUDA tensors (NCCL) complete on the GPU and ``wait`` does not block the host, so the
+    host sleeps on their completion event (see NOTE [ Host waits for GPU exchanges ]); gloo's
+    point-to-point works on the CPU complete only inside ``wait``, which takes the bound itself.
+    See NOTE [ Rows travel point to point ].
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    if polled and deadline is not None:
-        pause = 1e-4
-        while not all(work.is_completed() for work in works):
-            if time.monotonic() > deadline:
-                late = [o for w, o in zip(works, owners, strict=True) if not w.is_completed()]
-                raise _timeout(late, timeout_s, exact)
-            time.sleep(pause)
-            pause = min(2 * pause, 0.05)
+    if polled and timeout_s is not None and not _completed_within(works, timeout_s):
+        late = [o for w, o in zip(works, owners, strict=True) if not w.is_completed()]
+        raise _timeout(late, timeout_s, exact)
     late = []
     for work, owner in zip(works, owners, strict=True):
         try:
@@ -211,6 +207,37 @@ def _wait(
             late.append(owner)  # gloo raises when the bound passes
     if late:
         raise _timeout(late, timeout_s, exact)
+
+
+# NOTE [ Host waits for GPU exchanges ]: a bounded host wait for NCCL works sleeps until the GPU
+# signals, instead of polling ``is_completed`` with a back-off (which woke up to 50 ms late, about
+# five times per pass, while no GPU work was queued behind the exchange). The current stream waits
+# for the works (``work.wait()``, no host block), a blocking-sync CUDA event recorded behind them
+# is synchronized in a short-lived daemon thread (``knitkit-exchange-wait``: the CUDA driver puts
+# it to sleep until the event fires, without the GIL), and the caller waits on a
+# ``threading.Event`` with the bound, so it wakes when the rows land or when the bound passes,
+# whichever is first. After a timeout the thread stays blocked on the event; as NOTE [ Rows travel
+# point to point ] says, the group is then unusable and the run must stop. One thread per bounded
+# GPU exchange (tens of microseconds) against a collective that crosses the GPU: docs/lifecycle.md.
+
+
+def _completed_within(works: list[dist.Work], timeout_s: float) -> bool:
+    """Whether CUDA ``works`` complete within ``timeout_s``, sleeping on their completion event
+    meanwhile (see NOTE [ Host waits for GPU exchanges ])."""
+    if all(work.is_completed() for work in works):
+        return True
+    for work in works:
+        work.wait()  # the current stream waits for the exchange; the host does not
+    landed = torch.cuda.Event(blocking=True)
+    landed.record()
+    signalled = threading.Event()
+
+    def watch() -> None:
+        landed.synchronize()
+        signalled.set()
+
+    threading.Thread(target=watch, name="knitkit-exchange-wait", daemon=True).start()
+    return signalled.wait(timeout_s)
 
 
 _SLACK_S = 0.05
