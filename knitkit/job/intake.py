@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from knitkit.admission import AdmissionController
 from knitkit.job.checkpoint_state import DriverState, Pending
 from knitkit.job.core import JobCore
 from knitkit.job.ledger import new_ledger
-from knitkit.storage import EncoderTopology, PlannerConfig, Topology, Trajectory, plan_minibatch
+from knitkit.storage import (
+    EncoderTopology,
+    PlacedTrajectory,
+    PlannerConfig,
+    Topology,
+    Trajectory,
+    plan_minibatch,
+)
 from knitkit.types import TrajectoryMeta
 
 
@@ -49,11 +56,37 @@ class Intake:
         """After a resume, until every trajectory of ``reissue`` is back."""
 
     def write(self, trajectory: Trajectory) -> TrajectoryMeta:
+        return self._take(
+            trajectory.trajectory_id,
+            trajectory.token_fields,
+            trajectory.scalars,
+            lambda: self.core.store.write(trajectory),
+        )
+
+    def adopt(self, placed: PlacedTrajectory) -> TrajectoryMeta:
+        """``write`` for a trajectory whose units its writer placed (NOTE [ Units stay where
+        they are produced ])."""
+        record = placed.record
+        return self._take(
+            record.meta.trajectory_id,
+            record.token_fields,
+            set(record.fields) - record.token_fields,
+            lambda: self.core.store.adopt(placed),
+        )
+
+    def _take(
+        self,
+        tid: str,
+        token_fields: Collection[str],
+        scalars: Collection[str],
+        store_it: Callable[[], TrajectoryMeta],
+    ) -> TrajectoryMeta:
+        """Classify, store (``store_it``), report and admit one trajectory."""
         if self.resumed is not None:
-            return self._rewrite(trajectory)
-        self._classify(trajectory)
+            return self._rewrite(tid, token_fields, scalars, store_it)
+        self._classify(tid, token_fields, scalars)
         store, ledger = self.core.store, self.core.ledger
-        meta = store.write(trajectory)
+        meta = store_it()
         try:
             self.admission.report(meta)
         except BaseException:
@@ -68,23 +101,23 @@ class Intake:
             raise
         return meta
 
-    def _classify(self, trajectory: Trajectory) -> None:
+    def _classify(self, tid: str, token_fields: Collection[str], scalars: Collection[str]) -> None:
         """Check the trajectory brings every rollout field, each per-token or scalar as before."""
         rollout = self.core.rollout
-        token = tuple(f for f in rollout if f in trajectory.token_fields)
-        scalar = tuple(f for f in rollout if f in trajectory.scalars)
+        token = tuple(f for f in rollout if f in token_fields)
+        scalar = tuple(f for f in rollout if f in scalars)
         missing = [f for f in rollout if f not in token and f not in scalar]
         if missing:
             readers = {f: [p.name for p in self.core.passes if f in p.reads] for f in missing}
             raise ValueError(
-                f"trajectory {trajectory.trajectory_id!r} has no field(s) {missing}, which "
+                f"trajectory {tid!r} has no field(s) {missing}, which "
                 f"passes read ({readers}) and no pass writes; write them with every trajectory"
             )
         if self.token_fields is None:
             self.token_fields, self.scalar_fields = token, scalar
         elif (token, scalar) != (self.token_fields, self.scalar_fields):
             raise ValueError(
-                f"trajectory {trajectory.trajectory_id!r} carries per-token {list(token)} and "
+                f"trajectory {tid!r} carries per-token {list(token)} and "
                 f"scalar {list(scalar)}, but earlier trajectories carry per-token "
                 f"{list(self.token_fields)} and scalar {list(self.scalar_fields)}"
             )
@@ -148,10 +181,15 @@ class Intake:
         if not self.reissue:
             self._resume_done()
 
-    def _rewrite(self, trajectory: Trajectory) -> TrajectoryMeta:
+    def _rewrite(
+        self,
+        tid: str,
+        token_fields: Collection[str],
+        scalars: Collection[str],
+        store_it: Callable[[], TrajectoryMeta],
+    ) -> TrajectoryMeta:
         """Store a trajectory the checkpoint names, without reporting it to admission again
         (its restored state holds it); once all are back, register the pending mini-batches."""
-        tid = trajectory.trajectory_id
         if tid not in self.reissue:
             missing = list(self.reissue)
             raise ValueError(
@@ -159,8 +197,8 @@ class Intake:
                 f"{len(missing)} trajectories Driver.reissue() names (e.g. {missing[:3]}); "
                 "re-write those first (see NOTE [ Resume rule ])"
             )
-        self._classify(trajectory)
-        meta = self.core.store.write(trajectory)
+        self._classify(tid, token_fields, scalars)
+        meta = store_it()
         del self.reissue[tid]
         if not self.reissue:
             try:

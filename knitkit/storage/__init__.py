@@ -30,6 +30,7 @@ from knitkit.storage.planning.plan import (
 )
 from knitkit.storage.planning.planner import PlannerConfig, plan_minibatch
 from knitkit.storage.units.payload import MultimodalInput, Trajectory, content_key, video_groups
+from knitkit.storage.units.placement import PlacedTrajectory, UnitPlacer, place
 from knitkit.storage.units.store import TrajectoryStore
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "MicroBatchPlan",
     "MiniBatchPlan",
     "MultimodalInput",
+    "PlacedTrajectory",
     "PlannerConfig",
     "ReorganizerDiedError",
     "ReorganizerError",
@@ -53,9 +55,11 @@ __all__ = [
     "Trajectory",
     "TrajectoryStore",
     "UnitBackend",
+    "UnitPlacer",
     "UnitsLostError",
     "content_key",
     "pack",
+    "place",
     "plan_minibatch",
     "video_groups",
 ]

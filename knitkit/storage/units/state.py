@@ -81,7 +81,7 @@ def encode(
 ) -> dict[str, Any]:
     return {
         "version": STATE_VERSION,
-        "trajectories": [_record(r) for r in records],
+        "trajectories": [encode_record(r) for r in records],
         "schema": {name: [dtype, list(shape)] for name, (dtype, shape) in sorted(schema.items())},
         "declared": sorted(declared),
         "unit_bytes": {str(k): n for k, n in unit_bytes.items()},
@@ -89,7 +89,8 @@ def encode(
     }
 
 
-def _record(record: TrajectoryRecord) -> dict[str, Any]:
+def encode_record(record: TrajectoryRecord) -> dict[str, Any]:
+    """One trajectory's index record as plain data (a state's entry, a placed trajectory's)."""
     meta = record.meta
     return {
         "trajectory_id": meta.trajectory_id,
@@ -129,7 +130,7 @@ def _decode(state: Any) -> StoreState:
             f"store state version {top.get('version')!r}; this knitkit reads {STATE_VERSION}"
         )
     records = [
-        _decode_record(r, f"trajectories[{i}]")
+        decode_record(r, f"trajectories[{i}]")
         for i, r in enumerate(_list(top.get("trajectories"), "trajectories"))
     ]
     schema: dict[str, RowSpec] = {}
@@ -157,7 +158,8 @@ def _decode(state: Any) -> StoreState:
     return StoreState(records, schema, declared, unit_bytes, minibatches)
 
 
-def _decode_record(raw: Any, where: str) -> TrajectoryRecord:
+def decode_record(raw: Any, where: str) -> TrajectoryRecord:
+    """Parse ``encode_record``'s output; ``ValueError`` naming ``where`` and the bad entry."""
     r = _dict(raw, where)
     refs = []
     for m in _list(r.get("multimodal"), where):

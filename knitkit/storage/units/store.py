@@ -9,7 +9,7 @@ import numpy as np
 
 from knitkit.storage.backends.backend import UnitBackend, UnitSpec, check_backend
 from knitkit.storage.backends.lost import UnitsLostError
-from knitkit.storage.backends.ranges import check_write, paste_ranges
+from knitkit.storage.backends.ranges import check_write, paste_ranges, spec_of
 from knitkit.storage.backends.validate import check_dtype, check_name, check_unit
 from knitkit.storage.planning.packing import RowSpec
 from knitkit.storage.planning.plan import MiniBatchPlan
@@ -18,6 +18,7 @@ from knitkit.storage.units.coverage import cover, gaps
 from knitkit.storage.units.index import HierarchicalIndex, IndexEntry, TrajectoryRecord
 from knitkit.storage.units.lifetime import ConsumerLedger
 from knitkit.storage.units.payload import Trajectory
+from knitkit.storage.units.placement import PlacedTrajectory, unit_specs
 from knitkit.storage.units.retention import DeferredDeletes
 from knitkit.storage.units.state import LoadedState, StoreSnapshot
 from knitkit.types import SeqRange, TrajectoryMeta, UnitKey, UnitRead
@@ -110,7 +111,66 @@ class TrajectoryStore:
         for key, array in (*units.items(), *fresh_inputs.items()):
             self._unit_bytes[key] = int(np.asarray(array).nbytes)
         for key, array in units.items():
-            self._learn_field(key.field, array, key.field in record.token_fields)
+            self._learn_field(key.field, spec_of(array), key.field in record.token_fields)
+        return record.meta
+
+    def adopt(self, placed: PlacedTrajectory) -> TrajectoryMeta:
+        """Index a trajectory whose units a writer already put in this store's backend
+        (``place``, on the writer's node): ``write`` without moving a byte of payload.
+
+        Checks every unit the record names with one backend lookup: ``KeyError`` naming the
+        units the backend lacks (never placed, freed since, or their writer died), ``ValueError``
+        naming units whose stored dtype or shape differs from the record's, or per-token fields
+        whose rows differ from the trajectory's tokens; nothing is indexed then. A durable
+        backend is refused (``TypeError``). See NOTE [ Units stay where they are produced ].
+        """
+        record = placed.record
+        tid = record.meta.trajectory_id
+        if tid in self.index:
+            raise KeyError(f"trajectory {tid!r} is already stored; use update() to rewrite a field")
+        if self.backend.durable:
+            raise TypeError(
+                f"trajectory {tid!r}: {type(self.backend).__name__} is durable; write() its "
+                "trajectories through the store (adopt is for units placed in a shared backend "
+                "such as RayBackend)"
+            )
+        keys = placed.unit_keys()
+        found = unit_specs(self.backend, keys)
+        unknown = [str(k) for k, spec in zip(keys, found, strict=True) if spec is None]
+        if unknown:
+            raise KeyError(
+                f"trajectory {tid!r}: units {unknown} are not in {type(self.backend).__name__}: "
+                "never placed there, freed since, or their writer process died (it owns them); "
+                "place the trajectory again"
+            )
+        wrong = [
+            f"{k} stored {spec.dtype}{list(spec.shape)}, recorded "
+            f"{placed.specs[k].dtype}{list(placed.specs[k].shape)}"
+            for k, spec in zip(keys, found, strict=True)
+            if spec is not None and spec != placed.specs[k]
+        ]
+        wrong += [
+            f"{key} has {placed.specs[key].shape[:1]} rows for {record.meta.num_tokens} tokens"
+            for name, key in record.fields.items()
+            if name in record.token_fields
+            and placed.specs[key].shape[:1] != (record.meta.num_tokens,)
+        ]
+        if wrong:
+            raise ValueError(
+                f"trajectory {tid!r}: units differ from its placed record: {wrong}; place it "
+                "again under a new trajectory id"
+            )
+        if not self._started:
+            self._start_fresh()
+        self.index.add(
+            TrajectoryRecord(
+                record.meta, dict(record.fields), set(record.token_fields), record.inputs
+            )
+        )
+        for key in keys:
+            self._unit_bytes[key] = placed.specs[key].nbytes
+        for name, key in record.fields.items():
+            self._learn_field(name, placed.specs[key], name in record.token_fields)
         return record.meta
 
     def entries(self, trajectory_id: str) -> tuple[IndexEntry, ...]:
@@ -143,7 +203,7 @@ class TrajectoryStore:
                 record.token_fields.add(field)
         record.partial.pop(field, None)
         self._unit_bytes[key] = int(array.nbytes)
-        self._learn_field(field, array, field in record.token_fields)
+        self._learn_field(field, spec_of(array), field in record.token_fields)
         return IndexEntry(trajectory_id, key, self.backend.spec(key), field in record.token_fields)
 
     def declare_field(
@@ -581,11 +641,10 @@ class TrajectoryStore:
         else:
             self.backend.delete(key)
 
-    def _learn_field(self, name: str, array: np.ndarray, per_token: bool) -> None:
+    def _learn_field(self, name: str, spec: UnitSpec, per_token: bool) -> None:
         """Remember a field's dtype and row (or value) shape from the first unit stored for it."""
         if name not in self._fields:
-            shape = tuple(int(n) for n in array.shape)
-            self._fields[name] = (array.dtype.name, shape[1:] if per_token else shape)
+            self._fields[name] = (spec.dtype, spec.shape[1:] if per_token else spec.shape)
 
     def _free_if_unused(self, key: UnitKey) -> bool:
         """Free an own field as soon as no consumer needs it (multimodal units wait for ``_release``)."""
