@@ -24,6 +24,9 @@ from knitkit.types import SeqRange, UnitKey
 _Boxed = list[ray.ObjectRef]
 """One object ref in a list: Ray resolves top-level ref arguments of actor calls, never nested ones."""
 
+_Entry = tuple[_Boxed, UnitSpec, str]
+"""A unit in the directory: its boxed ref, its spec and the Ray node id of the process that put it."""
+
 # NOTE [ Ray unit directory ]
 #
 # A unit is one immutable object in Ray's object store, put by whichever process writes it.
@@ -51,8 +54,13 @@ _Boxed = list[ray.ObjectRef]
 #
 # On the node that holds an object, `ray.get` maps it: no copy. A reader on another node makes
 # Ray pull the WHOLE object to its node first (Ray transfers objects, not byte ranges); sliced
-# reads then copy only the asked rows. Place reorganizers on the node of their units' writers
-# (`dispatch.py`) to keep reads node-local.
+# reads then copy only the asked rows. So across nodes a reorganizer that packs a quarter of a
+# unit's rows still moves all of it over the link (benchmarks/cluster.py measures bytes over
+# the link per consumed byte). Each backend counts what its reads moved, by the node that put
+# the unit (`traffic()`): rows copied out of units, and whole objects pulled to this node (Ray's
+# object locations, asked once per `resolve`; an object under 100 KB lives with its owner, not
+# in a node's store, and counts as pulled whenever it was put on another node). Place
+# reorganizers on the node of their units' writers (`dispatch.py`) to keep reads node-local.
 
 
 @ray.remote(num_cpus=0)
@@ -60,26 +68,26 @@ class UnitDirectory:
     """Named actor: unit key -> (boxed object ref, spec); holding the refs keeps the units alive."""
 
     def __init__(self) -> None:
-        self._units: dict[str, tuple[_Boxed, UnitSpec]] = {}
+        self._units: dict[str, _Entry] = {}
         self._lost: dict[str, str] = {}
         """Units whose objects were lost: why (kept until deleted or put again)."""
 
-    def add(self, key: str, boxed: _Boxed, spec: UnitSpec) -> bool:
+    def add(self, key: str, boxed: _Boxed, spec: UnitSpec, node: str) -> bool:
         if key in self._units:
             return False
         self._lost.pop(key, None)
-        self._units[key] = (boxed, spec)
+        self._units[key] = (boxed, spec, node)
         return True
 
-    def swap(self, key: str, boxed: _Boxed, spec: UnitSpec) -> UnitSpec | None:
+    def swap(self, key: str, boxed: _Boxed, spec: UnitSpec, node: str) -> UnitSpec | None:
         """Replace the unit's object if it has ``spec``; return the stored spec (None if unknown)."""
         stored = self._units.get(key)
         if stored is not None and stored[1] == spec:
-            self._units[key] = (boxed, spec)
+            self._units[key] = (boxed, spec, node)
         return None if stored is None else stored[1]
 
-    def lookup(self, keys: list[str]) -> list[tuple[_Boxed, UnitSpec] | str | None]:
-        """Each key's (boxed ref, spec); for a lost unit why it was lost; None if unknown."""
+    def lookup(self, keys: list[str]) -> list[_Entry | str | None]:
+        """Each key's (boxed ref, spec, node); for a lost unit why it was lost; None if unknown."""
         return [self._units.get(k) or self._lost.get(k) for k in keys]
 
     def remove(self, key: str) -> bool:
@@ -126,20 +134,24 @@ class RayBackend(UnitBackend):
                     f"no Ray unit directory {self.name!r}; create it with RayBackend({self.name!r})"
                 ) from None
         self._owner = create
-        self._resolved: dict[UnitKey, np.ndarray] = {}
+        self._node = ray.get_runtime_context().get_node_id()
+        self._resolved: dict[UnitKey, tuple[np.ndarray, str]] = {}
+        """Resolved units: their view and the node that put them."""
         self._reads = ReadCounter()
+        self._read_from: dict[str, int] = {}
+        self._pulled_from: dict[str, int] = {}
 
     def put(self, key: UnitKey, array: np.ndarray) -> None:
         array = np.asarray(check_unit(key, array), order="C")
         ref = ray.put(array)
-        if not ray.get(self._directory.add.remote(str(key), [ref], spec_of(array))):
+        if not ray.get(self._directory.add.remote(str(key), [ref], spec_of(array), self._node)):
             raise KeyError(f"unit {key} already exists; use replace() to update it")
 
     def replace(self, key: UnitKey, array: np.ndarray) -> None:
         check_replacement(key, self.spec(key), array)
         array = np.asarray(array, order="C")
         ref = ray.put(array)
-        stored = ray.get(self._directory.swap.remote(str(key), [ref], spec_of(array)))
+        stored = ray.get(self._directory.swap.remote(str(key), [ref], spec_of(array), self._node))
         if stored is None:
             raise _unknown(key)
         check_replacement(key, stored, array)  # a concurrent delete + put changed the spec
@@ -147,8 +159,15 @@ class RayBackend(UnitBackend):
 
     def spec(self, key: UnitKey) -> UnitSpec:
         if key in self._resolved:
-            return spec_of(self._resolved[key])
+            return spec_of(self._resolved[key][0])
         return self._lookup([key])[0][1]
+
+    def specs(self, keys: Sequence[UnitKey]) -> list[UnitSpec | None]:
+        """Each key's spec (``None`` if unknown) in one directory call, no payload moved;
+        ``UnitsLostError`` naming lost units (``TrajectoryStore.adopt`` checks placed units so)."""
+        entries = ray.get(self._directory.lookup.remote([str(k) for k in keys]))
+        self._check_lost(keys, entries)
+        return [None if entry is None else entry[1] for entry in entries]
 
     def read(
         self,
@@ -156,15 +175,15 @@ class RayBackend(UnitBackend):
         ranges: Sequence[SeqRange] | None = None,
         out: np.ndarray | None = None,
     ) -> np.ndarray:
-        return self._reads.copy_rows(key, self.view(key), ranges, out)
+        view, source = self._view(key)
+        before = self._reads.bytes
+        rows = self._reads.copy_rows(key, view, ranges, out)
+        self._read_from[source] = self._read_from.get(source, 0) + self._reads.bytes - before
+        return rows
 
     def view(self, key: UnitKey) -> np.ndarray:
         """Read-only zero-copy view of a whole unit (mapped from this node's object store)."""
-        resolved = self._resolved.get(key)
-        if resolved is not None:
-            return resolved
-        boxed, _ = self._lookup([key])[0]
-        return self._get([key], [boxed[0]])[0]
+        return self._view(key)[0]
 
     def resolve(self, keys: Iterable[UnitKey]) -> None:
         """Look ``keys`` up in one directory call and keep their views until ``release``."""
@@ -172,8 +191,19 @@ class RayBackend(UnitBackend):
         if not wanted:
             return
         entries = self._lookup(wanted)
-        views = self._get(wanted, [boxed[0] for boxed, _ in entries])
-        self._resolved.update(zip(wanted, views, strict=True))
+        views = self._get(wanted, entries)
+        sources = [node for _, _, node in entries]
+        self._resolved.update(zip(wanted, zip(views, sources, strict=True), strict=True))
+
+    def traffic(self) -> dict[str, Any]:
+        """What this instance's reads moved, by the Ray node id that put each unit (cumulative):
+        ``{"node": this node, "read": {node: bytes copied out of its units}, "pulled": {node:
+        bytes of whole objects Ray moved from it to this node}}`` (NOTE [ Ray unit directory ])."""
+        return {
+            "node": self._node,
+            "read": dict(self._read_from),
+            "pulled": dict(self._pulled_from),
+        }
 
     def release(self, keys: Iterable[UnitKey] | None = None) -> None:
         """Drop resolved views (all of them by default) so their objects can be freed."""
@@ -208,8 +238,19 @@ class RayBackend(UnitBackend):
         """Ray node id where this backend's unit directory lives."""
         return str(ray.get(self._directory.where.remote()))
 
-    def _get(self, keys: list[UnitKey], refs: list[ray.ObjectRef]) -> list[np.ndarray]:
-        """``ray.get(refs)``; lost objects are dropped from the directory and named by key."""
+    def _view(self, key: UnitKey) -> tuple[np.ndarray, str]:
+        """A unit's view and the node that put it (resolved, or looked up now)."""
+        resolved = self._resolved.get(key)
+        if resolved is not None:
+            return resolved
+        entry = self._lookup([key])[0]
+        return self._get([key], [entry])[0], entry[2]
+
+    def _get(self, keys: list[UnitKey], entries: list[_Entry]) -> list[np.ndarray]:
+        """``ray.get`` of the entries' objects, counting whole objects pulled from other nodes;
+        lost objects are dropped from the directory and named by key."""
+        refs = [boxed[0] for boxed, _, _ in entries]
+        self._count_pulls(refs, [node for _, _, node in entries])
         try:
             return list(ray.get(refs))
         except ray.exceptions.ObjectLostError as error:
@@ -226,15 +267,36 @@ class RayBackend(UnitBackend):
             ray.get(self._directory.drop.remote([str(k) for k in lost], cause))
             raise UnitsLostError(lost, self._where, cause) from error
 
-    def _lookup(self, keys: list[UnitKey]) -> list[tuple[_Boxed, UnitSpec]]:
+    def _count_pulls(self, refs: list[ray.ObjectRef], sources: list[str]) -> None:
+        """Add the size of every object put on another node that is not on this one yet (Ray
+        pulls it whole at ``ray.get``); a figure only, so a failed lookup counts nothing."""
+        remote = [
+            (ref, node) for ref, node in zip(refs, sources, strict=True) if node != self._node
+        ]
+        if not remote:
+            return
+        try:
+            where = ray.experimental.get_object_locations([r for r, _ in remote], timeout_ms=10_000)
+        except (ray.exceptions.RayError, RuntimeError):
+            return
+        for ref, node in remote:
+            location = where.get(ref)
+            if location is not None and self._node not in location["node_ids"]:
+                size = int(location["object_size"] or 0)
+                self._pulled_from[node] = self._pulled_from.get(node, 0) + size
+
+    def _lookup(self, keys: Sequence[UnitKey]) -> list[_Entry]:
         entries = ray.get(self._directory.lookup.remote([str(k) for k in keys]))
-        lost = [(k, e) for k, e in zip(keys, entries, strict=True) if isinstance(e, str)]
-        if lost:
-            raise UnitsLostError([k for k, _ in lost], self._where, lost[0][1])
+        self._check_lost(keys, entries)
         for key, entry in zip(keys, entries, strict=True):
             if entry is None:
                 raise _unknown(key)
         return entries
+
+    def _check_lost(self, keys: Sequence[UnitKey], entries: list[_Entry | str | None]) -> None:
+        lost = [(k, e) for k, e in zip(keys, entries, strict=True) if isinstance(e, str)]
+        if lost:
+            raise UnitsLostError([k for k, _ in lost], self._where, lost[0][1])
 
     @property
     def _where(self) -> str:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from knitkit.job.pool import ReorganizerDied, numbering, successor_ring, tagged, untagged
+from knitkit.metrics import sum_over
 from knitkit.storage import (
     ConsumerPlan,
     EncoderRankPlan,
@@ -85,8 +87,10 @@ class RayDispatcher:
         """Per group, the ``deliver`` calls ``submit`` queued that ``check`` has not seen end
         well (a restart re-submits them: see NOTE [ Reorganizer restart ] in knitkit/job)."""
         self._numbers = {name: numbering() for name in groups}
-        self._retired_read = self._retired_published = 0
+        self._retired: dict[str, float] = {}
         """Figures of replaced actors, taken before they closed."""
+        self._addresses: dict[str, str] = {}
+        """Ray node id -> node address, for the per-node and per-link figures."""
         for name in groups:
             self._start(
                 name,
@@ -165,9 +169,7 @@ class RayDispatcher:
                 "group's ranks with it; resume the job from its last checkpoint"
             )
         old, old_spec = self._actors[name], self.rings[name]
-        figures = _figures(old)
-        self._retired_read += figures[0]
-        self._retired_published += figures[1]
+        self._retired = sum_over([self._retired, self._figures(old)])
         try:
             ray.get(old.close.remote(), timeout=30)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
@@ -214,16 +216,21 @@ class RayDispatcher:
         """Figures of every reorganizer together, cumulative since they started:
 
         - ``knitkit/delivery/reorganizer_bytes_read``: payload bytes read from storage;
-        - ``knitkit/delivery/reorganizer_published``: micro-batches published.
+        - ``knitkit/delivery/reorganizer_published``: micro-batches published;
+
+        and with a ``RayBackend`` (its ``traffic()``; see NOTE [ Ray unit directory ]), by node
+        address (``198.18.0.2``):
+
+        - ``knitkit/delivery/reorganizer_bytes_read_local`` / ``_remote``: of those bytes, read
+          from units put on the reorganizer's own node / on another node;
+        - ``knitkit/delivery/reorganizer_bytes_pulled_remote``: bytes of whole objects Ray moved
+          to reorganizers' nodes to serve those reads (over ``_remote``: the whole-object cost);
+        - ``knitkit/delivery/reorganizer_bytes_read_by_node/<node>``: bytes read by the
+          reorganizers on ``<node>``;
+        - ``knitkit/delivery/reorganizer_bytes_pulled_by_link/<from>_to_<to>``: bytes of
+          objects pulled from node ``<from>`` (where they were put) to node ``<to>``.
         """
-        read, published = self._retired_read, self._retired_published
-        for actor in self._actors.values():
-            figures = _figures(actor)
-            read, published = read + figures[0], published + figures[1]
-        return {
-            "knitkit/delivery/reorganizer_bytes_read": float(read),
-            "knitkit/delivery/reorganizer_published": float(published),
-        }
+        return sum_over([self._retired, *(self._figures(a) for a in self._actors.values())])
 
     def finish(self) -> None:
         """No more plans: consumers stop (StopIteration) after the last queued micro-batch."""
@@ -272,6 +279,37 @@ class RayDispatcher:
         ref: ray.ObjectRef = self._actors[name].deliver.remote(tag, assignment)
         self._pending[name].append(_Pending(ref, tag, assignment))
 
+    def _figures(self, actor: ActorHandle) -> dict[str, float]:
+        """One actor's figures (``metrics()`` names); none once it is dead (its figures are gone
+        with it). Its figure methods run beside a blocked ``deliver`` (the control group)."""
+        try:
+            read, published, traffic = ray.get(
+                [actor.bytes_read.remote(), actor.published.remote(), actor.traffic.remote()],
+                timeout=30,
+            )
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return {}
+        return {
+            "knitkit/delivery/reorganizer_bytes_read": float(read),
+            "knitkit/delivery/reorganizer_published": float(published),
+            **_traffic_figures(traffic, self._address),
+        }
+
+    def _address(self, node_id: str) -> str:
+        """A Ray node's address, ``<address>:<id prefix>`` where nodes share one (several
+        raylets on one machine), its id where Ray no longer lists it."""
+        if node_id not in self._addresses:
+            nodes = ray.nodes()
+            shared = Counter(n["NodeManagerAddress"] for n in nodes)
+            self._addresses.update(
+                {
+                    n["NodeID"]: n["NodeManagerAddress"]
+                    + (f":{n['NodeID'][:8]}" if shared[n["NodeManagerAddress"]] > 1 else "")
+                    for n in nodes
+                }
+            )
+        return self._addresses.get(node_id, node_id)
+
     def _stopped(self, name: str, error: BaseException) -> str:
         return (
             f"the reorganizer actor of {name} (ring {self.rings[name].name!r}, node "
@@ -283,16 +321,23 @@ _START_S = 120.0
 """Bound of a restarted actor's start (its node may be gone: the job then fails, named)."""
 
 
-def _figures(actor: ActorHandle) -> tuple[int, int]:
-    """An actor's (bytes read, micro-batches published); (0, 0) once it is dead (its figures
-    are gone with it). Its figure methods run beside a blocked ``deliver`` (the control group)."""
-    try:
-        figures: list[int] = ray.get(
-            [actor.bytes_read.remote(), actor.published.remote()], timeout=30
-        )
-    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        return 0, 0
-    return int(figures[0]), int(figures[1])
+def _traffic_figures(traffic: Mapping[str, Any], address: Callable[[str], str]) -> dict[str, float]:
+    """``RayBackend.traffic()`` of one reorganizer as ``metrics()`` names (node ids -> addresses)."""
+    if not traffic:
+        return {}
+    here = str(traffic["node"])
+    read: Mapping[str, int] = traffic["read"]
+    pulled: Mapping[str, int] = traffic["pulled"]
+    prefix = "knitkit/delivery/reorganizer_bytes"
+    out = {
+        f"{prefix}_read_local": float(read.get(here, 0)),
+        f"{prefix}_read_remote": float(sum(n for node, n in read.items() if node != here)),
+        f"{prefix}_pulled_remote": float(sum(pulled.values())),
+        f"{prefix}_read_by_node/{address(here)}": float(sum(read.values())),
+    }
+    for node, n in pulled.items():
+        out[f"{prefix}_pulled_by_link/{address(node)}_to_{address(here)}"] = float(n)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

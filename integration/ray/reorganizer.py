@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Any
 
 import ray
 
@@ -19,7 +20,7 @@ from knitkit.storage.delivery import ReorganizerHost
 # TP ranks on the same node; they attach with `MicroBatchConsumer(spec, tp_rank)`.
 # `deliver` calls run one after another in submission order (the default concurrency group has
 # one thread), so mini-batches queue up behind each other. `stop`, `close` and the figures
-# (`bytes_read`, `published`) run in a separate "control" group, so they get through while
+# (`bytes_read`, `published`, `traffic`) run in a separate "control" group, so they get through while
 # `deliver` waits on a full ring (a driver asks for figures under its lock while its ranks wait
 # for it): `stop` sets the ring's STOP word and the blocked producer gives up; `close` also
 # waits for a running `deliver` to return before it unmaps anything. A failing `deliver` writes
@@ -65,6 +66,13 @@ class ReorganizerActor:
     def bytes_read(self) -> int:
         """Read beside a ``deliver`` blocked on a full ring (a driver asks under its lock)."""
         return 0 if self.closed else self.host.bytes_read
+
+    @ray.method(concurrency_group="control")
+    def traffic(self) -> dict[str, Any]:
+        """Its backend's reads by source node (``RayBackend.traffic``); empty for a backend that
+        does not count them, or once closed."""
+        count = getattr(self.backend, "traffic", None)
+        return {} if self.closed or count is None else dict(count())
 
     @ray.method(concurrency_group="control")
     def published(self) -> int:

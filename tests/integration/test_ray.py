@@ -288,10 +288,19 @@ def test_dispatch_across_nodes_delivers_every_token_once(nodes: tuple[str, str])
         everything = np.concatenate([t.token_fields["tokens"] for t in trajectories])
         assert sorted(seen) == sorted(everything.tolist())
         assert sum(dispatcher.bytes_read().values()) == reference.bytes_read
-        assert dispatcher.metrics() == {
-            "knitkit/delivery/reorganizer_bytes_read": float(reference.bytes_read),
-            "knitkit/delivery/reorganizer_published": float(sum(published)),
-        }
+        metrics = dispatcher.metrics()
+        prefix = "knitkit/delivery/reorganizer_"
+        assert metrics[f"{prefix}bytes_read"] == float(reference.bytes_read)
+        assert metrics[f"{prefix}published"] == float(sum(published))
+        # every unit was put here (the head): dp0's reads are local, dp1's remote, whole objects
+        # pulled to the worker over the one link head -> worker
+        by_node = {k: v for k, v in metrics.items() if "_read_by_node/" in k}
+        local, remote = metrics[f"{prefix}bytes_read_local"], metrics[f"{prefix}bytes_read_remote"]
+        assert local > 0 and remote > 0 and local + remote == reference.bytes_read
+        assert sorted(by_node.values()) == sorted([local, remote])
+        links = {k: v for k, v in metrics.items() if "_pulled_by_link/" in k}
+        assert len(links) == 1 and list(links.values()) == [metrics[f"{prefix}bytes_pulled_remote"]]
+        assert metrics[f"{prefix}bytes_pulled_remote"] >= remote > 0
         dispatcher.close()
         assert not [
             s.name for s in dispatcher.rings.values() if os.path.exists(f"/dev/shm/{s.name}")
