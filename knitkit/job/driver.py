@@ -24,6 +24,7 @@ from knitkit.job.spec import RankSpec, encoder_rank_name, group_name
 from knitkit.metrics import MetricsObserver, merge
 from knitkit.storage import (
     EncoderTopology,
+    PlacedTrajectory,
     PlannerConfig,
     RingSpec,
     SharedMemoryBackend,
@@ -237,6 +238,19 @@ class Driver:
         with core.lock:
             self._check_open()
             meta = self._intake.write(trajectory)
+            core.lock.notify_all()
+            return meta
+
+    def adopt(self, placed: PlacedTrajectory) -> TrajectoryMeta:
+        """``write`` for a trajectory whose units its rollout writer put in the store's backend
+        on its own node (``knitkit.storage.place`` / ``UnitPlacer``): the driver takes only the
+        record (``PlacedTrajectory.from_dict`` of what the writer sent), checks the units in
+        one lookup and never holds their payload (NOTE [ Units stay where they are produced ]).
+        """
+        core = self._core
+        with core.lock:
+            self._check_open()
+            meta = self._intake.adopt(placed)
             core.lock.notify_all()
             return meta
 
