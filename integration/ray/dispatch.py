@@ -283,12 +283,13 @@ class RayDispatcher:
         """One actor's figures (``metrics()`` names); none once it is dead (its figures are gone
         with it). Its figure methods run beside a blocked ``deliver`` (the control group)."""
         try:
-            read, published, traffic = ray.get(
+            figures: list[Any] = ray.get(
                 [actor.bytes_read.remote(), actor.published.remote(), actor.traffic.remote()],
                 timeout=30,
             )
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return {}
+        read, published, traffic = figures
         return {
             "knitkit/delivery/reorganizer_bytes_read": float(read),
             "knitkit/delivery/reorganizer_published": float(published),
