@@ -92,6 +92,12 @@ class RankHandle:
         self._plans: dict[str, MiniBatchPlan] = {}
         self._current: PassWork | None = None
         self._totals: dict[str, float] = dict.fromkeys(_ITERATOR_FIGURES, 0.0)
+        self._kept: tuple[str, dict[UnitKey, torch.Tensor]] | None = None
+        """The current mini-batch's encoder inputs, read by its first encoding pass (see
+        NOTE [ Encoder inputs once per mini-batch ])."""
+        self._units_taken: tuple[str, str] | None = None
+        """The (mini-batch, pass) whose units were last taken from the encoder ring."""
+        self._last_encoding = next((p.name for p in reversed(spec.passes) if p.encodes), None)
         self._closed = False
         waits = {
             "liveness_timeout_s": spec.liveness_timeout_s,
@@ -215,17 +221,58 @@ class RankHandle:
         )
         return config.build(take, device=self.device), take
 
+    # NOTE [ Encoder inputs once per mini-batch ]: every encoding pass of a mini-batch (old
+    # log-probs, reference, train) encodes the same unique units: the plan is one per mini-batch
+    # and units are content-addressed, so their bytes cannot differ between passes. The rank
+    # copies them out of its encoder ring in the first encoding pass and hands the same tensors
+    # to the later ones at once, instead of waiting each time for its encoder reorganizer to
+    # read and publish them again after the pass is served (grpo_step's "reading encoder
+    # inputs" wait: 9.1 ms per step, nearly all of it in the train pass, load ~10). The driver
+    # still serves the units with every encoding pass, so every ring keeps the schedule's order
+    # and a restarted reorganizer re-serves as before; a later pass's copy is taken and released
+    # unread when the pass ends (off the critical path: published long before), its unit keys
+    # checked against the kept ones. The tensors are shared by the passes: an in-place edit in
+    # one pass shows in the next (clone first). They are dropped after the last pass that
+    # encodes.
     def read_encoder_inputs(self, work: PassWork) -> dict[UnitKey, torch.Tensor]:
-        """This rank's encoder micro-batches of ``work``, units copied out, leases released."""
+        """This rank's encoder units of ``work``: those kept from the mini-batch's first
+        encoding pass, else copied out of its encoder ring (see NOTE [ Encoder inputs once per
+        mini-batch ])."""
         count = work.encoder_micro_batches()
         if count == 0 or self._units is None:
             return {}
+        if self._kept is not None and self._kept[0] == work.minibatch_id:
+            return dict(self._kept[1])
         out: dict[UnitKey, torch.Tensor] = {}
         for lease in self._units.take(count):
             with lease:
                 for key, view in lease.layout.unit_views(lease.buffer).items():
                     out[key] = torch.from_numpy(np.array(view)).to(self.device or "cpu")
-        return out
+        self._kept = (work.minibatch_id, out)
+        self._units_taken = (work.minibatch_id, work.pass_.name)
+        return dict(out)
+
+    def _skip_encoder_units(self, work: PassWork) -> None:
+        """Take and release the encoder ring's copy of ``work``'s units unread (a later encoding
+        pass of a mini-batch whose inputs are kept), checking they are the kept ones."""
+        count, here = work.encoder_micro_batches(), (work.minibatch_id, work.pass_.name)
+        if count == 0 or self._units is None or self._units_taken == here:
+            return
+        if self._kept is None or self._kept[0] != work.minibatch_id:
+            work.encoder_inputs()  # the first encoding pass never asked: read (and keep) them
+            return
+        served: list[UnitKey] = []
+        for lease in self._units.take(count):
+            with lease:
+                served += lease.layout.units
+        self._units_taken = here
+        if served != list(self._kept[1]):
+            raise RuntimeError(
+                f"rank {self.coords.rank}: pass {work.pass_.name!r} of {work.minibatch_id!r} was "
+                f"served encoder units {[str(k) for k in served]}, not the "
+                f"{[str(k) for k in self._kept[1]]} of the mini-batch's first encoding pass; "
+                "the driver and this rank disagree on the plan: restart the job"
+            )
 
     def end_pass(
         self, work: PassWork, iterator: MicroBatchIterator | None, take: Taken | None
@@ -242,8 +289,10 @@ class RankHandle:
         left = work.num_micro_batches - (take.taken if take is not None else 0)
         for lease in self._data.take(left):
             lease.release()
-        if work.pass_.encodes:
-            work.encoder_inputs()  # unread units are read (and dropped): the ring moves on
+        if work.pass_.encodes:  # the ring moves on: see NOTE [ Encoder inputs once per mini-batch ]
+            self._skip_encoder_units(work)
+            if work.pass_.name == self._last_encoding:
+                self._kept = None
         if iterator is not None and taken_by_loop < work.num_micro_batches:
             raise RuntimeError(
                 f"rank {self.coords.rank}: pass {work.pass_.name!r} of {work.minibatch_id!r} "

@@ -66,7 +66,9 @@ class PassWork:
 
     def encoder_inputs(self) -> dict[UnitKey, torch.Tensor]:
         """The unique multimodal units this rank encodes in this pass, by key, on the rank's
-        device (read from its encoder ring once per encoding pass; empty if it encodes none)."""
+        device (empty if it encodes none). Read from its encoder ring once per mini-batch, by
+        its first encoding pass; later passes get the same tensors at once, so treat them as
+        read-only (see NOTE [ Encoder inputs once per mini-batch ] in rank.py)."""
         if self._inputs is None:
             self._inputs = self._rank.read_encoder_inputs(self)
         return self._inputs
