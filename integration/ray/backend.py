@@ -54,13 +54,18 @@ _Entry = tuple[_Boxed, UnitSpec, str]
 #
 # On the node that holds an object, `ray.get` maps it: no copy. A reader on another node makes
 # Ray pull the WHOLE object to its node first (Ray transfers objects, not byte ranges); sliced
-# reads then copy only the asked rows. So across nodes a reorganizer that packs a quarter of a
-# unit's rows still moves all of it over the link (benchmarks/cluster.py measures bytes over
-# the link per consumed byte). Each backend counts what its reads moved, by the node that put
-# the unit (`traffic()`): rows copied out of units, and whole objects pulled to this node (Ray's
-# object locations, asked once per `resolve`; an object under 100 KB lives with its owner, not
-# in a node's store, and counts as pulled whenever it was put on another node). Place
-# reorganizers on the node of their units' writers (`dispatch.py`) to keep reads node-local.
+# reads then copy only the asked rows. So across nodes a reorganizer that packs half of a
+# unit's rows still moves all of it over the link: with the CP ranks of a group on two nodes,
+# 1.89 bytes crossed the links per consumed byte against 1.02 with both on one node
+# (benchmarks/cluster.py --quick, knitkit_cp_split vs knitkit). Each backend counts what its
+# reads moved, by the node that put the unit (`traffic()`): rows copied out of units ("read"),
+# and the whole objects behind reads of units put on another node that were not on this node
+# yet when resolved ("whole", from Ray's object locations, asked once per `resolve`). "whole"
+# bounds the link bytes from above: two readers of one node resolving one unit at once both
+# count it while Ray moves it once, and an object under 100 KB lives with its owner, not in a
+# node's store, so it counts at every resolve. The links' own counters are the measurement
+# (benchmarks/cluster.py reads them). Place reorganizers on the node of their units' writers
+# (`dispatch.py`) to keep reads node-local.
 
 
 @ray.remote(num_cpus=0)
@@ -139,7 +144,7 @@ class RayBackend(UnitBackend):
         """Resolved units: their view and the node that put them."""
         self._reads = ReadCounter()
         self._read_from: dict[str, int] = {}
-        self._pulled_from: dict[str, int] = {}
+        self._whole_from: dict[str, int] = {}
 
     def put(self, key: UnitKey, array: np.ndarray) -> None:
         array = np.asarray(check_unit(key, array), order="C")
@@ -197,12 +202,13 @@ class RayBackend(UnitBackend):
 
     def traffic(self) -> dict[str, Any]:
         """What this instance's reads moved, by the Ray node id that put each unit (cumulative):
-        ``{"node": this node, "read": {node: bytes copied out of its units}, "pulled": {node:
-        bytes of whole objects Ray moved from it to this node}}`` (NOTE [ Ray unit directory ])."""
+        ``{"node": this node, "read": {node: bytes copied out of its units}, "whole": {node:
+        bytes of the whole objects behind reads of its units not yet on this node}}`` (an upper
+        bound of what Ray moved: NOTE [ Ray unit directory ])."""
         return {
             "node": self._node,
             "read": dict(self._read_from),
-            "pulled": dict(self._pulled_from),
+            "whole": dict(self._whole_from),
         }
 
     def release(self, keys: Iterable[UnitKey] | None = None) -> None:
@@ -247,7 +253,7 @@ class RayBackend(UnitBackend):
         return self._get([key], [entry])[0], entry[2]
 
     def _get(self, keys: list[UnitKey], entries: list[_Entry]) -> list[np.ndarray]:
-        """``ray.get`` of the entries' objects, counting whole objects pulled from other nodes;
+        """``ray.get`` of the entries' objects, counting the whole objects of units put on other nodes;
         lost objects are dropped from the directory and named by key."""
         refs = [boxed[0] for boxed, _, _ in entries]
         self._count_pulls(refs, [node for _, _, node in entries])
@@ -283,7 +289,7 @@ class RayBackend(UnitBackend):
             location = where.get(ref)
             if location is not None and self._node not in location["node_ids"]:
                 size = int(location["object_size"] or 0)
-                self._pulled_from[node] = self._pulled_from.get(node, 0) + size
+                self._whole_from[node] = self._whole_from.get(node, 0) + size
 
     def _lookup(self, keys: Sequence[UnitKey]) -> list[_Entry]:
         entries = ray.get(self._directory.lookup.remote([str(k) for k in keys]))

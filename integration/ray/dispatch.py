@@ -223,12 +223,13 @@ class RayDispatcher:
 
         - ``knitkit/delivery/reorganizer_bytes_read_local`` / ``_remote``: of those bytes, read
           from units put on the reorganizer's own node / on another node;
-        - ``knitkit/delivery/reorganizer_bytes_pulled_remote``: bytes of whole objects Ray moved
-          to reorganizers' nodes to serve those reads (over ``_remote``: the whole-object cost);
+        - ``knitkit/delivery/reorganizer_bytes_whole_remote``: bytes of the whole objects behind
+          the remote reads (Ray moves whole objects; over ``_remote``: the whole-object cost),
+          an upper bound of what crossed the links for them;
         - ``knitkit/delivery/reorganizer_bytes_read_by_node/<node>``: bytes read by the
           reorganizers on ``<node>``;
-        - ``knitkit/delivery/reorganizer_bytes_pulled_by_link/<from>_to_<to>``: bytes of
-          objects pulled from node ``<from>`` (where they were put) to node ``<to>``.
+        - ``knitkit/delivery/reorganizer_bytes_whole_by_link/<from>_to_<to>``: the same, by the
+          node ``<from>`` that put the units and the node ``<to>`` that read them.
         """
         return sum_over([self._retired, *(self._figures(a) for a in self._actors.values())])
 
@@ -328,16 +329,16 @@ def _traffic_figures(traffic: Mapping[str, Any], address: Callable[[str], str]) 
         return {}
     here = str(traffic["node"])
     read: Mapping[str, int] = traffic["read"]
-    pulled: Mapping[str, int] = traffic["pulled"]
+    whole: Mapping[str, int] = traffic["whole"]
     prefix = "knitkit/delivery/reorganizer_bytes"
     out = {
         f"{prefix}_read_local": float(read.get(here, 0)),
         f"{prefix}_read_remote": float(sum(n for node, n in read.items() if node != here)),
-        f"{prefix}_pulled_remote": float(sum(pulled.values())),
+        f"{prefix}_whole_remote": float(sum(whole.values())),
         f"{prefix}_read_by_node/{address(here)}": float(sum(read.values())),
     }
-    for node, n in pulled.items():
-        out[f"{prefix}_pulled_by_link/{address(node)}_to_{address(here)}"] = float(n)
+    for node, n in whole.items():
+        out[f"{prefix}_whole_by_link/{address(node)}_to_{address(here)}"] = float(n)
     return out
 
 

@@ -293,14 +293,14 @@ def test_dispatch_across_nodes_delivers_every_token_once(nodes: tuple[str, str])
         assert metrics[f"{prefix}bytes_read"] == float(reference.bytes_read)
         assert metrics[f"{prefix}published"] == float(sum(published))
         # every unit was put here (the head): dp0's reads are local, dp1's remote, whole objects
-        # pulled to the worker over the one link head -> worker
+        # moved whole to the worker over the one link head -> worker
         by_node = {k: v for k, v in metrics.items() if "_read_by_node/" in k}
         local, remote = metrics[f"{prefix}bytes_read_local"], metrics[f"{prefix}bytes_read_remote"]
         assert local > 0 and remote > 0 and local + remote == reference.bytes_read
         assert sorted(by_node.values()) == sorted([local, remote])
-        links = {k: v for k, v in metrics.items() if "_pulled_by_link/" in k}
-        assert len(links) == 1 and list(links.values()) == [metrics[f"{prefix}bytes_pulled_remote"]]
-        assert metrics[f"{prefix}bytes_pulled_remote"] >= remote > 0
+        links = {k: v for k, v in metrics.items() if "_whole_by_link/" in k}
+        assert len(links) == 1 and list(links.values()) == [metrics[f"{prefix}bytes_whole_remote"]]
+        assert metrics[f"{prefix}bytes_whole_remote"] >= remote > 0
         dispatcher.close()
         assert not [
             s.name for s in dispatcher.rings.values() if os.path.exists(f"/dev/shm/{s.name}")
