@@ -85,10 +85,13 @@ class TrajectoryMeta:
 
 @dataclass(frozen=True, slots=True)
 class UnitRead:
-    """A read of one unit, optionally restricted to sequence ranges (``None`` reads it whole)."""
+    """A read of one unit, optionally restricted to sequence ranges (``None`` reads it whole)
+    and, for a unit of 2 or more dimensions, to a contiguous range of axis 1 (``columns``: a
+    pipeline stage's layers of ``[tokens, layers, ...]``; ``None`` reads every column)."""
 
     key: UnitKey
     ranges: tuple[SeqRange, ...] | None = None
+    columns: SeqRange | None = None
 
 
 @dataclass(frozen=True, slots=True)

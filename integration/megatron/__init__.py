@@ -26,7 +26,7 @@ from knitkit.integration.megatron.pipeline import (
     check_microbatches_agree,
 )
 from knitkit.integration.megatron.rank import MegatronPass, MegatronRank
-from knitkit.integration.megatron.routing import ROUTING_FIELD, routing_dtype
+from knitkit.integration.megatron.routing import ROUTING_FIELD, routing_dtype, stage_layers
 from knitkit.integration.megatron.routing_replay import RoutingReplay
 from knitkit.integration.megatron.step import DedupVLMStep
 from knitkit.integration.megatron.te import (
@@ -72,5 +72,6 @@ __all__ = [
     "packed_seq_params",
     "placeholder_runs",
     "routing_dtype",
+    "stage_layers",
     "te_available",
 ]

@@ -19,7 +19,7 @@ from knitkit.integration.megatron.topology import MegatronLayout
 from knitkit.job import Pass, PassWork, RankCoords, RankHandle, RankSpec
 from knitkit.microbatch_iter import MicroBatch
 from knitkit.storage import MiniBatchPlan
-from knitkit.types import UnitKey
+from knitkit.types import SeqRange, UnitKey
 
 ToBatch = Callable[[MicroBatch], Mapping[str, object]]
 """A packed micro-batch -> the dict a forward step takes (``megatron_batch``, ``mrope_batch``)."""
@@ -63,7 +63,7 @@ class MegatronRank:
         """Attach this rank to the job (a collective: every rank of the world calls it).
 
         Coordinates come from ``MegatronLayout.from_parallel_state()``: the (DP, CP) group's
-        ring as consumer ``stage * tp + tp_rank``, the schedule as the global rank, and, on the
+        ring of its pipeline stage as consumer ``tp_rank``, the schedule as the global rank, and, on the
         first pipeline stage, the encoder rank ``MegatronLayout.encoder_topology`` places here
         (TP-sharded when ``spec.encoders[0].tp > 1``). ``to_batch`` defaults to
         ``megatron_batch`` at the layout's CP size. ``ValueError`` names any mismatch between
@@ -210,7 +210,21 @@ class MegatronPass:
             return forward_step
         if self.records_routing:
             return replay.recording(forward_step)
-        return replay.replaying(forward_step)
+        return replay.replaying(forward_step, layers=self.stage_layers)
+
+    @property
+    def stage_layers(self) -> SeqRange | None:
+        """The decoder layers of ``routing`` this rank's micro-batches carry: its pipeline
+        stage's when the plan splits them (``PlannerConfig(stage_layers=...)``, NOTE [ One ring
+        per pipeline stage ] in knitkit/storage/planning/plan.py), ``None`` for every layer."""
+        split = self.work.plan.stage_layers
+        if (
+            split is None
+            or ROUTING_FIELD not in split.fields
+            or self._rank.handle.spec.pipeline == 1
+        ):
+            return None
+        return split.ranges[self._rank.handle.coords.stage]
 
     def write_back_routing(self, replay: RoutingReplay | None = None) -> None:
         """Write the routing a recording pass took back into the store (a collective over TP:

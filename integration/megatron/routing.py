@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+from knitkit.storage.planning import StageLayers
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
 
 ROUTING_FIELD = "routing"
 """Per-token field of the experts each MoE layer routed a token to: ``[tokens, layers, topk]``."""
@@ -47,3 +54,29 @@ def check_expert_ids(ids: np.ndarray, num_experts: int, *, where: str) -> None:
             f"{where}: expert id {bad} is outside [0, {num_experts}); check num_experts against "
             "the MoE model's config (num_experts / n_routed_experts)"
         )
+
+
+def stage_layers(
+    config: TransformerConfig, fields: tuple[str, ...] = (ROUTING_FIELD,)
+) -> StageLayers:
+    """Each pipeline stage's decoder layers as megatron-core builds them (its
+    ``get_transformer_layer_offset`` and ``get_num_layers_to_build`` at every ``pp_rank``), for
+    ``PlannerConfig(stage_layers=...)``: each stage's ring then reads only its layers of
+    ``fields`` (NOTE [ One ring per pipeline stage ] in knitkit/storage/planning/plan.py).
+    ``RoutingReplay`` checks its routers against the stage's range. ``ValueError`` under
+    virtual (interleaved) pipelining or a custom ``pipeline_model_parallel_layout``: a stage's
+    layers are then not one contiguous range."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if config.virtual_pipeline_model_parallel_size or config.pipeline_model_parallel_layout:
+        raise ValueError(
+            "stage_layers: under virtual pipelining or a pipeline_model_parallel_layout a "
+            "stage's layers are not one contiguous range; leave PlannerConfig.stage_layers unset "
+            "(every stage then reads every layer)"
+        )
+    ranges = []
+    for stage in range(config.pipeline_model_parallel_size):
+        start = int(get_transformer_layer_offset(config, pp_rank=stage))
+        ranges.append((start, start + int(get_num_layers_to_build(config, pp_rank=stage))))
+    return StageLayers(tuple(ranges), fields)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from knitkit.integration.megatron.routing import ROUTING_FIELD, routing_dtype
+from knitkit.types import SeqRange
 
 if TYPE_CHECKING:
     from megatron.core.transformer.moe.router_replay import RouterReplay
@@ -36,7 +37,9 @@ ForwardStep = Callable[[Iterator[Any], torch.nn.Module], tuple[torch.Tensor, Cal
 # row of its own decoder layer (layer_number - 1): the stored layer axis is SGLang's, one row per
 # hidden layer. Only this model's routers are touched (a reference model in the same process
 # keeps its own), unlike RouterReplay.set_replay_data, which addresses every router the process
-# ever built.
+# ever built. Under pipeline parallelism a stage's ring carries only its own layers of the field
+# (NOTE [ One ring per pipeline stage ] in knitkit/storage/planning/plan.py): router i then takes
+# column i; a routing with every layer (a hand-fed batch) is read at layer_number - 1.
 
 
 @dataclass(slots=True)
@@ -97,8 +100,20 @@ class RoutingReplay:
         """The decoder layers (0-based, rows of the stored layer axis) this chunk routes in."""
         return tuple(layer for layer, _ in self._routers)
 
-    def replaying(self, forward_step: ForwardStep) -> ForwardStep:
-        """``forward_step`` replaying each micro-batch's stored routing (NOTE [ Routing replay in the schedule ])."""
+    def replaying(
+        self, forward_step: ForwardStep, *, layers: SeqRange | None = None
+    ) -> ForwardStep:
+        """``forward_step`` replaying each micro-batch's stored routing (NOTE [ Routing replay in
+        the schedule ]). ``layers``: the decoder layers the micro-batches' routing carries (this
+        pipeline stage's, ``plan.stage_layers.ranges[stage]``); ``ValueError`` naming the rank
+        unless they are exactly the layers this chunk routes in."""
+        if layers is not None and tuple(range(*layers)) != self.layers:
+            raise ValueError(
+                f"rank {_rank()}: field {self.key!r} carries layers {list(layers)} (this stage's "
+                f"in the plan's StageLayers), but this model chunk routes in layers "
+                f"{list(self.layers)}; plan with PlannerConfig(stage_layers=stage_layers(config)) "
+                "of this model's TransformerConfig"
+            )
         return functools.partial(self._step, forward_step, record=False)
 
     def recording(self, forward_step: ForwardStep) -> ForwardStep:
@@ -106,21 +121,24 @@ class RoutingReplay:
         self.recorded.clear()
         return functools.partial(self._step, forward_step, record=True)
 
-    def wrap(self, forward_step: ForwardStep, *, forward_only: bool) -> ForwardStep:
+    def wrap(
+        self, forward_step: ForwardStep, *, forward_only: bool, layers: SeqRange | None = None
+    ) -> ForwardStep:
         """``recording`` for a forward-only pass with ``record_forward_only``, else ``replaying``."""
         if forward_only and self.record_forward_only:
             return self.recording(forward_step)
-        return self.replaying(forward_step)
+        return self.replaying(forward_step, layers=layers)
 
     def metrics(self) -> dict[str, float]:
         """Routing bytes of the micro-batches replayed so far (cumulative):
 
         - ``bytes_read``: rows this rank took from its micro-batches' field (its stage's layers
-          of its sequence-parallel tokens, a strided read of the shared buffer) -- exactly what
-          its routers consume, so ``bytes_read_ratio`` (read / consumed) is 1.0;
-        - ``bytes_delivered``: the field's bytes in those micro-batches (every layer, every token
-          of the (DP, CP) group), and ``delivered_ratio`` (delivered / consumed): pipeline
-          stages and sequence-parallel TP ranks share one packed micro-batch.
+          of its sequence-parallel tokens) -- exactly what its routers consume, so
+          ``bytes_read_ratio`` (read / consumed) is 1.0;
+        - ``bytes_delivered``: the field's bytes in those micro-batches (every token of the
+          (DP, CP) group, its stage's layers when the plan splits them: NOTE [ One ring per
+          pipeline stage ]), and ``delivered_ratio`` (delivered / consumed): the
+          sequence-parallel TP ranks of a stage share one packed micro-batch.
         """
         read, delivered = self._bytes["read"], self._bytes["delivered"]
         return {
@@ -166,13 +184,17 @@ class RoutingReplay:
             )
         if routing.dim() == 4 and routing.shape[0] == 1:
             routing = routing[0]
-        if routing.dim() != 3 or routing.shape[1] != self._num_layers:
+        stage = len(self.layers)
+        if routing.dim() != 3 or routing.shape[1] not in (self._num_layers, stage):
             raise ValueError(
                 f"rank {_rank()}: field {self.key!r} is {list(routing.shape)}; the model has "
                 f"{self._num_layers} decoder layers, so [tokens, {self._num_layers}, topk] is "
-                "expected (store SGLang's routed experts with routing_shape=(num_hidden_layers, "
-                "num_experts_per_tok) of this model)"
+                f"expected (or [tokens, {stage}, topk], this stage's layers "
+                f"{list(self.layers)}, from a plan with StageLayers; store SGLang's routed "
+                "experts with routing_shape=(num_hidden_layers, num_experts_per_tok) of this model)"
             )
+        # every layer (layer_number - 1), or this stage's only (column i for router i)
+        offset = 0 if routing.shape[1] == self._num_layers or not stage else self.layers[0]
         sp_rank, sp_size = self._sp
         if routing.shape[0] % sp_size:
             raise ValueError(
@@ -183,7 +205,7 @@ class RoutingReplay:
         rows = stage_rows(routing, sp_rank, sp_size)
         local = rows.shape[0]
         self._check_ids(rows)
-        taken = [rows[:, layer].long() for layer in self.layers]
+        taken = [rows[:, layer - offset].long() for layer in self.layers]
         self._bytes["delivered"] += routing.numel() * routing.element_size()
         self._bytes["read"] += local * len(taken) * routing.shape[2] * routing.element_size()
         return taken

@@ -11,6 +11,7 @@ from knitkit.job.errors import DriverFailedError, JobError
 from knitkit.job.ledger import JobLedger
 from knitkit.job.passes import Pass, rollout_fields, written_by
 from knitkit.job.pool import ReorganizerPool
+from knitkit.job.spec import data_rings
 from knitkit.job.records import RecordWriter
 from knitkit.metrics import merge
 from knitkit.storage import TrajectoryStore
@@ -26,6 +27,8 @@ class JobCore:
     pool: ReorganizerPool
     schedule: RecordWriter
     """The driver -> ranks ring (the scheduler publishes; ``fail`` fails it for every rank)."""
+    pipeline: int = 1
+    """Pipeline stages: each (DP, CP) group has a data ring per stage (``data_rings``)."""
     lock: threading.Condition = field(
         default_factory=lambda: threading.Condition(threading.RLock())
     )
@@ -65,7 +68,8 @@ class JobCore:
         with self.lock:
             waiting = []
             for minibatch_id, consumer in self.unfreed:
-                if minibatch_id in self.pool.unpublished(consumer):
+                rings = data_rings(consumer, self.pipeline)
+                if any(minibatch_id in self.pool.unpublished(ring) for ring in rings):
                     waiting.append((minibatch_id, consumer))
                 else:
                     self.store.consumed(minibatch_id, consumer)

@@ -20,7 +20,7 @@ from knitkit.job.pool import ProcessPool, ReorganizerPool
 from knitkit.job.records import RecordWriter
 from knitkit.job.recovery import RESTARTS_KEY, RestartingPool
 from knitkit.job.serving import IDLE_S, Scheduler
-from knitkit.job.spec import RankSpec, encoder_rank_name, group_name
+from knitkit.job.spec import RankSpec, data_rings, encoder_rank_name, group_name
 from knitkit.metrics import MetricsObserver, merge
 from knitkit.storage import (
     EncoderTopology,
@@ -91,7 +91,8 @@ class Driver:
         encoders: tuple[EncoderTopology, ...] = ()
         """At most one multimodal encoder, with its own topology."""
         pipeline: int = 1
-        """Pipeline stages: every stage's TP ranks read their (DP, CP) group's ring."""
+        """Pipeline stages: every stage's TP ranks read their (DP, CP) group's ring of that stage
+        (its layers only of ``planner.stage_layers``' fields)."""
         planner: PlannerConfig = field(default_factory=PlannerConfig)
         """Budgets and balance; its ``token_fields`` / ``scalar_fields`` are replaced by the
         passes' reads."""
@@ -186,7 +187,7 @@ class Driver:
                 role="the driver",
             )
             undo.callback(schedule.close)
-            self._core = JobCore(passes, self.store, pool, schedule)
+            self._core = JobCore(passes, self.store, pool, schedule, config.pipeline)
             self._intake = Intake(
                 self._core,
                 admission,
@@ -666,9 +667,22 @@ def _check_encoders(config: Driver.Config, passes: tuple[Pass, ...]) -> None:
 
 
 def _groups(config: Driver.Config) -> dict[str, int]:
-    """Every consumer group of the job with its ring's number of consumers."""
+    """Every data ring of the job with its number of consumers: a ring per (DP, CP, stage),
+    read by the stage's TP ranks (NOTE [ One ring per pipeline stage ] in
+    knitkit/storage/planning/plan.py), and per encoder rank."""
     t = config.topology
-    groups = {group_name(d, c): t.tp * config.pipeline for d in range(t.dp) for c in range(t.cp)}
+    layers = config.planner.stage_layers
+    if layers is not None and layers.stages != config.pipeline:
+        raise ValueError(
+            f"PlannerConfig.stage_layers splits layers over {layers.stages} stages; the job has "
+            f"pipeline={config.pipeline}: give one layer range per stage"
+        )
+    groups = {
+        ring: t.tp
+        for d in range(t.dp)
+        for c in range(t.cp)
+        for ring in data_rings(group_name(d, c), config.pipeline)
+    }
     for encoder in config.encoders:
         groups.update({encoder_rank_name(encoder.name, r): encoder.tp for r in range(encoder.dp)})
     return groups

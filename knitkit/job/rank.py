@@ -48,8 +48,8 @@ class RankHandle:
     """One training rank's handle on the job: ``for work in rank.passes():`` yields a
     ``PassWork`` per (mini-batch, pass) in the driver's serving order, the same on every rank.
 
-    It attaches once: to the schedule (every rank), its (DP, CP) group's data ring (as consumer
-    ``stage * tp + tp``), its encoder rank's ring (if it encodes) and, on the group's writer
+    It attaches once: to the schedule (every rank), its (DP, CP) group's data ring of its
+    pipeline stage (as consumer ``tp``), its encoder rank's ring (if it encodes) and, on the group's writer
     rank (TP 0, last stage), creates the write-back ring to the driver. Nothing else is needed
     than the driver's ``RankSpec`` and where the rank sits (``RankCoords``).
 
@@ -111,7 +111,10 @@ class RankHandle:
             # follows its reorganizer across restarts: see NOTE [ Reorganizer restart ]
             restarts = restarts_of(spec.extra)
             self._data = FollowingConsumer(
-                spec.rings[group], coords.consumer_index(spec), restarts=restarts, **waits
+                spec.rings[coords.data_ring(spec)],
+                coords.consumer_index(spec),
+                restarts=restarts,
+                **waits,
             )
             stack.callback(self._data.close)
             self._units: FollowingConsumer | None = None

@@ -146,7 +146,7 @@ class Scheduler:
         (the mini-batch's plan travels with its first pass; ranks restrict it themselves)."""
         core = self.core
         plan = ledger.plan.with_fields(pass_.reads)
-        for consumer in plan.consumers:
+        for consumer in plan.stage_consumers(core.pipeline):  # a ring per (DP, CP, stage)
             core.pool.submit(consumer.name, ledger.minibatch_id, consumer)
         if pass_.encodes:
             for encoder in plan.encoders:

@@ -16,6 +16,15 @@ def group_name(dp: int, cp: int) -> str:
     return f"backbone/dp{dp}/cp{cp}"
 
 
+def data_rings(group: str, pipeline: int) -> tuple[str, ...]:
+    """The data rings serving a store consumer: a backbone group's ring per pipeline stage
+    (``<group>/pp<s>``, ``ConsumerPlan.for_stage``'s names) when ``pipeline > 1``, else its own
+    (see NOTE [ One ring per pipeline stage ] in knitkit/storage/planning/plan.py)."""
+    if pipeline == 1 or not group.startswith("backbone/"):
+        return (group,)
+    return tuple(f"{group}/pp{stage}" for stage in range(pipeline))
+
+
 def encoder_rank_name(encoder: str, dp: int) -> str:
     """An encoder DP rank's consumer name (``EncoderRankPlan.name``)."""
     return f"{encoder}/dp{dp}"
@@ -32,11 +41,13 @@ class RankSpec:
 
     topology: Topology
     pipeline: int
-    """Pipeline stages; each stage's TP ranks read their (DP, CP) group's ring."""
+    """Pipeline stages; each stage's TP ranks read their (DP, CP) group's ring of that stage
+    (``data_rings``)."""
     passes: tuple[Pass, ...]
     encoders: tuple[EncoderTopology, ...]
     rings: Mapping[str, RingSpec]
-    """Data rings by consumer name: ``backbone/dp<d>/cp<c>`` and ``<encoder>/dp<r>``."""
+    """Data rings by name: ``backbone/dp<d>/cp<c>`` (``.../pp<s>`` per stage when
+    ``pipeline > 1``) and ``<encoder>/dp<r>``."""
     schedule: RingSpec
     """Driver -> every rank: one record per (mini-batch, pass), in serving order."""
     write_back: Mapping[str, RingSpec]
@@ -146,9 +157,13 @@ class RankCoords:
         """The rank that sends its group's write-backs: TP rank 0 of the last pipeline stage."""
         return self.tp == 0 and self.stage == spec.pipeline - 1
 
+    def data_ring(self, spec: RankSpec) -> str:
+        """The name of the data ring it reads: its (DP, CP) group's, of its stage."""
+        return data_rings(group_name(self.dp, self.cp), spec.pipeline)[self.stage]
+
     def consumer_index(self, spec: RankSpec) -> int:
-        """Its index among its (DP, CP) group ring's consumers (TP ranks of every stage)."""
-        return self.stage * spec.topology.tp + self.tp
+        """Its index among its data ring's consumers (the TP ranks of its stage)."""
+        return self.tp
 
 
 def _pass(p: Pass) -> dict[str, Any]:

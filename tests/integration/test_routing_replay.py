@@ -31,11 +31,14 @@ from dist import World
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 from knitkit.admission import build_controller
+from knitkit.encoder_dedup import route_minibatch
 from knitkit.integration.megatron import (
+    DedupVLMStep,
     MegatronRank,
     block_causal_mask,
     megatron_batch,
     megatron_batches,
+    stage_layers,
 )
 from knitkit.integration.megatron import cpu as megatron_cpu
 from knitkit.integration.megatron.routing_replay import RoutingReplay
@@ -43,7 +46,9 @@ from knitkit.job import Driver, Output, Pass, RankSpec, broadcast_rank_spec
 from knitkit.microbatch_iter import MicroBatchIterator, PackedMicroBatch
 from knitkit.next_token import next_token_fields
 from knitkit.storage import (
+    EncoderTopology,
     MemoryBackend,
+    MiniBatchPlan,
     PlannerConfig,
     Topology,
     Trajectory,
@@ -51,10 +56,13 @@ from knitkit.storage import (
     pack,
     plan_minibatch,
 )
+from knitkit.storage.planning import plan_encoder
 
 LAYERS, EXPERTS, TOPK, VOCAB = 4, 8, 2, 64
 LENGTHS = (9, 14, 6, 11, 7, 12)
 FIELDS = ("tokens", "labels", "loss_mask", "routing")
+PAD = 64
+"""Tokens of every micro-batch the PP2 job feeds megatron (one length under pipelining)."""
 
 
 def trajectories(seed: int = 0) -> list[Trajectory]:
@@ -154,12 +162,17 @@ def _observe(model: torch.nn.Module, seen: list[tuple[int, torch.Tensor]]) -> No
 
 
 def _run(
-    model: torch.nn.Module, step: Any, batches: Any, count: int = 0, forward_only: bool = False
+    model: torch.nn.Module,
+    step: Any,
+    batches: Any,
+    count: int = 0,
+    forward_only: bool = False,
+    seq_length: int = 0,
 ) -> list[float]:
-    """Megatron's schedule over ``batches`` (a list, or an iterator of ``count``)."""
+    """Megatron's schedule over ``batches`` (a list, or an iterator of ``count`` micro-batches
+    of ``seq_length`` tokens: read only by pipeline p2p, where they share one padded length)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    seq_length = 0  # read only by pipeline p2p, where micro-batches share one padded length
     if isinstance(batches, list):
         count, seq_length = len(batches), int(batches[0]["tokens"].shape[1])
         batches = iter(batches)
@@ -246,10 +259,10 @@ def _record_then_misuse(rank: int) -> dict[str, Any]:
         megatron_cpu.destroy_model_parallel()
 
 
-def _batches(dp: int, tp: int) -> list[dict[str, Any]]:
-    """This rank's micro-batches, read from a store through the planner and THD packing, as
-    megatron batches plus ``routing`` ``[1, T, layers, topk]``, padded to one length (megatron's
-    allgather dispatcher refuses ``variable_seq_lengths``, which PP needs for varying lengths)."""
+def _batches(dp: int, tp: int, plan: MiniBatchPlan | None = None) -> list[dict[str, Any]]:
+    """This rank's micro-batches of ``plan`` (default: one planned here), read from a store of
+    ``trajectories()`` through THD packing with every layer of ``routing``, as ``_padded``
+    megatron batches of one length."""
     from megatron.core import parallel_state as ps
 
     data = trajectories()
@@ -257,40 +270,80 @@ def _batches(dp: int, tp: int) -> list[dict[str, Any]]:
     for trajectory in data:
         store.write(trajectory)
     ids = [t.trajectory_id for t in data]
-    plan = store.register(
-        plan_minibatch(
-            store.metas(ids),
-            Topology(dp=dp, cp=1, tp=tp, sequence_parallel=tp > 1),
-            PlannerConfig(token_fields=FIELDS, scalar_fields=(), min_micro_batches=2),
+    if plan is None:
+        plan = store.register(
+            plan_minibatch(
+                store.metas(ids),
+                Topology(dp=dp, cp=1, tp=tp, sequence_parallel=tp > 1),
+                PlannerConfig(token_fields=FIELDS, scalar_fields=(), min_micro_batches=2),
+            )
         )
-    )
     consumer = plan.consumer(ps.get_data_parallel_rank(), 0)
     schema = store.schema(ids[0])
     packed = [PackedMicroBatch(*pack(mb, schema, store.read_into)) for mb in consumer.micro_batches]
     length = max(mb.num_tokens for c in plan.consumers for mb in c.micro_batches)
-
-    def to_batch(micro_batch: Any) -> dict[str, Any]:
-        batch = megatron_batch(micro_batch)
-        batch["routing"] = micro_batch["routing"][None]
-        padded = micro_batch["cu_seqlens_padded"]
-        pad = length - int(padded[-1])
-        for key in ("tokens", "labels", "loss_mask", "position_ids", "routing"):
-            value = batch[key]
-            tail = torch.zeros((1, pad, *value.shape[2:]), dtype=value.dtype)
-            batch[key] = torch.cat([value, tail], dim=1)
-        batch["position_ids"][0, length - pad :] = torch.arange(pad)
-        lengths = torch.cat([padded[1:] - padded[:-1], torch.tensor([pad])])
-        batch["attention_mask"] = block_causal_mask(lengths[lengths > 0])
-        return batch
-
+    to_batch = functools.partial(_padded, length=PAD if plan.stage_layers else length)
     with MicroBatchIterator(packed) as iterator:
         return list(megatron_batches(iterator, to_batch))
+
+
+def _padded(micro_batch: Any, length: int) -> dict[str, Any]:
+    """A megatron batch plus ``routing`` ``[1, T, layers, topk]``, padded to ``length`` tokens
+    (megatron's allgather dispatcher refuses ``variable_seq_lengths``, which PP needs for
+    varying lengths); new tensors, not views of a ring slot."""
+    batch = megatron_batch(micro_batch)
+    batch["routing"] = micro_batch["routing"][None]
+    padded = micro_batch["cu_seqlens_padded"]
+    pad = length - int(padded[-1])
+    for key in ("tokens", "labels", "loss_mask", "position_ids", "routing"):
+        value = batch[key]
+        tail = torch.zeros((1, pad, *value.shape[2:]), dtype=value.dtype)
+        batch[key] = torch.cat([value, tail], dim=1)
+    batch["position_ids"][0, length - pad :] = torch.arange(pad)
+    lengths = torch.cat([padded[1:] - padded[:-1], torch.tensor([pad])])
+    batch["attention_mask"] = block_causal_mask(lengths[lengths > 0])
+    return batch
+
+
+def _reference(
+    model: torch.nn.Module,
+    routers: list[Any],
+    batches: list[dict[str, Any]],
+    stored: Callable[[Mapping[str, Any], int], torch.Tensor],
+    forward_only: bool = False,
+) -> list[float]:
+    """The unwrapped step, as Megatron-LM's users run it: ``RouterReplay.set_replay_data`` with
+    every local layer's rows, replay forward, then the recompute pops in order. ``routers``:
+    ``model``'s RouterReplay instances, which set_replay_data addresses for the call (it
+    addresses every router the process built)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    layers = sorted(int(m.layer_number) - 1 for m in model.modules() if isinstance(m, TopKRouter))
+    queue = iter(batches)
+
+    def reference_step(data_iterator: Any, chunk: torch.nn.Module) -> Any:
+        batch = next(queue)
+        RouterReplay.set_replay_data([stored(batch, layer) for layer in layers])
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        out = _forward_step(iter([batch]), chunk)
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        return out
+
+    others = list(RouterReplay.global_router_replay_instances)
+    RouterReplay.global_router_replay_instances[:] = routers
+    try:
+        return _run(model, reference_step, batches, forward_only=forward_only)
+    finally:
+        RouterReplay.clear_global_router_replay_action()
+        RouterReplay.clear_global_indices()
+        RouterReplay.global_router_replay_instances[:] = others
 
 
 def _layout(rank: int, dp: int, tp: int, pp: int, recompute: bool) -> dict[str, Any]:
     """One layout on every rank: the wrapped replay, then the reference; what each saw."""
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+    from megatron.core.transformer.moe.router_replay import RouterReplay
 
     megatron_cpu.initialize_model_parallel(tensor_parallel=tp, pipeline_parallel=pp)
     megatron_cpu.install_pipeline_shim()
@@ -305,30 +358,12 @@ def _layout(rank: int, dp: int, tp: int, pp: int, recompute: bool) -> dict[str, 
             local = rows.shape[0] // sp
             return rows[sp_rank * local : (sp_rank + 1) * local, layer].long()
 
-        # the reference first: RouterReplay.set_replay_data addresses every router the process built
         RouterReplay.clear_global_router_replay_instances()
         reference = _model(_config(tp, pp, recompute))
+        ref_routers = list(RouterReplay.global_router_replay_instances)
         ref_seen: list[tuple[int, torch.Tensor]] = []
         _observe(reference, ref_seen)
-        from megatron.core.transformer.moe.router import TopKRouter
-
-        layers = sorted(
-            int(m.layer_number) - 1 for m in reference.modules() if isinstance(m, TopKRouter)
-        )
-        queue = iter(batches)
-
-        def reference_step(data_iterator: Any, model: torch.nn.Module) -> Any:
-            """As Megatron-LM's users do: replay forward, then the recompute pops in order."""
-            batch = next(queue)
-            RouterReplay.set_replay_data([stored(batch, layer) for layer in layers])
-            RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-            out = _forward_step(iter([batch]), model)
-            RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
-            return out
-
-        ref_losses = _run(reference, reference_step, batches)
-        RouterReplay.clear_global_router_replay_action()
-        RouterReplay.clear_global_indices()
+        ref_losses = _reference(reference, ref_routers, batches, stored)
         ref_grads = {
             n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None
         }
@@ -342,7 +377,7 @@ def _layout(rank: int, dp: int, tp: int, pp: int, recompute: bool) -> dict[str, 
         finally:
             replay.clear()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        assert replay.layers == tuple(layers)
+        layers = replay.layers
         wanted = [(layer, stored(b, layer)) for b in batches for layer in layers]
         return {
             "calls": 2 if recompute else 1,
@@ -570,6 +605,136 @@ def test_moe_grpo_example_trains_with_the_rollout_routing(world2: World) -> None
     for history in results:
         assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)
         assert history[0]["overridden"] == 0.0 and history[1]["overridden"] > 0.0, history
+
+
+PP_PASSES = (Pass("score", reads=FIELDS, forward_only=True), Pass("train", reads=FIELDS))
+
+
+def _stage_job(rank: int, spec_json: str) -> dict[str, Any]:
+    """PP2 (1F1B, full recompute) through a real Driver and ``MegatronRank(routing=...)``: each
+    stage's ring carries its own layers of ``routing`` only. The forward-only pass runs through
+    ``DedupVLMStep(routing=...)`` on its own, the train pass through ``work.forward_step``; each
+    against the reference fed every layer of the same plan's micro-batches from a local store."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    megatron_cpu.initialize_model_parallel(pipeline_parallel=2)
+    megatron_cpu.install_pipeline_shim()
+    megatron_cpu.install_moe_shim()
+    megatron_cpu.install_recompute_shim()
+    try:
+        spec = broadcast_rank_spec(RankSpec.from_json(spec_json) if rank == 0 else None)
+        RouterReplay.clear_global_router_replay_instances()
+        reference = _model(_config(1, 2, recompute=True))
+        ref_routers = list(RouterReplay.global_router_replay_instances)
+        model = _model(_config(1, 2, recompute=True))
+        model.vision = torch.nn.Identity()  # DedupVLMStep's vision path: this model has no images
+        ref_seen: list[tuple[int, torch.Tensor]] = []
+        seen: list[tuple[int, torch.Tensor]] = []
+        _observe(reference, ref_seen)
+        _observe(model, seen)
+        replay = RoutingReplay(model)
+        step = DedupVLMStep(model, routing=replay)
+        to_batch = functools.partial(_padded, length=PAD)
+        out: dict[str, Any] = {"passes": []}
+        with MegatronRank.from_parallel_state(spec, to_batch=to_batch, routing=replay) as mrank:
+            for work in mrank.passes():
+                with work:
+                    full = _batches(1, 1, work.plan)  # every layer, read here from the trajectories
+                    seen.clear()
+                    ref_seen.clear()
+                    count = work.num_micro_batches
+                    if work.forward_only:
+                        encoder = plan_encoder([], EncoderTopology("vision", dp=1))
+                        routes = route_minibatch(
+                            {0: work.work.consumer}, encoder.ranks, world_size=1
+                        )
+                        losses = step.run(
+                            forward_step_func=_forward_step,
+                            data_iterator=work.data_iterator(),
+                            route=routes.for_rank(0),
+                            encode_fn=lambda keys: torch.empty(0, 16),
+                            num_microbatches=count,
+                            seq_length=PAD,
+                            micro_batch_size=1,
+                            forward_only=True,
+                        )
+                        losses = [float(o["loss"]) for o in losses]  # type: ignore[index]
+                    else:
+                        step_func = work.forward_step(_forward_step)
+                        losses = _run(model, step_func, work.data_iterator(), count, seq_length=PAD)
+                    stored = lambda b, layer: b["routing"][0, :, layer].long()  # noqa: E731
+                    ref_losses = _reference(reference, ref_routers, full, stored, work.forward_only)
+                    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+                    ref_grads = {
+                        n: p.grad for n, p in reference.named_parameters() if p.grad is not None
+                    }
+                    out["passes"].append(
+                        {
+                            "calls": 1 if work.forward_only else 2,  # recompute reruns forwards
+                            "wanted": [(i, stored(b, i)) for b in full for i in replay.layers],
+                            "seen": list(seen),
+                            "ref_seen": list(ref_seen),
+                            "losses": losses,
+                            "ref_losses": ref_losses,
+                            "grads": {n: g.clone() for n, g in grads.items()},
+                            "ref_grads": {n: g.clone() for n, g in ref_grads.items()},
+                            "leftover": [len(r.replay_backward_list) for _, r in replay._routers],
+                            "stage_layers": work.stage_layers,
+                        }
+                    )
+            out["metrics"] = {**mrank.metrics(), **step.metrics()}
+        out["layers"] = replay.layers
+        return out
+    finally:
+        RouterReplay.clear_global_router_replay_instances()
+        megatron_cpu.destroy_model_parallel()
+
+
+def test_pipeline_stages_read_only_their_layers(world2: World) -> None:
+    """PP2 through a real Driver: one ring per stage, each reading its tokens x its own layers of
+    ``routing`` from the store (a 2-D read: no rank reads the whole field), then replayed by
+    DedupVLMStep(routing=...) on its own (forward-only pass) and by MegatronRank's forward step
+    (train pass): replayed experts == stored for every token and layer (recomputes included),
+    losses and gradients == the reference fed every layer through RouterReplay.set_replay_data."""
+    data = trajectories()
+    controller = build_controller(
+        "streaming", train_batch_size=len(data), num_minibatches=1, sources=["s"]
+    )
+    split = stage_layers(_config(1, 2))
+    assert split.ranges == ((0, 2), (2, 4))  # megatron-core's even split
+    config = Driver.Config(
+        passes=PP_PASSES,
+        topology=Topology(dp=1),
+        pipeline=2,
+        planner=PlannerConfig(min_micro_batches=2, stage_layers=split),
+        slot_bytes=1 << 20,
+        schedule_slot_bytes=1 << 20,
+        write_back_slot_bytes=1 << 18,
+    )
+    with config.build(admission=controller) as driver:
+        for trajectory in data:
+            driver.write(dataclasses.replace(trajectory, source="s"))
+        driver.finish()
+        spec = driver.rank_spec()
+        assert set(spec.rings) == {"backbone/dp0/cp0/pp0", "backbone/dp0/cp0/pp1"}
+        results = world2.run(_stage_job, spec.to_json(), timeout_s=300)
+        driver.drain(120)
+        pooled = driver.metrics()["knitkit/delivery/reorganizer_bytes_read"]
+    _check([p for got in results for p in got["passes"]])
+    tokens = sum(LENGTHS)
+    others = sum(t.token_fields[f].nbytes for t in data for f in FIELDS if f != "routing")
+    for stage, got in enumerate(results):
+        assert got["layers"] == tuple(range(*split.ranges[stage]))
+        assert [p["stage_layers"] for p in got["passes"]] == [split.ranges[stage]] * 2
+        routing = tokens * 2 * TOPK  # its tokens x its 2 layers x top-k, uint8
+        metrics = got["metrics"]
+        assert metrics["knitkit/delivery/producer_bytes_read"] == len(PP_PASSES) * (
+            others + routing
+        ), stage
+        assert metrics["knitkit/routing/delivered_ratio"] == 1.0  # its layers only, no SP
+        assert metrics["knitkit/routing/bytes_read"] == metrics["knitkit/routing/bytes_delivered"]
+    full = tokens * LAYERS * TOPK  # the two stages together read the field once per pass
+    assert pooled == len(PP_PASSES) * (2 * others + full)
 
 
 def test_replay_at_dp2_tp2() -> None:

@@ -11,11 +11,12 @@ from knitkit.storage.backends.ranges import (
     ReadCounter,
     check_replacement,
     check_write,
+    copy_read,
     paste_ranges,
     spec_of,
 )
 from knitkit.storage.backends.validate import check_unit
-from knitkit.types import SeqRange, UnitKey
+from knitkit.types import SeqRange, UnitKey, UnitRead
 
 
 class MemoryBackend(UnitBackend):
@@ -49,6 +50,14 @@ class MemoryBackend(UnitBackend):
         out: np.ndarray | None = None,
     ) -> np.ndarray:
         return self._reads.copy_rows(key, self._unit(key), ranges, out)
+
+    def read_many(self, reads: Sequence[UnitRead], outs: Sequence[np.ndarray]) -> None:
+        """``read`` for every pair; a read's ``columns`` copy only that range of axis 1."""
+        if len(reads) != len(outs):
+            raise ValueError(f"read_many got {len(reads)} reads but {len(outs)} outs; pair them")
+        for unit, out in zip(reads, outs, strict=True):
+            stored = self._unit(unit.key)
+            self._reads.bytes += copy_read(unit, spec_of(stored), stored, out).nbytes
 
     def view(self, key: UnitKey) -> np.ndarray:
         """Read-only zero-copy view of a whole unit."""

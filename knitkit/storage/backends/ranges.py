@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from knitkit.storage.backends.backend import UnitSpec
-from knitkit.types import SeqRange, UnitKey
+from knitkit.types import SeqRange, UnitKey, UnitRead
 
 
 def check_ranges(
@@ -52,6 +52,26 @@ def check_ranges(
     return tuple(out)
 
 
+def check_columns(key: UnitKey, spec: UnitSpec, columns: SeqRange | None) -> SeqRange | None:
+    """Validate a column range (``UnitRead.columns``: a contiguous range of axis 1); ``None``
+    means every column. ``IndexError`` naming the key for a unit without axis 1 or a range
+    outside ``[0, shape[1]]``; ``TypeError`` for bounds that are not integers."""
+    if columns is None:
+        return None
+    if len(spec.shape) < 2:
+        raise IndexError(
+            f"unit {key} of shape {list(spec.shape)} has no axis 1 to take columns "
+            f"{list(columns)} of; read it without columns"
+        )
+    start, stop = (c if type(c) is int else _bound(key, c) for c in columns)
+    if not 0 <= start <= stop <= spec.shape[1]:
+        raise IndexError(
+            f"columns [{start}, {stop}) are outside axis 1 of unit {key} (size {spec.shape[1]}); "
+            "columns must satisfy 0 <= start <= stop <= shape[1]"
+        )
+    return (start, stop)
+
+
 def _bound(key: UnitKey, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"range bound {value!r} of unit {key} is not an integer")
@@ -66,15 +86,29 @@ def rows_of(spec: UnitSpec, ranges: tuple[SeqRange, ...] | None) -> int:
 
 
 def destination(
-    key: UnitKey, spec: UnitSpec, ranges: tuple[SeqRange, ...] | None, out: np.ndarray | None
+    key: UnitKey,
+    spec: UnitSpec,
+    ranges: tuple[SeqRange, ...] | None,
+    out: np.ndarray | None,
+    columns: SeqRange | None = None,
 ) -> np.ndarray:
-    """The array a read fills: ``out`` after checking it, or a fresh one of the right shape."""
+    """The array a read fills: ``out`` after checking it, or a fresh one of the right shape
+    (``columns``, checked: only that range of axis 1)."""
     shape = spec.shape if ranges is None else (rows_of(spec, ranges), *spec.shape[1:])
+    if columns is not None:
+        shape = (shape[0], columns[1] - columns[0], *shape[2:])
     if out is None:
         return np.empty(shape, dtype=spec.dtype)
     if out.dtype != np.dtype(spec.dtype) or out.shape != shape:
+        hint = ""
+        if out.ndim == len(shape) > 1 and out.shape[0] == shape[0] and out.shape[1] < shape[1]:
+            hint = (
+                " (a read of a column range, UnitRead.columns, that this backend's read_many "
+                "ignored: give the job a backend that reads column ranges, e.g. shared memory)"
+            )
         raise ValueError(
-            f"out for unit {key} is {out.dtype}{list(out.shape)}; the read needs {spec.dtype}{list(shape)}"
+            f"out for unit {key} is {out.dtype}{list(out.shape)}; the read needs "
+            f"{spec.dtype}{list(shape)}{hint}"
         )
     if not out.flags.c_contiguous:
         raise ValueError(f"out for unit {key} must be C-contiguous")
@@ -133,8 +167,30 @@ class ReadCounter:
         return self.read(key, spec_of(unit), ranges, out, lambda c, dst: copy_ranges(unit, c, dst))
 
 
-def copy_ranges(unit: np.ndarray, ranges: tuple[SeqRange, ...] | None, dst: np.ndarray) -> None:
-    """Copy ``ranges`` of ``unit`` (all of it for ``None``) back to back into ``dst``."""
+def copy_read(
+    unit: UnitRead, spec: UnitSpec, stored: np.ndarray, out: np.ndarray | None
+) -> np.ndarray:
+    """One ``UnitRead`` of a unit held in (local or shared) memory, ``stored``: its ranges and
+    columns checked, copied into ``out`` (or a fresh array), which it returns. A column range
+    is a strided copy: the other columns of a row are never read (a pipeline stage's layers of
+    ``[tokens, layers, topk]`` routing)."""
+    ranges = check_ranges(unit.key, spec, unit.ranges)
+    columns = check_columns(unit.key, spec, unit.columns)
+    dst = destination(unit.key, spec, ranges, out, columns)
+    copy_ranges(stored, ranges, dst, columns)
+    return dst
+
+
+def copy_ranges(
+    unit: np.ndarray,
+    ranges: tuple[SeqRange, ...] | None,
+    dst: np.ndarray,
+    columns: SeqRange | None = None,
+) -> None:
+    """Copy ``ranges`` of ``unit`` (all of it for ``None``) back to back into ``dst``; only
+    ``columns`` of axis 1 when given (checked)."""
+    if columns is not None:
+        unit = unit[:, columns[0] : columns[1]]
     if ranges is None:
         np.copyto(dst, unit)
         return

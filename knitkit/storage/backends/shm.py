@@ -17,7 +17,7 @@ from knitkit.storage.backends.ranges import (
     ReadCounter,
     check_replacement,
     check_write,
-    copy_ranges,
+    copy_read,
     paste_ranges,
     spec_of,
 )
@@ -161,9 +161,8 @@ class SharedMemoryBackend(UnitBackend):
                 if slab_index not in sized:  # once per slab and call
                     self._check_slab(slab_index, reads)
                     sized.add(slab_index)
-                checked, dst = ReadCounter.open(unit.key, spec, unit.ranges, out)
-                copy_ranges(slabs[slab_index].array(offset, spec.dtype, spec.shape), checked, dst)
-                moved += dst.nbytes
+                stored = slabs[slab_index].array(offset, spec.dtype, spec.shape)
+                moved += copy_read(unit, spec, stored, out).nbytes  # columns: a strided copy
         finally:
             self._reads.bytes += moved
 

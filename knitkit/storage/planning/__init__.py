@@ -29,6 +29,7 @@ from knitkit.storage.planning.plan import (
     MicroBatchPlan,
     MiniBatchPlan,
     SequenceSlice,
+    StageLayers,
     Topology,
 )
 from knitkit.storage.planning.planner import PlannerConfig, plan_encoder, plan_minibatch
@@ -47,6 +48,7 @@ __all__ = [
     "ReadMany",
     "RowSpec",
     "SequenceSlice",
+    "StageLayers",
     "Topology",
     "cp_chunks",
     "karmarkar_karp",

@@ -50,6 +50,14 @@ def pack_layout(
     specs: dict[str, tuple[str, tuple[int, ...]]] = {}
     for name in micro_batch.token_fields:
         dtype, row = schema[name]
+        columns = micro_batch.column_range(name)
+        if columns is not None:  # a stage's layers (NOTE [ One ring per pipeline stage ])
+            if not row or not 0 <= columns[0] <= columns[1] <= row[0]:
+                raise ValueError(
+                    f"field {name!r} has rows {list(row)}; the plan reads its axis-1 columns "
+                    f"{list(columns)}: plan with StageLayers of this field's layer count"
+                )
+            row = (columns[1] - columns[0], *row[1:])
         specs[name] = (dtype, (total, *row))
     specs[POSITION_IDS] = ("int64", (total,))
     specs.setdefault(LOSS_MASK, ("float32", (total,)))
@@ -80,14 +88,16 @@ def unit_reads(
     """
     reads: list[UnitRead] = []
     outs: list[np.ndarray] = []
-    token_views = [(name, views[name]) for name in micro_batch.token_fields]
+    token_views = [
+        (name, views[name], micro_batch.column_range(name)) for name in micro_batch.token_fields
+    ]
     scalar_views = [(name, views[name]) for name in micro_batch.scalar_fields]
     offset = 0
     for i, seq in enumerate(micro_batch.sequences):
         ranges = _merge_adjacent(seq.read_ranges)
         real = sum(b - a for a, b in ranges)
-        for name, view in token_views:
-            reads.append(UnitRead(UnitKey(seq.trajectory_id, name), ranges))
+        for name, view, columns in token_views:
+            reads.append(UnitRead(UnitKey(seq.trajectory_id, name), ranges, columns))
             outs.append(view[offset : offset + real])
         for name, view in scalar_views:
             reads.append(UnitRead(UnitKey(seq.trajectory_id, name)))

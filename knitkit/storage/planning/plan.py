@@ -6,7 +6,7 @@ import collections
 import itertools
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -84,6 +84,68 @@ def _check_size(what: str, value: object) -> None:
         raise ValueError(f"{what}={value!r} must be an int >= 1")
 
 
+# NOTE [ One ring per pipeline stage ]: under pipeline parallelism every (DP, CP) group has one
+# ring per stage (``backbone/dp<d>/cp<c>/pp<s>``, consumed by that stage's TP ranks), each fed by
+# its own reorganizer from the mini-batch's one plan (``MiniBatchPlan.stage_consumers``). For two
+# reasons: a stage reads only its own layers of the layer-indexed fields (MoE routing
+# ``[tokens, layers, topk]``, 384 bytes a token at 48 layers x top-8 in uint8; a stage of PP=k
+# reads its 1/k straight into the slot, its tokens x its layers in one 2-D read:
+# ``UnitRead.columns``, ``ranges.copy_read``, never a read-then-drop), and the stages of a group
+# usually sit on different nodes, which one ring in one node's /dev/shm cannot reach. Every
+# other field goes whole to every stage's ring: megatron's first stage needs the tokens, the last
+# one labels, loss_mask and the loss's fields, a middle one only cu_seqlens, but which stage
+# reads what is the user's forward step's business, and those fields are a few bytes a token
+# (int32 tokens, float32 logprobs) against routing's hundreds, so dropping them would tie a
+# ring's contents to the forward step for a small saving. The stage split of the layers is the
+# model's (megatron-core's ``get_transformer_layer_offset`` / ``get_num_layers_to_build``, read
+# by ``knitkit.integration.megatron.stage_layers``), carried by the plan (``stage_layers``) so
+# every rank checks its routers against it. Store consumers, write-back and the driver's ledger
+# stay per (DP, CP) group (its writer rank is TP 0 of the last stage); a group's units are freed
+# once every stage's reorganizer published the mini-batch. A job of one stage keeps one ring per
+# group under the group's name, and plans whose JSON has no stage fields.
+
+
+@dataclass(frozen=True, slots=True)
+class StageLayers:
+    """Pipeline stages' shares of layer-indexed per-token fields (``[tokens, layers, ...]``, e.g.
+    MoE routing): stage ``s`` reads only layers ``ranges[s]`` of each of ``fields``, its tokens
+    x its layers in one 2-D read (NOTE [ One ring per pipeline stage ])."""
+
+    ranges: tuple[SeqRange, ...]
+    """Per stage, its decoder layers ``[start, stop)``, back to back from layer 0, as
+    megatron-core builds them (``knitkit.integration.megatron.stage_layers(config)``)."""
+    fields: tuple[str, ...]
+    """Per-token fields whose axis 1 is the decoder layer (e.g. ``("routing",)``)."""
+
+    def __post_init__(self) -> None:
+        ranges = tuple(tuple(r) for r in self.ranges)  # JSON gives lists
+        object.__setattr__(self, "ranges", ranges)
+        object.__setattr__(self, "fields", tuple(self.fields))
+        stop = 0
+        for stage, bounds in enumerate(ranges):
+            ok = len(bounds) == 2 and all(type(b) is int for b in bounds)
+            if not ok or bounds[0] != stop or bounds[1] < bounds[0]:
+                raise ValueError(
+                    f"StageLayers.ranges={list(ranges)}: stage {stage}'s layers {bounds} must be "
+                    f"[start, stop) ints starting at layer {stop}, where the previous stage "
+                    "stops (stages hold consecutive layers, as megatron-core builds them)"
+                )
+            stop = bounds[1]
+        if not ranges:
+            raise ValueError("StageLayers.ranges is empty; give one [start, stop) per stage")
+        if not all(isinstance(f, str) and f for f in self.fields):
+            raise ValueError(f"StageLayers.fields={self.fields!r} must be field names")
+
+    @property
+    def stages(self) -> int:
+        return len(self.ranges)
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the whole model (axis 1 of each field as stored)."""
+        return self.ranges[-1][1]
+
+
 @dataclass(frozen=True, slots=True)
 class SequenceSlice:
     """One trajectory's share of a packed micro-batch on one CP rank."""
@@ -138,18 +200,29 @@ class MicroBatchPlan:
     """Per-token fields read with the sequences' ranges (e.g. "tokens", "logprobs", "routing")."""
     scalar_fields: tuple[str, ...] = ()
     """Per-trajectory fields read whole (e.g. "reward")."""
+    columns: tuple[tuple[str, int, int], ...] = field(default=(), repr=False)
+    """``(field, start, stop)``: per-token fields read only along ``[start, stop)`` of axis 1 (a
+    pipeline stage's layers, ``ConsumerPlan.for_stage``); the others are read whole per row."""
 
     @property
     def num_tokens(self) -> int:
         """Packed tokens (padding included) on this consumer."""
         return sum(s.local_length for s in self.sequences)
 
+    def column_range(self, name: str) -> SeqRange | None:
+        """The axis-1 range field ``name`` is read along, ``None`` for every column."""
+        for f, start, stop in self.columns:
+            if f == name:
+                return (start, stop)
+        return None
+
     def reads(self) -> tuple[UnitRead, ...]:
         """Every unit read of this micro-batch, sequence by sequence, fields in declared order."""
         out: list[UnitRead] = []
+        columns = [(f, self.column_range(f)) for f in self.token_fields]
         for seq in self.sequences:
             ranges = seq.read_ranges
-            out.extend(UnitRead(UnitKey(seq.trajectory_id, f), ranges) for f in self.token_fields)
+            out.extend(UnitRead(UnitKey(seq.trajectory_id, f), ranges, c) for f, c in columns)
             out.extend(UnitRead(UnitKey(seq.trajectory_id, f)) for f in self.scalar_fields)
         return tuple(out)
 
@@ -193,7 +266,8 @@ class MicroBatchPlan:
         self, token_fields: tuple[str, ...], scalar_fields: tuple[str, ...]
     ) -> MicroBatchPlan:
         """This micro-batch carrying only the given fields (same sequences, same packing)."""
-        return MicroBatchPlan(self.index, self.sequences, token_fields, scalar_fields)
+        columns = tuple(c for c in self.columns if c[0] in token_fields)
+        return MicroBatchPlan(self.index, self.sequences, token_fields, scalar_fields, columns)
 
 
 # NOTE [ Packing order ]: a consumer's packed micro-batch lays its sequences back to back in
@@ -234,10 +308,29 @@ class ConsumerPlan:
     schema: tuple[FieldSchema, ...] = ()
     """Every field's dtype and row shape (``TrajectoryStore.register`` fills it in), so a consumer
     with no trajectories (an idle DP rank) still gets a valid empty layout."""
+    stage: int | None = field(default=None, repr=False)
+    """The pipeline stage whose ring this assignment feeds (``for_stage``); ``None``: the
+    group's one ring (a job of one stage)."""
 
     @property
     def name(self) -> str:
-        return f"backbone/dp{self.dp_rank}/cp{self.cp_rank}"
+        group = f"backbone/dp{self.dp_rank}/cp{self.cp_rank}"
+        return group if self.stage is None else f"{group}/pp{self.stage}"
+
+    def for_stage(self, stage: int, layers: StageLayers | None) -> ConsumerPlan:
+        """This group's assignment for pipeline stage ``stage``'s ring: the same micro-batches,
+        each of ``layers.fields`` they pack read along the stage's layers only (``columns``);
+        ``layers=None``: every field whole (NOTE [ One ring per pipeline stage ])."""
+        if layers is None:
+            return replace(self, stage=stage)
+        start, stop = layers.ranges[stage]
+        micro_batches = tuple(
+            replace(
+                mb, columns=tuple((f, start, stop) for f in layers.fields if f in mb.token_fields)
+            )
+            for mb in self.micro_batches
+        )
+        return replace(self, micro_batches=micro_batches, stage=stage)
 
     @property
     def row_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -285,6 +378,8 @@ class MiniBatchPlan:
     consumers: tuple[ConsumerPlan, ...]
     """Ordered DP-major: ``consumers[dp * topology.cp + cp]``."""
     encoders: tuple[EncoderPlan, ...] = ()
+    stage_layers: StageLayers | None = field(default=None, repr=False)
+    """Pipeline stages' layers of layer-indexed fields (``PlannerConfig.stage_layers``)."""
 
     def consumer(self, dp_rank: int, cp_rank: int) -> ConsumerPlan:
         if not (0 <= dp_rank < self.topology.dp and 0 <= cp_rank < self.topology.cp):
@@ -300,6 +395,22 @@ class MiniBatchPlan:
     @property
     def num_micro_batches(self) -> int:
         return len(self.consumers[0].micro_batches) if self.consumers else 0
+
+    def stage_consumers(self, pipeline: int) -> tuple[ConsumerPlan, ...]:
+        """What the backbone reorganizers serve: ``consumers`` in a job of one stage, else one
+        assignment per (DP, CP, stage), each for its stage's ring (``ConsumerPlan.for_stage``),
+        DP-major, then CP, then stage. ``ValueError`` when ``stage_layers`` splits the layers
+        over another number of stages (NOTE [ One ring per pipeline stage ])."""
+        layers = self.stage_layers
+        if layers is not None and layers.stages != pipeline:
+            raise ValueError(
+                f"plan {self.minibatch_id!r} splits layers over {layers.stages} pipeline stages "
+                f"({list(layers.ranges)}) but the job runs {pipeline}; build "
+                "PlannerConfig(stage_layers=...) for the job's pipeline"
+            )
+        if pipeline == 1:
+            return self.consumers
+        return tuple(c.for_stage(s, layers) for c in self.consumers for s in range(pipeline))
 
     def reads_by_consumer(self) -> dict[str, tuple[UnitRead, ...]]:
         """Reads of every consumer (backbone and encoder ranks) by consumer name."""
@@ -374,11 +485,19 @@ class MiniBatchPlan:
         return _decode_plan(json.loads(text))
 
 
+_LEFT_OUT = {"columns": (), "stage": None, "stage_layers": None}
+"""Fields written to JSON only when set (and never to repr): a plan of one stage reads as before."""
+
+
 def _encode(value: Any) -> Any:
     if isinstance(value, UnitKey):
         return str(value)
     if hasattr(value, "__dataclass_fields__"):
-        return {name: _encode(getattr(value, name)) for name in value.__dataclass_fields__}
+        return {
+            name: _encode(getattr(value, name))
+            for name in value.__dataclass_fields__
+            if name not in _LEFT_OUT or getattr(value, name) != _LEFT_OUT[name]
+        }
     if isinstance(value, tuple | list):
         return [_encode(v) for v in value]
     return value
@@ -403,7 +522,9 @@ def _decode_plan(raw: dict[str, Any]) -> MiniBatchPlan:
 
     def micro(m: dict[str, Any]) -> MicroBatchPlan:
         seqs = tuple(sequence(s) for s in m["sequences"])
-        return MicroBatchPlan(m["index"], seqs, tuple(m["token_fields"]), tuple(m["scalar_fields"]))
+        columns = tuple((str(f), int(a), int(b)) for f, a, b in m.get("columns", ()))
+        token, scalar = tuple(m["token_fields"]), tuple(m["scalar_fields"])
+        return MicroBatchPlan(m["index"], seqs, token, scalar, columns)
 
     def encoder(e: dict[str, Any]) -> EncoderPlan:
         t = e["topology"]
@@ -424,12 +545,15 @@ def _decode_plan(raw: dict[str, Any]) -> MiniBatchPlan:
             c["cp_rank"],
             tuple(micro(m) for m in c["micro_batches"]),
             tuple(field(f) for f in c.get("schema", ())),
+            c.get("stage"),
         )
         for c in raw["consumers"]
     )
+    layers = raw.get("stage_layers")
     return MiniBatchPlan(
         raw["minibatch_id"],
         Topology(**raw["topology"]),
         consumers,
         tuple(encoder(e) for e in raw["encoders"]),
+        None if layers is None else StageLayers(_ranges(layers["ranges"]), tuple(layers["fields"])),
     )

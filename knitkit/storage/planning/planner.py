@@ -22,6 +22,7 @@ from knitkit.storage.planning.plan import (
     MicroBatchPlan,
     MiniBatchPlan,
     SequenceSlice,
+    StageLayers,
     Topology,
     build_many,
 )
@@ -49,6 +50,9 @@ class PlannerConfig:
     """Extra padding: each CP chunk (the whole sequence at CP=1) becomes a multiple of this, i.e.
     sequences are padded to ``topology.pad_multiple * pad_multiple``; 16 for FP8 under
     Transformer Engine."""
+    stage_layers: StageLayers | None = None
+    """Pipeline stages' layers of layer-indexed fields (e.g. MoE routing): each stage's ring
+    reads only its layers (NOTE [ One ring per pipeline stage ]); ``None``: fields go whole."""
 
     def __post_init__(self) -> None:
         budgets = {
@@ -63,6 +67,10 @@ class PlannerConfig:
         ):
             raise ValueError(
                 f"PlannerConfig.min_micro_batches={self.min_micro_batches!r} must be an int >= 1"
+            )
+        if self.stage_layers is not None and not isinstance(self.stage_layers, StageLayers):
+            raise TypeError(
+                f"PlannerConfig.stage_layers={self.stage_layers!r} must be a StageLayers or None"
             )
         if isinstance(self.pad_multiple, bool) or not (
             isinstance(self.pad_multiple, int) and self.pad_multiple >= 1
@@ -129,7 +137,7 @@ def _plan(
         _plan_encoder(columns.multimodal, e, config.encoder_max_cost_per_micro_batch)
         for e in encoders
     )
-    return MiniBatchPlan(minibatch_id, topology, consumers, encoder_plans)
+    return MiniBatchPlan(minibatch_id, topology, consumers, encoder_plans, config.stage_layers)
 
 
 def _check_layout(
@@ -216,7 +224,7 @@ def _consumers(
     padded_list = lengths.tolist()
     cuts = _cuts(sizes)
     index = list(range(count)) * topology.dp
-    fields = (repeat(config.token_fields), repeat(config.scalar_fields))
+    fields = (repeat(config.token_fields), repeat(config.scalar_fields), repeat(()))
     by_cp = []
     for chunks in chunks_by_rank(lengths, topology.cp):
         slices = build_many(SequenceSlice, len(seq), ids, tokens, padded_list, chunks, multimodal)
