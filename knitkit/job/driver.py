@@ -244,7 +244,7 @@ class Driver:
 
     def adopt(self, placed: PlacedTrajectory) -> TrajectoryMeta:
         """``write`` for a trajectory whose units its rollout writer put in the store's backend
-        on its own node (``knitkit.storage.place`` / ``UnitPlacer``): the driver takes only the
+        on its own node (``knitkit.storage.UnitPlacer``): the driver takes only the
         record (``PlacedTrajectory.from_dict`` of what the writer sent), checks the units in
         one lookup and never holds their payload (NOTE [ Units stay where they are produced ]).
         """
