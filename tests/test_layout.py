@@ -72,11 +72,12 @@ def test_benchmarks_import_parts_only_through_faces() -> None:
 
 
 def test_the_storage_user_face_is_small() -> None:
-    """``knitkit.storage`` is the user's face (about 25 names); helpers for backend authors and
+    """``knitkit.storage`` is the user's face (about 25 names: 27 with the rollout writer's
+    ``UnitPlacer`` and its ``PlacedTrajectory``); helpers for backend authors and
     adapters live on their own faces, internals on none."""
     import knitkit.storage
 
-    assert len(knitkit.storage.__all__) <= 25, sorted(knitkit.storage.__all__)
+    assert len(knitkit.storage.__all__) <= 27, sorted(knitkit.storage.__all__)
     for internal in ("ReadCounter", "check_ranges", "ReorganizerHost"):
         assert internal not in knitkit.storage.__all__
 

@@ -22,8 +22,10 @@ from .vision import ImageInput
 
 
 class TrajectorySink(Protocol):
-    """Where finished trajectories go: a ``knitkit.storage.TrajectoryStore`` or a
-    ``knitkit.job.Driver`` (which also reports each one to admission)."""
+    """Where finished trajectories go: a ``knitkit.storage.TrajectoryStore``, a
+    ``knitkit.job.Driver`` (which also reports each one to admission), or on a node other than
+    the driver's a ``knitkit.storage.UnitPlacer`` (units stay on this node; the driver adopts
+    the record it sends)."""
 
     def write(self, trajectory: Trajectory) -> TrajectoryMeta: ...
 

@@ -30,7 +30,7 @@ from knitkit.storage.planning.plan import (
 )
 from knitkit.storage.planning.planner import PlannerConfig, plan_minibatch
 from knitkit.storage.units.payload import MultimodalInput, Trajectory, content_key, video_groups
-from knitkit.storage.units.placement import PlacedTrajectory, UnitPlacer, place
+from knitkit.storage.units.placement import PlacedTrajectory, UnitPlacer
 from knitkit.storage.units.store import TrajectoryStore
 
 __all__ = [
@@ -59,7 +59,6 @@ __all__ = [
     "UnitsLostError",
     "content_key",
     "pack",
-    "place",
     "plan_minibatch",
     "video_groups",
 ]

@@ -106,11 +106,11 @@ def _writer(backend_name: str) -> None:
     import ray
 
     from knitkit.integration.ray import RayBackend
-    from knitkit.storage import place
+    from knitkit.storage import UnitPlacer
     from knitkit.storage.baselines import synthetic_trajectories
 
     ray.init(namespace=NAMESPACE, logging_level="ERROR")
-    backend = RayBackend(backend_name, create=False)
+    placer = UnitPlacer(RayBackend(backend_name, create=False))
     for step, scale in enumerate([1] * STEPS + [10] * STEPS):
         placed_bytes = 0
         for trajectory in synthetic_trajectories(2, group_size=4, seed=step, **_sizes(scale)):
@@ -119,7 +119,7 @@ def _writer(backend_name: str) -> None:
                 trajectory_id=f"p{step}{trajectory.trajectory_id}",
                 sample_id=f"p{step}{trajectory.sample_id}",
             )
-            placed = place(backend, renamed)
+            placed = placer.place(renamed)
             placed_bytes += sum(s.nbytes for s in placed.specs.values())
             print(json.dumps(placed.to_dict()), flush=True)
         print(json.dumps({"step": step, "placed_bytes": placed_bytes}), flush=True)

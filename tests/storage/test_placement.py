@@ -14,7 +14,6 @@ from knitkit.storage import (
     Topology,
     TrajectoryStore,
     UnitPlacer,
-    place,
     plan_minibatch,
 )
 from knitkit.storage.baselines import synthetic_trajectories
@@ -55,11 +54,11 @@ def test_adopt_refuses_units_the_backend_lacks_or_holds_otherwise() -> None:
     first, second = synthetic_trajectories(1, group_size=2)
     backend = MemoryBackend()
     store = TrajectoryStore(backend)
-    placed = place(backend, first)
+    placed = UnitPlacer(backend).place(first)
     backend.delete(UnitKey(first.trajectory_id, "logprobs"))
     with pytest.raises(KeyError, match=f"{first.trajectory_id}/logprobs"):
         store.adopt(placed)
-    data = place(backend, second).to_dict()
+    data = UnitPlacer(backend).place(second).to_dict()
     data["specs"][f"{second.trajectory_id}/tokens"][1][0] += 1
     with pytest.raises(ValueError, match=f"{second.trajectory_id}/tokens stored int"):
         store.adopt(PlacedTrajectory.from_dict(data))
@@ -76,7 +75,7 @@ def test_adopt_refuses_units_the_backend_lacks_or_holds_otherwise() -> None:
 )
 def test_a_malformed_record_is_refused_naming_the_entry(path: tuple[str, str], bad: object) -> None:
     """``from_dict`` parses what ``to_dict`` wrote and refuses anything else, naming it."""
-    data = place(MemoryBackend(), synthetic_trajectories(1, group_size=1)[0]).to_dict()
+    data = UnitPlacer(MemoryBackend()).place(synthetic_trajectories(1, group_size=1)[0]).to_dict()
     data[path[0]][path[1]] = bad
     with pytest.raises((ValueError, TypeError), match="placed trajectory record: "):
         PlacedTrajectory.from_dict(data)

@@ -21,7 +21,7 @@ from knitkit.types import TrajectoryMeta, UnitKey
 # ``TrajectoryStore.write`` puts every unit from the process that calls it: in a job, the
 # driver, so every byte of every rollout (images, per-token routing) crossed the driver's
 # node and sat in its process on the way. Placement splits the write in two. The rollout
-# writer, on its own node, calls ``place(backend, trajectory)``: it validates the trajectory
+# writer, on its own node, calls ``UnitPlacer(backend, send).place(trajectory)``: it validates the trajectory
 # (``Trajectory.units``), puts its units in a backend every node shares (``RayBackend``:
 # ``ray.put`` in the writer, so the objects live in the writer node's object store) and
 # returns a ``PlacedTrajectory``: the index record and each unit's dtype and shape, plain
@@ -138,17 +138,28 @@ def place(backend: UnitBackend, trajectory: Trajectory) -> PlacedTrajectory:
 
 
 class UnitPlacer:
-    """A ``TrajectorySink`` for a rollout writer off the driver's node: ``write`` places the
-    trajectory's units here and hands the record to ``send`` (which carries it to the driver's
-    ``adopt``: a queue, an actor call, a socket). ``RolloutWriter(UnitPlacer(backend, send))``.
+    """A rollout writer's handle off the driver's node: ``place`` puts a trajectory's units in
+    ``backend`` from this process and returns its record; ``write`` (a ``TrajectorySink``:
+    ``RolloutWriter(UnitPlacer(backend, send))``) also hands the record to ``send``, which carries
+    it to the driver's ``adopt`` (a queue, an actor call, a socket). See NOTE [ Units stay where
+    they are produced ].
     """
 
-    def __init__(self, backend: UnitBackend, send: Callable[[PlacedTrajectory], None]) -> None:
+    def __init__(
+        self, backend: UnitBackend, send: Callable[[PlacedTrajectory], None] | None = None
+    ) -> None:
         self.backend = backend
         self.send = send
 
+    def place(self, trajectory: Trajectory) -> PlacedTrajectory:
+        """Validate ``trajectory``, put its units and return its record (``place``)."""
+        return place(self.backend, trajectory)
+
     def write(self, trajectory: Trajectory) -> TrajectoryMeta:
-        placed = place(self.backend, trajectory)
+        """``place`` and hand the record to ``send``; returns the metadata."""
+        if self.send is None:
+            raise ValueError("UnitPlacer.write sends each record: build it with send=...")
+        placed = self.place(trajectory)
         self.send(placed)
         return placed.meta
 

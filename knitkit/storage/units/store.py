@@ -116,7 +116,7 @@ class TrajectoryStore:
 
     def adopt(self, placed: PlacedTrajectory) -> TrajectoryMeta:
         """Index a trajectory whose units a writer already put in this store's backend
-        (``place``, on the writer's node): ``write`` without moving a byte of payload.
+        (``UnitPlacer.place``, on the writer's node): ``write`` without moving a byte of payload.
 
         Checks every unit the record names with one backend lookup: ``KeyError`` naming the
         units the backend lacks (never placed, freed since, or their writer died), ``ValueError``
