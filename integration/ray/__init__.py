@@ -1,4 +1,4 @@
-"""knitkit.integration.ray: the Ray object-store backend, node-local reorganizer actors, plan dispatch.
+"""knitkit.integration.ray: the Ray object-store backend, node-local reorganizer actors, plan dispatch, control relays.
 
 Importing this package does not import Ray; each name loads its module (and Ray) on first use
 (see NOTE [ Ray loopback runtime ] in ``runtime.py``).
@@ -14,6 +14,7 @@ from .runtime import loopback_only, start_ray
 if TYPE_CHECKING:
     from .backend import RayBackend, UnitDirectory, UnitsLostError
     from .dispatch import RayDispatcher, RingConfig
+    from .relay import ControlRelay, RayControl
     from .reorganizer import ReorganizerActor
 
 _MODULE_OF = {
@@ -23,10 +24,14 @@ _MODULE_OF = {
     "RayDispatcher": "dispatch",
     "RingConfig": "dispatch",
     "ReorganizerActor": "reorganizer",
+    "ControlRelay": "relay",
+    "RayControl": "relay",
 }
 
 __all__ = [
+    "ControlRelay",
     "RayBackend",
+    "RayControl",
     "RayDispatcher",
     "ReorganizerActor",
     "RingConfig",

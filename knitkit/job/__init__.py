@@ -6,12 +6,14 @@ training rank holds a ``RankHandle`` built from the driver's ``RankSpec``.
 """
 
 from knitkit.job.broadcast import broadcast_rank_spec
+from knitkit.job.control import ControlLayout, ControlPlane, LocalControl
 from knitkit.job.driver import Driver
 from knitkit.job.errors import (
     DriverDiedError,
     DriverFailedError,
     DriverNotFoundError,
     JobError,
+    NodeFailedError,
     RankFailedError,
     ReorganizerFailedError,
     WriteBackMissingError,
@@ -24,12 +26,16 @@ from knitkit.job.spec import RankCoords, RankSpec
 from knitkit.job.work import PassWork
 
 __all__ = [
+    "ControlLayout",
+    "ControlPlane",
     "Driver",
     "DriverDiedError",
     "DriverFailedError",
     "DriverNotFoundError",
     "JobError",
+    "LocalControl",
     "MiniBatchLedger",
+    "NodeFailedError",
     "Output",
     "Pass",
     "PassLedger",

@@ -9,14 +9,15 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from knitkit.job.control import WriteBackSource
 from knitkit.job.core import JobCore
 from knitkit.job.errors import RankFailedError, WriteBackMissingError
 from knitkit.job.ledger import MiniBatchLedger
 from knitkit.job.passes import Pass
-from knitkit.job.records import Record, RecordReader
+from knitkit.job.records import Record
 from knitkit.metrics import merge, sum_over
-from knitkit.storage import ReorganizerDiedError, ReorganizerError, RingSpec
-from knitkit.storage.delivery import ConsumerClosedError, Producer, RingNotReadyError
+from knitkit.storage import ReorganizerDiedError, ReorganizerError
+from knitkit.storage.delivery import ConsumerClosedError, RingNotReadyError
 
 ATTACH_POLL_S = 0.05
 """How often a collector looks for its writer rank's ring before the rank has created it."""
@@ -35,37 +36,26 @@ class Collector:
     """
 
     def __init__(
-        self,
-        core: JobCore,
-        group: str,
-        spec: RingSpec,
-        liveness_timeout_s: float,
-        attach_timeout_s: float,
+        self, core: JobCore, group: str, source: WriteBackSource, attach_timeout_s: float
     ) -> None:
-        self.core, self.group, self.spec = core, group, spec
-        self.liveness_timeout_s = liveness_timeout_s
+        self.core, self.group, self.source = core, group, source
         self.attach_timeout_s = attach_timeout_s
-        self.reader: RecordReader | None = None
         self.thread = threading.Thread(
             target=self._run, name=f"knitkit-driver-{group}", daemon=True
         )
 
     def close(self) -> None:
         """Make the thread leave (a wait for the next record raises at once)."""
-        with self.core.lock:
-            reader = self.reader
-        if reader is not None:
-            reader.close()
+        self.source.close()
 
     def _run(self) -> None:
         core = self.core
         try:
-            reader = self._attach()
-            if reader is None:
+            if not self._attach():
                 return
             while True:
                 try:
-                    record = reader.next(math.inf)
+                    record = self.source.next(math.inf)
                 except ConsumerClosedError:
                     return
                 except (ReorganizerDiedError, ReorganizerError) as error:
@@ -82,17 +72,14 @@ class Collector:
             if not core.stopping.is_set():
                 core.fail(error)
 
-    def _attach(self) -> RecordReader | None:
+    def _attach(self) -> bool:
         """The writer rank creates its ring when it starts: wait for it (until stopped), at most
         ``attach_timeout_s`` once the schedule holds work for the ranks."""
         core = self.core
-        writer = Producer(f"writer rank of {self.group}", "its rank's log says why")
         deadline = math.inf
         while not core.stopping.is_set():
             try:
-                reader = RecordReader(
-                    self.spec, 0, producer=writer, liveness_timeout_s=self.liveness_timeout_s
-                )
+                self.source.attach()
             except RingNotReadyError as missing:  # NOTE [ Ring role locks ] in slot_ring.py
                 if deadline == math.inf and core.schedule.published:
                     deadline = time.monotonic() + self.attach_timeout_s
@@ -100,12 +87,10 @@ class Collector:
                     raise self._none_attached(missing) from None
                 core.stopping.wait(ATTACH_POLL_S)
                 continue
-            with core.lock:
-                if not core.stopping.is_set():
-                    self.reader = reader
-                    return reader
-            reader.close()
-        return None
+            except ConsumerClosedError:
+                return False
+            return not core.stopping.is_set()
+        return False
 
     def _none_attached(self, missing: RingNotReadyError) -> RankFailedError:
         schedule = self.core.schedule
@@ -113,8 +98,10 @@ class Collector:
             f"no rank attached to {self.group} within attach_timeout_s={self.attach_timeout_s} "
             "s of the first pass served: its writer rank (TP 0 of the last pipeline stage) "
             f"never created its write-back ring ({missing}); ranks attached to the schedule: "
-            f"{schedule.readers_attached()} of {schedule.spec.num_consumers}. Start every rank "
-            "with this driver's rank_spec() on the driver's node (sharing its /dev/shm)"
+            f"{schedule.readers_attached()} of {schedule.readers}. Start every rank with this "
+            "driver's rank_spec() where its control plane reaches it (LocalControl, the "
+            "default: on the driver's node, sharing its /dev/shm; RayControl: on the node its "
+            "placement names)"
         )
 
     def _apply(self, record: Record) -> None:

@@ -7,12 +7,12 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 
+from knitkit.job.control import Control, ScheduleSink
 from knitkit.job.errors import DriverFailedError, JobError
 from knitkit.job.ledger import JobLedger
 from knitkit.job.passes import Pass, rollout_fields, written_by
 from knitkit.job.pool import ReorganizerPool
 from knitkit.job.spec import data_rings
-from knitkit.job.records import RecordWriter
 from knitkit.metrics import merge
 from knitkit.storage import TrajectoryStore
 
@@ -25,8 +25,8 @@ class JobCore:
     passes: tuple[Pass, ...]
     store: TrajectoryStore
     pool: ReorganizerPool
-    schedule: RecordWriter
-    """The driver -> ranks ring (the scheduler publishes; ``fail`` fails it for every rank)."""
+    control: Control
+    """The driver's channels to its ranks (NOTE [ Control across nodes ] in control.py)."""
     pipeline: int = 1
     """Pipeline stages: each (DP, CP) group has a data ring per stage (``data_rings``)."""
     lock: threading.Condition = field(
@@ -47,6 +47,12 @@ class JobCore:
     def __post_init__(self) -> None:
         self.rollout = rollout_fields(self.passes)
         self.writer_of = written_by(self.passes)
+
+    @property
+    def schedule(self) -> ScheduleSink:
+        """The driver -> ranks channel (the scheduler publishes; ``fail`` fails it for every
+        rank)."""
+        return self.control.schedule
 
     def fail(self, error: BaseException) -> None:
         """Record the first failure, wake every waiter, and fail the schedule so every rank

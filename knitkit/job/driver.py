@@ -12,12 +12,12 @@ from knitkit.admission import AdmissionController, Shortfall
 from knitkit.job import checkpoint_state
 from knitkit.job.checkpoint_state import DriverState, Pending, Resumed, Shape, Snapshot
 from knitkit.job.collect import Collector
+from knitkit.job.control import ControlLayout, ControlPlane, LocalControl
 from knitkit.job.core import JobCore
 from knitkit.job.intake import Intake
 from knitkit.job.ledger import MiniBatchLedger, Progress
 from knitkit.job.passes import Pass, check_passes
 from knitkit.job.pool import ProcessPool, ReorganizerPool
-from knitkit.job.records import RecordWriter
 from knitkit.job.recovery import RESTARTS_KEY, RestartingPool
 from knitkit.job.serving import IDLE_S, Scheduler
 from knitkit.job.spec import RankSpec, data_rings, encoder_rank_name, group_name
@@ -56,9 +56,11 @@ _T = TypeVar("_T")
 #   never waits for the scheduler: a writer rank may run a whole pass ahead of it, and a full
 #   write-back ring and a full schedule ring must not wait for each other.
 # A failure anywhere is recorded once (``JobCore.fail``): every waiting call raises it, the
-# schedule ring fails with its message so every rank raises ``DriverFailedError``, and
-# ``close`` stops everything in a bounded time (``stop`` releases the scheduler from a full
-# ring, closing their consumers releases the collectors).
+# schedule fails with its message so every rank raises ``DriverFailedError``, and ``close``
+# stops everything in a bounded time (``stop`` releases the scheduler from a full ring, closing
+# their write-back sources releases the collectors). The schedule and write-back channels are a
+# ``ControlPlane``'s (NOTE [ Control across nodes ] in control.py): rings on this node, or relays
+# on every node that hosts ranks.
 
 
 class Driver:
@@ -134,11 +136,16 @@ class Driver:
             store: TrajectoryStore | None = None,
             pool: ReorganizerPool | None = None,
             observe: MetricsObserver | None = None,
+            control: ControlPlane | None = None,
         ) -> Driver:
             """A running driver. ``store`` defaults to a fresh shared-memory store the driver
             closes; ``pool`` to one reorganizer process per consumer group (on this node);
-            ``observe`` gets every released mini-batch's figures (step 1, 2, ...)."""
-            return Driver(self, admission=admission, store=store, pool=pool, observe=observe)
+            ``observe`` gets every released mini-batch's figures (step 1, 2, ...); ``control``
+            to ``LocalControl()`` (ranks on this node; ``knitkit.integration.ray.RayControl``
+            for ranks on other nodes: NOTE [ Control across nodes ] in control.py)."""
+            return Driver(
+                self, admission=admission, store=store, pool=pool, observe=observe, control=control
+            )
 
     def __init__(
         self,
@@ -148,6 +155,7 @@ class Driver:
         store: TrajectoryStore | None = None,
         pool: ReorganizerPool | None = None,
         observe: MetricsObserver | None = None,
+        control: ControlPlane | None = None,
     ) -> None:
         self.config = config
         passes = check_passes(config.passes)
@@ -176,27 +184,6 @@ class Driver:
             if config.restart_reorganizers:  # see NOTE [ Reorganizer restart ]
                 pool = RestartingPool(pool, config.restart_reorganizers)
             t = config.topology
-            # driver -> every rank (see NOTE [ Records over slot rings ] in records.py)
-            schedule = RecordWriter(
-                RingSpec.new(
-                    num_slots=config.schedule_slots,
-                    slot_bytes=config.schedule_slot_bytes,
-                    num_consumers=t.dp * t.cp * t.tp * config.pipeline,
-                ),
-                owns_ring=True,
-                role="the driver",
-            )
-            undo.callback(schedule.close)
-            self._core = JobCore(passes, self.store, pool, schedule, config.pipeline)
-            self._intake = Intake(
-                self._core,
-                admission,
-                t,
-                config.encoders,
-                config.planner,
-                config.max_minibatches,
-            )
-            self._scheduler = Scheduler(self._core, observe, pass_timeout_s=config.pass_timeout_s)
             self._write_back = {
                 group_name(d, c): RingSpec.new(
                     num_slots=config.write_back_slots,
@@ -206,11 +193,30 @@ class Driver:
                 for d in range(t.dp)
                 for c in range(t.cp)
             }
-            self._collectors = [
-                Collector(
-                    self._core, name, spec, config.liveness_timeout_s, config.attach_timeout_s
+            # driver <-> every rank (see NOTE [ Control across nodes ] in control.py)
+            channels = (control or LocalControl()).open(
+                ControlLayout(
+                    world_size=t.dp * t.cp * t.tp * config.pipeline,
+                    schedule_slots=config.schedule_slots,
+                    schedule_slot_bytes=config.schedule_slot_bytes,
+                    write_back=self._write_back,
+                    liveness_timeout_s=config.liveness_timeout_s,
                 )
-                for name, spec in self._write_back.items()
+            )
+            undo.callback(channels.close)
+            self._core = JobCore(passes, self.store, pool, channels, config.pipeline)
+            self._intake = Intake(
+                self._core,
+                admission,
+                t,
+                config.encoders,
+                config.planner,
+                config.max_minibatches,
+            )
+            self._scheduler = Scheduler(self._core, observe, pass_timeout_s=config.pass_timeout_s)
+            self._collectors = [
+                Collector(self._core, name, channels.write_back[name], config.attach_timeout_s)
+                for name in self._write_back
             ]
             self._closed = False
             for thread in (self._scheduler.thread, *(c.thread for c in self._collectors)):
@@ -419,13 +425,16 @@ class Driver:
     def rank_spec(self, **extra: object) -> RankSpec:
         """What every rank needs (``RankHandle(spec, coords)``); ``extra`` travels with it."""
         c = self.config
+        rings = self._core.control.rings
         return RankSpec(
             topology=c.topology,
             pipeline=c.pipeline,
             passes=self.passes,
             encoders=c.encoders,
             rings=dict(self._core.pool.rings),
-            schedule=self._core.schedule.spec,
+            schedule=rings.schedule,
+            nodes=rings.nodes,
+            schedules=dict(rings.schedules),
             write_back=dict(self._write_back),
             liveness_timeout_s=c.liveness_timeout_s,
             wait_timeout_s=c.wait_timeout_s,
@@ -568,7 +577,7 @@ class Driver:
         if not self._scheduler.finished:
             reason = f": {core.failure}" if core.failure else ""
             core.schedule.fail(f"the driver closed before serving everything{reason}")
-        core.schedule.close()
+        core.control.close()
         with core.lock:
             for minibatch_id, consumer in core.unfreed:  # no reorganizer reads any more
                 self.store.consumed(minibatch_id, consumer)

@@ -25,6 +25,11 @@ class RankFailedError(JobError):
     through an exception or mid-pass; or no rank attached to a group within ``attach_timeout_s``."""
 
 
+class NodeFailedError(JobError):
+    """Driver: the control path to a node's ranks broke (its relay died with the node, its
+    raylet or by itself); names the node and its ranks."""
+
+
 class ReorganizerFailedError(JobError):
     """Driver: a reorganizer of the pool failed or died; names its consumer group."""
 

@@ -104,9 +104,10 @@ class RankHandle:
             "wait_timeout_s": spec.wait_timeout_s,
         }
         group = group_name(coords.dp, coords.cp)
-        with contextlib.ExitStack() as stack, _driver_rings(coords.rank):
+        with contextlib.ExitStack() as stack, _driver_rings(spec, coords.rank):
             driver = Producer("driver", "restart the job")
-            self._schedule = RecordReader(spec.schedule, coords.rank, producer=driver, **waits)
+            schedule, index = spec.schedule_of(coords.rank)  # its node's ring, across nodes
+            self._schedule = RecordReader(schedule, index, producer=driver, **waits)
             stack.callback(self._schedule.close)
             # follows its reorganizer across restarts: see NOTE [ Reorganizer restart ]
             restarts = restarts_of(spec.extra)
@@ -335,14 +336,21 @@ class RankHandle:
 
 
 @contextlib.contextmanager
-def _driver_rings(rank: int) -> Iterator[None]:
+def _driver_rings(spec: RankSpec, rank: int) -> Iterator[None]:
     """Turn a driver ring missing at attach into ``DriverNotFoundError`` naming the cause."""
     try:
         yield
     except RingNotReadyError as missing:
+        where = (
+            f"Its schedule ring is on node {spec.nodes[rank]} (the control plane's placement of "
+            f"rank {rank}, e.g. RayControl's): start the rank there while the driver runs"
+            if spec.nodes
+            else "Ranks must run on the driver's node, sharing its /dev/shm (containers: "
+            "--ipc=host), while its driver runs (a closed driver has removed its rings); for "
+            "ranks on other nodes build the driver with a control plane that reaches them "
+            "(knitkit.integration.ray.RayControl)"
+        )
         raise DriverNotFoundError(
             f"rank {rank}: the driver's rings are not in /dev/shm on this node "
-            f"({socket.gethostname()}): {missing}. Ranks must run on the driver's node, sharing "
-            "its /dev/shm (containers: --ipc=host), while its driver runs (a closed driver has "
-            "removed its rings)"
+            f"({socket.gethostname()}): {missing}. {where}"
         ) from None

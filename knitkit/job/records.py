@@ -78,6 +78,11 @@ class RecordWriter:
         """Records published so far."""
         return self._host.published
 
+    @property
+    def readers(self) -> int:
+        """How many readers the ring has (attached or not)."""
+        return self.spec.num_consumers
+
     def readers_attached(self) -> int:
         """How many of the ring's readers are attached now."""
         return self._host.consumers_attached()

@@ -22,7 +22,8 @@ class Scheduler:
     """Serves (mini-batch, pass) pairs strictly in order (see NOTE [ Driver threads ] in
     driver.py): waits until the pass's reads are produced, queues its assignments on the
     reorganizers, publishes its schedule record; pushes released mini-batches' figures to the
-    observer; fails the job when a reorganizer dies or a pass waits past ``pass_timeout_s``.
+    observer; fails the job when a reorganizer dies, the control path to a node breaks
+    (``NodeFailedError``) or a pass waits past ``pass_timeout_s``.
 
     Holds its position: the cursor (the next mini-batch position and pass index), when it began
     waiting for the pass at the cursor, what it waits for, and whether the schedule finished.
@@ -48,6 +49,7 @@ class Scheduler:
         try:
             while True:
                 core.pool.check()
+                core.control.check()
                 core.free_published()
                 self._push_observed()
                 step = self._next()

@@ -49,19 +49,43 @@ class RankSpec:
     """Data rings by name: ``backbone/dp<d>/cp<c>`` (``.../pp<s>`` per stage when
     ``pipeline > 1``) and ``<encoder>/dp<r>``."""
     schedule: RingSpec
-    """Driver -> every rank: one record per (mini-batch, pass), in serving order."""
+    """Driver -> every rank: one record per (mini-batch, pass), in serving order (ranks on
+    several nodes: ``nodes[0]``'s ring; see ``schedule_of``)."""
     write_back: Mapping[str, RingSpec]
     """Per backbone group: its writer rank -> the driver (outputs, pass ends, errors)."""
     liveness_timeout_s: float = 30.0
     wait_timeout_s: float = 600.0
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Anything else the job wants every rank to know (JSON values)."""
+    nodes: tuple[str, ...] = ()
+    """Ranks on several nodes: the node of each rank, by rank; each node's ranks read that
+    node's schedule ring (``schedules``). Empty: every rank reads ``schedule``."""
+    schedules: Mapping[str, RingSpec] = field(default_factory=dict)
+    """Per node of ``nodes``: its schedule ring (NOTE [ Control across nodes ] in control.py)."""
+
+    def __post_init__(self) -> None:
+        if self.nodes and len(self.nodes) != self.world_size:
+            raise ValueError(
+                f"RankSpec.nodes names {len(self.nodes)} ranks' nodes; the job has "
+                f"{self.world_size} ranks: give every rank's node, or none"
+            )
+        lacking = sorted(set(self.nodes) - set(self.schedules))
+        if lacking:
+            raise ValueError(f"RankSpec.schedules has no schedule ring for nodes {lacking}")
 
     @property
     def world_size(self) -> int:
         """Ranks of the job: DP x CP x TP x PP."""
         t = self.topology
         return t.dp * t.cp * t.tp * self.pipeline
+
+    def schedule_of(self, rank: int) -> tuple[RingSpec, int]:
+        """The schedule ring ``rank`` reads and its consumer index there: ``schedule`` at its
+        rank, or its node's ring at its place among that node's ranks (in rank order)."""
+        if not self.nodes:
+            return self.schedule, rank
+        node = self.nodes[rank]
+        return self.schedules[node], self.nodes[:rank].count(node)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -76,6 +100,8 @@ class RankSpec:
                 "liveness_timeout_s": self.liveness_timeout_s,
                 "wait_timeout_s": self.wait_timeout_s,
                 "extra": dict(self.extra),
+                "nodes": list(self.nodes),
+                "schedules": {n: asdict(s) for n, s in self.schedules.items()},
             },
             separators=(",", ":"),
         )
@@ -99,6 +125,8 @@ class RankSpec:
                 liveness_timeout_s=float(raw["liveness_timeout_s"]),
                 wait_timeout_s=float(raw["wait_timeout_s"]),
                 extra=dict(raw.get("extra", {})),
+                nodes=tuple(str(n) for n in raw.get("nodes", ())),
+                schedules={str(n): _ring(s) for n, s in raw.get("schedules", {}).items()},
             )
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as error:
             raise ValueError(

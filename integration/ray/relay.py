@@ -1,0 +1,522 @@
+"""Control across nodes on Ray: a relay actor per node that hosts ranks, and the driver's ``RayControl``."""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+import ray
+from ray.actor import ActorHandle
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from knitkit.job import ControlLayout, NodeFailedError
+from knitkit.job.control import ScheduleRings, writer_rank
+from knitkit.job.records import Record, RecordReader, RecordWriter
+from knitkit.storage import ReorganizerDiedError, ReorganizerError, RingSpec
+from knitkit.storage.delivery import ConsumerClosedError, RingNotReadyError
+
+# NOTE [ Ray control relays ]: how ``RayControl`` carries NOTE [ Control across nodes ] (in
+# knitkit/job/control.py) over Ray. Lifecycle table: docs/lifecycle.md.
+# - One ``ControlRelay`` actor per node in the placement, pinned there (NodeAffinity, not soft)
+#   and owned by the driver's process, so it dies with the driver (its ranks then see its ring's
+#   producer lock free: ``DriverDiedError``). It creates its node's schedule ring in its node's
+#   /dev/shm under the name the driver chose (``RankSpec.schedules``) before ``open`` returns.
+# - Schedule: the scheduler thread sends each record to every relay, in order, before the next
+#   one (``publish`` runs in the actor's default concurrency group, one thread: Ray keeps one
+#   caller's calls in order there, and each record carries its sequence number, which the
+#   relay checks, so a reordering fails loudly instead of skewing ranks). At most ``in_flight``
+#   calls per relay are outstanding: the sender waits on the oldest, so a relay blocked on a
+#   full ring (its node's slowest rank) holds the driver back exactly as a local ring would,
+#   and a relay that died is seen at the next send. ``fail``/``stop`` run in a ``control``
+#   group beside a blocked ``publish``.
+# - Write-backs: every relay looks for every group's write-back ring in its node's /dev/shm
+#   (the group's writer rank creates it on one node) and reads it with a thread per group into
+#   one bounded queue; a driver thread per relay long-polls ``pull`` (``PULL_S``) and hands
+#   each record to its group's collector through a bounded queue. A full queue stops the puller,
+#   then the relay's reader, then the writer rank on its ring: memory stays bounded end to end.
+#   A writer rank that fails, dies or leaves reaches the collector as the same error the local
+#   ring raises.
+# - Death: a relay's pending ``pull`` (always one in flight) raises when its actor dies (its
+#   node, its raylet or the actor lost); the scheduler's health check (``check``) then fails the
+#   job with ``NodeFailedError`` naming the node and its ranks, and the failure reaches every
+#   other node's ranks through their relays (``fail``). A relay that does not answer a pull
+#   within ``PULL_S + call_timeout_s`` counts as dead.
+# - Framing: a record crosses as a JSON header string and a dict of numpy arrays: Ray's own
+#   serialization carries them (its workers unpickle what other workers of the cluster send, as
+#   for every Ray call: a Ray cluster is one trust domain, and knitkit adds no pickled object of
+#   its own); both ends decode the header with ``json.loads`` and check it (data only).
+
+PULL_S = 1.0
+"""How long one ``pull`` waits for write-back records before it returns empty."""
+POLL_S = 0.05
+"""How often a relay looks for a write-back ring its writer rank has not created yet."""
+_PULL_BATCH = 64
+"""At most this many events per ``pull``."""
+
+_Event = tuple[Any, ...]
+"""("attached", group) | ("record", group, header json, arrays) | ("end", group) |
+("died", group, message) | ("failed", group, message)"""
+
+
+@ray.remote(num_cpus=0, concurrency_groups={"control": 1, "write_back": 1})  # type: ignore[call-overload]
+class ControlRelay:
+    """A node's end of the driver's control channels: republishes the schedule into the node's
+    ring and reads the write-back rings of the writer ranks on the node (see NOTE [ Ray control
+    relays ])."""
+
+    def __init__(
+        self,
+        node: str,
+        schedule: RingSpec,
+        write_back: Mapping[str, RingSpec],
+        liveness_timeout_s: float,
+        queue_events: int,
+    ) -> None:
+        self.node = node
+        self._writer = RecordWriter(
+            schedule, owns_ring=True, role=f"the driver (through its relay on node {node})"
+        )
+        self._sequence = 0
+        self._publishing = threading.Lock()
+        self._events: queue.Queue[_Event] = queue.Queue(maxsize=queue_events)
+        self._stopping = threading.Event()
+        self._readers: dict[str, RecordReader] = {}
+        self._lock = threading.Lock()
+        self._liveness_timeout_s = liveness_timeout_s
+        self._threads = [
+            threading.Thread(
+                target=self._follow, args=(group, spec), name=f"knitkit-relay-{group}", daemon=True
+            )
+            for group, spec in write_back.items()
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def publish(self, sequence: int, header: str, arrays: Mapping[str, np.ndarray]) -> None:
+        """Schedule record ``sequence`` into this node's ring (blocks while it is full)."""
+        with self._publishing:
+            if sequence != self._sequence:
+                raise RuntimeError(
+                    f"relay on node {self.node}: schedule record {sequence} arrived, expected "
+                    f"{self._sequence}; Ray reordered the driver's calls"
+                )
+            self._writer.send(_header(header), arrays)
+            self._sequence += 1
+
+    def finish(self) -> None:
+        """After the last record: this node's ranks end their ``passes()``."""
+        with self._publishing:
+            self._writer.finish()
+
+    @ray.method(concurrency_group="write_back")
+    def pull(self, timeout_s: float) -> list[_Event]:
+        """Write-back events of this node's writer ranks, waiting at most ``timeout_s``."""
+        try:
+            events = [self._events.get(timeout=timeout_s)]
+        except queue.Empty:
+            return []
+        while len(events) < _PULL_BATCH:
+            try:
+                events.append(self._events.get_nowait())
+            except queue.Empty:
+                break
+        return events
+
+    @ray.method(concurrency_group="control")
+    def ready(self) -> str:
+        """The Ray node id it runs on (once its ring exists)."""
+        return cast(str, ray.get_runtime_context().get_node_id())
+
+    @ray.method(concurrency_group="control")
+    def readers_attached(self) -> int:
+        return self._writer.readers_attached()
+
+    @ray.method(concurrency_group="control")
+    def fail(self, message: str) -> None:
+        """This node's ranks raise ``DriverFailedError`` carrying ``message``."""
+        self._writer.fail(message)
+
+    @ray.method(concurrency_group="control")
+    def stop(self) -> None:
+        """Make a ``publish`` blocked on a full ring give up."""
+        self._writer.stop()
+
+    @ray.method(concurrency_group="control")
+    def close(self) -> None:
+        """Stop reading and publishing, free the rings; idempotent."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._writer.stop()
+        with self._lock:
+            for reader in self._readers.values():
+                reader.close()
+        for thread in self._threads:
+            thread.join(10)
+        with self._publishing:  # a publish returns at once once stopped
+            self._writer.close()
+
+    def _follow(self, group: str, spec: RingSpec) -> None:
+        """Find ``group``'s write-back ring on this node, then forward its records in order."""
+        reader = None
+        while reader is None and not self._stopping.is_set():
+            try:
+                reader = RecordReader(
+                    spec,
+                    0,
+                    producer=writer_rank(group),
+                    liveness_timeout_s=self._liveness_timeout_s,
+                )
+            except RingNotReadyError:
+                self._stopping.wait(POLL_S)
+            except ValueError:  # a shared /dev/shm: another node's relay reads it
+                return
+        with self._lock:
+            if reader is None or self._stopping.is_set():
+                if reader is not None:
+                    reader.close()
+                return
+            self._readers[group] = reader
+        self._put(("attached", group))
+        while True:
+            try:
+                record = reader.next(math.inf)
+            except ConsumerClosedError:
+                return
+            except ReorganizerDiedError as error:
+                self._put(("died", group, str(error)))
+                return
+            except ReorganizerError as error:
+                self._put(("failed", group, str(error)))
+                return
+            if record is None:
+                self._put(("end", group))
+                return
+            self._put(("record", group, json.dumps(record.header), record.arrays))
+
+    def _put(self, event: _Event) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._events.put(event, timeout=POLL_S)
+                return
+            except queue.Full:
+                continue
+
+
+def _header(text: str) -> dict[str, Any]:
+    """A record's header from its JSON text (data only)."""
+    header = json.loads(text)
+    if not isinstance(header, dict):
+        raise ValueError(f"a control record's header must be a JSON object, got {text[:200]!r}")
+    return header
+
+
+class RelayedWriteBack:
+    """A group's write-back records as its node's relay forwards them (``WriteBackSource``)."""
+
+    def __init__(self, group: str, spec: RingSpec) -> None:
+        self.group, self.spec = group, spec
+        self._events: deque[_Event] = deque()
+        self._capacity = spec.num_slots
+        self._cond = threading.Condition()
+        self._attached = self._closed = False
+
+    def attach(self) -> None:
+        with self._cond:
+            if self._closed:
+                raise ConsumerClosedError(f"the write-back source of {self.group} is closed")
+            if not self._attached:
+                raise RingNotReadyError(
+                    f"no relay found {self.group}'s write-back ring {self.spec.name!r} on its "
+                    "node yet"
+                )
+
+    def next(self, timeout_s: float) -> Record | None:
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: self._events or self._closed, None if math.isinf(timeout_s) else timeout_s
+            ):
+                raise TimeoutError(f"no write-back record of {self.group} within {timeout_s} s")
+            if self._closed:
+                raise ConsumerClosedError(f"the write-back source of {self.group} is closed")
+            event = self._events.popleft()
+            self._cond.notify_all()
+        kind = event[0]
+        if kind == "record":
+            return Record(_header(event[2]), dict(event[3]))
+        if kind == "died":
+            raise ReorganizerDiedError(event[2])
+        if kind == "failed":
+            raise ReorganizerError(event[2])
+        return None  # "end": the writer rank finished
+
+    def put(self, event: _Event, stopping: threading.Event) -> None:
+        """From a puller thread: hand one event on, waiting while ``capacity`` are queued."""
+        with self._cond:
+            if event[0] == "attached":
+                self._attached = True
+                return
+            while len(self._events) >= self._capacity and not (self._closed or stopping.is_set()):
+                self._cond.wait(POLL_S)
+            if not self._closed:
+                self._events.append(event)
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+@dataclass(slots=True)
+class _Relay:
+    """The driver's view of one relay: its node, ranks, and outstanding schedule calls."""
+
+    node: str
+    label: str
+    ranks: tuple[int, ...]
+    actor: ActorHandle
+    calls: deque[ray.ObjectRef] = field(default_factory=deque)
+
+    def named(self) -> str:
+        return f"node {self.label} (ranks {list(self.ranks)})"
+
+
+class RelayedSchedule:
+    """Driver -> every relay -> every node's ring (``ScheduleSink``)."""
+
+    def __init__(self, channels: RayChannels, world_size: int) -> None:
+        self._channels = channels
+        self._relays = channels.relays
+        self._world_size = world_size
+        self._sent = 0
+        self._stopped = threading.Event()
+
+    @property
+    def published(self) -> int:
+        return self._sent
+
+    @property
+    def readers(self) -> int:
+        return self._world_size
+
+    def readers_attached(self) -> int:
+        counts: list[int] = []
+        for relay in self._relays:
+            call: ray.ObjectRef = relay.actor.readers_attached.remote()
+            try:
+                counts.append(int(ray.get(call, timeout=30)))
+            except (ray.exceptions.RayError, TimeoutError):
+                counts.append(0)
+        return sum(counts)
+
+    def send(
+        self, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray] | None = None
+    ) -> None:
+        text = json.dumps(dict(header), separators=(",", ":"))
+        payload: object = ray.put(dict(arrays)) if arrays else {}  # put once, read by each
+        for relay in self._relays:
+            self._room(relay)
+            relay.calls.append(relay.actor.publish.remote(self._sent, text, payload))
+        self._sent += 1
+
+    def finish(self) -> None:
+        for relay in self._relays:
+            self._room(relay)
+            relay.calls.append(relay.actor.finish.remote())
+
+    def fail(self, message: str) -> None:
+        calls: list[ray.ObjectRef] = [relay.actor.fail.remote(message) for relay in self._relays]
+        ray.wait(calls, num_returns=len(calls), timeout=30)  # dead relays: nothing to tell
+
+    def stop(self) -> None:
+        self._stopped.set()
+        for relay in self._relays:
+            relay.actor.stop.remote()
+
+    def _room(self, relay: _Relay) -> None:
+        """Forget ``relay``'s calls that ended well, then wait while ``in_flight`` are still
+        outstanding (bounded by its ranks' progress); ``NodeFailedError`` if one failed or the
+        relay died."""
+        while relay.calls:
+            full = len(relay.calls) >= self._channels.in_flight
+            done, _ = ray.wait([relay.calls[0]], timeout=POLL_S * 4 if full else 0)
+            if done:
+                try:
+                    ray.get(relay.calls.popleft())
+                except ray.exceptions.RayError as error:
+                    raise self._channels.lost(relay, error) from None
+            elif not full:
+                return
+            elif self._stopped.is_set():
+                raise RuntimeError(f"the schedule stopped while {relay.named()} was full")
+            else:
+                self._channels.check()
+
+
+class RayChannels:
+    """``RayControl``'s open channels: relays, their pullers, the schedule and write-back sources."""
+
+    def __init__(self, control: RayControl, layout: ControlLayout) -> None:
+        self.in_flight = control.in_flight
+        self.call_timeout_s = control.call_timeout_s
+        placement = control.placement
+        if len(placement) != layout.world_size:
+            raise ValueError(
+                f"RayControl placement names {len(placement)} ranks' nodes; the job has "
+                f"{layout.world_size} ranks"
+            )
+        alive = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+        gone = sorted(set(placement) - set(alive))
+        if gone:
+            raise ValueError(f"RayControl placement names Ray nodes that are not alive: {gone}")
+        self.relays: list[_Relay] = []
+        schedules: dict[str, RingSpec] = {}
+        self.write_back = {g: RelayedWriteBack(g, s) for g, s in layout.write_back.items()}
+        self._failure: NodeFailedError | None = None
+        self._stopping = threading.Event()
+        self._pullers: list[threading.Thread] = []
+        try:
+            for node in dict.fromkeys(placement):  # in order of first rank
+                ranks = tuple(r for r, n in enumerate(placement) if n == node)
+                ring = RingSpec.new(
+                    num_slots=layout.schedule_slots,
+                    slot_bytes=layout.schedule_slot_bytes,
+                    num_consumers=len(ranks),
+                )
+                label = f"{alive[node]} ({node[:8]})"
+                actor = ControlRelay.options(  # type: ignore[attr-defined]
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                    name=f"knitkit-relay/{ring.name}",
+                ).remote(
+                    label,
+                    ring,
+                    dict(layout.write_back),
+                    layout.liveness_timeout_s,
+                    max(len(layout.write_back), 1) * 4,
+                )
+                self.relays.append(_Relay(node, label, ranks, actor))
+                schedules[node] = ring
+            self._await_ready(control.start_timeout_s)
+        except BaseException:
+            self._kill()
+            raise
+        self.rings = ScheduleRings(schedules[placement[0]], tuple(placement), schedules)
+        self.schedule = RelayedSchedule(self, layout.world_size)
+        for relay in self.relays:
+            puller = threading.Thread(
+                target=self._pull,
+                args=(relay,),
+                name=f"knitkit-relay-pull-{relay.label}",
+                daemon=True,
+            )
+            puller.start()
+            self._pullers.append(puller)
+
+    def check(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def lost(self, relay: _Relay, error: BaseException) -> NodeFailedError:
+        """The error for ``relay``'s failure (recorded once: ``check`` raises it after)."""
+        if self._failure is None:
+            dead = isinstance(error, ray.exceptions.RayActorError)
+            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            cause = (
+                "the node is gone"
+                if relay.node not in alive
+                else "its relay actor died"
+                if dead
+                else "its relay failed"
+            )
+            self._failure = NodeFailedError(
+                f"{relay.named()}: {cause} ({type(error).__name__}: {str(error)[:500]}); its "
+                "ranks are cut off from the driver. Resume the job from its last checkpoint "
+                "on the surviving nodes"
+            )
+        return self._failure
+
+    def close(self) -> None:
+        """Stop the pullers, close every relay (its rings go with it), end the actors."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        for source in self.write_back.values():
+            source.close()
+        closing: list[ray.ObjectRef] = [relay.actor.close.remote() for relay in self.relays]
+        ray.wait(closing, num_returns=len(closing), timeout=30)
+        for puller in self._pullers:
+            puller.join(PULL_S + 10)
+        self._kill()
+
+    def _kill(self) -> None:
+        for relay in self.relays:
+            ray.kill(relay.actor)
+
+    def _await_ready(self, timeout_s: float) -> None:
+        calls: dict[ray.ObjectRef, _Relay] = {r.actor.ready.remote(): r for r in self.relays}
+        done, late = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as error:
+                raise NodeFailedError(
+                    f"the control relay of {calls[ref].named()} did not start: {error}"
+                ) from None
+        if late:
+            names = [calls[ref].named() for ref in late]
+            raise NodeFailedError(
+                f"the control relays of {names} did not start within {timeout_s} s "
+                "(RayControl start_timeout_s): are those nodes alive and not full?"
+            )
+
+    def _pull(self, relay: _Relay) -> None:
+        """Long-poll ``relay``'s write-back events into their groups' sources until closed."""
+        while not self._stopping.is_set():
+            call: ray.ObjectRef = relay.actor.pull.remote(PULL_S)
+            try:
+                events: list[_Event] = ray.get(call, timeout=PULL_S + self.call_timeout_s)
+            except (ray.exceptions.RayError, TimeoutError) as error:
+                if not self._stopping.is_set():
+                    self.lost(relay, error)
+                return
+            for event in events:
+                self.write_back[event[1]].put(event, self._stopping)
+
+
+class RayControl:
+    """A ``knitkit.job.ControlPlane`` for ranks on any node of a Ray cluster:
+    ``Driver.Config(...).build(control=RayControl(placement))``.
+
+    ``placement[r]`` is the Ray node id rank ``r`` runs on. One ``ControlRelay`` actor per
+    node (pinned there, ``num_cpus=0``) holds that node's schedule ring and reads the
+    write-back rings of the writer ranks there; ranks use ``RankHandle(spec, coords)``
+    unchanged. See NOTE [ Ray control relays ].
+    """
+
+    def __init__(
+        self,
+        placement: Sequence[str],
+        *,
+        in_flight: int = 4,
+        start_timeout_s: float = 120.0,
+        call_timeout_s: float = 60.0,
+    ) -> None:
+        """``in_flight``: schedule calls outstanding per relay; ``start_timeout_s``: bound of
+        the relays' start; ``call_timeout_s``: a relay silent this long past a pull is dead."""
+        if in_flight < 1:
+            raise ValueError(f"RayControl in_flight={in_flight} must be >= 1")
+        self.placement = tuple(placement)
+        self.in_flight = in_flight
+        self.start_timeout_s = start_timeout_s
+        self.call_timeout_s = call_timeout_s
+
+    def open(self, layout: ControlLayout) -> RayChannels:
+        return RayChannels(self, layout)
