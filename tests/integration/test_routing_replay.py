@@ -2,16 +2,17 @@
 ``RoutingReplay`` -> megatron-core's ``RouterReplay``, against an unwrapped step that calls
 ``RouterReplay.set_replay_data`` itself.
 
-Each layout runs a megatron-core MoE ``GPTModel`` (local spec, 8 experts, top-2, alltoall
+Each layout runs a megatron-core MoE ``GPTModel`` (local spec, 8 experts, top-2, allgather
 dispatcher) in a gloo world: the wrapped path reads the routing from a ``TrajectoryStore``
 through the planner and THD packing (padding included) and replays it with
 ``RoutingReplay.replaying``; the reference builds the same micro-batches from the trajectories'
 arrays and hands each router its rows itself. The stored routings are random (never what the
 router would pick), so every check below fails without replay: every router's top-k equals the
 stored experts for every token and layer, and losses and gradients equal the reference's.
-CP2 is not run: megatron-core's local attention has no context parallelism and no THD without
-Transformer Engine (the CP split of the routing field is checked in
-``test_routing_replay_store.py``).
+CP2 runs an attention-free model (megatron's ``IdentityOp`` as self-attention: megatron-core's
+local attention has no context parallelism without Transformer Engine), token-local but for the
+MoE routing, against itself at CP1 on the whole sequences. PP2 also runs through a real
+``Driver``, each stage's ring reading only its layers of the field.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def trajectories(seed: int = 0) -> list[Trajectory]:
     return out
 
 
-def _config(tp: int, pp: int, recompute: bool = False) -> Any:
+def _config(tp: int, pp: int, recompute: bool = False, cp: int = 1) -> Any:
     from megatron.core.transformer import TransformerConfig
 
     recomputed: dict[str, Any] = {}
@@ -103,6 +104,7 @@ def _config(tp: int, pp: int, recompute: bool = False) -> Any:
         moe_enable_routing_replay=True,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         sequence_parallel=tp > 1,  # megatron refuses MoE training at TP > 1 without it
         use_cpu_initialization=True,
         add_bias_linear=False,
@@ -115,17 +117,29 @@ def _config(tp: int, pp: int, recompute: bool = False) -> Any:
     )
 
 
-def _model(config: Any) -> torch.nn.Module:
-    """A megatron-core MoE GPTModel (local spec, sequence-parallel norms), seeded."""
+def _model(config: Any, attention: bool = True) -> torch.nn.Module:
+    """A megatron-core MoE GPTModel (local spec, sequence-parallel norms), seeded; without
+    ``attention`` every layer's self-attention (and its norm and bias-dropout-add) is megatron's
+    ``IdentityOp``: the model is token-local but for the MoE layers' routing, so it runs under
+    context parallelism on CPU (megatron-core's local attention has none without TE)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 
     torch.manual_seed(0)
+    spec = megatron_cpu.moe_block_spec(EXPERTS)(LAYERS // config.pipeline_model_parallel_size)
+    if not attention:
+        layer = spec.layer_specs[0]
+        identity = dataclasses.replace(
+            layer.submodules,
+            input_layernorm=IdentityOp,
+            self_attention=IdentityOp,
+            self_attn_bda=IdentityFuncOp,
+        )
+        spec.layer_specs = [dataclasses.replace(layer, submodules=identity)] * len(spec.layer_specs)
     return GPTModel(
         config=config,
-        transformer_layer_spec=megatron_cpu.moe_block_spec(EXPERTS)(
-            LAYERS // config.pipeline_model_parallel_size
-        ),
+        transformer_layer_spec=spec,
         vocab_size=VOCAB,
         max_sequence_length=64,
         pre_process=ps.is_pipeline_first_stage(),
@@ -311,6 +325,7 @@ def _reference(
     batches: list[dict[str, Any]],
     stored: Callable[[Mapping[str, Any], int], torch.Tensor],
     forward_only: bool = False,
+    step: Any = _forward_step,
 ) -> list[float]:
     """The unwrapped step, as Megatron-LM's users run it: ``RouterReplay.set_replay_data`` with
     every local layer's rows, replay forward, then the recompute pops in order. ``routers``:
@@ -326,7 +341,7 @@ def _reference(
         batch = next(queue)
         RouterReplay.set_replay_data([stored(batch, layer) for layer in layers])
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        out = _forward_step(iter([batch]), chunk)
+        out = step(iter([batch]), chunk)
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
         return out
 
@@ -403,7 +418,7 @@ def _check(results: list[dict[str, Any]]) -> None:
         for layer in {layer for layer, _ in got["wanted"]}:
             maps = [m for seen_layer, m in got["seen"] if seen_layer == layer]
             want = [
-                torch.zeros_like(maps[0]).scatter(1, rows, True)
+                torch.zeros((rows.shape[0], EXPERTS), dtype=torch.bool).scatter(1, rows, True)
                 for wanted_layer, rows in got["wanted"]
                 if wanted_layer == layer
             ]
@@ -605,6 +620,162 @@ def test_moe_grpo_example_trains_with_the_rollout_routing(world2: World) -> None
     for history in results:
         assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)
         assert history[0]["overridden"] == 0.0 and history[1]["overridden"] > 0.0, history
+
+
+def _cp_forward_step(
+    data_iterator: Iterator[Mapping[str, Any]], model: torch.nn.Module
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]]:
+    """The loss over this CP rank's tokens divided by the micro-batch's loss tokens on every CP
+    rank (megatron's schedule scales it by the CP size; DDP would average the gradients over CP)."""
+    from megatron.core import parallel_state as ps
+
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    mask = batch["loss_mask"]
+    count = mask.sum()
+    torch.distributed.all_reduce(count, group=ps.get_context_parallel_group())
+
+    def loss(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        value = (output.float() * mask).sum() / count.clamp(min=1)
+        return value, {"loss": value.detach().clone()}
+
+    return output, loss
+
+
+def _context_parallel(rank: int) -> dict[str, Any]:
+    """CP2 fed by knitkit (each CP rank packs its own chunks of every sequence, its tokens'
+    routing read from the store) against the same model at CP1 on the whole sequences, fed every
+    layer through RouterReplay.set_replay_data; the model is attention-free (``_model``)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    data = trajectories()
+    store = TrajectoryStore(MemoryBackend())
+    for trajectory in data:
+        store.write(trajectory)
+    ids = [t.trajectory_id for t in data]
+    schema = store.schema(ids[0])
+    plan = store.register(
+        plan_minibatch(
+            store.metas(ids),
+            Topology(dp=1, cp=2),
+            PlannerConfig(token_fields=FIELDS, scalar_fields=(), min_micro_batches=2),
+        )
+    )
+
+    def batches(micro_batches: Any, cp: int) -> list[dict[str, Any]]:
+        packed = [PackedMicroBatch(*pack(mb, schema, store.read_into)) for mb in micro_batches]
+
+        def to_batch(mb: Any) -> dict[str, Any]:  # a copy: the staging slots are reused
+            return {**megatron_batch(mb, cp_size=cp), "routing": mb["routing"][None].clone()}
+
+        with MicroBatchIterator(packed) as iterator:
+            return list(megatron_batches(iterator, to_batch))
+
+    megatron_cpu.initialize_model_parallel(context_parallel=2)
+    megatron_cpu.install_schedule_shim()
+    megatron_cpu.install_moe_shim()
+    try:
+        cp_rank = ps.get_context_parallel_rank()
+        mine = plan.consumer(0, cp_rank).micro_batches
+        local = batches(mine, 2)
+        RouterReplay.clear_global_router_replay_instances()
+        model = _model(_config(1, 1, cp=2), attention=False)
+        model.vision = torch.nn.Identity()  # DedupVLMStep's vision path: this model has no images
+        model.config.finalize_model_grads_func = lambda *args, **kwargs: None  # no DDP here
+        seen: list[tuple[int, torch.Tensor]] = []
+        _observe(model, seen)
+        replay = RoutingReplay(model)
+        encoder = plan_encoder([], EncoderTopology("vision", dp=2))
+        consumers = {r: plan.consumer(0, r) for r in range(2)}
+        route = route_minibatch(consumers, encoder.ranks, world_size=2).for_rank(cp_rank)
+        step = DedupVLMStep(model, routing=replay)  # on its own: no MegatronRank
+        outputs = step.run(
+            forward_step_func=_cp_forward_step,
+            data_iterator=iter(local),
+            route=route,
+            encode_fn=lambda keys: torch.empty(0, 16),
+            num_microbatches=len(local),
+            seq_length=0,
+            micro_batch_size=1,
+        )
+        losses = torch.tensor([float(o["loss"]) for o in outputs])  # type: ignore[index]
+        assert all(
+            not r.replay_backward_list and r.target_topk_idx is None for _, r in replay._routers
+        )
+        group = ps.get_context_parallel_group()
+        torch.distributed.all_reduce(losses, group=group)  # the CP ranks' shares of each loss
+        grads = {}
+        for name, param in model.named_parameters():
+            if param.grad is not None:  # DDP's average over DP x CP
+                torch.distributed.all_reduce(param.grad, group=group)
+                grads[name] = param.grad / 2
+        # where each of this rank's packed rows sits in the whole sequences' packing
+        where = []
+        for mb in mine:
+            starts = np.cumsum([0] + [s.padded_length for s in mb.sequences])
+            where.append(
+                torch.tensor(
+                    np.concatenate(
+                        [
+                            np.arange(start, stop) + offset
+                            for s, offset in zip(mb.sequences, starts.tolist(), strict=False)
+                            for start, stop in s.chunks
+                        ]
+                    )
+                )
+            )
+        wanted = [(i, b["routing"][0, :, i].long()) for b in local for i in replay.layers]
+    finally:
+        RouterReplay.clear_global_router_replay_instances()
+        megatron_cpu.destroy_model_parallel()
+
+    megatron_cpu.initialize_model_parallel()  # CP1: the reference on the whole sequences
+    try:
+        whole = [
+            dataclasses.replace(
+                mb,
+                sequences=tuple(
+                    dataclasses.replace(s, chunks=((0, s.padded_length),)) for s in mb.sequences
+                ),
+            )
+            for mb in mine
+        ]
+        full = batches(whole, 1)
+        reference = _model(_config(1, 1), attention=False)
+        ref_routers = list(RouterReplay.global_router_replay_instances)
+        ref_seen: list[tuple[int, torch.Tensor]] = []
+        _observe(reference, ref_seen)
+        stored = lambda b, layer: b["routing"][0, :, layer].long()  # noqa: E731
+        ref_losses = _reference(reference, ref_routers, full, stored, step=_cp_forward_step)
+        ref_grads = {
+            n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None
+        }
+        # the reference's routing maps at this rank's rows
+        ref_local = [(layer, m[where[i // LAYERS]]) for i, (layer, m) in enumerate(ref_seen)]
+        return {
+            "calls": 1,
+            "wanted": wanted,
+            "seen": seen,
+            "ref_seen": ref_local,
+            "losses": losses.tolist(),
+            "ref_losses": ref_losses,
+            "grads": grads,
+            "ref_grads": ref_grads,
+            "leftover": [len(r.replay_backward_list) for _, r in replay._routers],
+        }
+    finally:
+        RouterReplay.clear_global_router_replay_instances()
+        megatron_cpu.destroy_model_parallel()
+
+
+def test_replay_at_cp2(world2: World) -> None:
+    """CP2 (DP x CP = 2) through ``DedupVLMStep(routing=...)`` on its own: each CP rank replays
+    its own chunks' routing as knitkit packs them (Megatron's 2*cp load-balanced chunks, padding
+    included) and the step clears every router after; replayed experts == stored for every token
+    and layer, == the reference's at the same tokens of the whole sequences at CP1, and the CP
+    ranks' losses and gradients (summed, averaged as DDP does) == the reference's."""
+    _check(world2.run(_context_parallel, timeout_s=300))
 
 
 PP_PASSES = (Pass("score", reads=FIELDS, forward_only=True), Pass("train", reads=FIELDS))
