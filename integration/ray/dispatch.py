@@ -12,6 +12,7 @@ from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from knitkit.job.pool import ReorganizerDied, numbering, successor_ring, tagged, untagged
+from knitkit.job.spec import data_rings, group_name
 from knitkit.metrics import sum_over
 from knitkit.storage import (
     ConsumerPlan,
@@ -51,7 +52,8 @@ class RayDispatcher:
     It is also a ``knitkit.job.ReorganizerPool``: ``Driver.Config(...).build(pool=dispatcher)``
     serves a job's passes through these actors (``submit`` per group and pass, ``check`` raises
     a failed ``deliver``'s error, ``replace`` restarts a group's actor on a fresh ring). Build it
-    with the job's layout: ``pipeline`` stages (each stage's TP ranks read the group's ring).
+    with the job's layout: ``pipeline`` stages (each stage's TP ranks read the group's ring of
+    that stage, ``backbone/dp<d>/cp<c>/pp<s>``; place each on its stage's node).
     """
 
     def __init__(
@@ -66,10 +68,11 @@ class RayDispatcher:
     ) -> None:
         self.topology = topology
         ring = self._ring = ring or RingConfig()
-        groups = {
-            f"backbone/dp{d}/cp{c}": topology.tp * pipeline
+        groups = {  # a ring per (DP, CP, stage): NOTE [ One ring per pipeline stage ]
+            ring: topology.tp
             for d in range(topology.dp)
             for c in range(topology.cp)
+            for ring in data_rings(group_name(d, c), pipeline)
         }
         groups.update({f"{e.name}/dp{r}": e.tp for e in encoders for r in range(e.dp)})
         placement = dict(placement or {})

@@ -5,7 +5,8 @@ A recorded Qwen3-30B-A3B ``/generate`` output (48 layers, top-8 of 128 experts) 
 multi-turn agent episode whose second turn reports from its ``routed_experts_start`` in SGLang's
 narrow uint8 wire encoding. The stored field is uint8 ``[tokens, 48, 8]``; every (DP, CP)
 consumer's packed micro-batches (CP zigzag chunks, padding) hold exactly their tokens' rows, bit
-for bit, and reading them moves exactly those rows: no consumer reads the whole field.
+for bit, and reading them moves exactly those rows: no consumer reads the whole field. Under PP2
+each stage's consumer reads its tokens x its 24 layers, one 2-D read per trajectory.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from knitkit.storage import (
     PlannerConfig,
     Topology,
     TrajectoryStore,
-    pack,
     plan_minibatch,
 )
+from knitkit.storage.planning import StageLayers, pack_into_batched, pack_layout
 from knitkit.types import UnitKey
 
 EXPERTS = 128
@@ -113,41 +114,47 @@ def test_a_turn_that_skips_positions_is_refused() -> None:
         writer.add(request, second, routed_experts_start=end + 2)
 
 
-@pytest.mark.parametrize("cp", [1, 2])
-def test_each_consumer_reads_exactly_its_tokens_routing(cp: int) -> None:
-    """DP2 x CP``cp``: each consumer's packed routing is its CP chunks' rows, padding rows zero;
-    the bytes each consumer reads equal the rows it consumes x 48 x 8, and no consumer reads
-    the whole field (bytes_read_ratio 1.0 per consumer)."""
+@pytest.mark.parametrize(("cp", "pp"), [(1, 1), (2, 1), (2, 2)], ids=["cp1", "cp2", "cp2-pp2"])
+def test_each_consumer_reads_exactly_its_tokens_routing(cp: int, pp: int) -> None:
+    """DP2 x CP``cp`` x PP``pp``: each consumer (a (DP, CP) group's ring, one per pipeline stage
+    with ``StageLayers``) packs its CP chunks' rows of its stage's layers, padding rows zero;
+    the bytes each reads equal the rows it consumes x its layers x 8 (a 2-D read under PP, not
+    a read-then-drop), no consumer reads the whole field, and every (token, layer) is read once."""
     store = TrajectoryStore(MemoryBackend())
     expected = _written(store)
     ids = list(expected)
+    layers = StageLayers(((0, 48),) if pp == 1 else ((0, 24), (24, 48)), ("routing",))
     plan = plan_minibatch(
         store.metas(ids),
         Topology(dp=2, cp=cp),
-        PlannerConfig(token_fields=("routing",), scalar_fields=(), min_micro_batches=2),
+        PlannerConfig(
+            token_fields=("routing",), scalar_fields=(), min_micro_batches=2, stage_layers=layers
+        ),
     )
     schema = store.schema(ids[0])
-    row_bytes = 48 * 8
-    total = sum(len(v) for v in expected.values()) * row_bytes
-    seen = {tid: np.zeros(len(v), dtype=int) for tid, v in expected.items()}
-    for consumer in plan.consumers:
-        before = store.bytes_read
+    total = sum(len(v) for v in expected.values()) * 48 * 8
+    seen = {tid: np.zeros((len(v), 48), dtype=int) for tid, v in expected.items()}
+    for consumer in plan.stage_consumers(pp):
+        first, last = layers.ranges[consumer.stage or 0]
+        row_bytes = (last - first) * 8
+        before = store.backend.bytes_read
         consumed = 0
         for mb in consumer.micro_batches:
-            layout, buffer = pack(mb, schema, store.read_into)
-            routing = layout.numpy_views(buffer)["routing"]
+            layout = pack_layout(mb, schema)
+            buffer = np.empty(layout.nbytes, np.uint8)
+            routing = pack_into_batched(mb, layout, buffer, store.backend.read_many)["routing"]
+            assert routing.shape[1:] == (last - first, 8), consumer.name
             at = 0
             for seq in mb.sequences:
                 for start, stop in seq.chunks:
                     rows = routing[at : at + stop - start]
                     real = max(0, min(stop, seq.num_tokens) - start)
-                    np.testing.assert_array_equal(
-                        rows[:real], expected[seq.trajectory_id][start : start + real]
-                    )
+                    want = expected[seq.trajectory_id][start : start + real, first:last]
+                    np.testing.assert_array_equal(rows[:real], want)
                     assert not rows[real:].any(), "padding rows must be zero"
-                    seen[seq.trajectory_id][start : start + real] += 1
+                    seen[seq.trajectory_id][start : start + real, first:last] += 1
                     consumed += real * row_bytes
                     at += stop - start
-        read = store.bytes_read - before
+        read = store.backend.bytes_read - before
         assert read == consumed < total, (consumer.name, read, consumed, total)
     assert all((count == 1).all() for count in seen.values()), "every token read exactly once"

@@ -103,8 +103,9 @@ def destination(
         hint = ""
         if out.ndim == len(shape) > 1 and out.shape[0] == shape[0] and out.shape[1] < shape[1]:
             hint = (
-                " (a read of a column range, UnitRead.columns, that this backend's read_many "
-                "ignored: give the job a backend that reads column ranges, e.g. shared memory)"
+                " (a read of a column range, UnitRead.columns, that this read path ignored: "
+                "read it with read_many of a backend that reads column ranges, e.g. shared "
+                "memory or memory)"
             )
         raise ValueError(
             f"out for unit {key} is {out.dtype}{list(out.shape)}; the read needs "
