@@ -7,23 +7,25 @@ trajectories, GRPO groups of 8, mini-batches of 2 groups, a DP2 x CP2 x TP2 x PP
 ranks; sequence parallel, so a TP rank's routers see half of its CP rank's tokens), micro-batches
 of one trajectory's CP share (8,192 tokens). What each method does for one mini-batch:
 
-- knitkit: the (DP, CP) group's reorganizer reads its CP chunks of every trajectory (sliced
-  reads) micro-batch by micro-batch into one shared-memory slot; each of the group's 4 ranks
-  (TP2 x PP2) takes its sequence-parallel half of the tokens and its stage's 24 layers from the
-  slot (``routing_replay.stage_rows``), what it hands to ``RouterReplay``.
+- knitkit: each pipeline stage of a (DP, CP) group has its own ring (NOTE [ One ring per
+  pipeline stage ]); its reorganizer reads its CP chunks of every trajectory x its stage's 24
+  layers (one 2-D read per trajectory: ``PlannerConfig(stage_layers=...)``) micro-batch by
+  micro-batch into one shared-memory slot; each of the stage's 2 TP ranks takes its
+  sequence-parallel half of the tokens from the slot (``routing_replay.stage_rows``), what it
+  hands to ``RouterReplay``.
 - sample_level: every rank reads its DP share's whole trajectories (every token, every layer) and
   packs its micro-batches from them, as the anchors do (slime#2384 broadcasts even the whole
   rollout to every rank).
 - transferqueue: every rank gets its DP share's whole rows from TransferQueue (``kv_retrieve_meta``
   + ``get_data``, one row per trajectory), as a TQ user does.
 
-Counted per rank: ``bytes_read`` (storage bytes; knitkit's group read divided among the 4 ranks
-that share it), ``bytes_consumed`` (the rows its routers replay, uint8) and the peak host memory
+Counted per rank: ``bytes_read`` (storage bytes; knitkit's stage ring's read divided among the 2
+TP ranks that share it), ``bytes_consumed`` (the rows its routers replay, uint8) and the peak host memory
 growth (peak resident set size, reset before, minus the resident size before) of a fresh process
 holding its own copy of the store (so the figure counts what the data path allocates, not the
 store's pages it touches) doing one representative rank's data
 path for a mini-batch (knitkit: the reorganizer's slot counted as the rank's own, an upper bound:
-one slot serves the group's 4 ranks).
+one slot serves the stage's 2 TP ranks).
 
     python benchmarks/routing_replay.py [--quick] [--json PATH] [--skip-tq]
 """
@@ -55,7 +57,7 @@ from knitkit.storage import (
     plan_minibatch,
 )
 from knitkit.storage.baselines import LocalTrajectories, RankPosition, read_share
-from knitkit.storage.planning import pack_into, pack_layout
+from knitkit.storage.planning import StageLayers, pack_into, pack_into_batched, pack_layout
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 TOKENS, GROUP, GROUPS_PER_MINIBATCH = 16_384, 8, 2
@@ -89,8 +91,14 @@ def trajectories(minibatch: int) -> list[Trajectory]:
 
 def plan(store: TrajectoryStore, minibatch: int) -> Any:
     ids = [f"m{minibatch}-{g}-{i}" for g in range(GROUPS_PER_MINIBATCH) for i in range(GROUP)]
+    per_stage = LAYERS // PP
     config = PlannerConfig(
-        token_fields=("routing",), scalar_fields=(), max_tokens_per_micro_batch=TOKENS // CP
+        token_fields=("routing",),
+        scalar_fields=(),
+        max_tokens_per_micro_batch=TOKENS // CP,
+        stage_layers=StageLayers(
+            tuple((s * per_stage, (s + 1) * per_stage) for s in range(PP)), ("routing",)
+        ),
     )
     topology = Topology(dp=DP, cp=CP, tp=TP, sequence_parallel=True)
     return plan_minibatch(store.metas(ids), topology, config)
@@ -103,19 +111,19 @@ def _consumed(group: Any) -> int:
 
 
 def _knitkit_rank(backend: MemoryBackend, plan: Any, rank: RankPosition) -> dict[str, int]:
-    """The group's reorganizer packing into one reused slot, and one rank's take per micro-batch."""
-    group = plan.consumer(rank.dp, rank.cp)
+    """Stage 0's reorganizer of the group packing its layers into one reused slot (2-D reads),
+    and one rank's take per micro-batch."""
+    stage = plan.consumer(rank.dp, rank.cp).for_stage(0, plan.stage_layers)
     schema = {"routing": ("uint8", (LAYERS, TOPK))}
-    slot = np.empty(max(pack_layout(mb, schema).nbytes for mb in group.micro_batches), np.uint8)
+    slot = np.empty(max(pack_layout(mb, schema).nbytes for mb in stage.micro_batches), np.uint8)
     before = backend.bytes_read
     taken = 0
-    stage = slice(0, LAYERS // PP)  # stage 0's layers
-    for mb in group.micro_batches:
+    for mb in stage.micro_batches:
         layout = pack_layout(mb, schema)
-        views = pack_into(mb, layout, slot, lambda r, out: backend.read(r.key, r.ranges, out=out))
-        rows = stage_rows(torch.from_numpy(views["routing"]), rank.tp, TP)[:, stage]
+        views = pack_into_batched(mb, layout, slot, backend.read_many)
+        rows = stage_rows(torch.from_numpy(views["routing"]), rank.tp, TP)
         taken += rows.contiguous().numel()  # what goes to the device for RouterReplay
-    return {"read": (backend.bytes_read - before) // (TP * PP), "consumed": taken}
+    return {"read": (backend.bytes_read - before) // TP, "consumed": taken}
 
 
 def _sample_level_rank(backend: MemoryBackend, plan: Any, rank: RankPosition) -> dict[str, int]:
