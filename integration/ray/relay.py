@@ -47,7 +47,11 @@ from knitkit.storage.delivery import ConsumerClosedError, RingNotReadyError
 #   node, its raylet or the actor lost); the scheduler's health check (``check``) then fails the
 #   job with ``NodeFailedError`` naming the node and its ranks, and the failure reaches every
 #   other node's ranks through their relays (``fail``). A relay that does not answer a pull
-#   within ``PULL_S + call_timeout_s`` counts as dead.
+#   within ``PULL_S + call_timeout_s``, or whose connection broke (``ActorUnavailableError``:
+#   Ray cannot say whether the pull ran, so its events may be lost), counts as dead: the job
+#   fails loudly rather than go on with a write-back record missing. Measured on the simulated
+#   cluster (tests/cluster/test_control_across_nodes.py): a killed node fails the job ~2 s
+#   after the kill (the broken connection), not after Ray's node health checks.
 # - Framing: a record crosses as a JSON header string and a dict of numpy arrays: Ray's own
 #   serialization carries them (its workers unpickle what other workers of the cluster send, as
 #   for every Ray call: a Ray cluster is one trust domain, and knitkit adds no pickled object of
@@ -381,6 +385,8 @@ class RayChannels:
         schedules: dict[str, RingSpec] = {}
         self.write_back = {g: RelayedWriteBack(g, s) for g, s in layout.write_back.items()}
         self._failure: NodeFailedError | None = None
+        self._lost: set[str] = set()
+        """Nodes whose relay failed (``close`` does not wait for them)."""
         self._stopping = threading.Event()
         self._pullers: list[threading.Thread] = []
         try:
@@ -426,16 +432,17 @@ class RayChannels:
 
     def lost(self, relay: _Relay, error: BaseException) -> NodeFailedError:
         """The error for ``relay``'s failure (recorded once: ``check`` raises it after)."""
+        self._lost.add(relay.node)
         if self._failure is None:
-            dead = isinstance(error, ray.exceptions.RayActorError)
             alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-            cause = (
-                "the node is gone"
-                if relay.node not in alive
-                else "its relay actor died"
-                if dead
-                else "its relay failed"
-            )
+            if relay.node not in alive:
+                cause = "the node is gone"
+            elif isinstance(error, ray.exceptions.ActorUnavailableError):
+                cause = "its relay is unreachable (its connection broke)"
+            elif isinstance(error, ray.exceptions.RayActorError):
+                cause = "its relay actor died"
+            else:
+                cause = "its relay failed"
             self._failure = NodeFailedError(
                 f"{relay.named()}: {cause} ({type(error).__name__}: {str(error)[:500]}); its "
                 "ranks are cut off from the driver. Resume the job from its last checkpoint "
@@ -450,7 +457,8 @@ class RayChannels:
         self._stopping.set()
         for source in self.write_back.values():
             source.close()
-        closing: list[ray.ObjectRef] = [relay.actor.close.remote() for relay in self.relays]
+        live = [relay for relay in self.relays if relay.node not in self._lost]
+        closing: list[ray.ObjectRef] = [relay.actor.close.remote() for relay in live]
         ray.wait(closing, num_returns=len(closing), timeout=30)
         for puller in self._pullers:
             puller.join(PULL_S + 10)

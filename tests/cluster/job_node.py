@@ -5,8 +5,9 @@
   rank 0's ``RankHandle``, printing what it raised (or ``attached``).
 - ``ray-driver ADDRESS...``: the DP2 x TP2 job of ``JOB`` on the Ray cluster, rank ``r`` on the
   node at ``ADDRESS[r]``: ``RayBackend`` store, ``RayDispatcher`` reorganizers and ``RayControl``
-  relays on the ranks' nodes. Prints the spec, writes every trajectory, drains, prints the
-  driver's figures (JSON), then holds the driver until its stdin closes (the ranks are done).
+  relays on the ranks' nodes. Prints the spec, writes every trajectory, drains, prints
+  ``{"figures": ...}`` (or ``{"failed": error type, "message": ...}``), then holds the driver
+  until its stdin closes (the ranks are done).
 - ``ranks FIRST COUNT SPEC_FILE``: reads the spec from the file and runs ranks FIRST..FIRST+COUNT-1 of ``JOB``
   (threads, ``job_harness.rank_loop``); prints what each saw (JSON, one line).
 """
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "job"))
 
 from job_harness import Seen, controller, driver_config, grid, join, run_ranks, trajectories
 
-from knitkit.job import Driver, RankCoords, RankHandle, RankSpec
+from knitkit.job import Driver, JobError, RankCoords, RankHandle, RankSpec
 from knitkit.storage import Trajectory
 
 JOB = {"dp": 2, "cp": 1, "tp": 2, "encoder_dp": 1, "samples": 4, "group": 2, "minibatches": 2}
@@ -114,11 +115,14 @@ def ray_driver(addresses: list[str]) -> None:
         control=RayControl(placement),
     ) as job:
         print(job.rank_spec().to_json(), flush=True)
-        for trajectory in data:
-            job.write(trajectory)
-        job.finish()
-        job.drain(300)
-        print(json.dumps(figures(job)), flush=True)
+        try:
+            for trajectory in data:
+                job.write(trajectory)
+            job.finish()
+            job.drain(300)
+            print(json.dumps({"figures": figures(job)}), flush=True)
+        except JobError as error:
+            print(json.dumps({"failed": type(error).__name__, "message": str(error)}), flush=True)
         sys.stdin.read()
     backend.close()
     ray.shutdown()

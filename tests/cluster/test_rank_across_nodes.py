@@ -1,5 +1,6 @@
-"""Today's limit that the rest of issue 32 lifts, shown on the simulated cluster: a rank on
-another node than the driver has no ring to attach to, and says so."""
+"""The default control plane (``LocalControl``) on the simulated cluster: a rank on another
+node than the driver has no ring to attach to, and says so (``RayControl`` reaches other nodes:
+test_control_across_nodes.py)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ REASON = unavailable_reason()
 
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_a_rank_on_another_node_than_the_driver_fails_naming_the_cause() -> None:
-    """The job's rings live in the driver node's /dev/shm, so a ``RankHandle`` started on
-    another node fails at once, and its error says why: the ring is not in this node's
-    /dev/shm and ranks must run on the driver's node (``DriverNotFoundError``). Not a hang,
-    not a bare 'does not exist'."""
+    """With ``LocalControl`` the job's rings live in the driver node's /dev/shm, so a
+    ``RankHandle`` started on another node fails at once, and its error says why: the ring is
+    not in this node's /dev/shm, ranks must run on the driver's node, and ``RayControl``
+    reaches other nodes (``DriverNotFoundError``). Not a hang, not a bare 'does not exist'."""
     with SimulatedCluster(2, ray=False) as cluster:
         script = [sys.executable, str(HERE / "job_node.py")]
         driver = cluster.node(0).popen(
@@ -38,3 +39,4 @@ def test_a_rank_on_another_node_than_the_driver_fails_naming_the_cause() -> None
         assert error.startswith("DriverNotFoundError: "), error
         assert json.loads(spec)["schedule"]["name"] in error, error
         assert "/dev/shm" in error and "node" in error.lower(), error
+        assert "RayControl" in error, error
