@@ -6,6 +6,7 @@ import pytest
 from job_harness import controller, driver_config, trajectories
 
 from knitkit.job import RankCoords, RankSpec
+from knitkit.storage import RingSpec, Topology
 
 
 def test_rank_spec_round_trips_through_json() -> None:
@@ -36,3 +37,35 @@ def test_malformed_specs_and_coordinates_are_refused_by_name() -> None:
         RankCoords(rank=0, dp=2).check(spec)
     with pytest.raises(ValueError, match="encoder_rank=1 outside encoder 'vision'"):
         RankCoords(rank=0, dp=0, encoder_rank=1).check(spec)
+
+
+def test_ranks_on_several_nodes_read_their_nodes_schedule_ring_in_rank_order() -> None:
+    """With ``nodes`` (a control plane that reaches several nodes), rank r reads the schedule ring
+    of node ``nodes[r]`` at its place among that node's ranks, in rank order; the placement
+    round-trips through JSON; a placement of some ranks only, or a node without a ring, is
+    refused by name. Without ``nodes`` every rank reads ``schedule`` at its rank."""
+    a, b = (RingSpec.new(num_slots=2, slot_bytes=4096, num_consumers=2) for _ in range(2))
+    fields = {"topology": Topology(dp=2, tp=2), "pipeline": 1, "passes": (), "encoders": ()}
+    spec = RankSpec(
+        **fields,
+        rings={},
+        schedule=a,
+        write_back={},
+        nodes=("x", "y", "x", "y"),
+        schedules={"x": a, "y": b},
+    )
+    assert [spec.schedule_of(r) for r in range(4)] == [(a, 0), (b, 0), (a, 1), (b, 1)]
+    assert RankSpec.from_json(spec.to_json()) == spec
+    one = RankSpec(**fields, rings={}, schedule=a, write_back={})
+    assert one.schedule_of(3) == (a, 3)
+    with pytest.raises(ValueError, match="names 2 ranks' nodes; the job has 4"):
+        RankSpec(**fields, rings={}, schedule=a, write_back={}, nodes=("x", "y"), schedules={})
+    with pytest.raises(ValueError, match=r"no schedule ring for nodes \['y'\]"):
+        RankSpec(
+            **fields,
+            rings={},
+            schedule=a,
+            write_back={},
+            nodes=("x", "y") * 2,
+            schedules={"x": a},
+        )
