@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import urllib.request
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -376,6 +377,16 @@ class MooncakeBackend(UnitBackend):
         return f"{self.namespace}/s/{key}"
 
 
+def _is_here(host: str) -> bool:
+    """Whether ``host`` is an address of this host (a socket can be bound to it)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.bind((resolve(host)[0], 0))
+    except (OSError, ValueError):  # not an address here, or a name this host cannot resolve
+        return False
+    return True
+
+
 def _attach(
     master: MasterAddress,
     namespace: str,
@@ -384,7 +395,12 @@ def _attach(
     allow_wildcard_listeners: bool,
 ) -> MooncakeBackend:
     """Unpickle a ``MooncakeBackend``: a client of the same namespace contributing no memory
-    (with the creator's ``allow_wildcard_listeners``: it opens the same listeners)."""
+    (with the creator's ``allow_wildcard_listeners``: it opens the same listeners). On another
+    host than the creator's (a reorganizer on its consumers' node), whose addresses do not
+    include the creator's ``local_hostname``, it listens on this host's own address instead
+    (what its hostname resolves to)."""
+    if not _is_here(local_hostname):
+        local_hostname = socket.gethostbyname(socket.gethostname())
     return MooncakeBackend(
         master,
         namespace=namespace,
