@@ -56,8 +56,9 @@ _Entry = tuple[_Boxed, UnitSpec, str]
 # Ray pull the WHOLE object to its node first (Ray transfers objects, not byte ranges); sliced
 # reads then copy only the asked rows. So across nodes a reorganizer that packs half of a
 # unit's rows still moves all of it over the link: with the CP ranks of a group on two nodes,
-# 1.89 bytes crossed the links per consumed byte against 1.02 with both on one node
-# (benchmarks/cluster.py --quick, knitkit_cp_split vs knitkit). Each backend counts what its
+# 1.89 bytes crossed the links per consumed byte against 1.02 with both on one node, and 1.01
+# through Mooncake's ranged reads with the CP ranks apart (benchmarks/cluster.py:
+# knitkit_cp_split, knitkit, knitkit_mooncake_cp_split). Each backend counts what its
 # reads moved, by the node that put the unit (`traffic()`): rows copied out of units ("read"),
 # and the whole objects behind reads of units put on another node that were not on this node
 # yet when resolved ("whole", from Ray's object locations, asked once per `resolve`). "whole"
