@@ -57,7 +57,8 @@ from knitkit.storage import (
     pack,
     plan_minibatch,
 )
-from knitkit.storage.planning import plan_encoder
+from knitkit.storage.planning import StageLayers, plan_encoder
+from knitkit.types import TrajectoryMeta
 
 LAYERS, EXPERTS, TOPK, VOCAB = 4, 8, 2, 64
 LENGTHS = (9, 14, 6, 11, 7, 12)
@@ -249,6 +250,10 @@ def _record_then_misuse(rank: int) -> dict[str, Any]:
         finally:
             replay.clear()
         errors = {}
+        try:  # a plan whose stage split is not this chunk's layers
+            replay.replaying(_forward_step, layers=(1, 3))
+        except ValueError as error:
+            errors["stage"] = str(error)
         bad = {
             "layers": {**batches[0], "routing": batches[0]["routing"][:, :, :3]},
             "missing": {k: v for k, v in batches[0].items() if k != "routing"},
@@ -456,15 +461,18 @@ def test_replayed_topk_equals_the_stored_routing(world2: World, tp: int, pp: int
 
 def test_recorded_routing_replays_and_misuse_names_field_and_rank(world2: World) -> None:
     """A forward-only pass records (the rollout stand-in); replaying the recording gives the
-    same losses. A routing with the wrong layer count, a micro-batch without routing and an
-    expert id past num_experts each raise a ValueError naming 'routing' and the rank."""
+    same losses. A routing with the wrong layer count, a micro-batch without routing, an expert
+    id past num_experts and a plan's stage layers that are not the model chunk's each raise a
+    ValueError naming 'routing' and the rank."""
     for rank, got in enumerate(world2.run(_record_then_misuse, timeout_s=300)):
         assert got["recorded"] == got["plain"] and got["replayed"] == got["plain"]
-        assert set(got["errors"]) == {"layers", "missing", "range"}, got["errors"]
+        assert set(got["errors"]) == {"layers", "missing", "range", "stage"}, got["errors"]
         for message in got["errors"].values():
             assert f"rank {rank}:" in message and "'routing'" in message, message
         assert "[tokens, 4, topk]" in got["errors"]["layers"]
         assert "outside [0, 8)" in got["errors"]["range"]
+        assert "carries layers [1, 3]" in got["errors"]["stage"]
+        assert "routes in layers [0, 1, 2, 3]" in got["errors"]["stage"]
         assert got["metrics"]["knitkit/routing/bytes_read_ratio"] == 1.0
         assert got["metrics"]["knitkit/routing/delivered_ratio"] == 2.0  # its half of the tokens
 
@@ -906,6 +914,42 @@ def test_pipeline_stages_read_only_their_layers(world2: World) -> None:
         assert metrics["knitkit/routing/bytes_read"] == metrics["knitkit/routing/bytes_delivered"]
     full = tokens * LAYERS * TOPK  # the two stages together read the field once per pass
     assert pooled == len(PP_PASSES) * (2 * others + full)
+
+
+def test_stage_layers_follow_megatron_core_and_misfits_are_refused() -> None:
+    """``stage_layers`` is megatron-core's split of the layers (even, and with an uneven first
+    stage); a split with a gap, and a split over another number of stages than the job's
+    pipeline (at the Driver, and when a plan is served), are refused naming both."""
+    from megatron.core.transformer import TransformerConfig
+
+    assert stage_layers(_config(1, 2)).ranges == ((0, 2), (2, 4))
+    uneven = TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=16,
+        num_attention_heads=4,
+        pipeline_model_parallel_size=2,
+        num_layers_in_first_pipeline_stage=1,
+        pipeline_dtype=torch.float32,
+    )
+    assert stage_layers(uneven).ranges == ((0, 1), (1, 4))
+    with pytest.raises(ValueError, match=r"stage 1's layers \(3, 4\) must be"):
+        StageLayers(((0, 2), (3, 4)), ("routing",))
+    split = StageLayers(((0, 1), (1, 2), (2, 4)), ("routing",))
+    metas = [
+        TrajectoryMeta("t", "s", "a", rollout_step=0, num_tokens=4, min_version=0, max_version=0)
+    ]
+    plan = plan_minibatch(metas, Topology(dp=1), PlannerConfig(stage_layers=split))
+    with pytest.raises(ValueError, match=r"over 3 pipeline stages .* the job runs 2"):
+        plan.stage_consumers(2)
+    config = Driver.Config(
+        passes=(Pass("train", reads=FIELDS),),
+        topology=Topology(dp=1),
+        pipeline=2,
+        planner=PlannerConfig(stage_layers=split),
+    )
+    controller = build_controller("streaming", train_batch_size=1, num_minibatches=1, sources=["s"])
+    with pytest.raises(ValueError, match="over 3 stages; the job has pipeline=2"):
+        config.build(admission=controller)
 
 
 def test_replay_at_dp2_tp2() -> None:
