@@ -64,7 +64,7 @@ class Reorganizer:
         self, units: tuple[UnitKey, ...], extra: dict[str, int | float | str]
     ) -> None:
         """An encoder micro-batch: each unique multimodal unit whole (``MicroBatchLayout.of_units``)."""
-        specs = {k: (self.backend.spec(k).dtype, self.backend.spec(k).shape) for k in units}
+        specs = {k: (spec.dtype, spec.shape) for k in units for spec in (self.backend.spec(k),)}
         layout = MicroBatchLayout.of_units(specs, extra=extra)
         slot = self.publisher.acquire(layout.nbytes)
         views = layout.unit_views(slot)
