@@ -17,9 +17,10 @@ from knitkit.storage.backends import (
     UnitSpec,
     check_replacement,
     check_unit,
+    copy_read,
     spec_of,
 )
-from knitkit.types import SeqRange, UnitKey
+from knitkit.types import SeqRange, UnitKey, UnitRead
 
 _Boxed = list[ray.ObjectRef]
 """One object ref in a list: Ray resolves top-level ref arguments of actor calls, never nested ones."""
@@ -186,6 +187,20 @@ class RayBackend(UnitBackend):
         rows = self._reads.copy_rows(key, view, ranges, out)
         self._read_from[source] = self._read_from.get(source, 0) + self._reads.bytes - before
         return rows
+
+    def read_many(self, reads: Sequence[UnitRead], outs: Sequence[np.ndarray]) -> None:
+        """``read`` for every pair; a read's ``columns`` (a pipeline stage's layers) are copied
+        out of the unit's view alone (the whole object still comes to this node)."""
+        if len(reads) != len(outs):
+            raise ValueError(f"read_many got {len(reads)} reads but {len(outs)} outs; pair them")
+        for unit, out in zip(reads, outs, strict=True):
+            if unit.columns is None:
+                self.read(unit.key, unit.ranges, out=out)
+                continue
+            view, source = self._view(unit.key)
+            moved = copy_read(unit, spec_of(view), view, out).nbytes
+            self._reads.bytes += moved
+            self._read_from[source] = self._read_from.get(source, 0) + moved
 
     def view(self, key: UnitKey) -> np.ndarray:
         """Read-only zero-copy view of a whole unit (mapped from this node's object store)."""

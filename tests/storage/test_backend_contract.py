@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from knitkit.storage.backends.backend import UnitBackend, UnitSpec
-from knitkit.types import UnitKey
+from knitkit.types import UnitKey, UnitRead
 
 _counter = itertools.count()
 
@@ -205,3 +205,31 @@ def test_write_ranges_rewrites_exactly_those_rows(backend: UnitBackend) -> None:
     with pytest.raises(KeyError, match="nope/routing"):
         backend.write_ranges(UnitKey("nope", "routing"), [(0, 1)], np.zeros((1, 3), np.int32))
     np.testing.assert_array_equal(backend.read(key), want)
+
+
+COLUMN_READERS = ("memory", "ray", "shm")
+"""Backends whose ``read_many`` reads a column range (``UnitRead.columns``): a pipeline stage's
+layers of ``[tokens, layers, topk]`` routing (NOTE [ One ring per pipeline stage ])."""
+
+
+def test_column_reads_move_only_those_columns_or_name_the_key(
+    backend: UnitBackend, request: pytest.FixtureRequest
+) -> None:
+    """``read_many`` of token ranges x a column range == slicing the whole unit, and bytes_read
+    grows by exactly those bytes; a backend that reads no column ranges refuses, naming the key."""
+    key = UnitKey("t-columns", "routing")
+    array = np.arange(10 * 6 * 2, dtype=np.uint8).reshape(10, 6, 2)
+    backend.put(key, array)
+    want = np.concatenate([array[1:3, 2:5], array[6:9, 2:5]])
+    out = np.zeros_like(want)
+    before = backend.bytes_read
+    read = UnitRead(key, ((1, 3), (6, 9)), (2, 5))
+    if request.node.callspec.params["backend"] not in COLUMN_READERS:
+        with pytest.raises(ValueError, match=r"t-columns/routing.*UnitRead\.columns"):
+            backend.read_many([read], [out])
+        return
+    backend.read_many([read], [out])
+    np.testing.assert_array_equal(out, want)
+    assert backend.bytes_read - before == want.nbytes
+    with pytest.raises(IndexError, match="t-columns/routing"):
+        backend.read_many([UnitRead(key, ((0, 1),), (4, 7))], [np.zeros((1, 3, 2), np.uint8)])
