@@ -230,8 +230,9 @@ class RankHandle:
     # and units are content-addressed, so their bytes cannot differ between passes. The rank
     # copies them out of its encoder ring in the first encoding pass and hands the same tensors
     # to the later ones at once, instead of waiting each time for its encoder reorganizer to
-    # read and publish them again after the pass is served (grpo_step's "reading encoder
-    # inputs" wait: 9.1 ms per step, nearly all of it in the train pass, load ~10). The driver
+    # read and publish them again after the pass is served (``benchmarks/grpo_step.py --quick``,
+    # "reading encoder inputs", slowest rank: 9.1 ms per step before, nearly all of it in the
+    # train pass, 0.2 ms after; load ~7-10). The driver
     # still serves the units with every encoding pass, so every ring keeps the schedule's order
     # and a restarted reorganizer re-serves as before; a later pass's copy is taken and released
     # unread when the pass ends (off the critical path: published long before), its unit keys
