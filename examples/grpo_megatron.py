@@ -20,6 +20,10 @@ checkpoint there (after a crash: kill the job at any point, start it again with 
 its share of the same admitted trajectories itself, no dedup, log-probs recomputed per pass) and
 prints how far the two are apart; ``--json PATH`` writes both histories and that comparison.
 
+``--serve SPEC --rank-nodes A,A,B,B`` runs only the driver, on a Ray cluster (``grpo/cluster.py``:
+``RayControl`` relays and reorganizers on the ranks' nodes); ranks started with ``--spec-file
+SPEC`` on other nodes (``torchrun --nnodes 2 ...``) train from it (tests/cluster/test_grpo_on_nodes.py).
+
 Run: torchrun --standalone --nproc-per-node 4 examples/grpo_megatron.py
 (DP2 x TP2: NCCL on 4 GPUs; without CUDA gloo on the CPU, see ``megatron_common.megatron_world``.)
 """
@@ -46,6 +50,7 @@ from grpo.resume import Checkpointing
 from grpo.train import StepRecord, Trainer
 from megatron_wrap import MAX_SEQ
 
+from knitkit.integration.megatron import MegatronLayout
 from knitkit.job.checkpoint import CheckpointDir, write_file
 from knitkit.metrics import FanOut, MetricsObserver, TensorBoardObserver
 
@@ -107,6 +112,17 @@ def main() -> None:
         "--final-params", type=Path, help="every rank saves its final policy here (rank<r>.pt)"
     )
     parser.add_argument("--moe", action="store_true", help="MoE policy with routing replay")
+    parser.add_argument(
+        "--serve",
+        type=Path,
+        help="run only the driver (on a Ray cluster), writing the ranks' spec to this file",
+    )
+    parser.add_argument(
+        "--rank-nodes", help="with --serve: the node address of each rank, comma-separated"
+    )
+    parser.add_argument(
+        "--spec-file", type=Path, help="ranks: take the spec a --serve driver wrote, host none"
+    )
     common.tensorboard_argument(parser)
     args = parser.parse_args()
     if args.moe:  # grpo/moe.py: a megatron-core MoE GPTModel trained with R3
@@ -119,6 +135,11 @@ def main() -> None:
     if args.checkpoint_dir and args.reference:
         parser.error("--reference compares an uninterrupted run: leave out --checkpoint-dir")
     run = GRPOConfig(steps=args.steps)
+    if args.serve:  # grpo/cluster.py: the driver alone, its ranks on other nodes
+        from grpo.cluster import serve
+
+        serve(run, args.serve, args.rank_nodes.split(","), TENSOR_PARALLEL)
+        return
     checkpoint = (
         Checkpointing(
             CheckpointDir(args.checkpoint_dir),
@@ -137,7 +158,13 @@ def main() -> None:
                 observers.append(stack.enter_context(TensorBoardObserver(args.tensorboard)))
         trainer = new_trainer(run, keep_gradients=args.reference)
         initial = snapshot(trainer.policy)
-        history = knitkit_loop(run, trainer, FanOut(*observers), checkpoint=checkpoint)
+        spec = None
+        if args.spec_file:
+            from grpo.cluster import check_layout, read_spec
+
+            spec = read_spec(args.spec_file)
+            check_layout(spec, MegatronLayout.from_parallel_state())
+        history = knitkit_loop(run, trainer, FanOut(*observers), checkpoint=checkpoint, spec=spec)
         if args.final_params:
             args.final_params.mkdir(mode=0o700, parents=True, exist_ok=True)
             buffer = io.BytesIO()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from knitkit.integration.megatron import (
     megatron_batch,
 )
 from knitkit.integration.sglang import PayloadConfig, RolloutWriter
-from knitkit.job import Driver, Output, Pass, RankHandle, broadcast_rank_spec
+from knitkit.job import Driver, Output, Pass, RankHandle, RankSpec, broadcast_rank_spec
 from knitkit.metrics import MetricsObserver, merge
 from knitkit.microbatch_iter import MicroBatch
 from knitkit.storage import MiniBatchPlan, PlannerConfig, Trajectory
@@ -67,8 +68,9 @@ class ScoredSink:
         return self.driver.write(trajectory)
 
 
-def build_driver(run: GRPOConfig, layout: MegatronLayout) -> Driver:
-    """The driver: knittrans admission with a source quota, planning for this Megatron layout."""
+def build_driver(run: GRPOConfig, layout: MegatronLayout, **runtime: Any) -> Driver:
+    """The driver: knittrans admission with a source quota, planning for this Megatron layout;
+    ``runtime`` goes to ``Driver.Config.build`` (``store``, ``pool``, ``control``)."""
     rollout = run.rollout
     admission = build_controller(
         "knittrans",
@@ -87,7 +89,7 @@ def build_driver(run: GRPOConfig, layout: MegatronLayout) -> Driver:
         slot_bytes=1 << 20,
         write_back_slot_bytes=1 << 20,
         schedule_slot_bytes=1 << 20,
-    ).build(admission=admission)
+    ).build(admission=admission, **runtime)
 
 
 def grpo_batch(micro_batch: MicroBatch, *, sequences: int) -> dict[str, object]:
@@ -121,6 +123,7 @@ def knitkit_loop(
     clock: StepClock | None = None,
     feed_ahead: bool = False,
     checkpoint: Checkpointing | None = None,
+    spec: RankSpec | None = None,
 ) -> list[StepRecord]:
     """``run.steps`` GRPO steps fed by knitkit: the driver on global rank 0, a handle on every rank.
 
@@ -130,11 +133,14 @@ def knitkit_loop(
     each under ``DedupVLMStep.run``. ``clock`` times each step's data path on this rank.
     ``checkpoint``: resume from its newest checkpoint (model, optimizer, driver, rollout) and
     save one at every ``every``-th step boundary; the history then holds the steps run here.
+    ``spec``: the driver runs in a process of its own (``grpo/cluster.py``, ranks on other
+    nodes); every rank got its spec, so no rank hosts a driver.
     """
     layout = MegatronLayout.from_parallel_state()
-    driver = build_driver(run, layout) if dist.get_rank() == 0 else None
+    driver = build_driver(run, layout) if dist.get_rank() == 0 and spec is None else None
     try:
-        spec = broadcast_rank_spec(driver.rank_spec() if driver else None, src=0)
+        if spec is None:
+            spec = broadcast_rank_spec(driver.rank_spec() if driver else None, src=0)
         handle = MegatronRank.from_parallel_state(
             spec,
             to_batch=functools.partial(grpo_batch, sequences=run.minibatch_size),

@@ -337,8 +337,8 @@ class RelayedSchedule:
             relay.calls.append(relay.actor.finish.remote())
 
     def fail(self, message: str) -> None:
-        calls: list[ray.ObjectRef] = [relay.actor.fail.remote(message) for relay in self._relays]
-        ray.wait(calls, num_returns=len(calls), timeout=30)  # dead relays: nothing to tell
+        calls: list[ray.ObjectRef] = [r.actor.fail.remote(message) for r in self._channels.live()]
+        ray.wait(calls, num_returns=len(calls), timeout=30)  # so it lands before ``close``
 
     def stop(self) -> None:
         self._stopped.set()
@@ -430,6 +430,10 @@ class RayChannels:
         if self._failure is not None:
             raise self._failure
 
+    def live(self) -> list[_Relay]:
+        """The relays not known to have failed."""
+        return [relay for relay in self.relays if relay.node not in self._lost]
+
     def lost(self, relay: _Relay, error: BaseException) -> NodeFailedError:
         """The error for ``relay``'s failure (recorded once: ``check`` raises it after)."""
         self._lost.add(relay.node)
@@ -457,8 +461,7 @@ class RayChannels:
         self._stopping.set()
         for source in self.write_back.values():
             source.close()
-        live = [relay for relay in self.relays if relay.node not in self._lost]
-        closing: list[ray.ObjectRef] = [relay.actor.close.remote() for relay in live]
+        closing: list[ray.ObjectRef] = [relay.actor.close.remote() for relay in self.live()]
         ray.wait(closing, num_returns=len(closing), timeout=30)
         for puller in self._pullers:
             puller.join(PULL_S + 10)
