@@ -17,12 +17,14 @@ raylet; every link is capped (``--link-mbit``, each way). Methods, on the same s
   only their CP chunks' rows over Mooncake's TCP transfer engine; run only where Mooncake loads,
   skipped with the reason (``mooncake.skipped``) elsewhere, never stood in for;
 - sample_level: every rank reads its share's whole units through Ray (TP0/CP0 also the images)
-  and packs its own micro-batches (``knitkit.storage.baselines``).
+  and packs its own micro-batches (``knitkit.storage.baselines``);
+- transferqueue: the writer puts one TransferQueue row per trajectory (TQ's controller and
+  storage units are Ray actors where Ray places them), every rank gets its DP share's whole rows
+  (``read_share_tq``; TP0/CP0 the image column too) and packs its own micro-batches.
 
-TransferQueue is not run across nodes here (its storage units and sockets on the simulated
-cluster are not wired up); transfer.py measures it on one node. Ranks do no compute: the
-figure is the eager wait (NOTE [ Eager wait across nodes ]). This measures the data path alone
-(writer, driver, reorganizers, consumers), not ``Driver`` with ranks on other nodes.
+Ranks do no compute: the figure is the eager wait (NOTE [ Eager wait across nodes ]). This
+measures the data path alone (writer, driver, reorganizers, consumers), not ``Driver`` with
+ranks on other nodes.
 
     python benchmarks/cluster.py [--quick] [--json PATH] [--link-mbit 1000]
 """
@@ -49,7 +51,9 @@ METHODS = (
     "knitkit_cp_split",
     "knitkit_mooncake_cp_split",
     "sample_level",
+    "transferqueue",
 )
+TQ_PARTITION = "cluster-bench"
 WARMUP_STEPS = 1
 NODES = 4
 LINK_MBIT = 1000.0
@@ -75,6 +79,7 @@ def _rss() -> int:
 
 # ----- actors (defined here, shipped by value to the nodes) ---------------------------------------
 def _actors() -> tuple[Any, Any]:
+    import numpy as np
     import ray
 
     from knitkit.integration.ray import RayBackend
@@ -105,6 +110,22 @@ def _actors() -> tuple[Any, Any]:
 
         def trajectories(self, phase: int, step: int) -> list[Any]:
             return self._step(phase, step)
+
+        def transferqueue(
+            self, connection: Any, phase: int, step: int, fields: list[str]
+        ) -> tuple[list[Any], int]:
+            """Put the step's rows into TQ; their metadata and the bytes a step consumes."""
+            from knitkit.integration.transferqueue import put_trajectories
+
+            if not hasattr(self, "client"):
+                self.client = connection.client()
+            made = self._step(phase, step)
+            put_trajectories(self.client, made, TQ_PARTITION)
+            images = {m.key: m.data.nbytes for t in made for m in t.multimodal}
+            own = sum(
+                np.asarray({**t.token_fields, **t.scalars}[f]).nbytes for t in made for f in fields
+            )
+            return [t.meta() for t in made], own + sum(images.values())
 
     @ray.remote(num_cpus=0)
     class Ranks:
@@ -140,6 +161,25 @@ def _actors() -> tuple[Any, Any]:
                 mine.resolve(share_reads(plan, rank))  # one directory lookup, as a careful user
                 local = read_share(mine, plan, rank)
                 mine.close()
+                group = plan.consumer(rank.dp, rank.cp)
+                out.extend(buffer.nbytes for _, buffer in pack_local(group, local))
+
+            return _threads([(run, p) for p in ranks])
+
+        def transferqueue(
+            self, connection: Any, plan: Any, ranks: list[tuple[int, int, int]]
+        ) -> int:
+            """Every rank here gets its DP share's whole TQ rows and packs its micro-batches."""
+            from knitkit.integration.transferqueue import read_share_tq
+
+            clients = self.__dict__.setdefault("tq_clients", {})
+            for position in ranks:
+                if position not in clients:
+                    clients[position] = connection.client()
+
+            def run(position: tuple[int, int, int], out: list[int]) -> None:
+                rank = RankPosition(*position)
+                local, _ = read_share_tq(clients[position], plan, rank, TQ_PARTITION)
                 group = plan.consumer(rank.dp, rank.cp)
                 out.extend(buffer.nbytes for _, buffer in pack_local(group, local))
 
@@ -221,7 +261,7 @@ def _driver(steps: int, addresses: list[str], mooncake_skipped: bool) -> None:
     from knitkit.types import UnitKey
 
     host = _Host()
-    ray.init(namespace=NAMESPACE, logging_level="ERROR")
+    ray.init(namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
     ids = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
     node = [ids[a] for a in addresses]
     Writer, Ranks = _actors()
@@ -242,7 +282,7 @@ def _driver(steps: int, addresses: list[str], mooncake_skipped: bool) -> None:
     by_dp = {f"backbone/dp{d}/cp{c}": node[2 + d] for d in range(2) for c in range(2)}
     by_cp = {f"backbone/dp{d}/cp{c}": node[2 + c] for d in range(2) for c in range(2)}
     encoders = {f"vision/dp{r}": node[2 + r] for r in range(2)}
-    master = None
+    master = connection = None
     for phase, method in enumerate(METHODS):
         if "mooncake" in method:
             if mooncake_skipped:
@@ -259,6 +299,10 @@ def _driver(steps: int, addresses: list[str], mooncake_skipped: bool) -> None:
         else:
             backend = RayBackend()
             make = functools.partial(_ray_backend, backend.name)
+        if method == "transferqueue":
+            from knitkit.integration.transferqueue import start_transfer_queue
+
+            connection = start_transfer_queue()
         store = TrajectoryStore(backend)
         writer = Writer.options(scheduling_strategy=On(node[1], soft=False)).remote(
             make, sizes, per_step
@@ -287,7 +331,12 @@ def _driver(steps: int, addresses: list[str], mooncake_skipped: bool) -> None:
         for step in range(WARMUP_STEPS + steps):
             if step == WARMUP_STEPS:
                 host.mark("start", method)
-            if method == "knitkit_via_driver":
+            if method == "transferqueue":
+                names = [*FIELDS, *SCALARS]
+                metas, step_bytes = ray.get(
+                    writer.transferqueue.remote(connection, phase, step, names)
+                )
+            elif method == "knitkit_via_driver":
                 metas = [store.write(t) for t in ray.get(writer.trajectories.remote(phase, step))]
             else:
                 records = ray.get(writer.place.remote(phase, step))
@@ -308,9 +357,10 @@ def _driver(steps: int, addresses: list[str], mooncake_skipped: bool) -> None:
                     for n in (2, 3)
                 ]
             else:
+                source = backend if method == "sample_level" else connection
                 took = [
-                    ranks[2 + d].sample_level.remote(
-                        backend, plan, [(d, c, t) for c in range(2) for t in range(2)]
+                    getattr(ranks[2 + d], method).remote(
+                        source, plan, [(d, c, t) for c in range(2) for t in range(2)]
                     )
                     for d in range(2)
                 ]
@@ -318,10 +368,14 @@ def _driver(steps: int, addresses: list[str], mooncake_skipped: bool) -> None:
             if step >= WARMUP_STEPS:
                 waits.append(time.monotonic() - started)
                 delivered += got
-                fields = [UnitKey(t, f) for t in tids for f in (*FIELDS, *SCALARS)]
-                images = {ref.key for m in metas for ref in m.multimodal}
-                consumed += sum(backend.spec(k).nbytes for k in [*fields, *images])
-            store.release(tids)
+                if method == "transferqueue":
+                    consumed += step_bytes
+                else:
+                    fields = [UnitKey(t, f) for t in tids for f in (*FIELDS, *SCALARS)]
+                    images = {ref.key for m in metas for ref in m.multimodal}
+                    consumed += sum(backend.spec(k).nbytes for k in [*fields, *images])
+            if method != "transferqueue":
+                store.release(tids)
         host.mark("end", method)
         figures = {"waits": waits, "consumed": consumed, "delivered": delivered}
         figures["rss_growth"] = _rss() - rss_start
@@ -333,6 +387,10 @@ def _driver(steps: int, addresses: list[str], mooncake_skipped: bool) -> None:
         host.send({"result": method, **figures})
         backend.close()
         ray.kill(writer)
+        if method == "transferqueue":
+            import transfer_queue
+
+            transfer_queue.close()
         if master is not None:
             master.stop()
             master = None
