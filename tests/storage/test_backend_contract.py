@@ -207,7 +207,7 @@ def test_write_ranges_rewrites_exactly_those_rows(backend: UnitBackend) -> None:
     np.testing.assert_array_equal(backend.read(key), want)
 
 
-COLUMN_READERS = ("memory", "ray", "shm")
+COLUMN_READERS = ("disk", "memory", "ray", "shm")
 """Backends whose ``read_many`` reads a column range (``UnitRead.columns``): a pipeline stage's
 layers of ``[tokens, layers, topk]`` routing (NOTE [ One ring per pipeline stage ])."""
 
@@ -215,8 +215,9 @@ layers of ``[tokens, layers, topk]`` routing (NOTE [ One ring per pipeline stage
 def test_column_reads_move_only_those_columns_or_name_the_key(
     backend: UnitBackend, request: pytest.FixtureRequest
 ) -> None:
-    """``read_many`` of token ranges x a column range == slicing the whole unit, and bytes_read
-    grows by exactly those bytes; a backend that reads no column ranges refuses, naming the key."""
+    """``read_many`` of token ranges (or the whole unit) x a column range == slicing the whole
+    unit, and bytes_read grows by exactly those bytes; a backend that reads no column ranges
+    refuses, naming the key."""
     key = UnitKey("t-columns", "routing")
     array = np.arange(10 * 6 * 2, dtype=np.uint8).reshape(10, 6, 2)
     backend.put(key, array)
@@ -231,5 +232,9 @@ def test_column_reads_move_only_those_columns_or_name_the_key(
     backend.read_many([read], [out])
     np.testing.assert_array_equal(out, want)
     assert backend.bytes_read - before == want.nbytes
+    last, rows = np.zeros((10, 1, 2), np.uint8), np.zeros((2, 6, 2), np.uint8)
+    backend.read_many([UnitRead(key, None, (5, 6)), UnitRead(key, ((4, 6),), (0, 6))], [last, rows])
+    np.testing.assert_array_equal(last, array[:, 5:6])
+    np.testing.assert_array_equal(rows, array[4:6])
     with pytest.raises(IndexError, match="t-columns/routing"):
         backend.read_many([UnitRead(key, ((0, 1),), (4, 7))], [np.zeros((1, 3, 2), np.uint8)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import pickle
@@ -13,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from knitkit.storage import SafetensorsBackend
-from knitkit.types import UnitKey
+from knitkit.types import UnitKey, UnitRead
 
 
 def _filled(tmp_path: Path) -> tuple[SafetensorsBackend, dict[UnitKey, np.ndarray]]:
@@ -61,6 +62,41 @@ def test_range_reads_preadv_only_the_ranges_into_the_destination(
     assert [n for _, n in calls] == [30 * row, 30 * row]
     assert calls[1][0] - calls[0][0] == 240 * row
     np.testing.assert_array_equal(out, np.concatenate([units[key][10:40], units[key][250:280]]))
+    backend.close()
+
+
+def test_column_reads_preadv_each_token_range_once_or_each_row_past_long_gaps(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A stage's layers of routing rows (small gaps) take one ``preadv`` per 1 MiB of rows, from
+    the range's first wanted byte to its last (NOTE [ Batched disk reads ]); columns whose rows'
+    other columns are long (past ``_GAP_SKIP``) are read row by row, gaps unread."""
+    backend = SafetensorsBackend(str(tmp_path), shard_bytes=1 << 30)
+    routing = np.random.default_rng(0).integers(0, 64, (4096, 48, 8), dtype=np.uint8)
+    wide = np.random.default_rng(1).integers(0, 64, (4, 100, 1024), dtype=np.uint8)
+    backend.put(UnitKey("t", "routing"), routing)
+    backend.put(UnitKey("t", "wide"), wide)
+    backend.flush()
+    calls: list[tuple[int, int]] = []
+    real_preadv = os.preadv
+
+    def recording_preadv(fd: int, buffers: list, offset: int) -> int:
+        calls.append((offset, sum(memoryview(b).nbytes for b in buffers)))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", recording_preadv)
+    stage, rows = np.empty((3990, 24, 8), np.uint8), np.empty((3, 1, 1024), np.uint8)
+    reads = [UnitRead(UnitKey("t", "routing"), ((10, 4000),), (24, 48))]
+    backend.read_many(
+        [*reads, UnitRead(UnitKey("t", "wide"), ((0, 2), (3, 4)), (3, 4))], [stage, rows]
+    )
+    np.testing.assert_array_equal(stage, routing[10:4000, 24:48])
+    np.testing.assert_array_equal(rows, wide[[0, 1, 3], 3:4])
+    row, staged = 48 * 8, (1 << 20) // (48 * 8)  # rows per staged preadv
+    wide_calls = [c for c in calls if c[1] == 1024]
+    assert [n for _, n in calls if n != 1024] == [staged * row - 192, (3990 - staged) * row - 192]
+    assert [b - a for (a, _), (b, _) in itertools.pairwise(wide_calls)] == [100 << 10, 200 << 10]
+    assert backend.bytes_read == stage.nbytes + rows.nbytes
     backend.close()
 
 

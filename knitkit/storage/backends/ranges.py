@@ -104,8 +104,9 @@ def destination(
         if out.ndim == len(shape) > 1 and out.shape[0] == shape[0] and out.shape[1] < shape[1]:
             hint = (
                 " (a read of a column range, UnitRead.columns, that this read path ignored: "
-                "read it with read_many of a backend that reads column ranges, e.g. shared "
-                "memory or memory)"
+                "read it with read_many of a backend that reads column ranges, as knitkit's "
+                "memory, shared-memory, disk, Ray and Mooncake backends do; UnitBackend's "
+                "default read_many and read() do not)"
             )
         raise ValueError(
             f"out for unit {key} is {out.dtype}{list(out.shape)}; the read needs "
@@ -175,11 +176,20 @@ def copy_read(
     columns checked, copied into ``out`` (or a fresh array), which it returns. A column range
     is a strided copy: the other columns of a row are never read (a pipeline stage's layers of
     ``[tokens, layers, topk]`` routing)."""
-    ranges = check_ranges(unit.key, spec, unit.ranges)
-    columns = check_columns(unit.key, spec, unit.columns)
-    dst = destination(unit.key, spec, ranges, out, columns)
+    ranges, columns, dst = open_read(unit, spec, out)
     copy_ranges(stored, ranges, dst, columns)
     return dst
+
+
+def open_read(
+    unit: UnitRead, spec: UnitSpec, out: np.ndarray | None
+) -> tuple[tuple[SeqRange, ...] | None, SeqRange | None, np.ndarray]:
+    """The checked ranges and columns of one ``UnitRead`` and its destination (``out`` checked,
+    or a fresh array): the contract's errors, for a backend that fills the destination itself
+    (a file, a transport); ``copy_read`` is the whole read of a unit held in memory."""
+    ranges = check_ranges(unit.key, spec, unit.ranges)
+    columns = check_columns(unit.key, spec, unit.columns)
+    return ranges, columns, destination(unit.key, spec, ranges, out, columns)
 
 
 def copy_ranges(
