@@ -116,7 +116,8 @@ class ProcessPool:
         slot_bytes: int = 64 << 20,
         join_timeout_s: float = 5.0,
     ) -> None:
-        """``groups``: group name -> number of consumers of its ring (its ranks' TP x PP)."""
+        """``groups``: group name -> number of consumers of its ring (the TP ranks of its (DP,
+        CP, stage), NOTE [ One ring per pipeline stage ] in knitkit/storage/planning/plan.py)."""
         self._backend = backend
         self._sizes = dict(groups)
         self._join_s = join_timeout_s

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import copy
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,11 +24,12 @@ from knitkit.integration.sglang import PayloadConfig, RolloutRequest, RolloutWri
 from knitkit.storage import (
     MemoryBackend,
     PlannerConfig,
+    SafetensorsBackend,
     Topology,
     TrajectoryStore,
     plan_minibatch,
 )
-from knitkit.storage.planning import StageLayers, pack_into_batched, pack_layout
+from knitkit.storage.planning import StageLayers, pack_into, pack_into_batched, pack_layout
 from knitkit.types import UnitKey
 
 EXPERTS = 128
@@ -114,13 +116,21 @@ def test_a_turn_that_skips_positions_is_refused() -> None:
         writer.add(request, second, routed_experts_start=end + 2)
 
 
-@pytest.mark.parametrize(("cp", "pp"), [(1, 1), (2, 1), (2, 2)], ids=["cp1", "cp2", "cp2-pp2"])
-def test_each_consumer_reads_exactly_its_tokens_routing(cp: int, pp: int) -> None:
+@pytest.mark.parametrize(
+    ("cp", "pp", "disk"),
+    [(1, 1, False), (2, 1, False), (2, 2, False), (2, 2, True)],
+    ids=["cp1", "cp2", "cp2-pp2", "cp2-pp2-disk"],
+)
+def test_each_consumer_reads_exactly_its_tokens_routing(
+    cp: int, pp: int, disk: bool, tmp_path: Path
+) -> None:
     """DP2 x CP``cp`` x PP``pp``: each consumer (a (DP, CP) group's ring, one per pipeline stage
     with ``StageLayers``) packs its CP chunks' rows of its stage's layers, padding rows zero;
     the bytes each reads equal the rows it consumes x its layers x 8 (a 2-D read under PP, not
-    a read-then-drop), no consumer reads the whole field, and every (token, layer) is read once."""
-    store = TrajectoryStore(MemoryBackend())
+    a read-then-drop), no consumer reads the whole field, and every (token, layer) is read once.
+    On a durable disk store the reads go unit by unit through ``TrajectoryStore.read_into``
+    (2-D ``preadv`` reads, NOTE [ Batched disk reads ])."""
+    store = TrajectoryStore(SafetensorsBackend(str(tmp_path)) if disk else MemoryBackend())
     expected = _written(store)
     ids = list(expected)
     layers = StageLayers(((0, 48),) if pp == 1 else ((0, 24), (24, 48)), ("routing",))
@@ -142,7 +152,10 @@ def test_each_consumer_reads_exactly_its_tokens_routing(cp: int, pp: int) -> Non
         for mb in consumer.micro_batches:
             layout = pack_layout(mb, schema)
             buffer = np.empty(layout.nbytes, np.uint8)
-            routing = pack_into_batched(mb, layout, buffer, store.backend.read_many)["routing"]
+            if disk:
+                routing = pack_into(mb, layout, buffer, store.read_into)["routing"]
+            else:
+                routing = pack_into_batched(mb, layout, buffer, store.backend.read_many)["routing"]
             assert routing.shape[1:] == (last - first, 8), consumer.name
             at = 0
             for seq in mb.sequences:

@@ -299,8 +299,9 @@ class TrajectoryStore:
         return self.backend.read(key, ranges, out=out)
 
     def read_into(self, read: UnitRead, out: np.ndarray) -> np.ndarray:
-        """``packing.ReadInto`` over this store."""
-        return self.backend.read(read.key, read.ranges, out=out)
+        """``packing.ReadInto`` over this store (``read.columns`` too: the backend's ``read_many``)."""
+        self.backend.read_many([read], [out])
+        return out
 
     def read_trajectory(self, trajectory_id: str) -> dict[str, np.ndarray]:
         """Every own field of a trajectory, whole (what a sample-level reader moves)."""
