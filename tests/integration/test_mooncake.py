@@ -108,12 +108,19 @@ def _random_ranges(rng: np.random.Generator, rows: int) -> tuple[tuple[int, int]
 
 
 def _read_all(
-    backend: MooncakeBackend, units: dict[UnitKey, np.ndarray], seed: int
+    backend: MooncakeBackend,
+    units: dict[UnitKey, np.ndarray],
+    seed: int,
+    columns: tuple[int, int] | None = None,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """One ``read_many`` of random ranges of every unit: (what came back, what slicing gives)."""
+    """One ``read_many`` of random ranges (x ``columns``) of every unit: (what came back, what
+    slicing gives)."""
     rng = np.random.default_rng(seed)
-    reads = [UnitRead(key, _random_ranges(rng, unit.shape[0])) for key, unit in units.items()]
-    wants = [np.concatenate([units[r.key][a:b] for a, b in r.ranges or ()]) for r in reads]
+    reads = [
+        UnitRead(key, _random_ranges(rng, unit.shape[0]), columns) for key, unit in units.items()
+    ]
+    axis1 = slice(None) if columns is None else slice(*columns)
+    wants = [np.concatenate([units[r.key][a:b, axis1] for a, b in r.ranges or ()]) for r in reads]
     outs = [np.full_like(want, 255) for want in wants]
     backend.read_many(reads, outs)
     return outs, wants
@@ -123,24 +130,29 @@ def test_an_owner_reads_ranges_of_its_own_units_without_the_transport(
     master: MasterAddress,
 ) -> None:
     """Units whose replica lies in this client's own segment are read by a copy out of it (as
-    Mooncake's own same-process LOCAL_MEMCPY does for whole objects): every range equals slicing
-    the unit and every byte counts in ``bytes_read_locally``; a memory-less client of the same
-    namespace reads the same ranges over the transport (``bytes_read_locally`` stays 0)."""
+    Mooncake's own same-process LOCAL_MEMCPY does for whole objects): every range (and a
+    pipeline stage's layers of it, ``UnitRead.columns``) equals slicing the unit and every byte
+    counts in ``bytes_read_locally``; a memory-less client of the same namespace reads the same
+    over the transport (``bytes_read_locally`` stays 0): layers staged from whole rows, and
+    columns of rows whose other columns are long (past ``_FRAGMENT_GAP``) a fragment per row."""
     owner = MooncakeBackend(master, segment_bytes=64 << 20, allow_wildcard_listeners=True)
     reader = MooncakeBackend(
         master, namespace=owner.namespace, segment_bytes=0, allow_wildcard_listeners=True
     )
     try:
         units = _routing_units(6, seed=1)
-        for key, unit in units.items():
+        wide = {UnitKey("wide", "x"): np.arange(5 * 300 * 1024, dtype=np.uint8).reshape(5, 300, -1)}
+        for key, unit in (units | wide).items():
             owner.put(key, unit)
         for backend in (owner, reader):
-            got, want = _read_all(backend, units, seed=2)
-            for out, expected in zip(got, want, strict=True):
-                np.testing.assert_array_equal(out, expected)
-        moved = sum(w.nbytes for w in want)
-        assert owner.bytes_read == reader.bytes_read == moved
-        assert owner.bytes_read_locally == moved
+            moved = 0
+            for chosen, columns in ((units, None), (units, (10, 34)), (wide, (5, 7))):
+                got, want = _read_all(backend, chosen, seed=2, columns=columns)
+                for out, expected in zip(got, want, strict=True):
+                    np.testing.assert_array_equal(out, expected)
+                moved += sum(w.nbytes for w in want)
+            assert backend.bytes_read == moved
+        assert owner.bytes_read_locally == owner.bytes_read
         assert reader.bytes_read_locally == 0
     finally:
         reader.close()

@@ -207,7 +207,7 @@ def test_write_ranges_rewrites_exactly_those_rows(backend: UnitBackend) -> None:
     np.testing.assert_array_equal(backend.read(key), want)
 
 
-COLUMN_READERS = ("disk", "memory", "ray", "shm")
+COLUMN_READERS = ("disk", "memory", "mooncake", "ray", "shm")
 """Backends whose ``read_many`` reads a column range (``UnitRead.columns``): a pipeline stage's
 layers of ``[tokens, layers, topk]`` routing (NOTE [ One ring per pipeline stage ])."""
 
