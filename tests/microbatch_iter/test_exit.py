@@ -2,12 +2,43 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
+
+_FORK_PER_MODE = textwrap.dedent(
+    """
+    def fork_per_mode():
+        # One process imports torch and knitkit once, then forks a child per mode in argv: each
+        # child runs its mode and exits through the interpreter's own finalization (the path under
+        # test), its output in a file; the parent reports every child's exit status as JSON.
+        import json, os, tempfile
+        children = []
+        for mode in sys.argv[1:]:
+            out = tempfile.TemporaryFile()
+            pid = os.fork()
+            if pid == 0:
+                os.dup2(out.fileno(), 1)
+                os.dup2(out.fileno(), 2)
+                return mode
+            children.append((mode, pid, out))
+        results = []
+        for mode, pid, out in children:
+            _, status = os.waitpid(pid, 0)
+            out.seek(0)
+            output = out.read().decode(errors="replace")
+            code = os.waitstatus_to_exitcode(status)
+            results.append({"mode": mode, "code": code, "output": output[-2000:]})
+        print(json.dumps(results), flush=True)
+        os._exit(0)  # the parent's own exit is not under test
+    """
+)
+
 
 _SCRIPT = textwrap.dedent(
     """
@@ -24,7 +55,7 @@ _SCRIPT = textwrap.dedent(
             yield {"x": a}
 
     config = MicroBatchIterator.Config(join_timeout_s=0.2)
-    mode = sys.argv[1]
+    mode = fork_per_mode()
     if mode == "normal":
         it = MicroBatchIterator(source(), config, device="cpu")
         next(it)
@@ -51,22 +82,35 @@ _EXPECTED = {
 REPEATS = 2
 
 
+def _exits(script: str, expected: dict[str, int]) -> list[dict[str, Any]]:
+    """Every mode of ``expected`` run ``REPEATS`` times by ``script``, each in a child forked from
+    one process that imported torch and knitkit once (``_FORK_PER_MODE``): their exit statuses
+    (negative: the signal) and outputs."""
+    modes = [mode for mode in expected for _ in range(REPEATS)]
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys\n" + _FORK_PER_MODE + script, *modes],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    runs = json.loads(done.stdout.splitlines()[-1])
+    assert sorted(r["mode"] for r in runs) == sorted(modes), runs
+    return runs
+
+
 @pytest.mark.slow
 def test_exit_status_is_the_training_loops_while_the_source_runs_torch():
     """Whatever the prefetch thread is doing inside a torch-running source when the process ends
     (normally, by an exception or SystemExit through ``with``, or an uncaught KeyboardInterrupt),
     the process exits with the training loop's own status, never SIGABRT; repeated, since the
     abort depends on where the thread is when finalization starts."""
-    runs = [
-        (mode, subprocess.Popen([sys.executable, "-c", _SCRIPT, mode], stderr=subprocess.PIPE))
-        for mode in _EXPECTED
-        for _ in range(REPEATS)
+    failures = [
+        (run["mode"], run["code"], run["output"][-500:])
+        for run in _exits(_SCRIPT, _EXPECTED)
+        if run["code"] != _EXPECTED[run["mode"]]
     ]
-    failures = []
-    for mode, process in runs:
-        _, stderr = process.communicate(timeout=240)
-        if process.returncode != _EXPECTED[mode]:
-            failures.append((mode, process.returncode, stderr.decode()[-500:]))
     assert failures == []
 
 
@@ -95,7 +139,7 @@ _HOST_SCRIPT = textwrap.dedent(
         return MicroBatchConsumer(spec, 0, startup_timeout_s=600, wait_timeout_s=600)
 
     config = MicroBatchIterator.Config(join_timeout_s=20)
-    mode = sys.argv[1]
+    mode = fork_per_mode()
     if mode == "normal":
         it = MicroBatchIterator(source(), config, device="cpu")
         next(it)
@@ -132,22 +176,10 @@ def test_the_hosts_earlier_atexit_handlers_run_and_the_status_is_the_loops():
     runs, the status is the loop's (0, 1, SIGINT, a SystemExit's code, also outside any
     iterator's ``with``) and never SIGABRT; the threads are ended, not the process (NOTE [ Exit
     with a thread inside the source ]). Repeated: the abort depends on timing."""
-    runs = [
-        (
-            mode,
-            subprocess.Popen(
-                [sys.executable, "-c", _HOST_SCRIPT, mode],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            ),
-        )
-        for mode in _HOST_EXPECTED
-        for _ in range(REPEATS)
+    failures = [
+        (run["mode"], run["code"], ran, run["output"][-500:])
+        for run in _exits(_HOST_SCRIPT, _HOST_EXPECTED)
+        if run["code"] != _HOST_EXPECTED[run["mode"]]
+        or not (ran := "HOST-HANDLER-RAN" in run["output"])
     ]
-    failures = []
-    for mode, process in runs:
-        stdout, stderr = process.communicate(timeout=240)
-        ran = b"HOST-HANDLER-RAN" in stdout
-        if process.returncode != _HOST_EXPECTED[mode] or not ran:
-            failures.append((mode, process.returncode, ran, stderr.decode()[-500:]))
     assert failures == []
