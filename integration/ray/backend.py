@@ -48,10 +48,13 @@ _Entry = tuple[_Boxed, UnitSpec, str]
 # takes the lookup of every unit down with it. A unit whose object is lost (its owner process or
 # its node died: Ray's ObjectLostError family, e.g. OwnerDiedError naming only an object id) is
 # marked lost in the directory by the reader that finds it, which raises UnitsLostError naming
-# the unit keys, so a trainer can drop or regenerate exactly those trajectories. The mark stays
-# (it is not listed by `keys()`) until the unit is deleted or put again, so every later reader in
-# any process, a reorganizer included, gets UnitsLostError too, never "never put"; the error
-# pickles with its keys across Ray tasks and actors (NOTE [ Lost units reach the trainer ]).
+# the unit keys, so a trainer can drop or regenerate exactly those trajectories; a job that
+# loses a node marks every unit put from it at once (`drop_node`, called by `RayControl`), and a
+# read already waiting for such a unit's object sees the mark within `LOST_CHECK_S`. The
+# mark stays (it is not listed by `keys()`) until the unit is deleted or put again, so every
+# later reader in any process, a reorganizer included, gets UnitsLostError too, never "never
+# put"; the error pickles with its keys across Ray tasks and actors (NOTE [ Lost units reach the
+# trainer ]).
 #
 # On the node that holds an object, `ray.get` maps it: no copy. A reader on another node makes
 # Ray pull the WHOLE object to its node first (Ray transfers objects, not byte ranges); sliced
@@ -68,6 +71,12 @@ _Entry = tuple[_Boxed, UnitSpec, str]
 # node's store, so it counts at every resolve. The links' own counters are the measurement
 # (benchmarks/cluster.py reads them). Place reorganizers on the node of their units' writers
 # (`dispatch.py`) to keep reads node-local.
+
+
+LOST_CHECK_S = 1.0
+"""A read waiting this long for its objects asks the directory whether they were marked lost: a
+unit put from a node the job lost fails its read within about this long, not once Ray's health
+checks declare the node dead (~30 s on the simulated cluster) and its owner with it."""
 
 
 @ray.remote(num_cpus=0)
@@ -106,6 +115,12 @@ class UnitDirectory:
         for key in keys:
             if self._units.pop(key, None) is not None:
                 self._lost[key] = cause
+
+    def drop_node(self, node: str, cause: str) -> list[str]:
+        """Mark every unit put from Ray node ``node`` lost; return their keys."""
+        keys = [k for k, (_, _, put_from) in self._units.items() if put_from == node]
+        self.drop(keys, cause)
+        return keys
 
     def where(self) -> str:
         """Ray node id of this directory."""
@@ -216,6 +231,17 @@ class RayBackend(UnitBackend):
         sources = [node for _, _, node in entries]
         self._resolved.update(zip(wanted, zip(views, sources, strict=True), strict=True))
 
+    def drop_node(self, node: str, cause: str) -> tuple[UnitKey, ...]:
+        """Mark every unit put from Ray node ``node`` (by a process there: its owner) lost, in
+        one directory call, and return their keys: the node died, so their objects did; later
+        reads raise ``UnitsLostError`` naming them. ``RayControl`` calls it for a lost node."""
+        keys = tuple(
+            UnitKey.parse(k) for k in ray.get(self._directory.drop_node.remote(node, cause))
+        )
+        for key in keys:
+            self._resolved.pop(key, None)
+        return keys
+
     def traffic(self) -> dict[str, Any]:
         """What this instance's reads moved, by the Ray node id that put each unit (cumulative):
         ``{"node": this node, "read": {node: bytes copied out of its units}, "whole": {node:
@@ -274,7 +300,12 @@ class RayBackend(UnitBackend):
         refs = [boxed[0] for boxed, _, _ in entries]
         self._count_pulls(refs, [node for _, _, node in entries])
         try:
-            return list(ray.get(refs))
+            while True:  # a unit marked lost meanwhile (its node lost: ``drop_node``) fails now
+                try:
+                    return list(ray.get(refs, timeout=LOST_CHECK_S))
+                except ray.exceptions.GetTimeoutError:
+                    lookup = self._directory.lookup.remote([str(k) for k in keys])
+                    self._check_lost(keys, ray.get(lookup))
         except ray.exceptions.ObjectLostError as error:
             lost = []
             for key, ref in zip(keys, refs, strict=True):

@@ -92,6 +92,8 @@ class RayDispatcher:
         self._numbers = {name: numbering() for name in groups}
         self._retired: dict[str, float] = {}
         """Figures of replaced actors, taken before they closed."""
+        self._lost: set[str] = set()
+        """Ray node ids the job lost (``node_lost``): nothing there is waited for."""
         self._addresses: dict[str, str] = {}
         """Ray node id -> node address, for the per-node and per-link figures."""
         for name in groups:
@@ -241,29 +243,66 @@ class RayDispatcher:
         for actor in self._actors.values():
             actor.finish.remote()
 
-    def close(self) -> None:
-        """Stop every reorganizer, unlink its ring and end its actor; idempotent.
+    def node_lost(self, node: str) -> None:
+        """Ray node ``node`` is gone (the driver's ``NodeFailedError``): ``close`` waits for
+        none of its actors (``knitkit.job.control.NodeAware``)."""
+        self._lost.add(node)
 
-        A ring whose actor died (killed, crashed) is unlinked by a task on the actor's node.
+    def close(self) -> None:
+        """Stop every reorganizer, unlink its ring and end its actor; idempotent; bounded by
+        ``_CLOSE_S`` in all (the actors close at once, not one after another).
+
+        A ring whose actor died (killed, crashed) is unlinked by a task on the actor's node. An
+        actor on a lost node (``node_lost``, one of its calls failed unreachable, or Ray lists
+        the node dead) is neither waited for nor its ring unlinked: the ring died with the node's /dev/shm
+        (NOTE [ One error for a lost node ] in relay.py).
         """
         actors, self._actors = self._actors, {}
-        closing: dict[str, ray.ObjectRef] = {
-            name: actor.close.remote() for name, actor in actors.items()
+        died, lost = self._dead(actors)
+        closing: dict[ray.ObjectRef, str] = {
+            actor.close.remote(): name
+            for name, actor in actors.items()
+            if name not in died and name not in lost
         }
-        orphans: list[str] = []
-        for name, pending in closing.items():
+        done, late = ray.wait(list(closing), num_returns=len(closing), timeout=_CLOSE_S)
+        orphans = set(died) | {closing[ref] for ref in late}
+        for ref in done:
             try:
-                ray.get(pending, timeout=30)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                orphans.append(name)
-            ray.kill(actors[name])
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                orphans.add(closing[ref])
+        for actor in actors.values():
+            ray.kill(actor)
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         unlinks = [
             _unlink_ring.options(scheduling_strategy=_on(self.nodes[name][0])).remote(
                 self.rings[name].name
             )
-            for name in orphans
+            for name in sorted(orphans - lost)
+            if self.nodes[name][0] in alive
         ]
-        ray.wait(unlinks, num_returns=len(unlinks), timeout=30)
+        ray.wait(unlinks, num_returns=len(unlinks), timeout=_CLOSE_S)
+
+    def _dead(self, actors: Mapping[str, ActorHandle]) -> tuple[set[str], set[str]]:
+        """Of ``actors``: those whose calls ended in the actor's death, and those on a lost
+        node (``node_lost``, a call failed with the actor unreachable, or Ray lists its node
+        dead); no wait."""
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        died: set[str] = set()
+        lost = {name for name in actors if self.nodes[name][0] not in alive - self._lost}
+        for name in actors:
+            refs = [p.ref for p in self._pending.get(name, ())]
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            for ref in done:
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.ActorUnavailableError:
+                    lost.add(name)
+                except ray.exceptions.RayActorError:
+                    died.add(name)
+                except (ray.exceptions.RayError, RuntimeError):
+                    continue
+        return died - lost, lost
 
     def __enter__(self) -> RayDispatcher:
         return self
@@ -322,6 +361,8 @@ class RayDispatcher:
         )
 
 
+_CLOSE_S = 30.0
+"""Bound of ``close``'s wait for the actors' close calls, then for the orphan rings' unlinks."""
 _START_S = 120.0
 """Bound of a restarted actor's start (its node may be gone: the job then fails, named)."""
 

@@ -21,6 +21,9 @@ from knitkit.job.control import ScheduleRings, writer_rank
 from knitkit.job.records import Record, RecordReader, RecordWriter
 from knitkit.storage import ReorganizerDiedError, ReorganizerError, RingSpec
 from knitkit.storage.delivery import ConsumerClosedError, RingNotReadyError
+from knitkit.types import UnitKey
+
+from .backend import RayBackend
 
 # NOTE [ Ray control relays ]: how ``RayControl`` carries NOTE [ Control across nodes ] (in
 # knitkit/job/control.py) over Ray. Lifecycle table: docs/lifecycle.md.
@@ -57,6 +60,31 @@ from knitkit.storage.delivery import ConsumerClosedError, RingNotReadyError
 #   for every Ray call: a Ray cluster is one trust domain, and knitkit adds no pickled object of
 #   its own); both ends decode the header with ``json.loads`` and check it (data only).
 
+# NOTE [ One error for a lost node ]: a node's loss reaches the driver through several parts at
+# about once: its relay's pull (the connection breaks, ~2 s after a kill), its reorganizers'
+# ``deliver`` calls (``ReorganizerFailedError``), a writer rank's write-back. Whichever part
+# fails first, the job fails with ONE error, the node's ``NodeFailedError``: it names the node,
+# its ranks and the units put from it (``.node``, ``.ranks``, ``.units``), which the others
+# cannot. The failing part asks the control plane (``JobCore.part_failed`` ->
+# ``Control.diagnose``): ``RayChannels`` probes every relay not known lost (one call each, all
+# at once, at most ``DIAGNOSE_S``) and answers the lost node's error if a probe or a puller
+# found one, else the part's own error. Chosen over reporting whichever part came first (a
+# handler would parse two kinds, and a reorganizer's error names no ranks or units) and over
+# waiting for Ray's node health checks (15-30 s). Cost: one probe round trip on a part's
+# failure (milliseconds on a healthy cluster); a relay that does not answer within the bound is
+# left to its puller. Units: the directory records the node each unit was put from (its
+# owner's); a node that is gone or unreachable takes them along, so ``RayBackend.drop_node``
+# marks them lost in one call and later reads raise ``UnitsLostError`` naming them (NOTE [ Ray
+# unit directory ] in backend.py). Resuming re-writes them: they belong to pending
+# mini-batches, whose trajectories the resumed driver's ``reissue()`` names. ``close`` after a
+# loss waits for nothing on the lost node: not its relay (known lost), not its reorganizers
+# (the driver tells its pool, ``NodeAware.node_lost``; an actor whose call failed unreachable
+# or whose node Ray lists dead counts too): neither closed nor their rings unlinked, the rings
+# died with the node's /dev/shm. Before, close waited 30 s per actor there.
+
+DIAGNOSE_S = 5.0
+"""How long a part's failure waits for the relays to tell whether a node was lost (a killed
+node's relay is found unreachable ~2 s after the kill: NOTE [ One error for a lost node ])."""
 PULL_S = 1.0
 """How long one ``pull`` waits for write-back records before it returns empty."""
 POLL_S = 0.05
@@ -387,6 +415,8 @@ class RayChannels:
         self._failure: NodeFailedError | None = None
         self._lost: set[str] = set()
         """Nodes whose relay failed (``close`` does not wait for them)."""
+        self._losing = threading.Lock()
+        self._units = layout.units
         self._stopping = threading.Event()
         self._pullers: list[threading.Thread] = []
         try:
@@ -430,15 +460,32 @@ class RayChannels:
         if self._failure is not None:
             raise self._failure
 
+    def diagnose(self, error: BaseException) -> BaseException:
+        """See NOTE [ One error for a lost node ]."""
+        if self._failure is None and not isinstance(error, NodeFailedError):
+            probes: dict[ray.ObjectRef, _Relay] = {r.actor.ready.remote(): r for r in self.live()}
+            done, _ = ray.wait(list(probes), num_returns=len(probes), timeout=DIAGNOSE_S)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as failed:
+                    self.lost(probes[ref], failed)
+        return error if self._failure is None else self._failure
+
     def live(self) -> list[_Relay]:
         """The relays not known to have failed."""
         return [relay for relay in self.relays if relay.node not in self._lost]
 
     def lost(self, relay: _Relay, error: BaseException) -> NodeFailedError:
-        """The error for ``relay``'s failure (recorded once: ``check`` raises it after)."""
-        self._lost.add(relay.node)
-        if self._failure is None:
+        """The error for ``relay``'s failure (recorded once: ``check`` raises it after); a node
+        that is gone or unreachable takes the units put from it along (marked lost in a
+        ``RayBackend`` store, named in the error)."""
+        with self._losing:
+            self._lost.add(relay.node)
+            if self._failure is not None:
+                return self._failure
             alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            units: tuple[UnitKey, ...] = ()
             if relay.node not in alive:
                 cause = "the node is gone"
             elif isinstance(error, ray.exceptions.ActorUnavailableError):
@@ -447,12 +494,25 @@ class RayChannels:
                 cause = "its relay actor died"
             else:
                 cause = "its relay failed"
-            self._failure = NodeFailedError(
-                f"{relay.named()}: {cause} ({type(error).__name__}: {str(error)[:500]}); its "
-                "ranks are cut off from the driver. Resume the job from its last checkpoint "
-                "on the surviving nodes"
+            if cause.startswith(("the node", "its relay is unreachable")) and isinstance(
+                self._units, RayBackend
+            ):
+                units = self._units.drop_node(relay.node, f"put on {relay.named()}, lost")
+            owners = sorted({k.owner for k in units})
+            lost = f"its ranks {list(relay.ranks)} and {len(units)} unit(s) put from it" + (
+                f" (trajectories and inputs {owners[:20]}{' ...' if len(owners) > 20 else ''})"
+                if owners
+                else ""
             )
-        return self._failure
+            self._failure = NodeFailedError(
+                f"{relay.named()}: {cause} ({type(error).__name__}: {str(error)[:500]}); lost "
+                f"with it: {lost}. Resume the job from its last checkpoint on the surviving "
+                "nodes: the resumed driver's reissue() names the trajectories to re-write",
+                node=relay.node,
+                ranks=relay.ranks,
+                units=units,
+            )
+            return self._failure
 
     def close(self) -> None:
         """Stop the pullers, close every relay (its rings go with it), end the actors."""

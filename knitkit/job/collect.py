@@ -70,7 +70,7 @@ class Collector:
                     self._apply(record)
         except BaseException as error:
             if not core.stopping.is_set():
-                core.fail(error)
+                core.part_failed(error)
 
     def _attach(self) -> bool:
         """The writer rank creates its ring when it starts: wait for it (until stopped), at most

@@ -5,12 +5,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from knitkit.job.records import Record, RecordReader, RecordWriter
-from knitkit.storage import RingSpec
+from knitkit.storage import RingSpec, UnitBackend
 from knitkit.storage.delivery import ConsumerClosedError, Producer
 
 # NOTE [ Control across nodes ]: the job's control records (NOTE [ Records over slot rings ] in
@@ -116,8 +116,24 @@ class Control(Protocol):
         """Raise what broke the control path (``NodeFailedError`` naming the node); no wait."""
         ...
 
+    def diagnose(self, error: BaseException) -> BaseException:
+        """The error the job fails with when one of its parts raised ``error``: the node's
+        ``NodeFailedError`` if the part failed because its node was lost (found within a
+        bound: NOTE [ One error for a lost node ]), else ``error``."""
+        ...
+
     def close(self) -> None:
         """Close every channel and free its rings; bounded, idempotent."""
+        ...
+
+
+@runtime_checkable
+class NodeAware(Protocol):
+    """A part of the job with actors on several nodes (``RayDispatcher``): told of a node the
+    driver lost, it waits for nothing there again (NOTE [ One error for a lost node ])."""
+
+    def node_lost(self, node: str) -> None:
+        """``node`` (``NodeFailedError.node``) is gone, with everything of this part on it."""
         ...
 
 
@@ -131,6 +147,8 @@ class ControlLayout:
     write_back: Mapping[str, RingSpec]
     """Per (DP, CP) group: the ring its writer rank creates."""
     liveness_timeout_s: float
+    units: UnitBackend | None = None
+    """The store's backend: a lost node's units are named (and marked lost) in it."""
 
 
 class ControlPlane(Protocol):
@@ -191,6 +209,10 @@ class LocalChannels:
 
     def check(self) -> None:
         """Nothing to check: the rings report their own peers."""
+
+    def diagnose(self, error: BaseException) -> BaseException:
+        """One node: no node to lose."""
+        return error
 
     def close(self) -> None:
         for source in self.write_back.values():

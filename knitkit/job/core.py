@@ -66,6 +66,14 @@ class JobCore:
         with contextlib.suppress(Exception):  # a closing ring: the failure is recorded anyway
             self.schedule.fail(f"the driver failed: {text}")
 
+    def part_failed(self, error: BaseException) -> None:
+        """A part failed (the scheduler's checks or serving, a collector): ``fail`` with the
+        control plane's diagnosis, the lost node's error if that is the cause (NOTE [ One error
+        for a lost node ] in integration/ray/relay.py). Never under the lock: it may wait."""
+        if self.failure is None:
+            error = self.control.diagnose(error)
+        self.fail(error)
+
     def free_published(self) -> None:
         """Free the units of every ended (mini-batch, consumer) whose reorganizer no longer has
         an assignment of the mini-batch to publish: a restarted one re-serves from the store

@@ -12,8 +12,9 @@ from knitkit.admission import AdmissionController, Shortfall
 from knitkit.job import checkpoint_state
 from knitkit.job.checkpoint_state import DriverState, Pending, Resumed, Shape, Snapshot
 from knitkit.job.collect import Collector
-from knitkit.job.control import ControlLayout, ControlPlane, LocalControl
+from knitkit.job.control import ControlLayout, ControlPlane, LocalControl, NodeAware
 from knitkit.job.core import JobCore
+from knitkit.job.errors import NodeFailedError
 from knitkit.job.intake import Intake
 from knitkit.job.ledger import MiniBatchLedger, Progress
 from knitkit.job.passes import Pass, check_passes
@@ -201,6 +202,7 @@ class Driver:
                     schedule_slot_bytes=config.schedule_slot_bytes,
                     write_back=self._write_back,
                     liveness_timeout_s=config.liveness_timeout_s,
+                    units=self.store.backend,
                 )
             )
             undo.callback(channels.close)
@@ -573,6 +575,9 @@ class Driver:
             collector.close()
         for collector in self._collectors:
             collector.thread.join(join)
+        lost = core.failure
+        if isinstance(lost, NodeFailedError) and isinstance(core.pool, NodeAware):
+            core.pool.node_lost(lost.node)  # its actors there are not waited for
         core.pool.close()
         if not self._scheduler.finished:
             reason = f": {core.failure}" if core.failure else ""

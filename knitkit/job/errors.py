@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from knitkit.types import UnitKey
+
 
 class JobError(RuntimeError):
     """Base of every error the driver or a rank handle raises about the job itself."""
@@ -27,7 +29,24 @@ class RankFailedError(JobError):
 
 class NodeFailedError(JobError):
     """Driver: the control path to a node's ranks broke (its relay died with the node, its
-    raylet or by itself); names the node and its ranks."""
+    raylet or by itself); names the node, its ranks and the units that were lost with it."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        node: str = "",
+        ranks: tuple[int, ...] = (),
+        units: tuple[UnitKey, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.node = node
+        """The lost node's id (``RayControl``: its Ray node id)."""
+        self.ranks = ranks
+        """The ranks that ran on it."""
+        self.units = units
+        """Units put from it that were lost with it (their trajectories must be re-written:
+        the resumed driver's ``reissue()`` names them among the pending ones)."""
 
 
 class ReorganizerFailedError(JobError):

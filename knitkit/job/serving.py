@@ -63,7 +63,7 @@ class Scheduler:
                     self._serve(*step)
         except BaseException as error:
             if not core.stopping.is_set():
-                core.fail(error)
+                core.part_failed(error)
 
     def _next(self) -> tuple[MiniBatchLedger, Pass] | Literal["idle", "finish"] | None:
         """The next (mini-batch, pass) whose reads are produced; ``"finish"`` once everything

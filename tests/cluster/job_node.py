@@ -8,8 +8,17 @@
   relays on the ranks' nodes. Prints the spec, writes every trajectory, drains, prints
   ``{"figures": ...}`` (or ``{"failed": error type, "message": ...}``), then holds the driver
   until its stdin closes (the ranks are done).
-- ``ranks FIRST COUNT SPEC_FILE``: reads the spec from the file and runs ranks FIRST..FIRST+COUNT-1 of ``JOB``
-  (threads, ``job_harness.rank_loop``); prints what each saw (JSON, one line).
+- ``ray-lose ADDRESS...``: ``ray-driver``'s job with a rollout writer actor on every ranks'
+  node placing every other trajectory there; prints the spec and ``{"order", "placed_on"}``,
+  waits for a line (every rank held at the last mini-batch's train pass), prints
+  ``{"state": checkpoint}``, drains into the node's loss and prints ``{"failed", "message",
+  "node", "ranks", "units"}``, then ``{"closed_s"}`` (its close). Resumes on ``ADDRESS[0]``
+  alone: prints the new spec, has the writer there re-write what ``reissue()`` names, drains,
+  prints ``{"pending", "reissue", "order"}`` and holds until its stdin closes.
+- ``ranks FIRST COUNT SPEC_FILE [MINIBATCH]``: reads the spec from the file and runs ranks
+  FIRST..FIRST+COUNT-1 of ``JOB`` (threads, ``job_harness.rank_loop``); prints what each saw
+  (JSON, one line). With ``MINIBATCH`` every rank holds at its train pass: once all do, prints
+  what they saw so far and goes on when its stdin closes.
 """
 
 from __future__ import annotations
@@ -17,11 +26,23 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "job"))
 
-from job_harness import Seen, controller, driver_config, grid, join, run_ranks, trajectories
+from job_harness import (
+    Hold,
+    Seen,
+    controller,
+    driver_config,
+    grid,
+    join,
+    rank_loop,
+    run_ranks,
+    trajectories,
+)
 
 from knitkit.job import Driver, JobError, RankCoords, RankHandle, RankSpec
 from knitkit.storage import Trajectory
@@ -79,16 +100,18 @@ def rank() -> None:
         print(f"{type(error).__name__}: {error}", flush=True)
 
 
-def ray_driver(addresses: list[str]) -> None:
+def _ray_job(backend: object, addresses: list[str]) -> Driver:
+    """``JOB``'s driver on the Ray cluster, rank ``r`` on the node at ``addresses[r]``:
+    ``RayDispatcher`` reorganizers and ``RayControl`` relays on the ranks' nodes."""
     import ray
 
     from knitkit.integration.ray import RayBackend, RayControl, RayDispatcher, RingConfig
     from knitkit.storage import TrajectoryStore
 
-    ray.init(logging_level="ERROR", log_to_driver=False)
+    assert isinstance(backend, RayBackend)
     ids = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
     placement = [ids[address] for address in addresses]
-    config, data = job_config(), job_data()
+    config = job_config()
     groups = {c.rank: c for c in job_coords()}
     on = {  # every consumer group's reorganizer on the node of its ranks
         f"backbone/dp{c.dp}/cp{c.cp}": placement[r] for r, c in groups.items() if c.tp == 0
@@ -100,7 +123,6 @@ def ray_driver(addresses: list[str]) -> None:
             if c.encoder_rank is not None
         }
     )
-    backend = RayBackend()
     pool = RayDispatcher(
         backend,
         config.topology,
@@ -108,15 +130,25 @@ def ray_driver(addresses: list[str]) -> None:
         placement=on,
         ring=RingConfig(num_slots=config.num_slots, slot_bytes=config.slot_bytes),
     )
-    with config.build(
-        admission=controller(data, JOB["minibatches"]),
+    return config.build(
+        admission=controller(job_data(), JOB["minibatches"]),
         store=TrajectoryStore(backend),
         pool=pool,
         control=RayControl(placement),
-    ) as job:
+    )
+
+
+def ray_driver(addresses: list[str]) -> None:
+    import ray
+
+    from knitkit.integration.ray import RayBackend
+
+    ray.init(logging_level="ERROR", log_to_driver=False)
+    backend = RayBackend()
+    with _ray_job(backend, addresses) as job:
         print(job.rank_spec().to_json(), flush=True)
         try:
-            for trajectory in data:
+            for trajectory in job_data():
                 job.write(trajectory)
             job.finish()
             job.drain(300)
@@ -128,9 +160,117 @@ def ray_driver(addresses: list[str]) -> None:
     ray.shutdown()
 
 
-def ranks(first: int, count: int, spec_file: str) -> None:
+def ray_lose(addresses: list[str]) -> None:
+    """``ray-lose``: see the module docstring."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from knitkit.integration.ray import RayBackend
+    from knitkit.job import NodeFailedError
+    from knitkit.storage import PlacedTrajectory, UnitPlacer
+
+    @ray.remote(num_cpus=0)
+    class Writer:
+        """A rollout writer on its node: places units there, returns the records."""
+
+        def __init__(self, name: str) -> None:
+            self.placer = UnitPlacer(RayBackend(name, create=False))
+
+        def place(self, trajectory: Trajectory) -> dict[str, object]:
+            return self.placer.place(trajectory).to_dict()
+
+    ray.init(logging_level="ERROR", log_to_driver=False)
+    ids = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    backend, data = RayBackend(), job_data()
+    hosts = list(dict.fromkeys(addresses))
+    writers = {
+        a: Writer.options(  # type: ignore[attr-defined]
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ids[a], soft=False)
+        ).remote(backend.name)
+        for a in hosts
+    }
+
+    def placed(trajectory: Trajectory, host: str) -> PlacedTrajectory:
+        return PlacedTrajectory.from_dict(ray.get(writers[host].place.remote(trajectory)))
+
+    first = _ray_job(backend, addresses)
+    try:
+        where = {t.trajectory_id: hosts[i % len(hosts)] for i, t in enumerate(data)}
+        for trajectory in data:
+            first.adopt(placed(trajectory, where[trajectory.trajectory_id]))
+        order = first.minibatches()
+        print(first.rank_spec().to_json(), flush=True)
+        print(json.dumps({"order": order, "placed_on": where}), flush=True)
+        sys.stdin.readline()  # every rank holds at the last mini-batch's train pass
+        state = first.state_dict(trained=len(order) - 1, timeout_s=WAIT_S)
+        print(json.dumps({"state": state}), flush=True)
+        try:
+            first.drain(300)
+            print(json.dumps({"failed": None}), flush=True)
+        except NodeFailedError as error:
+            lost = {"node": error.node, "ranks": list(error.ranks)}
+            units = [str(k) for k in error.units]
+            failed = {"failed": "NodeFailedError", "message": str(error), **lost, "units": units}
+            print(json.dumps(failed), flush=True)
+        except JobError as error:
+            print(json.dumps({"failed": type(error).__name__, "message": str(error)}), flush=True)
+    finally:
+        started = time.monotonic()
+        first.close()
+        print(json.dumps({"closed_s": time.monotonic() - started}), flush=True)
+    survivor = addresses[0]  # every rank on the first rank's node
+    with _ray_job(backend, [survivor] * len(addresses)) as second:
+        resumed = second.load_state_dict(state)
+        reissue = second.reissue()
+        print(second.rank_spec().to_json(), flush=True)
+        by_id = {t.trajectory_id: t for t in data}
+        for tid in reissue:  # re-written by the writer on the surviving node
+            second.adopt(placed(by_id[tid], survivor))
+        second.finish()
+        second.drain(300)
+        print(
+            json.dumps(
+                {
+                    "pending": list(resumed.pending),
+                    "reissue": list(reissue),
+                    "order": list(second.minibatches()),
+                }
+            ),
+            flush=True,
+        )
+        sys.stdin.read()
+    backend.close()
+    ray.shutdown()
+
+
+def ranks(first: int, count: int, spec_file: str, held: str = "") -> None:
+    """Ranks FIRST.. of ``JOB``; with ``held`` (a mini-batch id), each holds at its train pass:
+    once all did, print what they saw so far (JSON, one line) and go on when stdin closes."""
     spec = RankSpec.from_json(Path(spec_file).read_text())
-    threads, seen = run_ranks(spec, job_coords()[first : first + count])
+    coords = job_coords()[first : first + count]
+    if not held:
+        threads, seen = run_ranks(spec, coords)
+    else:
+        holds = [Hold(held, "train") for _ in coords]
+        seen = [Seen(c) for c in coords]
+
+        def run(i: int) -> None:
+            seen[i] = rank_loop(spec, coords[i], hold=holds[i])
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + WAIT_S
+        for hold, thread in zip(holds, threads, strict=True):  # held, or ended (its error)
+            while not hold.reached.wait(0.1) and thread.is_alive():
+                assert time.monotonic() < deadline, "a rank did not reach the held pass"
+        print(
+            json.dumps([seen_json(h.seen or s) for h, s in zip(holds, seen, strict=True)]),
+            flush=True,
+        )
+        sys.stdin.read()
+        for hold in holds:
+            hold.release.set()
     join(threads, 300)
     print(json.dumps([seen_json(s) for s in seen]), flush=True)
 
@@ -143,5 +283,7 @@ if __name__ == "__main__":
         rank()
     elif mode == "ray-driver":
         ray_driver(sys.argv[2:])
+    elif mode == "ray-lose":
+        ray_lose(sys.argv[2:])
     else:
-        ranks(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        ranks(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *sys.argv[5:])

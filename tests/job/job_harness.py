@@ -50,6 +50,8 @@ class Hold:
     pass_name: str
     reached: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
+    seen: Seen | None = None
+    """What the rank saw before the hold (set as it is reached)."""
 
 
 def rank_loop(
@@ -68,6 +70,7 @@ def rank_loop(
             for work in rank.passes():
                 key = (work.minibatch_id, work.pass_.name)
                 if hold is not None and key == (hold.minibatch_id, hold.pass_name):
+                    hold.seen = seen
                     hold.reached.set()
                     hold.release.wait(120)
                 with work:
