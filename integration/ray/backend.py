@@ -328,8 +328,18 @@ class RayBackend(UnitBackend):
         ]
         if not remote:
             return
+        owners: dict[str, list[ray.ObjectRef]] = {}
+        # One call per owner: Ray 2.60 aborted a reorganizer (SIGABRT, a promise set twice in
+        # CoreWorker::GetLocationFromOwner) on calls naming objects of two rollout writers
+        # (tests/cluster/test_control_across_nodes.py, 2 of 2 runs; 0 of 4 since).
+        for ref, _ in remote:
+            owners.setdefault(ref.owner_address(), []).append(ref)
+        where: dict[ray.ObjectRef, Any] = {}
         try:
-            where = ray.experimental.get_object_locations([r for r, _ in remote], timeout_ms=10_000)
+            for refs_of_owner in owners.values():
+                where.update(
+                    ray.experimental.get_object_locations(refs_of_owner, timeout_ms=10_000)
+                )
         except (ray.exceptions.RayError, RuntimeError):
             return
         for ref, node in remote:
