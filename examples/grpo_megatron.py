@@ -132,8 +132,8 @@ def main() -> None:
         return
     if (args.resume or args.ledger) and not args.checkpoint_dir:
         parser.error("--resume and --ledger need --checkpoint-dir")
-    if args.checkpoint_dir and args.reference:
-        parser.error("--reference compares an uninterrupted run: leave out --checkpoint-dir")
+    if args.resume and args.reference:
+        parser.error("--reference compares an uninterrupted run: leave out --resume")
     run = GRPOConfig(steps=args.steps)
     if args.serve:  # grpo/cluster.py: the driver alone, its ranks on other nodes
         from grpo.cluster import serve

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ EXAMPLE = str(ROOT / "examples" / "grpo_megatron.py")
 sys.path.insert(0, str(ROOT / "examples"))
 
 from grpo import compare  # noqa: E402
+from grpo.resume import read_ledgers  # noqa: E402
 
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -32,7 +34,7 @@ def test_grpo_example_with_ranks_on_two_nodes_trains_as_the_plain_loop(tmp_path:
     update equal the plain loop's on the same admitted trajectories (each rank loads its share
     itself, on its node) within ``grpo.compare``'s tolerances, as on one node
     (tests/test_grpo_example.py); every step trains its 16 trajectories, each image encoded once
-    per pass. On bf68f6a there is no ``--serve`` (no control plane reaches other nodes)."""
+    per pass; each (mini-batch, pass, trajectory) is in the exactly-once ledger once. On bf68f6a there is no ``--serve`` (no control plane reaches other nodes)."""
     spec, out = tmp_path / "spec.json", tmp_path / "grpo.json"
     with SimulatedCluster(3) as cluster:
         nodes = [cluster.node(1).address] * 2 + [cluster.node(2).address] * 2
@@ -54,7 +56,10 @@ def test_grpo_example_with_ranks_on_two_nodes_trains_as_the_plain_loop(tmp_path:
         )
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
         rendezvous = ["--nproc-per-node", "2", "--master-addr", "node1", "--master-port", "29500"]
-        train = [EXAMPLE, *common, "--reference", "--json", str(out), "--spec-file", str(spec)]
+        train = [
+            *(EXAMPLE, *common, "--reference", "--json", str(out), "--spec-file", str(spec)),
+            *("--checkpoint-dir", str(tmp_path / "ckpt"), "--ledger", str(tmp_path / "ledger")),
+        ]
         ranks = [
             cluster.node(i).popen(
                 [*torchrun, f"--node-rank={i - 1}", *rendezvous, *train],
@@ -66,8 +71,8 @@ def test_grpo_example_with_ranks_on_two_nodes_trains_as_the_plain_loop(tmp_path:
             for i in (1, 2)
         ]
         outs = [process.communicate(timeout=600)[0] for process in ranks]
-        served = driver.communicate(timeout=120)[0]
         assert [p.returncode for p in ranks] == [0, 0], [o[-4000:] for o in outs]
+        served = driver.communicate(timeout=120)[0]
         assert driver.returncode == 0, served[-4000:]
     report = json.loads(out.read_text())
     result = report["comparison"]
@@ -87,3 +92,10 @@ def test_grpo_example_with_ranks_on_two_nodes_trains_as_the_plain_loop(tmp_path:
     for step in report["knitkit"]:
         assert len(step["trajectory_ids"]) == 16 and step["figures"]["images_encoded"] == 2
     assert result["ok"]
+    # exactly once per (mini-batch, pass): each DP group's writer rank's ledger, kept on its node
+    records = read_ledgers(tmp_path / "ledger")
+    trained = Counter((r["mb"], r["pass"], t) for r in records for t in r["trajectories"])
+    assert set(trained.values()) == {1}, [k for k, n in trained.items() if n > 1]
+    per_pass = Counter(p for _, p, _ in trained)
+    assert per_pass == {"old": 16 * 3, "ref": 16 * 3, "train": 16 * 3}, per_pass
+    assert len({r["mb"] for r in records}) == 3
