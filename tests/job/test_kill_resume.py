@@ -16,7 +16,7 @@ from grpo.resume import read_ledgers  # noqa: E402
 
 from knitkit.job.checkpoint import CheckpointDir  # noqa: E402
 
-STEPS = 3
+STEPS = 2
 PARAM_ATOL = 1e-6
 """Resumed vs uninterrupted final parameters, any element: the same plans and the same fp32
 sums in the same order give identical values (0 on CPU); the bound leaves room for nothing

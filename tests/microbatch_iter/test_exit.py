@@ -138,7 +138,7 @@ _HOST_SCRIPT = textwrap.dedent(
         atexit.register(owner.unlink)
         return MicroBatchConsumer(spec, 0, startup_timeout_s=600, wait_timeout_s=600)
 
-    config = MicroBatchIterator.Config(join_timeout_s=20)
+    config = MicroBatchIterator.Config(join_timeout_s=5)  # generous: SourceAbandoned lands in ms
     mode = fork_per_mode()
     if mode == "normal":
         it = MicroBatchIterator(source(), config, device="cpu")
