@@ -48,14 +48,7 @@ def test_range_reads_preadv_only_the_ranges_into_the_destination(
     """Two CP chunks of one unit: two preadv calls of exactly those rows, into the caller's buffer."""
     backend, units = _filled(tmp_path)
     key = UnitKey("t2", "routing")
-    calls: list[tuple[int, int]] = []
-    real_preadv = os.preadv
-
-    def recording_preadv(fd: int, buffers: list, offset: int) -> int:
-        calls.append((offset, sum(memoryview(b).nbytes for b in buffers)))
-        return real_preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", recording_preadv)
+    calls = _record_preadv(monkeypatch)
     out = np.empty((60, 48, 8), dtype=np.uint8)
     backend.read(key, [(10, 40), (250, 280)], out=out)
     row = 48 * 8
@@ -77,14 +70,7 @@ def test_column_reads_preadv_each_token_range_once_or_each_row_past_long_gaps(
     backend.put(UnitKey("t", "routing"), routing)
     backend.put(UnitKey("t", "wide"), wide)
     backend.flush()
-    calls: list[tuple[int, int]] = []
-    real_preadv = os.preadv
-
-    def recording_preadv(fd: int, buffers: list, offset: int) -> int:
-        calls.append((offset, sum(memoryview(b).nbytes for b in buffers)))
-        return real_preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", recording_preadv)
+    calls = _record_preadv(monkeypatch)
     stage, rows = np.empty((3990, 24, 8), np.uint8), np.empty((3, 1, 1024), np.uint8)
     reads = [UnitRead(UnitKey("t", "routing"), ((10, 4000),), (24, 48))]
     backend.read_many(
@@ -270,3 +256,16 @@ def test_a_forked_child_of_the_owner_reads_as_a_reader(tmp_path: Path) -> None:
     assert child.exitcode == 0
     backend.put(UnitKey("t2", "tokens"), np.arange(3, dtype=np.int64))  # still the owner
     backend.close()
+
+
+def _record_preadv(monkeypatch) -> list[tuple[int, int]]:
+    """Record every ``os.preadv`` call as (file offset, bytes asked) while still reading."""
+    calls: list[tuple[int, int]] = []
+    real_preadv = os.preadv
+
+    def recording_preadv(fd: int, buffers: list, offset: int) -> int:
+        calls.append((offset, sum(memoryview(b).nbytes for b in buffers)))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", recording_preadv)
+    return calls
