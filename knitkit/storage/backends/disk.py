@@ -705,10 +705,12 @@ def _read_runs(fd: int, shard: str, pieces: list[_Piece]) -> None:
 
 
 def _preadv_exact(fd: int, views: list[memoryview], offset: int, shard: str, key: UnitKey) -> None:
-    """Fill ``views`` in order from ``offset``, retrying short reads; a truncated file is a
-    ``CorruptShardError`` naming the shard and the unit."""
-    while views:
-        n = os.preadv(fd, views, offset)
+    """Fill ``views`` in order from ``offset``, retrying short reads (from the first view not
+    filled, linear in the views); a truncated file is a ``CorruptShardError`` naming the shard
+    and the unit."""
+    first = 0
+    while first < len(views):
+        n = os.preadv(fd, views[first:] if first else views, offset)
         if n == 0:
             raise CorruptShardError(
                 f"shard {shard} ends at byte {offset} while reading unit {key}; "
@@ -716,8 +718,8 @@ def _preadv_exact(fd: int, views: list[memoryview], offset: int, shard: str, key
             )
         offset += n
         while n:
-            if n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views = views[1:]
+            if n >= views[first].nbytes:
+                n -= views[first].nbytes
+                first += 1
             else:
-                views[0], n = views[0][n:], 0
+                views[first], n = views[first][n:], 0
