@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from example_checks import check_output, command, with_tensorboard
+from example_checks import GRPO_STEPS, GrpoRun, check_output
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -22,8 +21,8 @@ from knitkit.integration.sglang import PayloadConfig, RolloutWriter  # noqa: E40
 from knitkit.storage import MemoryBackend, TrajectoryStore  # noqa: E402
 
 
-def test_knitkit_loop_equals_plain_loop(tmp_path: Path) -> None:
-    """Over 3 GRPO steps on DP2 x TP2 (gloo, 4 torchrun ranks), the example's knitkit path
+def test_knitkit_loop_equals_plain_loop(grpo_reference_run: GrpoRun) -> None:
+    """Over 2 GRPO steps on DP2 x TP2 (gloo, 4 torchrun ranks), the example's knitkit path
     (driver, reorganizers, per-rank handles, passes with write-back, encoder dedup), run as its
     docstring's ``Run:`` line says (its printed lines and TensorBoard figures checked), and the plain
     loop on the same admitted trajectories (per-rank loading, no dedup, log-probs recomputed per
@@ -32,26 +31,19 @@ def test_knitkit_loop_equals_plain_loop(tmp_path: Path) -> None:
     FIGURES, GRADIENTS, PARAMETERS), checked relatively where the reference is above the floor.
     Each mini-batch is trained ``ppo_epochs`` (2) times on its old log-probs, so the ratio leaves 1
     and PPO's clip binds (the first step clips a tenth of the tokens, the same in both loops);
-    the example prints no warning around its result lines.
+    the example prints no warning around its result lines. The run (``grpo_reference_run``, in
+    conftest.py) is also the kill/resume test's uninterrupted run.
     """
-    out = tmp_path / "grpo.json"
-    example = ROOT / "examples" / "grpo_megatron.py"
-    run = [*command(example), "--steps", "3", "--reference", "--json", str(out)]
-    done = subprocess.run(
-        with_tensorboard(example, run, tmp_path / "tb"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = grpo_reference_run
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-4000:]}"
+    example = ROOT / "examples" / "grpo_megatron.py"
     check_output(
-        example, done.stdout, done.stderr, tmp_path / "tb"
+        example, done.stdout, done.stderr, done.workdir / "tb"
     )  # test_examples.py leaves it to this run
-    report = json.loads(out.read_text())
+    report = json.loads((done.workdir / "grpo.json").read_text())
     result = report["comparison"]
     assert result["same_trajectories"], "the plain loop trained other trajectories"
-    assert len(report["knitkit"]) == len(report["plain"]) == 3
+    assert len(report["knitkit"]) == len(report["plain"]) == GRPO_STEPS
     for name, tolerance in (
         ("figures", compare.FIGURES),
         ("gradients", compare.GRADIENTS),
