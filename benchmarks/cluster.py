@@ -22,11 +22,17 @@ raylet; every link is capped (``--link-mbit``, each way). Methods, on the same s
   storage units are Ray actors where Ray places them), every rank gets its DP share's whole rows
   (``read_share_tq``; TP0/CP0 the image column too) and packs its own micro-batches.
 
-Ranks do no compute: the figure is the eager wait (NOTE [ Eager wait across nodes ]). This
-measures the data path alone (writer, driver, reorganizers, consumers), not ``Driver`` with
-ranks on other nodes.
+- knitkit_job: the whole job: a ``Driver`` on node 0 with ``RayControl`` (a control relay on
+  each consumer node) and the same reorganizer placement as knitkit, the writer's units adopted
+  (``Driver.adopt``), real ``RankHandle`` ranks, one process each, on nodes 2 and 3; each step
+  is two passes, a forward-only one that writes back a per-token field and a train pass that
+  reads it (``_job_passes``).
 
-    python benchmarks/cluster.py [--quick] [--json PATH] [--link-mbit 1000]
+Ranks do no compute: the figure is the eager wait (NOTE [ Eager wait across nodes ]). The
+methods before knitkit_job measure the data path alone (writer, driver, reorganizers,
+consumers); knitkit_job adds the control records, the write-backs and the ranks' own handles.
+
+    python benchmarks/cluster.py [--quick] [--json PATH] [--link-mbit 1000] [--methods a,b]
 """
 
 from __future__ import annotations
@@ -37,8 +43,10 @@ import functools
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -52,6 +60,7 @@ METHODS = (
     "knitkit_mooncake_cp_split",
     "sample_level",
     "transferqueue",
+    "knitkit_job",
 )
 TQ_PARTITION = "cluster-bench"
 WARMUP_STEPS = 1
@@ -67,6 +76,17 @@ LINK_MBIT = 1000.0
 # one monotonic clock (the nodes share the machine's). CPU is that of every process on every node
 # (Ray's services included, the same for every method) over the phase's measured steps,
 # placement included; network bytes are each node link's kernel counters over the same steps.
+# knitkit_job: the step starts as the driver adopts its last trajectory (admission then plans
+# the mini-batch inside the driver) and ends when the slowest rank holds the last micro-batch of
+# the step's train pass, by the rank's own monotonic clock: planning, both passes' dispatch, the
+# forward-only pass, its write-backs reaching the store and the train pass's reads included.
+# Consumed bytes count what each pass reads (the images once: NOTE [ Encoder inputs once per
+# mini-batch ] in knitkit/job/rank.py), the written-back field in the train pass's.
+
+JOB_OUTPUT = "old_lp"
+"""The per-token field knitkit_job's forward-only pass writes back and its train pass reads."""
+DRAIN_S = 600.0
+"""Bound of one knitkit_job step (generous: 2 loaded cores, 1000 Mbit/s links)."""
 
 
 def _rss() -> int:
@@ -234,22 +254,99 @@ def _threads(work: list[tuple[Any, Any]]) -> int:
     return sum(out)
 
 
+# ----- knitkit_job: the passes, the ranks -------------------------------------------------------
+def _job_passes() -> tuple[Any, ...]:
+    """A forward-only pass (the tokens and the routing it replays, the images) that writes back
+    ``JOB_OUTPUT``, then the train pass: every field the other methods deliver and that output."""
+    from transfer import FIELDS, SCALARS
+
+    from knitkit.job import Output, Pass
+
+    return (
+        Pass(
+            "old",
+            reads=("tokens", "routing"),
+            writes=(Output(JOB_OUTPUT),),
+            forward_only=True,
+            encodes=True,
+        ),
+        Pass("train", reads=(*FIELDS, *SCALARS, JOB_OUTPUT), encodes=True),
+    )
+
+
+def _job_coords() -> list[Any]:
+    """The ranks of DP2 x CP2 x TP2, DP group ``d`` on node ``2 + d``; encoder rank ``d`` on the
+    group's first rank (beside its ``vision/dp<d>`` reorganizer, as in the other methods)."""
+    from knitkit.job import RankCoords
+
+    return [
+        RankCoords(
+            rank=(d * 2 + c) * 2 + t, dp=d, cp=c, tp=t, encoder_rank=d if c == t == 0 else None
+        )
+        for d in range(2)
+        for c in range(2)
+        for t in range(2)
+    ]
+
+
+def _rank(spec_file: str, rank: int) -> None:
+    """One rank of knitkit_job (its own process): every pass, no compute; prints, per
+    (mini-batch, pass), when it got the pass, held its last micro-batch and ended it (JSON)."""
+    import torch
+
+    from knitkit.job import RankHandle, RankSpec
+
+    spec = RankSpec.from_json(Path(spec_file).read_text())
+    out: dict[str, Any] = {"rank": rank, "passes": {}}
+    try:
+        with RankHandle(spec, _job_coords()[rank], device="cpu") as handle:
+            for work in handle.passes():
+                got = time.monotonic()
+                with work:
+                    work.encoder_inputs()
+                    for i, mb in enumerate(work.micro_batches()):
+                        if work.pass_.writes:
+                            work.write_back(i, {JOB_OUTPUT: mb["tokens"].to(torch.float32)})
+                    held = time.monotonic()
+                ended = time.monotonic()
+                out["passes"][f"{work.minibatch_id}/{work.pass_.name}"] = [got, held, ended]
+    except Exception as error:
+        out["error"] = f"{type(error).__name__}: {error}"
+    print(json.dumps(out), flush=True)
+
+
+def _job_consumed(placed: list[Any]) -> int:
+    """Bytes one knitkit_job step consumes: each pass's reads, the images once."""
+    total = sum(4 * p.meta.num_tokens for p in placed)  # JOB_OUTPUT, float32 per token
+    for pass_ in _job_passes():
+        for p in placed:
+            fields = [f for f in pass_.reads if f in p.record.fields]
+            total += sum(p.specs[p.record.fields[f]].nbytes for f in fields)
+    images = {k: p.specs[k].nbytes for p in placed for k in p.record.inputs}
+    return total + sum(images.values())
+
+
 # ----- the driver (node 0) ------------------------------------------------------------------------
 class _Host:
-    """The line protocol to the host: marks (the host snapshots CPU and links) and results."""
+    """The line protocol to the host: marks (the host snapshots CPU and links), asks (it starts
+    or collects knitkit_job's ranks) and results."""
 
     def __init__(self) -> None:
         self.stdin, self.stdout = sys.stdin, sys.stdout
 
     def mark(self, what: str, method: str) -> None:
-        print(json.dumps({"mark": what, "method": method}), file=self.stdout, flush=True)
+        self.ask({"mark": what, "method": method})
+
+    def ask(self, record: dict[str, Any]) -> None:
+        """Send ``record``; return once the host answered (it did what the record asks)."""
+        print(json.dumps(record), file=self.stdout, flush=True)
         assert self.stdin.readline().strip() == "ok"
 
     def send(self, record: dict[str, Any]) -> None:
         print(json.dumps(record), file=self.stdout, flush=True)
 
 
-def _driver(steps: int, addresses: list[str], mooncake_skipped: bool) -> None:
+def _driver(steps: int, addresses: list[str], methods: list[str]) -> None:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On
 
@@ -283,10 +380,14 @@ def _driver(steps: int, addresses: list[str], mooncake_skipped: bool) -> None:
     by_cp = {f"backbone/dp{d}/cp{c}": node[2 + c] for d in range(2) for c in range(2)}
     encoders = {f"vision/dp{r}": node[2 + r] for r in range(2)}
     master = connection = None
-    for phase, method in enumerate(METHODS):
+    for phase, method in enumerate(METHODS):  # a phase's number seeds its data
+        if method not in methods:
+            continue
+        if method == "knitkit_job":
+            writer = Writer.options(scheduling_strategy=On(node[1], soft=False))
+            _job_phase(host, method, phase, steps, node, writer, sizes, {**by_dp, **encoders})
+            continue
         if "mooncake" in method:
-            if mooncake_skipped:
-                continue
             from knitkit.integration.mooncake import MooncakeBackend, MooncakeMaster
 
             master = MooncakeMaster(host=addresses[0])
@@ -397,6 +498,79 @@ def _driver(steps: int, addresses: list[str], mooncake_skipped: bool) -> None:
     host.send({"done": True})
 
 
+def _job_phase(
+    host: _Host,
+    method: str,
+    phase: int,
+    steps: int,
+    node: list[str],
+    writer_on_node_1: Any,
+    sizes: dict[str, int],
+    placement: dict[str, str],
+) -> None:
+    """knitkit_job: a ``Driver`` on this node serving the ranks the host starts on nodes 2 and 3
+    (NOTE [ Eager wait across nodes ]); the writer on node 1 places, the driver adopts."""
+    import ray
+    from transfer import ENCODER, FULL, TOPOLOGY
+
+    from knitkit.admission import build_controller
+    from knitkit.integration.ray import RayBackend, RayControl, RayDispatcher, RingConfig
+    from knitkit.job import Driver
+    from knitkit.storage import PlacedTrajectory, PlannerConfig, TrajectoryStore
+
+    per_step = FULL.samples_per_step * FULL.group_size
+    backend = RayBackend()
+    make = functools.partial(_ray_backend, backend.name)
+    writer = writer_on_node_1.remote(make, sizes, per_step)
+    ring = RingConfig(num_slots=2, slot_bytes=16 << 20)
+    config = Driver.Config(
+        passes=_job_passes(),
+        topology=TOPOLOGY,
+        encoders=(ENCODER,),
+        planner=PlannerConfig(max_tokens_per_micro_batch=FULL.micro_batch_tokens, keep_groups=True),
+        slot_bytes=ring.slot_bytes,
+        num_slots=ring.num_slots,
+    )
+    admission = build_controller(
+        "streaming", train_batch_size=per_step, num_minibatches=1, sources=["src0", "src1"]
+    )
+    coords = _job_coords()
+    driver = config.build(
+        admission=admission,
+        store=TrajectoryStore(backend),
+        pool=RayDispatcher(backend, TOPOLOGY, encoders=[ENCODER], placement=placement, ring=ring),
+        control=RayControl([node[2 + c.dp] for c in coords]),
+    )
+    host.ask({"ranks": driver.rank_spec().to_json(), "nodes": [2 + c.dp for c in coords]})
+    starts: dict[str, float] = {}
+    consumed = 0
+    rss_start = _rss()
+    for step in range(WARMUP_STEPS + steps):
+        if step == WARMUP_STEPS:
+            host.mark("start", method)
+        records = ray.get(writer.place.remote(phase, step))
+        placed = [PlacedTrajectory.from_dict(r) for r in records]
+        for trajectory in placed[:-1]:
+            driver.adopt(trajectory)
+        started = time.monotonic()
+        driver.adopt(placed[-1])  # admission plans the step's mini-batch
+        driver.drain(DRAIN_S)
+        if step >= WARMUP_STEPS:
+            starts[driver.minibatches()[step]] = started
+            consumed += _job_consumed(placed)
+    host.mark("end", method)
+    figures: dict[str, Any] = {"starts": starts, "consumed": consumed}
+    figures["rss_growth"] = _rss() - rss_start
+    figures["rss"] = _rss()
+    figures["metrics"] = driver.metrics()
+    driver.finish()
+    host.ask({"collect": method})  # every rank ended its last pass and exited
+    driver.close()
+    backend.close()
+    ray.kill(writer)
+    host.send({"result": method, **figures})
+
+
 # ----- the host -----------------------------------------------------------------------------------
 def _cpu_ticks(pids: list[int]) -> int:
     total = 0
@@ -421,6 +595,52 @@ def _snapshot(cluster: Any) -> dict[str, Any]:
     return out
 
 
+class _JobRanks:
+    """knitkit_job's rank processes: started on their nodes, collected when the job ends."""
+
+    def __init__(self, cluster: Any) -> None:
+        self.cluster = cluster
+        self.processes: list[subprocess.Popen[str]] = []
+        self.seen: list[dict[str, Any]] = []
+
+    def start(self, spec: str, nodes: list[int]) -> None:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            f.write(spec)  # /tmp is every node's
+        self.spec_file = f.name
+        me = [sys.executable, str(Path(__file__).resolve()), "--role", "rank"]
+        self.processes = [
+            self.cluster.node(n).popen(
+                [*me, "--spec-file", f.name, "--rank", str(r)], stdout=subprocess.PIPE, text=True
+            )
+            for r, n in enumerate(nodes)
+        ]
+
+    def collect(self) -> None:
+        """Every rank's record, once it ended its last pass; ``RuntimeError`` naming a rank
+        that failed."""
+        self.seen = []
+        for process in self.processes:
+            out = process.communicate(timeout=DRAIN_S)[0]
+            lines = [line for line in out.splitlines() if line.startswith("{")]
+            if process.returncode != 0 or not lines or "error" in json.loads(lines[-1]):
+                raise RuntimeError(f"a knitkit_job rank failed: {out[-2000:]!r}")
+            self.seen.append(json.loads(lines[-1]))
+        os.unlink(self.spec_file)
+
+    def waits(self, method: str, record: dict[str, Any]) -> dict[str, float]:
+        """Per measured step, the slowest rank's wait (NOTE [ Eager wait across nodes ]) into
+        ``record["waits"]``; the median time to the forward-only pass's end as a figure."""
+        ends: dict[str, list[float]] = {"old": [], "train": []}
+        for minibatch, started in record["starts"].items():
+            for name, ended in ends.items():
+                at = 2 if name == "old" else 1  # the pass ended / the last micro-batch held
+                ended.append(
+                    max(s["passes"][f"{minibatch}/{name}"][at] for s in self.seen) - started
+                )
+        record["waits"] = ends["train"]
+        return {f"{method}.forward_pass_s_per_step": statistics.median(ends["old"])}
+
+
 def _line(stream: IO[str] | None) -> dict[str, Any]:
     assert stream is not None
     line = stream.readline()
@@ -430,7 +650,7 @@ def _line(stream: IO[str] | None) -> dict[str, Any]:
     return out
 
 
-def run(steps: int, link_mbit: float, skip_mooncake: bool) -> dict[str, float]:
+def run(steps: int, link_mbit: float, methods: list[str]) -> dict[str, float]:
     from knitkit.testing import SimulatedCluster
 
     config = SimulatedCluster.Config(shm_mb=2048, object_store_mb=1024, ray_cpus=2)
@@ -446,7 +666,8 @@ def run(steps: int, link_mbit: float, skip_mooncake: bool) -> dict[str, float]:
                 str(steps),
                 "--addresses",
                 ",".join(addresses),
-                *(["--skip-mooncake"] if skip_mooncake else []),
+                "--methods",
+                ",".join(methods),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -454,19 +675,27 @@ def run(steps: int, link_mbit: float, skip_mooncake: bool) -> dict[str, float]:
         )
         assert driver.stdin is not None
         marks: dict[str, dict[str, Any]] = {}
+        ranks = _JobRanks(cluster)
         while True:
             record = _line(driver.stdout)
-            if "mark" in record:
-                marks[f"{record['method']}.{record['mark']}"] = _snapshot(cluster)
-                driver.stdin.write("ok\n")
-                driver.stdin.flush()
-            elif "result" in record:
+            if "result" in record:
                 method = record["result"]
                 start, end = marks[f"{method}.start"], marks[f"{method}.end"]
+                if "starts" in record:
+                    figures.update(ranks.waits(method, record))
                 figures.update(_method_figures(method, record, start, end, steps, tick))
                 print(f"{method}: done", file=sys.stderr, flush=True)
-            else:
+                continue
+            if "done" in record:
                 break
+            if "mark" in record:
+                marks[f"{record['method']}.{record['mark']}"] = _snapshot(cluster)
+            elif "ranks" in record:
+                ranks.start(record["ranks"], record["nodes"])
+            elif "collect" in record:
+                ranks.collect()
+            driver.stdin.write("ok\n")
+            driver.stdin.flush()
         driver.stdin.close()
         driver.wait(120)
     return figures
@@ -514,11 +743,10 @@ def print_table(figures: dict[str, float]) -> None:
     print(
         f"{figures['nodes']:.0f} simulated nodes, links capped at {figures['link_mbit']:.0f} "
         f"Mbit/s each way; DP2 x CP2 x TP2 + vision DP2, GRPO 8 with images; "
-        f"{figures['steps']:.0f} steps of "
-        f"{figures['knitkit.bytes_consumed_per_step'] / 2**20:.1f} MiB consumed"
+        f"{figures['steps']:.0f} steps"
     )
     print(
-        f"{'method':<27}{'wait s':>8}{'net/consumed':>14}{'whole objs':>12}"
+        f"{'method':<27}{'MiB/step':>9}{'wait s':>8}{'net/consumed':>14}{'whole objs':>12}"
         f"{'CPU s/step':>12}{'driver RSS MiB':>16}{'RSS growth':>12}"
     )
     for method in METHODS:
@@ -526,7 +754,8 @@ def print_table(figures: dict[str, float]) -> None:
             continue
         whole = figures.get(f"{method}.whole_objects_per_consumed", float("nan"))
         print(
-            f"{method:<27}{figures[f'{method}.exposed_s_per_step']:>8.3f}"
+            f"{method:<27}{figures[f'{method}.bytes_consumed_per_step'] / 2**20:>9.1f}"
+            f"{figures[f'{method}.exposed_s_per_step']:>8.3f}"
             f"{figures[f'{method}.network_bytes_per_consumed']:>14.2f}{whole:>12.2f}"
             f"{figures[f'{method}.cpu_s_per_step']:>12.2f}"
             f"{figures[f'{method}.driver_rss_bytes'] / 2**20:>16.0f}"
@@ -546,10 +775,17 @@ def main() -> None:
     parser.add_argument("--role", default="host", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--addresses", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--skip-mooncake", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--methods", default=",".join(METHODS), help="the methods to run, comma-separated"
+    )
+    parser.add_argument("--spec-file", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role == "driver":
-        _driver(args.steps, args.addresses.split(","), args.skip_mooncake)
+        _driver(args.steps, args.addresses.split(","), args.methods.split(","))
+        return
+    if args.role == "rank":
+        _rank(args.spec_file, args.rank)
         return
     from knitkit.testing import unavailable_reason
 
@@ -562,7 +798,11 @@ def main() -> None:
     mooncake = unavailable("mooncake")
     skipped = {} if mooncake is None else {"mooncake.skipped": mooncake}
     figures: dict[str, float] = {"loadavg_1m_at_start": os.getloadavg()[0]}
-    figures.update(run(3 if args.quick else 8, args.link_mbit, mooncake is not None))
+    methods = [m for m in args.methods.split(",") if mooncake is None or "mooncake" not in m]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}; known: {', '.join(METHODS)}")
+    figures.update(run(3 if args.quick else 8, args.link_mbit, methods))
     figures["loadavg_1m_at_end"] = os.getloadavg()[0]
     print_table(figures)
     for reason in skipped.values():
