@@ -154,6 +154,8 @@ class RayDispatcher:
                 try:
                     ray.get(pending[0].ref)
                 except ray.exceptions.RayActorError as error:
+                    if isinstance(error, ray.exceptions.ActorUnavailableError):
+                        self._lost.add(self._placement[name])  # its node: gone or cut off
                     raise ReorganizerDied(name, self._stopped(name, error)) from None
                 except (ray.exceptions.RayError, RuntimeError) as error:
                     raise ReorganizerFailedError(self._stopped(name, error)) from None
@@ -164,11 +166,12 @@ class RayDispatcher:
         same node, re-submitting every ``deliver`` not seen to end well (``ReorganizerPool``;
         its ranks move to the new ring by themselves: NOTE [ Reorganizer restart ] in
         knitkit/job). ``ReorganizerFailedError`` if the group's node is gone (its ranks are
-        gone with it) or the fresh actor does not start within ``_START_S``."""
+        gone with it: ``node_lost``, a call failed unreachable, or Ray lists it dead) or the
+        fresh actor does not start within ``_START_S``."""
         from knitkit.job import ReorganizerFailedError
 
         node = self._placement[name]
-        if node not in {n["NodeID"] for n in ray.nodes() if n["Alive"]}:
+        if node in self._lost or node not in {n["NodeID"] for n in ray.nodes() if n["Alive"]}:
             raise ReorganizerFailedError(
                 f"cannot restart the reorganizer of {name}: its node {node} is gone, and the "
                 "group's ranks with it; resume the job from its last checkpoint"

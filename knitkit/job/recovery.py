@@ -7,6 +7,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from knitkit.job.control import NodeAware
 from knitkit.job.errors import ReorganizerFailedError
 from knitkit.job.pool import Assignment, ReorganizerDied, ReorganizerPool, successor_ring
 from knitkit.metrics import sum_over
@@ -57,6 +58,10 @@ from knitkit.types import PackedMicroBatch
 # - Bounds: the driver's restart budget; the rank's wait for a successor (``liveness_timeout_s``);
 #   every other wait as before. A member that is alive but stuck (stale heartbeat) is not
 #   restarted: its ranks raise ``ReorganizerDiedError`` once their wait for a successor ends.
+# - A lost node (``NodeFailedError``): the whole job fails, so nothing is restarted once the pool
+#   hears of it (``node_lost``, passed on to a ``NodeAware`` pool so that ``close`` waits for
+#   nothing there); a member on a node the pool finds gone or unreachable is refused by its
+#   ``replace`` (``RayDispatcher``): a fresh one there would never start.
 
 RESTARTS_KEY = "knitkit/restart_reorganizers"
 """``RankSpec.extra`` key: how many restarts the driver allows (0 or absent: ranks never wait
@@ -77,6 +82,8 @@ class RestartingPool:
         self.budget = restarts
         self.restarted: list[str] = []
         """Every group restarted so far, in order."""
+        self.lost: list[str] = []
+        """Nodes the job lost (``node_lost``): nothing is restarted any more."""
 
     @property
     def rings(self) -> Mapping[str, RingSpec]:
@@ -92,6 +99,11 @@ class RestartingPool:
                 self.pool.check()
                 return
             except ReorganizerDied as died:
+                if self.lost:
+                    raise ReorganizerFailedError(
+                        f"{died}; not restarted: the job lost node(s) {self.lost}; resume it "
+                        "from its last checkpoint"
+                    ) from died
                 if len(self.restarted) >= self.budget:
                     raise ReorganizerFailedError(
                         f"{died}; not restarted: {len(self.restarted)} of "
@@ -112,6 +124,13 @@ class RestartingPool:
             **self.pool.metrics(),
             "knitkit/job/reorganizer_restarts": float(len(self.restarted)),
         }
+
+    def node_lost(self, node: str) -> None:
+        """``NodeAware``: the job lost ``node``; the pool hears it (where it is ``NodeAware``: it
+        waits for nothing there) and no member is restarted any more."""
+        self.lost.append(node)
+        if isinstance(self.pool, NodeAware):
+            self.pool.node_lost(node)
 
     def close(self) -> None:
         self.pool.close()

@@ -10,6 +10,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -31,8 +32,16 @@ from knitkit.job import (
     RankSpec,
     ReorganizerFailedError,
 )
+from knitkit.job.control import NodeAware
+from knitkit.job.pool import ReorganizerDied
 from knitkit.job.recovery import RestartingPool
-from knitkit.storage import EncoderTopology, PlannerConfig, Topology, TrajectoryStore
+from knitkit.storage import (
+    EncoderTopology,
+    PlannerConfig,
+    SharedMemoryBackend,
+    Topology,
+    TrajectoryStore,
+)
 
 DP, TP = 2, 2
 """Two (DP, CP) groups of two TP ranks: both TP ranks of the killed group must stay in step."""
@@ -241,9 +250,13 @@ def test_a_killed_ray_reorganizer_actor_is_restarted_and_re_served_exactly_once(
     dispatcher restarts it on the same node, re-submits the ``deliver`` calls it had not seen
     return, and every rank still gets every micro-batch exactly once, in order, as in the
     uninterrupted Ray job. On d6f4b7a the kill fails the job; on 480348c the restart raced (the
-    group's units could be freed before the successor re-read them: ``KeyError``)."""
+    group's units could be freed before the successor re-read them: ``KeyError``). A group whose
+    node the job lost (``node_lost``) is not restarted: ``replace`` refuses at once, naming the
+    node (on 2cc1a5d it restarted it there while Ray still listed the node: a lost node's fresh
+    actor never starts, 120 s)."""
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'knitkit[ray]')")
     from knitkit.integration.ray import RayBackend, RayDispatcher, RingConfig, start_ray
+    from knitkit.storage.delivery import unlink_ring
 
     if ray.is_initialized():
         ray.shutdown()
@@ -290,10 +303,67 @@ def test_a_killed_ray_reorganizer_actor_is_restarted_and_re_served_exactly_once(
             pool=pool(),
         )
         _check_exactly_once(baseline, runs, figures, min_dropped=0)
+        cut_off = pool()
+        head = ray.get_runtime_context().get_node_id()
+        cut_off.node_lost(head)
+        with pytest.raises(ReorganizerFailedError, match=rf"{KILLED}: its node {head} is gone"):
+            cut_off.replace(KILLED)
+        cut_off.close()  # waits for nothing on the lost node, its rings left to the node
+        for spec in cut_off.rings.values():
+            assert unlink_ring(spec.name), spec.name  # one machine: the "lost" node's outlive it
     finally:
         backend.close()
         ray.shutdown()
     print(f"three Ray jobs in {time.monotonic() - started:.1f} s")
+
+
+class _NodeAwarePool(ProcessPool):
+    """A ``ProcessPool`` that keeps the nodes ``node_lost`` named (``NodeAware``, as
+    ``RayDispatcher`` is: its ``close`` then waits for nothing on them)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lost: list[str] = []
+
+    def node_lost(self, node: str) -> None:
+        self.lost.append(node)
+
+
+def _died(pool: ProcessPool) -> bool:
+    try:
+        pool.check()
+    except ReorganizerDied:
+        return True
+    return False
+
+
+def test_a_lost_node_reaches_the_wrapped_pool_and_nothing_is_restarted_after_it() -> None:
+    """Invariant: once the job lost a node (``Driver.close`` after ``NodeFailedError`` tells a
+    ``NodeAware`` pool), a ``RestartingPool`` (``restart_reorganizers > 0``) passes the node on
+    to the pool it wraps and restarts no member that dies: the job fails as a whole, the error
+    names the lost node. On 2cc1a5d ``RestartingPool`` had no ``node_lost``: the driver skipped
+    it, so a ``RayDispatcher`` under it waited at close on every actor of the lost node (30 s
+    each)."""
+    store = TrajectoryStore(SharedMemoryBackend())
+    inner = _NodeAwarePool(store.backend, {KILLED: 1}, slot_bytes=1 << 20)
+    restarting = RestartingPool(inner, 1)
+    try:
+        assert isinstance(restarting, NodeAware)
+        restarting.node_lost("node-2")
+        assert inner.lost == ["node-2"]
+        pid = inner.pids()[KILLED]
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: _died(inner), what="the pool sees its member dead")
+        with pytest.raises(ReorganizerFailedError) as failed:
+            restarting.check()
+        message = str(failed.value)
+        assert KILLED in message and "not restarted: the job lost node(s) ['node-2']" in message
+        assert not isinstance(failed.value, ReorganizerDied), "a restartable error"
+        assert restarting.restarted == [] and inner.pids()[KILLED] == pid
+    finally:
+        restarting.close()
+        store.close()
 
 
 def test_a_successor_ring_not_complete_yet_counts_as_not_there() -> None:
