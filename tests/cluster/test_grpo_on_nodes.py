@@ -23,6 +23,8 @@ from grpo.resume import read_ledgers  # noqa: E402
 
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+STEPS = 2
+"""GRPO steps (each: the old, ref and train passes; the second trains on a moved policy)."""
 
 
 @pytest.mark.slow
@@ -38,7 +40,7 @@ def test_grpo_example_with_ranks_on_two_nodes_trains_as_the_plain_loop(tmp_path:
     spec, out = tmp_path / "spec.json", tmp_path / "grpo.json"
     with SimulatedCluster(3) as cluster:
         nodes = [cluster.node(1).address] * 2 + [cluster.node(2).address] * 2
-        common = ["--steps", "3"]
+        common = ["--steps", str(STEPS)]
         driver = cluster.node(0).popen(
             [
                 sys.executable,
@@ -88,7 +90,7 @@ def test_grpo_example_with_ranks_on_two_nodes_trains_as_the_plain_loop(tmp_path:
             check,
         )
     assert result["gradients"]["checked"] > 10_000 and result["parameters"]["checked"] > 10_000
-    assert len(report["knitkit"]) == 3
+    assert len(report["knitkit"]) == STEPS
     for step in report["knitkit"]:
         assert len(step["trajectory_ids"]) == 16 and step["figures"]["images_encoded"] == 2
     assert result["ok"]
@@ -97,5 +99,5 @@ def test_grpo_example_with_ranks_on_two_nodes_trains_as_the_plain_loop(tmp_path:
     trained = Counter((r["mb"], r["pass"], t) for r in records for t in r["trajectories"])
     assert set(trained.values()) == {1}, [k for k, n in trained.items() if n > 1]
     per_pass = Counter(p for _, p, _ in trained)
-    assert per_pass == {"old": 16 * 3, "ref": 16 * 3, "train": 16 * 3}, per_pass
-    assert len({r["mb"] for r in records}) == 3
+    assert per_pass == {"old": 16 * STEPS, "ref": 16 * STEPS, "train": 16 * STEPS}, per_pass
+    assert len({r["mb"] for r in records}) == STEPS
