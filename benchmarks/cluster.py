@@ -52,6 +52,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from report import finish
+
 NAMESPACE = "knitkit-cluster-bench"
 METHODS = (
     "knitkit",
@@ -803,13 +805,7 @@ def main() -> None:
     if unknown:
         parser.error(f"--methods: unknown {unknown}; known: {', '.join(METHODS)}")
     figures.update(run(3 if args.quick else 8, args.link_mbit, methods))
-    figures["loadavg_1m_at_end"] = os.getloadavg()[0]
-    print_table(figures)
-    for reason in skipped.values():
-        print(f"skipped: {reason}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**figures, **skipped}, f, indent=1, sort_keys=True)
+    finish(figures, print_table, skipped, args.json)
 
 
 if __name__ == "__main__":

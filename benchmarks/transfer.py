@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
-import json
 import mmap
 import multiprocessing as mp
 import os
@@ -45,6 +44,7 @@ import numpy as np
 import psutil
 import torch
 from progress import Progress
+from report import finish
 
 from knitkit.integration.sliced_read import time_ratio
 from knitkit.microbatch_iter import MicroBatchIterator
@@ -1397,13 +1397,7 @@ def main() -> None:
         progress(f"sliced reads on {', '.join(ENGINES)}")
         engine_figures, skipped = measure_engines(list(ENGINES))
         figures.update(engine_figures)
-    figures["loadavg_1m_at_end"] = os.getloadavg()[0]
-    print_table(figures)
-    for reason in skipped.values():
-        print(f"skipped: {reason}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**figures, **skipped}, f, indent=1, sort_keys=True)
+    finish(figures, print_table, skipped, args.json)
 
 
 def print_table(figures: dict[str, float]) -> None:
