@@ -545,7 +545,7 @@ def _job_phase(
     )
     host.ask({"ranks": driver.rank_spec().to_json(), "nodes": [2 + c.dp for c in coords]})
     starts: dict[str, float] = {}
-    consumed = 0
+    consumed = placed_bytes = 0
     rss_start = _rss()
     for step in range(WARMUP_STEPS + steps):
         if step == WARMUP_STEPS:
@@ -560,8 +560,9 @@ def _job_phase(
         if step >= WARMUP_STEPS:
             starts[driver.minibatches()[step]] = started
             consumed += _job_consumed(placed)
+            placed_bytes += sum({k: s.nbytes for p in placed for k, s in p.specs.items()}.values())
     host.mark("end", method)
-    figures: dict[str, Any] = {"starts": starts, "consumed": consumed}
+    figures: dict[str, Any] = {"starts": starts, "consumed": consumed, "placed": placed_bytes}
     figures["rss_growth"] = _rss() - rss_start
     figures["rss"] = _rss()
     figures["metrics"] = driver.metrics()
@@ -731,6 +732,8 @@ def _method_figures(
         out[f"{method}.link_bytes_per_consumed.node{n}.received"] = received / consumed
         total += received
     out[f"{method}.network_bytes_per_consumed"] = total / consumed
+    if "placed" in record:  # knitkit_job: what the writer placed, read by two passes
+        out[f"{method}.network_bytes_per_placed"] = total / record["placed"]
     prefix = "knitkit/delivery/reorganizer_bytes"
     metrics = record.get("metrics", {})
     if f"{prefix}_whole_remote" in metrics:  # RayBackend reads (NOTE [ Ray unit directory ])
