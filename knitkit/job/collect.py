@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from knitkit.job.errors import RankFailedError, WriteBackMissingError
 from knitkit.job.ledger import MiniBatchLedger
 from knitkit.job.passes import Pass
 from knitkit.job.records import Record
+from knitkit.job.write_back import parse_placed
 from knitkit.metrics import merge, sum_over
 from knitkit.storage import ReorganizerDiedError, ReorganizerError
 from knitkit.storage.delivery import ConsumerClosedError, RingNotReadyError
@@ -27,7 +29,9 @@ class Collector:
     """Drains one group's write-back ring (see NOTE [ Driver threads ] in driver.py).
 
     A ``values`` record is one micro-batch's outputs in packed CP-local order: the plan's
-    ``unpack`` undoes packing and the CP split, the store's ``write_ranges`` writes them. A
+    ``unpack`` undoes packing and the CP split, the store's ``write_ranges`` writes them; one
+    whose outputs a relay placed on the writer's node already carries only what was placed,
+    which the store adopts (NOTE [ Write-backs stay on the writer's node ]). A
     ``done`` record ends the group's pass (checked complete); after the last pass the group's
     units are queued to be freed (``JobCore.free_published``), and after the last group the
     mini-batch is released and its figures queued for the observer. An ``error`` record, the
@@ -120,7 +124,9 @@ class Collector:
                 f"{self.group} sent a {kind!r} record for pass {header.get('pass')!r} of "
                 f"mini-batch {header.get('mb')!r}, which is not being served"
             )
-        if kind == "values":
+        if kind == "values" and "placed" in header:
+            self._adopt(ledger, pass_, int(header["index"]), header)
+        elif kind == "values":
             self._store(ledger, pass_, int(header["index"]), record.arrays)
         elif kind == "done":
             self._done(ledger, pass_, {k: float(v[0]) for k, v in record.arrays.items()})
@@ -133,20 +139,53 @@ class Collector:
     ) -> None:
         """Write one micro-batch's outputs into the stored trajectories (packing undone)."""
         core = self.core
-        expected = {o.name for o in pass_.writes}
-        if set(arrays) != expected:
-            raise RankFailedError(
-                f"{self.group} wrote back {sorted(arrays)} for pass {pass_.name!r}, which writes "
-                f"{sorted(expected)}"
-            )
+        self._check_fields(pass_, arrays)
         consumer = next(c for c in ledger.plan.consumers if c.name == self.group)
         micro_batch = consumer.micro_batches[index]
         for name, rows in arrays.items():
             for piece in micro_batch.unpack(rows):
                 core.store.write_ranges(piece.trajectory_id, name, piece.ranges, piece.rows)
+        self._received(ledger, pass_, index, {k: int(v.nbytes) for k, v in arrays.items()})
+
+    def _received(
+        self, ledger: MiniBatchLedger, pass_: Pass, index: int, sizes: Mapping[str, int]
+    ) -> None:
+        """Micro-batch ``index``'s outputs are in the store: ``sizes`` bytes per field."""
+        core = self.core
+        for name, size in sizes.items():
             ledger.passes[pass_.name].received[name].setdefault(self.group, set()).add(index)
-            core.ledger.counts["write_back_bytes"] += int(rows.nbytes)
+            core.ledger.counts["write_back_bytes"] += size
         core.ledger.counts["write_back_records"] += 1
+
+    def _adopt(
+        self, ledger: MiniBatchLedger, pass_: Pass, index: int, header: Mapping[str, Any]
+    ) -> None:
+        """One micro-batch's outputs, placed on the writer's node by its relay: index the units
+        it completed (see NOTE [ Write-backs stay on the writer's node ] in write_back.py)."""
+        core = self.core
+        try:
+            units, sizes = parse_placed(header)
+        except ValueError as error:
+            raise RankFailedError(f"{self.group}: {error}") from None
+        self._check_fields(pass_, sizes)
+        try:
+            core.store.adopt_written(units, placed_on=str(header.get("node", "")))
+        except (KeyError, ValueError) as error:
+            raise RankFailedError(
+                f"{self.group}'s write-back of micro-batch {index}, pass {pass_.name!r} of "
+                f"mini-batch {ledger.minibatch_id!r}, placed on node {header.get('node')}: "
+                f"{error}"
+            ) from None
+        self._received(ledger, pass_, index, sizes)
+
+    def _check_fields(self, pass_: Pass, fields: Collection[str]) -> None:
+        """A record carries exactly the outputs ``pass_`` writes."""
+        expected = {o.name for o in pass_.writes}
+        if set(fields) != expected:
+            raise RankFailedError(
+                f"{self.group} wrote back {sorted(fields)} for pass {pass_.name!r}, which writes "
+                f"{sorted(expected)}"
+            )
 
     def _done(self, ledger: MiniBatchLedger, pass_: Pass, figures: dict[str, float]) -> None:
         """The group finished ``pass_``: check its outputs, note it, free what is done."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,6 +62,8 @@ class TrajectoryStore:
         by its first ``write`` (see ``_start_fresh``)."""
         self._cleared = 0
         """Units a fresh start deleted (a previous run's that no state names)."""
+        self._adopted_written: Counter[str] = Counter()
+        """Bytes of written-back units adopted (``adopt_written``), by where they were put."""
 
     def write(self, trajectory: Trajectory) -> TrajectoryMeta:
         """Store a trajectory as atomic units; a multimodal input already stored is referenced, not copied.
@@ -278,6 +281,59 @@ class TrajectoryStore:
                 del record.partial[field]
         return IndexEntry(trajectory_id, key, UnitSpec(dtype, (length, *row)), True)
 
+    def adopt_written(self, units: Mapping[UnitKey, UnitSpec], placed_on: str = "") -> None:
+        """Index whole per-token units of declared fields that another process assembled and
+        put in this store's backend (a pass's write-backs placed on the writer's node): each
+        field is then complete, exactly as ``write_ranges`` leaves it after its last range,
+        without a byte of payload moving here.
+
+        Checks every unit first, with one backend lookup: ``KeyError`` naming an unknown
+        trajectory or undeclared field, or units the backend lacks; ``ValueError`` naming units
+        whose spec is not the field's declared dtype and row shape over the trajectory's tokens
+        (as recorded or as stored), or a field the trajectory has already; nothing is indexed
+        then. ``placed_on`` (where they were put: a node) counts their bytes in ``metrics``.
+        """
+        wrong: list[str] = []
+        for key, spec in units.items():
+            record = self.index.record(key.owner)
+            declared = self._fields.get(key.field)
+            if declared is None or key.field not in self._declared:
+                raise KeyError(
+                    f"trajectory {key.owner!r}: field {key.field!r} is not declared; call "
+                    "declare_field(name, dtype, row_shape) before writing it back"
+                )
+            expected = UnitSpec(declared[0], (record.meta.num_tokens, *declared[1]))
+            if key.field in record.fields:
+                wrong.append(f"{key} is stored already")
+            elif spec != expected:
+                wrong.append(
+                    f"{key} recorded {spec.dtype}{list(spec.shape)}, declared "
+                    f"{expected.dtype}{list(expected.shape)}"
+                )
+        keys = list(units)
+        found = unit_specs(self.backend, keys)
+        unknown = [str(k) for k, spec in zip(keys, found, strict=True) if spec is None]
+        if unknown:
+            raise KeyError(
+                f"written-back units {unknown} are not in {type(self.backend).__name__}: never "
+                "placed there, freed since, or the process that placed them died"
+            )
+        wrong += [
+            f"{k} stored {spec.dtype}{list(spec.shape)}, recorded "
+            f"{units[k].dtype}{list(units[k].shape)}"
+            for k, spec in zip(keys, found, strict=True)
+            if spec is not None and spec != units[k]
+        ]
+        if wrong:
+            raise ValueError(f"written-back units refused: {wrong}")
+        for key, spec in units.items():
+            record = self.index.record(key.owner)
+            record.fields[key.field] = key
+            record.token_fields.add(key.field)
+            record.partial.pop(key.field, None)
+            self._unit_bytes[key] = spec.nbytes
+            self._adopted_written[placed_on] += spec.nbytes
+
     def field_complete(self, trajectory_id: str, field: str) -> bool:
         """Whether every token of the trajectory's ``field`` has been written."""
         record = self.index.record(trajectory_id)
@@ -324,6 +380,8 @@ class TrajectoryStore:
           their last state ] in ``retention.py``);
         - ``units_cleared``: units of a previous run a fresh start deleted from a durable
           backend (NOTE [ A fresh store clears its backend ]);
+        - ``written_back_bytes_adopted``: bytes of written-back units other processes placed
+          (``adopt_written``), and ``written_back_bytes_adopted_on/<where>`` per place (node);
         - the backend's own figures (``SharedMemoryBackend``: ``shm_bytes``,
           ``shm_used_bytes``, ``journal_bytes``; ``SafetensorsBackend``: ``journal_bytes``).
         """
@@ -336,6 +394,16 @@ class TrajectoryStore:
             "knitkit/storage/deletes_deferred": float(self._retained.pending),
             "knitkit/storage/units_cleared": float(self._cleared),
         }
+        out["knitkit/storage/written_back_bytes_adopted"] = float(
+            sum(self._adopted_written.values())
+        )
+        out.update(
+            {
+                f"knitkit/storage/written_back_bytes_adopted_on/{where}": float(size)
+                for where, size in self._adopted_written.items()
+                if where
+            }
+        )
         out.update(self.backend.metrics())
         return out
 
