@@ -11,7 +11,7 @@ from knitkit.job.control import Control, ScheduleSink
 from knitkit.job.errors import DriverFailedError, JobError
 from knitkit.job.ledger import JobLedger
 from knitkit.job.passes import Pass, rollout_fields, written_by
-from knitkit.job.pool import ReorganizerPool
+from knitkit.job.pool import ReorganizerPool, minibatch_of
 from knitkit.job.spec import data_rings
 from knitkit.metrics import merge
 from knitkit.storage import TrajectoryStore
@@ -83,7 +83,8 @@ class JobCore:
             waiting = []
             for minibatch_id, consumer in self.unfreed:
                 rings = data_rings(consumer, self.pipeline)
-                if any(minibatch_id in self.pool.unpublished(ring) for ring in rings):
+                unpublished = (self.pool.unpublished(ring) for ring in rings)
+                if any(minibatch_id == minibatch_of(i) for ids in unpublished for i in ids):
                     waiting.append((minibatch_id, consumer))
                 else:
                     self.store.consumed(minibatch_id, consumer)

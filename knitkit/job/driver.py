@@ -45,9 +45,10 @@ _T = TypeVar("_T")
 # - ``write`` (any caller thread) stores, reports, admits, plans and registers under the lock
 #   (``intake.py``): admission is irrevocable, so a mini-batch is planned once, at once, in
 #   admission order.
-# - The scheduler serves (mini-batch, pass) pairs strictly in order: it waits (condition
-#   variable, woken by collectors) until the pass's reads are produced, then, outside the lock,
-#   queues the pass's assignments on the reorganizers and publishes its schedule record. One
+# - The scheduler serves each mini-batch's passes in order, to each group once the group's
+#   reads are produced (NOTE [ Next pass per group ] in serving.py): it waits (condition
+#   variable, woken by collectors), then, outside the lock, queues the assignments on the
+#   reorganizers and, with a mini-batch's first pass, publishes its schedule record. One
 #   thread doing both keeps every ring's order equal to the schedule's, which keeps every rank on
 #   the same pass of the same mini-batch (their collectives match). It also pushes released
 #   mini-batches' figures to the observer (one thread, steps in order), checks the pool's
@@ -363,7 +364,7 @@ class Driver:
             ledger.released = ledger.observed = saved.released
             ledger.counts.update(saved.counts)
             ledger.wait_s = saved.wait_s
-            self._scheduler.cursor = (saved.released, 0)
+            self._scheduler.position = saved.released
             self._intake.resume(saved, restored)
             core.lock.notify_all()
             return Resumed(
@@ -523,7 +524,7 @@ class Driver:
             ledger = core.ledger
             live = ledger.minibatches.values()
             served = {
-                p.name: ledger.released + sum(g.passes[p.name].served for g in live)
+                p.name: ledger.released + sum(g.served(p.name) for g in live)
                 for p in self.passes
             }
             consumed = {

@@ -12,15 +12,23 @@ from knitkit.storage import MiniBatchPlan
 
 @dataclass(slots=True)
 class PassLedger:
-    """One pass of one mini-batch: served or not, which groups finished it, what they wrote back."""
+    """One pass of one mini-batch: which groups it was served to, which finished it, what they
+    wrote back."""
 
-    served: bool = False
+    submitted: set[str] = field(default_factory=set)
+    """Backbone groups whose reorganizers got the pass's assignment (NOTE [ Next pass per
+    group ] in serving.py)."""
     done: set[str] = field(default_factory=set)
     """Backbone groups whose writer rank finished the pass (``backbone/dp<d>/cp<c>``)."""
     received: dict[str, dict[str, set[int]]] = field(default_factory=dict)
     """Written field -> group -> micro-batch indices whose outputs arrived (and were stored)."""
     figures: dict[str, dict[str, float]] = field(default_factory=dict)
     """Group -> the figures its writer rank reported with the pass's end."""
+
+    @property
+    def served(self) -> bool:
+        """Whether the pass was served to any group (its records may come in)."""
+        return bool(self.submitted)
 
 
 @dataclass(slots=True)
@@ -38,6 +46,11 @@ class MiniBatchLedger:
     passes: dict[str, PassLedger]
     produced: set[str] = field(default_factory=set)
     """Written fields verified complete in the store for every trajectory."""
+    verified: dict[str, set[str]] = field(default_factory=dict)
+    """Group -> written fields verified complete for every trajectory the group reads."""
+    covering: dict[str, dict[str, set[int]]] = field(default_factory=dict, repr=False)
+    """Group -> writer group -> its micro-batches holding pieces of the group's trajectories
+    (computed once per group: ``lacking_for``)."""
     admission_figures: dict[str, float] = field(default_factory=dict)
     """The admission controller's figures right after it admitted this mini-batch."""
     store_consumers: set[str] = field(default_factory=set)
@@ -62,6 +75,35 @@ class MiniBatchLedger:
 
     def consumed(self, pass_name: str) -> bool:
         return len(self.passes[pass_name].done) == len(self.groups)
+
+    def served(self, pass_name: str) -> bool:
+        """Whether the pass was served to every group."""
+        return len(self.passes[pass_name].submitted) == len(self.groups)
+
+    def trajectories_of(self, group: str) -> tuple[str, ...]:
+        """The trajectories ``group`` reads (with CP, shared with its DP rank's other groups)."""
+        consumer = next(c for c in self.plan.consumers if c.name == group)
+        ids = (s.trajectory_id for mb in consumer.micro_batches for s in mb.sequences)
+        return tuple(dict.fromkeys(ids))
+
+    def lacking_for(self, group: str, field_name: str, writer: Pass) -> dict[str, list[int]]:
+        """Writer group -> its micro-batches holding pieces of ``group``'s trajectories whose
+        ``field_name`` (written by ``writer``) is missing: per trajectory, not per group (with
+        CP a trajectory's pieces come from every CP group of its DP rank)."""
+        covering = self.covering.get(group)
+        if covering is None:
+            mine = set(self.trajectories_of(group))
+            covering = self.covering[group] = {
+                c.name: {
+                    mb.index
+                    for mb in c.micro_batches
+                    if any(s.trajectory_id in mine for s in mb.sequences)
+                }
+                for c in self.plan.consumers
+            }
+        received = self.passes[writer.name].received[field_name]
+        out = {g: sorted(indices - received.get(g, set())) for g, indices in covering.items()}
+        return {g: indices for g, indices in out.items() if indices}
 
 
 @dataclass(slots=True)
@@ -104,7 +146,7 @@ class Progress:
     released: int
     """Mini-batches every pass consumed; their units are freed."""
     served: dict[str, int]
-    """Per pass: mini-batches whose pass was served (schedule published, reorganizers fed)."""
+    """Per pass: mini-batches whose pass was served to every group (its reorganizers fed)."""
     consumed: dict[str, int]
     """Per pass: mini-batches every (DP, CP) group finished."""
     trajectories_waiting: int

@@ -52,6 +52,18 @@ def untagged(tag: str) -> str:
     return tag.rpartition("@")[0]
 
 
+def pass_id(minibatch_id: str, pass_name: str) -> str:
+    """The id the scheduler submits one pass's assignment under (``submit``): it travels in every
+    micro-batch's layout, so a rank checks each one belongs to the (mini-batch, pass) it runs
+    (NOTE [ Next pass per group ] in serving.py)."""
+    return f"{minibatch_id}/{pass_name}"
+
+
+def minibatch_of(submitted_id: str) -> str:
+    """The mini-batch id inside a ``pass_id`` (mini-batch ids hold no ``/``)."""
+    return submitted_id.partition("/")[0]
+
+
 def numbering() -> Iterator[int]:
     """A group's assignment numbers (``tagged``): they keep counting across restarts."""
     return itertools.count()
@@ -74,7 +86,8 @@ class ReorganizerPool(Protocol):
     def submit(
         self, name: str, minibatch_id: str, assignment: ConsumerPlan | EncoderRankPlan
     ) -> None:
-        """Queue one pass's assignment on group ``name``'s reorganizer (served in order)."""
+        """Queue one pass's assignment on group ``name``'s reorganizer (served in order); the
+        driver gives ``pass_id(mini-batch, pass)`` as ``minibatch_id``: an opaque id here."""
         ...
 
     def check(self) -> None:
@@ -90,7 +103,7 @@ class ReorganizerPool(Protocol):
         ...
 
     def unpublished(self, name: str) -> frozenset[str]:
-        """Ids of the mini-batches with an assignment group ``name``'s reorganizer has not
+        """Ids (as submitted) of the assignments group ``name``'s reorganizer has not
         published in full: it may still read their units, so the driver keeps them (see
         NOTE [ Reorganizer restart ] in recovery.py). Empty for a name that is no group."""
         ...

@@ -12,10 +12,12 @@ import numpy as np
 import torch
 
 from knitkit.encoder_dedup import RankRoute
-from knitkit.job.errors import DriverDiedError, DriverFailedError, DriverNotFoundError
+from knitkit.job.errors import DriverDiedError, DriverNotFoundError
+from knitkit.job.pool import pass_id
 from knitkit.job.records import RecordReader, RecordWriter
 from knitkit.job.recovery import FollowingConsumer, restarts_of
 from knitkit.job.spec import RankCoords, RankSpec, encoder_rank_name, group_name
+from knitkit.job.watch import DRIVER, DriverWatch, PassTake, driver_error
 from knitkit.job.work import PassWork, Route
 from knitkit.metrics import merge, sum_over
 from knitkit.microbatch_iter import MicroBatchIterator
@@ -24,7 +26,7 @@ from knitkit.storage import (
     ReorganizerDiedError,
     ReorganizerError,
 )
-from knitkit.storage.delivery import Producer, RingNotReadyError
+from knitkit.storage.delivery import RingNotReadyError
 from knitkit.types import UnitKey
 
 _ITERATOR_FIGURES = (
@@ -91,6 +93,8 @@ class RankHandle:
         self.writer = coords.is_writer(spec)
         self._plans: dict[str, MiniBatchPlan] = {}
         self._current: PassWork | None = None
+        self._last: tuple[str, int] | None = None
+        """(mini-batch, pass index) of the last pass handed out."""
         self._totals: dict[str, float] = dict.fromkeys(_ITERATOR_FIGURES, 0.0)
         self._kept: tuple[str, dict[UnitKey, torch.Tensor]] | None = None
         """The current mini-batch's encoder inputs, read by its first encoding pass (see
@@ -105,10 +109,14 @@ class RankHandle:
         }
         group = group_name(coords.dp, coords.cp)
         with contextlib.ExitStack() as stack, _driver_rings(spec, coords.rank):
-            driver = Producer("driver", "restart the job")
             schedule, index = spec.schedule_of(coords.rank)  # its node's ring, across nodes
-            self._schedule = RecordReader(schedule, index, producer=driver, **waits)
+            self._schedule = RecordReader(schedule, index, producer=DRIVER, **waits)
             stack.callback(self._schedule.close)
+            # waits on data rings hear of the driver: NOTE [ Next pass per group ] in serving.py
+            self._watch = DriverWatch(
+                schedule, coords.rank, liveness_timeout_s=spec.liveness_timeout_s
+            )
+            stack.callback(self._watch.close)
             # follows its reorganizer across restarts: see NOTE [ Reorganizer restart ]
             restarts = restarts_of(spec.extra)
             self._data = FollowingConsumer(
@@ -141,32 +149,42 @@ class RankHandle:
 
     def next_pass(self, timeout_s: float | None = None) -> PassWork | None:
         """The next (mini-batch, pass), or ``None`` once the driver finished; an unfinished
-        previous one is finished first (``done``). Waits at most ``timeout_s`` (default: the
-        spec's ``wait_timeout_s``); raises ``DriverFailedError`` / ``DriverDiedError``."""
+        previous one is finished first (``done``). A mini-batch's first pass waits for its
+        schedule record at most ``timeout_s`` (default: the spec's ``wait_timeout_s``); its
+        later passes follow at once, their data on this rank's rings (NOTE [ Next pass per
+        group ] in serving.py). Raises ``DriverFailedError`` / ``DriverDiedError``."""
         if self._closed:
             raise RuntimeError("the rank handle is closed")
         if self._current is not None:
             self._current.done()
             self._current = None
-        try:
-            record = self._schedule.next(timeout_s)
-        except ReorganizerDiedError as error:
-            raise DriverDiedError(
-                f"rank {self.coords.rank}: the driver is gone ({error})"
-            ) from None
-        except ReorganizerError as error:
-            raise DriverFailedError(f"rank {self.coords.rank}: {error}") from None
-        if record is None:
-            return None
-        minibatch_id, name = str(record.header["mb"]), str(record.header["pass"])
-        if "plan" in record.arrays:
+        passes = self.spec.passes
+        if self._last is not None and self._last[1] + 1 < len(passes):
+            self._watch.raise_failure()
+            minibatch_id, index = self._last[0], self._last[1] + 1
+        else:
+            try:
+                record = self._schedule.next(timeout_s)
+            except (ReorganizerDiedError, ReorganizerError) as error:
+                raise driver_error(self.coords.rank, error) from None
+            if record is None:
+                return None
+            minibatch_id, name = str(record.header["mb"]), str(record.header["pass"])
+            if name != passes[0].name or "plan" not in record.arrays:
+                raise RuntimeError(
+                    f"rank {self.coords.rank}: the schedule opened {minibatch_id!r} with pass "
+                    f"{name!r}, not {passes[0].name!r} with its plan: the driver and this rank "
+                    "run different passes; restart the job with one spec"
+                )
             self._plans[minibatch_id] = MiniBatchPlan.from_json(
                 record.arrays["plan"].tobytes().decode()
             )
-        pass_ = next(p for p in self.spec.passes if p.name == name)
+            index = 0
+        pass_ = passes[index]
         plan = self._plans[minibatch_id]
-        if pass_ is self.spec.passes[-1]:
+        if index + 1 == len(passes):
             del self._plans[minibatch_id]
+        self._last = (minibatch_id, index)
         self._current = PassWork(self, minibatch_id, pass_, plan.with_fields(pass_.reads))
         return self._current
 
@@ -198,6 +216,7 @@ class RankHandle:
         for consumer in (self._data, self._units):
             if consumer is not None:
                 consumer.close()
+        self._watch.close()
         self._schedule.close()
 
     def __enter__(self) -> RankHandle:
@@ -215,9 +234,9 @@ class RankHandle:
             )
         return self._route(plan)
 
-    def iterate(self, count: int) -> tuple[MicroBatchIterator, Taken]:
-        """A prefetch iterator over exactly ``count`` micro-batches of the data ring."""
-        take = self._data.take(count)
+    def iterate(self, work: PassWork) -> tuple[MicroBatchIterator, Taken]:
+        """A prefetch iterator over exactly ``work``'s micro-batches of the data ring."""
+        take = self._take(self._data, work.num_micro_batches, work)
         config = MicroBatchIterator.Config(
             depth=self.config.depth,
             slot_nbytes=self.config.slot_nbytes,
@@ -249,7 +268,7 @@ class RankHandle:
         if self._kept is not None and self._kept[0] == work.minibatch_id:
             return dict(self._kept[1])
         out: dict[UnitKey, torch.Tensor] = {}
-        for lease in self._units.take(count):
+        for lease in self._take(self._units, count, work):
             with lease:
                 for key, view in lease.layout.unit_views(lease.buffer).items():
                     out[key] = torch.from_numpy(np.array(view)).to(self.device or "cpu")
@@ -267,7 +286,7 @@ class RankHandle:
             work.encoder_inputs()  # the first encoding pass never asked: read (and keep) them
             return
         served: list[UnitKey] = []
-        for lease in self._units.take(count):
+        for lease in self._take(self._units, count, work):
             with lease:
                 served += lease.layout.units
         self._units_taken = here
@@ -292,7 +311,7 @@ class RankHandle:
             for name in _ITERATOR_FIGURES:
                 self._totals[name] += figures[name]
         left = work.num_micro_batches - (take.taken if take is not None else 0)
-        for lease in self._data.take(left):
+        for lease in self._take(self._data, left, work):
             lease.release()
         if work.pass_.encodes:  # the ring moves on: see NOTE [ Encoder inputs once per mini-batch ]
             self._skip_encoder_units(work)
@@ -304,6 +323,10 @@ class RankHandle:
                 f"ended after {taken_by_loop} of its {work.num_micro_batches} micro-batches; "
                 "train every micro-batch of a pass (every rank runs the same schedule)"
             )
+
+    def _take(self, ring: FollowingConsumer, count: int, work: PassWork) -> PassTake:
+        """Exactly ``count`` leases of ``work``'s assignment on ``ring``, checked to be its."""
+        return self._watch.take(ring, count, pass_id(work.minibatch_id, work.pass_.name))
 
     def send(
         self,

@@ -1,9 +1,10 @@
-"""The scheduler thread: serve every (mini-batch, pass) in order once its reads are produced."""
+"""The scheduler thread: serve each mini-batch's passes in order, to each group once its reads are produced."""
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -12,21 +13,90 @@ from knitkit.job.core import JobCore
 from knitkit.job.errors import WriteBackMissingError
 from knitkit.job.ledger import MiniBatchLedger
 from knitkit.job.passes import Pass
+from knitkit.job.pool import pass_id
+from knitkit.job.spec import group_name
 from knitkit.metrics import MetricsObserver
+from knitkit.storage import MiniBatchPlan
 
 IDLE_S = 0.2
 """How often an idle scheduler checks the pool's health and the pass deadline."""
 
+# NOTE [ Next pass per group ]:
+# A pass that reads what an earlier pass wrote back (train reads old and reference log-probs)
+# used to be served for the whole mini-batch at once, after EVERY group's write-backs were in,
+# and every rank waited on that global schedule record: DP imbalance (the groups' last
+# reference write-backs land 46-107 ms apart in ``benchmarks/grpo_step.py --quick``) became
+# exposed data wait of the fast groups (~20 ms of the step's ~30), where the plain loop absorbs
+# it in its gradient all-reduce. Now a group's next pass starts as soon as ITS inputs are
+# produced:
+# - Scheduler. One mini-batch is open at a time. Its first pass reads only rollout fields
+#   (``check_passes``): it is served to every group at once with the schedule record that
+#   carries the plan (the mini-batch's announcement). Each later pass is served PER GROUP: to
+#   group g once every field the pass reads is produced for every trajectory g reads (per
+#   trajectory, not per group: with CP, g's trajectories are shared with its DP rank's other CP
+#   groups, so the write-backs of each group holding a piece of them must be in:
+#   ``MiniBatchLedger.lacking_for``), verified in the store for those trajectories (once per
+#   group and field; a gap is a ``WriteBackMissingError`` as before). Serving = queueing g's
+#   assignments (one per pipeline stage) on its reorganizers; an encoder rank's assignment of a
+#   pass is queued when the first group gets the pass (its units are rollout fields; its
+#   consumers may sit in several groups). The next mini-batch opens once every group got every
+#   pass of the open one, so every ring still gets its assignments in the schedule's order,
+#   (mini-batch, pass) by (mini-batch, pass): the same order on every rank of the ring.
+# - No deadlock on a full schedule ring: the scheduler publishes a record (blocking while the
+#   ring is full) only when every earlier mini-batch is served to every group, so every rank
+#   can run everything announced before it without the scheduler.
+# - Ranks. The schedule carries one record per mini-batch (its first pass, with the plan). The
+#   later passes of a mini-batch are known statically, so a rank goes on to its next pass at
+#   once and waits on its own data ring; each micro-batch carries ``pass_id(mini-batch,
+#   pass)`` (the pool's tag) and the rank checks it, so a rank and its ring cannot disagree on
+#   the schedule unnoticed. A rank's wait on a data ring hears of the driver through a watch
+#   thread on the schedule ring (``DriverWatch`` in rank.py): the driver's failure interrupts
+#   the wait at once as ``DriverFailedError``, its death within a liveness period as
+#   ``DriverDiedError`` (also when its death took the reorganizer first): the bounds of a wait
+#   on the schedule itself. Lifecycle table: docs/lifecycle.md.
+# - Unchanged: the ledger's exactly-once and order guarantees (every group gets every pass
+#   once, in order; pass ends and write-backs per group as before), ``pass_timeout_s`` (per
+#   group, from when its previous pass was served), the write-back checks, and resume (NOTE
+#   [ Resume rule ]: the scheduler re-opens the first untrained mini-batch from its first pass).
+
+
+@dataclass(slots=True)
+class _Open:
+    """The mini-batch being served: per group, the index of its next pass and since when it
+    waits for it."""
+
+    ledger: MiniBatchLedger
+    next: dict[str, int]
+    since: dict[str, float]
+    encoded: set[str] = field(default_factory=set)
+    """Passes whose encoder-rank assignments are queued."""
+    plans: dict[str, MiniBatchPlan] = field(default_factory=dict)
+    """Pass -> the plan restricted to its reads."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Serve:
+    """One step outside the lock: queue ``pass_`` for ``groups`` (and the encoder ranks), then
+    publish the mini-batch's schedule record (``announce``)."""
+
+    ledger: MiniBatchLedger
+    pass_: Pass
+    plan: MiniBatchPlan
+    groups: frozenset[str]
+    encoders: bool
+    announce: bool
+
 
 class Scheduler:
-    """Serves (mini-batch, pass) pairs strictly in order (see NOTE [ Driver threads ] in
-    driver.py): waits until the pass's reads are produced, queues its assignments on the
-    reorganizers, publishes its schedule record; pushes released mini-batches' figures to the
-    observer; fails the job when a reorganizer dies, the control path to a node breaks
-    (``NodeFailedError``) or a pass waits past ``pass_timeout_s``.
+    """Serves each mini-batch's passes in order, to each (DP, CP) group as soon as the group's
+    reads are produced (see NOTE [ Next pass per group ] and NOTE [ Driver threads ] in
+    driver.py); pushes released mini-batches' figures to the observer; fails the job when a
+    reorganizer dies, the control path to a node breaks (``NodeFailedError``) or a group waits
+    for a pass's reads past ``pass_timeout_s``.
 
-    Holds its position: the cursor (the next mini-batch position and pass index), when it began
-    waiting for the pass at the cursor, what it waits for, and whether the schedule finished.
+    Holds its position: the next mini-batch to open (``position`` in ``ledger.order``), the
+    open one (per group: its next pass and since when it waits), since when some group waits,
+    what it waits for, and whether the schedule finished.
     """
 
     def __init__(
@@ -35,8 +105,9 @@ class Scheduler:
         self.core = core
         self.observe = observe
         self.pass_timeout_s = pass_timeout_s
-        self.cursor = (0, 0)
-        """The next (position in ``ledger.order``, pass index) to serve."""
+        self.position = 0
+        """The next position in ``ledger.order`` to open (a resumed driver sets it)."""
+        self.open: _Open | None = None
         self.waiting_since: float | None = None
         self.blocked = ""
         self.finishing = False
@@ -52,112 +123,173 @@ class Scheduler:
                 core.control.check()
                 core.free_published()
                 self._push_observed()
-                step = self._next()
-                if step is None:
+                steps = self._next()
+                if steps is None:
                     return
-                if step == "finish":
+                if steps == "finish":
                     core.schedule.finish()
                     with core.lock:
                         self.finished = True
-                elif step != "idle":
-                    self._serve(*step)
+                elif steps != "idle":
+                    core.store.backend.flush()  # a buffering backend (disk): reorganizers read it
+                    for step in steps:
+                        self._serve(step)
         except BaseException as error:
             if not core.stopping.is_set():
                 core.part_failed(error)
 
-    def _next(self) -> tuple[MiniBatchLedger, Pass] | Literal["idle", "finish"] | None:
-        """The next (mini-batch, pass) whose reads are produced; ``"finish"`` once everything
-        admitted is served after ``finish()``; ``"idle"`` after one wait of at most ``IDLE_S``
-        (or with figures to push); ``None`` to stop."""
+    def _next(self) -> list[_Serve] | Literal["idle", "finish"] | None:
+        """What to serve now: the next mini-batch's announcement, or the open one's passes to
+        the groups whose reads are produced; ``"finish"`` once everything admitted is served
+        after ``finish()``; ``"idle"`` after one wait of at most ``IDLE_S`` (or with figures to
+        push); ``None`` to stop."""
         core = self.core
         with core.lock:
             if core.stopping.is_set() or core.failure is not None:
                 return None
             if core.ledger.to_observe:
                 return "idle"
-            position, index = self.cursor
-            if position == len(core.ledger.order):
-                if self.finishing and not self.finished:
-                    return "finish"
+            if self.open is None:
+                return self._announce()
+            steps = self._ready_steps(self.open)
+            if self.open is not None and all(
+                i == len(core.passes) for i in self.open.next.values()
+            ):
+                self.open = None
+                self.position += 1
+            if steps:
+                return steps
+            if self.open is not None:
                 core.lock.wait(IDLE_S)
-                return "idle"
-            ledger = core.ledger.minibatches.get(core.ledger.order[position])
-            if ledger is None:  # resumed: re-planned once re-written (NOTE [ Resume rule ])
-                self.blocked = f"{core.ledger.order[position]} waits for re-written trajectories"
-                core.lock.wait(IDLE_S)
-                return "idle"
-            pass_ = core.passes[index]
-            now = time.monotonic()
-            if not self._ready(ledger, pass_):
-                self.blocked = self._lacking(ledger, pass_)
-                if self.waiting_since is None:
-                    self.waiting_since = now
-                elif now - self.waiting_since > self.pass_timeout_s:
-                    raise WriteBackMissingError(
-                        f"{self.blocked} after {self.pass_timeout_s} s (pass_timeout_s): a writer "
-                        "rank stopped sending its outputs"
-                    )
-                core.lock.wait(IDLE_S)
-                return "idle"
-            if self.waiting_since is not None:
-                core.ledger.wait_s += now - self.waiting_since
-                self.waiting_since = None
-            self.blocked = ""
-            core.store.backend.flush()  # a buffering backend (disk): reorganizers read its units
-            core.ledger.counts["passes_served"] += 1
-            ledger.passes[pass_.name].served = True
-            last = index + 1 == len(core.passes)
-            self.cursor = (position + 1, 0) if last else (position, index + 1)
-            return ledger, pass_
+            return "idle"
 
-    def _ready(self, ledger: MiniBatchLedger, pass_: Pass) -> bool:
-        """Whether every field ``pass_`` reads is produced for the whole mini-batch: every
-        group's outputs arrived, then verified in the store for every trajectory (once)."""
+    def _announce(self) -> list[_Serve] | Literal["idle", "finish"]:
+        """Open the next mini-batch: its first pass to every group, with the schedule record."""
         core = self.core
-        for name in pass_.reads:
-            if name in core.rollout or name in ledger.produced:
+        if self.position == len(core.ledger.order):
+            if self.finishing and not self.finished:
+                return "finish"
+            core.lock.wait(IDLE_S)
+            return "idle"
+        ledger = core.ledger.minibatches.get(core.ledger.order[self.position])
+        if ledger is None:  # resumed: re-planned once re-written (NOTE [ Resume rule ])
+            self.blocked = f"{core.ledger.order[self.position]} waits for re-written trajectories"
+            core.lock.wait(IDLE_S)
+            return "idle"
+        self.blocked = ""
+        now = time.monotonic()
+        groups = ledger.groups
+        self.open = _Open(ledger, dict.fromkeys(groups, 0), dict.fromkeys(groups, now))
+        return [self._step(self.open, core.passes[0], frozenset(groups), announce=True)]
+
+    def _ready_steps(self, open_: _Open) -> list[_Serve]:
+        """Every (pass, groups) of the open mini-batch that can be served now, in pass order;
+        fails a group that waited past ``pass_timeout_s``; keeps ``blocked`` current."""
+        core, ledger = self.core, open_.ledger
+        now = time.monotonic()
+        steps, lacking = [], []
+        for index, pass_ in enumerate(core.passes):
+            at = [g for g, i in open_.next.items() if i == index]
+            if not at:
                 continue
-            if ledger.lacking(name, core.writer_of[name]):
+            ready = frozenset(g for g in at if self._ready(ledger, pass_, g))
+            if ready:
+                steps.append(self._step(open_, pass_, ready, announce=False))
+            for group in at:
+                if group in ready:
+                    continue
+                lacking.append((pass_, group))
+                if now - open_.since[group] > self.pass_timeout_s:
+                    raise WriteBackMissingError(
+                        f"{self._lacking(ledger, [(pass_, group)])} after {self.pass_timeout_s} "
+                        "s (pass_timeout_s): a writer rank stopped sending its outputs"
+                    )
+        self.blocked = self._lacking(ledger, lacking)
+        if lacking and self.waiting_since is None:
+            self.waiting_since = now
+        elif not lacking and self.waiting_since is not None:
+            core.ledger.wait_s += now - self.waiting_since
+            self.waiting_since = None
+        return steps
+
+    def _step(self, open_: _Open, pass_: Pass, groups: frozenset[str], *, announce: bool) -> _Serve:
+        """Book ``pass_`` as served to ``groups`` (under the lock) and say what to queue."""
+        core, ledger = self.core, open_.ledger
+        state = ledger.passes[pass_.name]
+        state.submitted |= groups
+        if ledger.served(pass_.name):
+            core.ledger.counts["passes_served"] += 1
+        now = time.monotonic()
+        for group in groups:
+            open_.next[group] += 1
+            open_.since[group] = now
+        encoders = pass_.encodes and pass_.name not in open_.encoded
+        open_.encoded.add(pass_.name)
+        plan = open_.plans.get(pass_.name)
+        if plan is None:
+            plan = open_.plans[pass_.name] = ledger.plan.with_fields(pass_.reads)
+        return _Serve(ledger, pass_, plan, groups, encoders, announce)
+
+    def _ready(self, ledger: MiniBatchLedger, pass_: Pass, group: str) -> bool:
+        """Whether every field ``pass_`` reads is produced for every trajectory ``group`` reads:
+        the write-backs holding pieces of them arrived, then verified in the store (once per
+        group and field; once every group's are, the field is produced for the mini-batch)."""
+        core = self.core
+        verified = ledger.verified.setdefault(group, set())
+        for name in pass_.reads:
+            if name in core.rollout or name in ledger.produced or name in verified:
+                continue
+            if ledger.lacking_for(group, name, core.writer_of[name]):
                 return False
             incomplete = [
                 (t, core.store.missing_ranges(t, name))
-                for t in ledger.trajectories
+                for t in ledger.trajectories_of(group)
                 if not core.store.field_complete(t, name)
             ]
             if incomplete:
                 raise WriteBackMissingError(
-                    f"mini-batch {ledger.minibatch_id!r}: every group wrote back {name!r} but "
-                    f"trajectories miss token ranges: {incomplete[:5]}"
+                    f"mini-batch {ledger.minibatch_id!r}: every group wrote back {name!r} for "
+                    f"{group}'s trajectories but they miss token ranges: {incomplete[:5]}"
                 )
-            ledger.produced.add(name)
+            verified.add(name)
+            if all(name in ledger.verified.get(g, ()) for g in ledger.groups):
+                ledger.produced.add(name)
         return True
 
-    def _lacking(self, ledger: MiniBatchLedger, pass_: Pass) -> str:
-        """What ``pass_`` still waits for, from which groups (for progress and errors)."""
+    def _lacking(self, ledger: MiniBatchLedger, waiting: list[tuple[Pass, str]]) -> str:
+        """What the waiting (pass, group) pairs still wait for, from which groups (for progress
+        and errors), e.g. ``tb0-mb1/train waits for old_lp from ['backbone/dp0/cp0']``."""
         core = self.core
-        lacking = []
-        for name in pass_.reads:
-            if name in core.rollout or name in ledger.produced:
-                continue
-            groups = sorted(ledger.lacking(name, core.writer_of[name]))
-            lacking.append(f"{name} from {groups}")
-        return f"{ledger.minibatch_id}/{pass_.name} waits for {'; '.join(lacking)}"
+        by_pass: dict[str, dict[str, set[str]]] = {}
+        for pass_, group in waiting:
+            fields = by_pass.setdefault(pass_.name, {})
+            for name in pass_.reads:
+                if name in core.rollout or name in ledger.produced:
+                    continue
+                lacking = ledger.lacking_for(group, name, core.writer_of[name])
+                fields.setdefault(name, set()).update(lacking)
+        parts = []
+        for pass_name, fields in by_pass.items():
+            text = "; ".join(f"{name} from {sorted(groups)}" for name, groups in fields.items())
+            parts.append(f"{ledger.minibatch_id}/{pass_name} waits for {text}")
+        return "; ".join(parts)
 
-    def _serve(self, ledger: MiniBatchLedger, pass_: Pass) -> None:
-        """Queue the pass's assignments on the reorganizers, then publish its schedule record
-        (the mini-batch's plan travels with its first pass; ranks restrict it themselves)."""
-        core = self.core
-        plan = ledger.plan.with_fields(pass_.reads)
-        for consumer in plan.stage_consumers(core.pipeline):  # a ring per (DP, CP, stage)
-            core.pool.submit(consumer.name, ledger.minibatch_id, consumer)
-        if pass_.encodes:
-            for encoder in plan.encoders:
+    def _serve(self, step: _Serve) -> None:
+        """Queue the pass's assignments on its groups' reorganizers (one per pipeline stage) and,
+        with its first group, the encoder ranks'; then publish the mini-batch's schedule record
+        on its announcement (the plan travels with it; ranks restrict it themselves)."""
+        core, ledger = self.core, step.ledger
+        tag = pass_id(ledger.minibatch_id, step.pass_.name)
+        for consumer in step.plan.stage_consumers(core.pipeline):  # a ring per (DP, CP, stage)
+            if group_name(consumer.dp_rank, consumer.cp_rank) in step.groups:
+                core.pool.submit(consumer.name, tag, consumer)
+        if step.encoders:
+            for encoder in step.plan.encoders:
                 for rank in encoder.ranks:
-                    core.pool.submit(rank.name, ledger.minibatch_id, rank)
-        arrays = {}
-        if pass_ is core.passes[0]:
-            arrays["plan"] = np.frombuffer(ledger.plan.to_json().encode(), np.uint8)
-        core.schedule.send({"mb": ledger.minibatch_id, "pass": pass_.name}, arrays)
+                    core.pool.submit(rank.name, tag, rank)
+        if step.announce:
+            plan = np.frombuffer(ledger.plan.to_json().encode(), np.uint8)
+            core.schedule.send({"mb": ledger.minibatch_id, "pass": step.pass_.name}, {"plan": plan})
 
     def _push_observed(self) -> None:
         """Hand released mini-batches' figures to the observer, in order, from this thread."""

@@ -89,7 +89,7 @@ class PassWork:
                 f"pass {self.pass_.name!r} of {self.minibatch_id!r}: micro_batches() was already "
                 "called; iterate the one iterator it returned"
             )
-        self._iterator, self._take = self._rank.iterate(self.num_micro_batches)
+        self._iterator, self._take = self._rank.iterate(self)
         return self._iterator
 
     def write_back(self, index: int, values: Mapping[str, torch.Tensor | np.ndarray]) -> None:

@@ -3,14 +3,17 @@
 The face for engine adapters that host a reorganizer themselves (a Ray actor): they run a
 ``ReorganizerHost`` and unlink the rings of hosts that died with ``unlink_ring``; a consumer of
 its own (one that follows a restarted reorganizer) hands out exact counts with ``Take``, waits for
-a ring to appear on ``RingNotReadyError`` and names its producer with ``Producer``; users need only
-``ReorganizerProcess``, ``RingSpec`` and ``MicroBatchConsumer`` from ``knitkit.storage``.
+a ring to appear on ``RingNotReadyError`` and names its producer with ``Producer``; a rank
+watches its driver's schedule with ``ProducerWatch``; users need only ``ReorganizerProcess``,
+``RingSpec`` and ``MicroBatchConsumer`` from ``knitkit.storage``.
 """
 
 from knitkit.storage.delivery.consumer import (
     ConsumerClosedError,
+    LeaseSource,
     MicroBatchConsumer,
     Producer,
+    ProducerWatch,
     ReorganizerDiedError,
     ReorganizerError,
     ReorganizerUnitsLostError,
@@ -28,8 +31,10 @@ from knitkit.storage.delivery.slot_ring import (
 
 __all__ = [
     "ConsumerClosedError",
+    "LeaseSource",
     "MicroBatchConsumer",
     "Producer",
+    "ProducerWatch",
     "ReorganizerDiedError",
     "ReorganizerError",
     "ReorganizerHost",

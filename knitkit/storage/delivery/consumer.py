@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -401,30 +402,144 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
         return message
 
     def _check_alive(self, state: int) -> None:
-        """Raise ``ReorganizerDiedError`` once the producer is gone (its role lock is free: NOTE
-        [ Ring role locks ] in slot_ring.py), never started, or made no progress."""
-        ring, producer = self._ring, self.producer
-        pid = abs(ring.producer_pid)  # a hint for people: it means nothing in another pid namespace
-        where = f"{producer.name} of ring {ring.spec.name!r} (pid {pid or 'unknown'})"
-        now = time.monotonic()
-        if state == STARTING:
-            if ring.exited_before_start or not ring.owner_alive or now > self._startup_deadline:
-                raise ReorganizerDiedError(
-                    f"{where} never started (its process exited at start-up, its ring's owner "
-                    "is gone, or the start-up timeout passed); check its process for an error at "
-                    f"start-up; {producer.remedy}"
-                )
-            return
-        if not ring.producer_alive:
+        check_producer(
+            self._ring,
+            self.producer,
+            state,
+            self._liveness_timeout_s,
+            self._startup_deadline,
+            before=f"before micro-batch {self._next}",
+        )
+
+
+def check_producer(
+    ring: SlotRing,
+    producer: Producer,
+    state: int,
+    liveness_timeout_s: float,
+    startup_deadline: float,
+    *,
+    before: str,
+) -> None:
+    """Raise ``ReorganizerDiedError`` once ``ring``'s producer is gone (its role lock is free:
+    NOTE [ Ring role locks ] in slot_ring.py), never started, or made no progress."""
+    pid = abs(ring.producer_pid)  # a hint for people: it means nothing in another pid namespace
+    where = f"{producer.name} of ring {ring.spec.name!r} (pid {pid or 'unknown'})"
+    now = time.monotonic()
+    if state == STARTING:
+        if ring.exited_before_start or not ring.owner_alive or now > startup_deadline:
             raise ReorganizerDiedError(
-                f"{where} died before micro-batch {self._next}; {producer.remedy}"
+                f"{where} never started (its process exited at start-up, its ring's owner "
+                "is gone, or the start-up timeout passed); check its process for an error at "
+                f"start-up; {producer.remedy}"
             )
-        if now - ring.heartbeat > self._liveness_timeout_s:
-            raise ReorganizerDiedError(
-                f"{where} made no progress (heartbeat) for {now - ring.heartbeat:.1f} s "
-                f"(liveness_timeout_s={self._liveness_timeout_s}): a read is stuck or the process "
-                "is stopped"
+        return
+    if not ring.producer_alive:
+        raise ReorganizerDiedError(f"{where} died {before}; {producer.remedy}")
+    if now - ring.heartbeat > liveness_timeout_s:
+        raise ReorganizerDiedError(
+            f"{where} made no progress (heartbeat) for {now - ring.heartbeat:.1f} s "
+            f"(liveness_timeout_s={liveness_timeout_s}): a read is stuck or the process "
+            "is stopped"
+        )
+
+
+class ProducerWatch:
+    """Watches a ring's producer without taking anything from the ring: for a process that
+    waits on other rings but must stop once this ring's producer failed or died (a rank
+    watching its driver's schedule while it waits on its data ring: NOTE [ Next pass per
+    group ] in knitkit/job/serving.py). Its own read-only mapping, no role: it never moves a
+    release count, and closing it leaves every consumer of the ring attached. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        spec: RingSpec,
+        *,
+        producer: Producer,
+        liveness_timeout_s: float = 30.0,
+        startup_timeout_s: float = math.inf,
+    ) -> None:
+        self.producer = producer
+        self._ring = SlotRing.attach(spec, read_only_slots=True)
+        self._liveness_timeout_s = liveness_timeout_s
+        self._startup_deadline = time.monotonic() + startup_timeout_s
+        self._readers = 0
+        """Calls reading the mapping now; ``close`` unmaps once none is left."""
+        self._idle = threading.Condition()
+        self._closed = False
+
+    def wait(self, timeout_s: float, cancel: threading.Event) -> bool:
+        """Block until the producer finished (``True``), or ``timeout_s`` passed or ``cancel``
+        is set (``False``, also once closed); raise ``ReorganizerError`` (it failed, with its
+        message) or ``ReorganizerDiedError`` (gone, or silent past ``liveness_timeout_s``)."""
+        if not self._enter():
+            return False
+        try:
+            ring = self._ring
+            slices = WaitSlices(timeout_s, min(CHECK_EVERY_S, self._liveness_timeout_s / 4))
+            while not (self._closed or cancel.is_set()):
+                seen = ring.notified  # before the checks: an event after them changes it
+                if self._check(slices.check_due()):
+                    return True
+                if slices.expired:
+                    return False
+                ring.wait_notified(seen, slices.slice_s())  # NOTE [ Futex waits ]
+            return False
+        finally:
+            self._leave()
+
+    def check(self) -> None:
+        """``wait``'s errors now, without waiting (nothing once closed)."""
+        if self._enter():
+            try:
+                self._check(alive=True)
+            finally:
+                self._leave()
+
+    def close(self) -> None:
+        """Make a ``wait`` in another thread return (it looks at once), then unmap once no call
+        reads the mapping (within ``CLOSE_WAIT_S``; else it stays mapped); idempotent."""
+        with self._idle:
+            if self._closed:
+                return
+            self._closed = True
+        self._ring.wake_consumers()
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._readers == 0, CLOSE_WAIT_S):
+                return
+        self._ring.close()
+
+    def _check(self, alive: bool) -> bool:
+        """True once the producer finished; its failure, and with ``alive`` its death, raised."""
+        ring = self._ring
+        state = ring.state
+        if state == FAILED:
+            raise _failure(self.producer.name, ring.spec.name, ring.error())
+        if state == DONE:
+            return True
+        if alive:  # NOTE [ Liveness checks off the poll path ]
+            check_producer(
+                ring,
+                self.producer,
+                state,
+                self._liveness_timeout_s,
+                self._startup_deadline,
+                before="finishing",
             )
+        return False
+
+    def _enter(self) -> bool:
+        with self._idle:
+            if self._closed:
+                return False
+            self._readers += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._idle:
+            self._readers -= 1
+            self._idle.notify_all()
 
 
 class LeaseSource(Protocol):

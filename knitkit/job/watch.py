@@ -1,0 +1,116 @@
+"""A rank's watch on its driver: the driver's failure or death ends the rank's waits on its data rings."""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+
+from knitkit.job.errors import DriverDiedError, DriverFailedError, JobError
+from knitkit.job.pool import untagged
+from knitkit.storage import ReorganizerDiedError, ReorganizerError, RingSpec
+from knitkit.storage.delivery import LeaseSource, Producer, ProducerWatch, Take
+from knitkit.types import PackedMicroBatch
+
+DRIVER = Producer("driver", "restart the job")
+"""How a rank's errors name the producer of its schedule."""
+
+JOIN_S = 5.0
+"""How long ``close`` waits for the watch thread (it leaves within one liveness period)."""
+
+
+def driver_error(rank: int, error: ReorganizerError | ReorganizerDiedError) -> JobError:
+    """The rank's named error for its schedule's producer (the driver) failing or dying."""
+    if isinstance(error, ReorganizerDiedError):
+        return DriverDiedError(f"rank {rank}: the driver is gone ({error})")
+    return DriverFailedError(f"rank {rank}: {error}")
+
+
+class DriverWatch:
+    """Watches the driver's schedule ring from a daemon thread (``knitkit-driver-watch-<rank>``)
+    while the rank waits on its data and encoder rings (NOTE [ Next pass per group ] in
+    serving.py): once the driver failed (at once) or died (within a liveness period), every
+    ``PassTake`` of the rank raises ``DriverFailedError`` / ``DriverDiedError``, one waiting in
+    another thread included."""
+
+    def __init__(self, spec: RingSpec, rank: int, *, liveness_timeout_s: float) -> None:
+        self.rank = rank
+        self._watch = ProducerWatch(spec, producer=DRIVER, liveness_timeout_s=liveness_timeout_s)
+        self._error: JobError | None = None
+        self._takes: weakref.WeakSet[PassTake] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"knitkit-driver-watch-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    def take(self, source: LeaseSource, count: int, expect: str) -> PassTake:
+        """Exactly ``count`` leases of the submitted assignment ``expect`` (``pass_id``)."""
+        take = PassTake(source, count, expect=expect, watch=self)
+        with self._lock:  # after the error is set: a later take sees it (``raise_failure``)
+            self._takes.add(take)
+        return take
+
+    def raise_failure(self) -> None:
+        """Raise the driver's failure or death once the watch saw it (a fresh error per call)."""
+        error = self._error
+        if error is not None:
+            raise type(error)(str(error))
+
+    def check_now(self) -> None:
+        """Raise the driver's failure or death now, without waiting (a data ring whose
+        reorganizer died: the driver's death takes its reorganizers with it)."""
+        self.raise_failure()
+        try:
+            self._watch.check()
+        except (ReorganizerError, ReorganizerDiedError) as error:
+            raise driver_error(self.rank, error) from None
+
+    def close(self) -> None:
+        """Stop the thread and unmap; idempotent."""
+        self._stop.set()
+        self._watch.close()
+        self._thread.join(JOIN_S)
+
+    def _run(self) -> None:
+        try:
+            self._watch.wait(math.inf, self._stop)  # returns once finished or stopped
+        except (ReorganizerError, ReorganizerDiedError) as error:
+            self._error = driver_error(self.rank, error)
+            with self._lock:
+                takes = list(self._takes)
+            for take in takes:
+                take.interrupt()
+
+
+class PassTake(Take):
+    """Exactly ``count`` leases of one submitted assignment from a rank's ring: each checked to
+    carry its ``pass_id``; the driver's failure or death raised as the rank's named error."""
+
+    def __init__(self, source: LeaseSource, count: int, *, expect: str, watch: DriverWatch) -> None:
+        super().__init__(source, count)
+        self.expect = expect
+        self._source, self._watch = source, watch
+
+    def __next__(self) -> PackedMicroBatch:
+        if self.taken < self.count:
+            self._watch.raise_failure()
+        try:
+            lease = super().__next__()
+        except (StopIteration, InterruptedError):
+            if self.taken < self.count:  # interrupted by the watch, or by its owner
+                self._watch.raise_failure()
+            raise
+        except ReorganizerDiedError:
+            self._watch.check_now()
+            raise
+        got = untagged(str(lease.layout.extra.get("minibatch_id", "")))
+        if got != self.expect:
+            lease.release()
+            raise RuntimeError(
+                f"rank {self._watch.rank}: {self._source.name} handed out a micro-batch of "
+                f"{got!r} where this rank runs {self.expect!r}: the driver and this rank "
+                "disagree on the schedule; restart the job"
+            )
+        return lease
