@@ -17,9 +17,11 @@ from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from knitkit.job import ControlLayout, NodeFailedError
-from knitkit.job.control import ScheduleRings, writer_rank
+from knitkit.job.control import ScheduleRings, writer_rank, writer_ranks
 from knitkit.job.records import Record, RecordReader, RecordWriter
-from knitkit.storage import ReorganizerDiedError, ReorganizerError, RingSpec
+from knitkit.job.spec import group_name
+from knitkit.job.write_back import WriteBackPlacer, placed_header
+from knitkit.storage import MiniBatchPlan, ReorganizerDiedError, ReorganizerError, RingSpec
 from knitkit.storage.delivery import ConsumerClosedError, RingNotReadyError
 from knitkit.types import UnitKey
 
@@ -39,13 +41,18 @@ from .backend import RayBackend
 #   full ring (its node's slowest rank) holds the driver back exactly as a local ring would,
 #   and a relay that died is seen at the next send. ``fail``/``stop`` run in a ``control``
 #   group beside a blocked ``publish``.
-# - Write-backs: every relay looks for every group's write-back ring in its node's /dev/shm
-#   (the group's writer rank creates it on one node) and reads it with a thread per group into
-#   one bounded queue; a driver thread per relay long-polls ``pull`` (``PULL_S``) and hands
-#   each record to its group's collector through a bounded queue. A full queue stops the puller,
-#   then the relay's reader, then the writer rank on its ring: memory stays bounded end to end.
-#   A writer rank that fails, dies or leaves reaches the collector as the same error the local
-#   ring raises.
+# - Write-backs: a relay reads the write-back rings of the groups whose writer rank (TP 0 of
+#   the last stage: ``RayControl(writers=...)``, else Megatron's rank order) the placement puts
+#   on its node, and only those, so raylets sharing one /dev/shm work too; a thread per group
+#   hands the group's events, in order, to its assembling relay (NOTE [ Write-backs stay on
+#   the writer's node ] in knitkit/job/write_back.py: itself, or one ``take`` call at a time to
+#   another node's), which places a ``values`` record's outputs on its node (``RayBackend``
+#   store) and queues the record, its arrays replaced by what was placed, in one bounded queue;
+#   a driver thread per relay long-polls ``pull`` (``PULL_S``) and hands each record to its
+#   group's collector through a bounded queue. A full queue stops the puller, then the
+#   relay's reader (or its ``take`` call), then the writer rank on its ring: memory stays
+#   bounded end to end. A writer rank that fails, dies or leaves, or outputs its relay cannot
+#   place, reach the collector as the same error the local ring raises.
 # - Death: a relay's pending ``pull`` (always one in flight) raises when its actor dies (its
 #   node, its raylet or the actor lost); the scheduler's health check (``check``) then fails the
 #   job with ``NodeFailedError`` naming the node and its ranks, and the failure reaches every
@@ -92,26 +99,47 @@ POLL_S = 0.05
 _PULL_BATCH = 64
 """At most this many events per ``pull``."""
 
+PLAN_WAIT_S = 300.0
+"""How long an assembling relay waits for the plan of a mini-batch whose outputs a group of
+another node handed it (its own copy of the schedule record may be behind a full ring)."""
+
 _Event = tuple[Any, ...]
 """("attached", group) | ("record", group, header json, arrays) | ("end", group) |
 ("died", group, message) | ("failed", group, message)"""
 
 
-@ray.remote(num_cpus=0, concurrency_groups={"control": 1, "write_back": 1})  # type: ignore[call-overload]
+@dataclass(frozen=True, slots=True)
+class _WriteBackRoles:
+    """What one relay does with write-backs (see NOTE [ Write-backs stay on the writer's node ]
+    in knitkit/job/write_back.py)."""
+
+    follow: Mapping[str, RingSpec]
+    """The groups whose writer rank the placement puts on its node: it reads their rings."""
+    assembles: frozenset[str]
+    """The groups whose events it hands the driver (placing their outputs)."""
+    units: str | None
+    """The job's ``RayBackend`` name; ``None``: outputs go to the driver as they came."""
+    last_pass: str
+    """After a group's end of this pass a mini-batch's plan is no longer needed for it."""
+
+
+@ray.remote(num_cpus=0, concurrency_groups={"control": 1, "write_back": 1, "assemble": 1})  # type: ignore[call-overload]
 class ControlRelay:
     """A node's end of the driver's control channels: republishes the schedule into the node's
     ring and reads the write-back rings of the writer ranks on the node (see NOTE [ Ray control
-    relays ])."""
+    relays ]); with a ``RayBackend`` store it places their outputs on the node (see
+    NOTE [ Write-backs stay on the writer's node ] in knitkit/job/write_back.py)."""
 
     def __init__(
         self,
         node: str,
+        address: str,
         schedule: RingSpec,
-        write_back: Mapping[str, RingSpec],
+        write_back: _WriteBackRoles,
         liveness_timeout_s: float,
         queue_events: int,
     ) -> None:
-        self.node = node
+        self.node, self.address = node, address
         self._writer = RecordWriter(
             schedule, owns_ring=True, role=f"the driver (through its relay on node {node})"
         )
@@ -122,14 +150,36 @@ class ControlRelay:
         self._readers: dict[str, RecordReader] = {}
         self._lock = threading.Lock()
         self._liveness_timeout_s = liveness_timeout_s
+        self._roles = write_back
+        self._placer = (
+            WriteBackPlacer(RayBackend(write_back.units, create=False))
+            if write_back.units and write_back.assembles
+            else None
+        )
+        self._plans: dict[str, MiniBatchPlan] = {}
+        """Plans of the mini-batches in flight (kept only where this relay places units)."""
+        self._ended: dict[str, set[str]] = {}
+        """Per mini-batch: the groups placed here whose last pass ended."""
+        self._planned = threading.Condition()
+        self._assembling = threading.Lock()
+        self._homes: Mapping[str, ActorHandle] = {}
+        self._threads: list[threading.Thread] = []
+
+    @ray.method(concurrency_group="control")
+    def start(self, homes: Mapping[str, ActorHandle]) -> str:
+        """Follow the write-back rings of the groups whose writer rank is on this node; a
+        group in ``homes`` hands its events to that relay (its DP rank's assembling relay).
+        Returns the Ray node id it runs on (once its ring exists)."""
+        self._homes = dict(homes)
         self._threads = [
             threading.Thread(
                 target=self._follow, args=(group, spec), name=f"knitkit-relay-{group}", daemon=True
             )
-            for group, spec in write_back.items()
+            for group, spec in self._roles.follow.items()
         ]
         for thread in self._threads:
             thread.start()
+        return cast(str, ray.get_runtime_context().get_node_id())
 
     def publish(self, sequence: int, header: str, arrays: Mapping[str, np.ndarray]) -> None:
         """Schedule record ``sequence`` into this node's ring (blocks while it is full)."""
@@ -139,6 +189,11 @@ class ControlRelay:
                     f"relay on node {self.node}: schedule record {sequence} arrived, expected "
                     f"{self._sequence}; Ray reordered the driver's calls"
                 )
+            if self._placer is not None and "plan" in arrays:  # a mini-batch's first pass
+                plan = MiniBatchPlan.from_json(np.asarray(arrays["plan"]).tobytes().decode())
+                with self._planned:
+                    self._plans[plan.minibatch_id] = plan
+                    self._planned.notify_all()
             self._writer.send(_header(header), arrays)
             self._sequence += 1
 
@@ -146,6 +201,13 @@ class ControlRelay:
         """After the last record: this node's ranks end their ``passes()``."""
         with self._publishing:
             self._writer.finish()
+
+    @ray.method(concurrency_group="assemble")
+    def take(self, event: _Event) -> bool:
+        """An event of a group this relay assembles, from the relay that reads its ring on
+        another node (one call at a time per group, in order; blocks while the queue is full).
+        Returns whether to go on following the group."""
+        return self._take(event)
 
     @ray.method(concurrency_group="write_back")
     def pull(self, timeout_s: float) -> list[_Event]:
@@ -186,6 +248,8 @@ class ControlRelay:
         if self._stopping.is_set():
             return
         self._stopping.set()
+        with self._planned:
+            self._planned.notify_all()
         self._writer.stop()
         with self._lock:
             for reader in self._readers.values():
@@ -196,7 +260,7 @@ class ControlRelay:
             self._writer.close()
 
     def _follow(self, group: str, spec: RingSpec) -> None:
-        """Find ``group``'s write-back ring on this node, then forward its records in order."""
+        """Find ``group``'s write-back ring on this node, then hand its records on in order."""
         reader = None
         while reader is None and not self._stopping.is_set():
             try:
@@ -208,7 +272,8 @@ class ControlRelay:
                 )
             except RingNotReadyError:
                 self._stopping.wait(POLL_S)
-            except ValueError:  # a shared /dev/shm: another node's relay reads it
+            except ValueError as error:  # e.g. another reader holds it: two jobs, one name
+                self._route(("failed", group, f"relay on node {self.node}: {error}"))
                 return
         with self._lock:
             if reader is None or self._stopping.is_set():
@@ -216,22 +281,112 @@ class ControlRelay:
                     reader.close()
                 return
             self._readers[group] = reader
-        self._put(("attached", group))
+        if not self._route(("attached", group)):
+            return
         while True:
             try:
                 record = reader.next(math.inf)
             except ConsumerClosedError:
                 return
             except ReorganizerDiedError as error:
-                self._put(("died", group, str(error)))
+                self._route(("died", group, str(error)))
                 return
             except ReorganizerError as error:
-                self._put(("failed", group, str(error)))
+                self._route(("failed", group, str(error)))
                 return
             if record is None:
-                self._put(("end", group))
+                self._route(("end", group))
                 return
-            self._put(("record", group, json.dumps(record.header), record.arrays))
+            if not self._route(("record", group, json.dumps(record.header), record.arrays)):
+                return
+
+    def _route(self, event: _Event) -> bool:
+        """Hand ``event`` to its group's assembling relay: this one, or a call to the relay of
+        another node, waited for (so the group's events stay in order and bounded). Returns
+        whether to go on following the group."""
+        home = self._homes.get(event[1])
+        if home is None:
+            return self._take(event)
+        call: ray.ObjectRef = home.take.remote(event)
+        while not self._stopping.is_set():
+            done, _ = ray.wait([call], timeout=POLL_S * 4)
+            if not done:
+                continue
+            try:
+                return bool(ray.get(call))
+            except ray.exceptions.RayError as error:
+                self._put(
+                    (
+                        "failed",
+                        event[1],
+                        f"the relay on node {self.node} could not hand {event[1]}'s write-back "
+                        f"to its assembling relay: {type(error).__name__}: {str(error)[:500]}",
+                    )
+                )
+                return False
+        return False
+
+    def _take(self, event: _Event) -> bool:
+        """Queue one event of a group assembled here for the driver; a ``values`` record's
+        arrays are placed on this node first (see NOTE [ Write-backs stay on the writer's node
+        ] in knitkit/job/write_back.py). Returns whether to go on following the group."""
+        if event[0] == "record" and self._placer is not None:
+            try:
+                event = self._placed(event[1], event[2], event[3])
+            except Exception as error:  # reaches the driver as the group's failure
+                self._put(
+                    (
+                        "failed",
+                        event[1],
+                        f"the relay on node {self.node} could not place {event[1]}'s write-back "
+                        f"({type(error).__name__}: {error})",
+                    )
+                )
+                return False
+        self._put(event)
+        return event[0] in ("record", "attached")
+
+    def _placed(self, group: str, text: str, arrays: Mapping[str, np.ndarray]) -> _Event:
+        """``group``'s record as the driver gets it: a ``values`` record's units put here and
+        its arrays replaced by what was placed; a plan dropped after its last pass ended."""
+        assert self._placer is not None
+        header = _header(text)
+        minibatch_id = str(header.get("mb"))
+        if header.get("kind") == "values":
+            plan = self._plan(minibatch_id, group)
+            consumer = next((c for c in plan.consumers if c.name == group), None)
+            if consumer is None:
+                raise ValueError(f"mini-batch {minibatch_id!r} has no consumer {group}")
+            micro_batch = consumer.micro_batches[int(header["index"])]
+            with self._assembling:
+                placed = self._placer.take(micro_batch, arrays)
+            out = placed_header(header, arrays, placed, self.address)
+            return ("record", group, json.dumps(out, separators=(",", ":")), {})
+        if header.get("kind") == "done" and header.get("pass") == self._roles.last_pass:
+            with self._planned:
+                ended = self._ended.setdefault(minibatch_id, set())
+                ended.add(group)
+                if ended >= self._roles.assembles:
+                    self._plans.pop(minibatch_id, None)
+                    del self._ended[minibatch_id]
+        return ("record", group, text, arrays)
+
+    def _plan(self, minibatch_id: str, group: str) -> MiniBatchPlan:
+        """The mini-batch's plan: its first pass's schedule record carries it, which reaches
+        this relay before its writer ranks' outputs, or soon after for a group of another
+        node (``PLAN_WAIT_S`` at most)."""
+        with self._planned:
+            if not self._planned.wait_for(
+                lambda: minibatch_id in self._plans or self._stopping.is_set(), PLAN_WAIT_S
+            ):
+                raise TimeoutError(
+                    f"{group} wrote back outputs of mini-batch {minibatch_id!r}, whose plan "
+                    f"(its first pass's schedule record) did not reach this relay within "
+                    f"{PLAN_WAIT_S} s"
+                )
+            if minibatch_id not in self._plans:
+                raise ConsumerClosedError("the relay is closing")
+            return self._plans[minibatch_id]
 
     def _put(self, event: _Event) -> None:
         while not self._stopping.is_set():
@@ -253,8 +408,9 @@ def _header(text: str) -> dict[str, Any]:
 class RelayedWriteBack:
     """A group's write-back records as its node's relay forwards them (``WriteBackSource``)."""
 
-    def __init__(self, group: str, spec: RingSpec) -> None:
-        self.group, self.spec = group, spec
+    def __init__(self, group: str, spec: RingSpec, where: str) -> None:
+        """``where``: the node and writer rank whose relay reads the ring (for errors)."""
+        self.group, self.spec, self.where = group, spec, where
         self._events: deque[_Event] = deque()
         self._capacity = spec.num_slots
         self._cond = threading.Condition()
@@ -266,8 +422,9 @@ class RelayedWriteBack:
                 raise ConsumerClosedError(f"the write-back source of {self.group} is closed")
             if not self._attached:
                 raise RingNotReadyError(
-                    f"no relay found {self.group}'s write-back ring {self.spec.name!r} on its "
-                    "node yet"
+                    f"the relay on node {self.where} has not found {self.group}'s write-back "
+                    f"ring {self.spec.name!r} there yet (RayControl placement and writers say "
+                    "where its writer rank runs)"
                 )
 
     def next(self, timeout_s: float) -> Record | None:
@@ -409,9 +566,21 @@ class RayChannels:
         gone = sorted(set(placement) - set(alive))
         if gone:
             raise ValueError(f"RayControl placement names Ray nodes that are not alive: {gone}")
+        writers = _writers(control, layout)
+        units = layout.units.name if isinstance(layout.units, RayBackend) else None
+        writer_node = {group: placement[rank] for group, rank in writers.items()}
+        # NOTE [ Write-backs stay on the writer's node ] (knitkit/job/write_back.py): a DP
+        # rank's groups are assembled by the relay of its CP 0 writer's node
+        assembler = {
+            group: writer_node[group_name(d, 0) if units else group]
+            for group, (d, _) in _groups(layout).items()
+        }
         self.relays: list[_Relay] = []
         schedules: dict[str, RingSpec] = {}
-        self.write_back = {g: RelayedWriteBack(g, s) for g, s in layout.write_back.items()}
+        self.write_back = {
+            g: RelayedWriteBack(g, s, f"{alive[writer_node[g]]} (writer rank {writers[g]})")
+            for g, s in layout.write_back.items()
+        }
         self._failure: NodeFailedError | None = None
         self._lost: set[str] = set()
         """Nodes whose relay failed (``close`` does not wait for them)."""
@@ -428,19 +597,35 @@ class RayChannels:
                     num_consumers=len(ranks),
                 )
                 label = f"{alive[node]} ({node[:8]})"
+                roles = _WriteBackRoles(
+                    follow={g: s for g, s in layout.write_back.items() if writer_node[g] == node},
+                    assembles=frozenset(g for g in layout.write_back if assembler[g] == node),
+                    units=units,
+                    last_pass=layout.passes[-1] if layout.passes else "",
+                )
                 actor = ControlRelay.options(  # type: ignore[attr-defined]
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                     name=f"knitkit-relay/{ring.name}",
                 ).remote(
                     label,
+                    alive[node],
                     ring,
-                    dict(layout.write_back),
+                    roles,
                     layout.liveness_timeout_s,
-                    max(len(layout.write_back), 1) * 4,
+                    max(len(roles.assembles), 1) * 4,
                 )
                 self.relays.append(_Relay(node, label, ranks, actor))
                 schedules[node] = ring
-            self._await_ready(control.start_timeout_s)
+            by_node = {relay.node: relay.actor for relay in self.relays}
+            homes = {  # per relay: where the groups it reads are assembled, if elsewhere
+                relay.node: {
+                    g: by_node[assembler[g]]
+                    for g in layout.write_back
+                    if writer_node[g] == relay.node != assembler[g]
+                }
+                for relay in self.relays
+            }
+            self._await_ready(control.start_timeout_s, homes)
         except BaseException:
             self._kill()
             raise
@@ -531,8 +716,13 @@ class RayChannels:
         for relay in self.relays:
             ray.kill(relay.actor)
 
-    def _await_ready(self, timeout_s: float) -> None:
-        calls: dict[ray.ObjectRef, _Relay] = {r.actor.ready.remote(): r for r in self.relays}
+    def _await_ready(
+        self, timeout_s: float, homes: Mapping[str, Mapping[str, ActorHandle]]
+    ) -> None:
+        """Start every relay (``homes[node]``: where its groups are assembled, if elsewhere)."""
+        calls: dict[ray.ObjectRef, _Relay] = {
+            r.actor.start.remote(homes[r.node]): r for r in self.relays
+        }
         done, late = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
         for ref in done:
             try:
@@ -562,6 +752,32 @@ class RayChannels:
                 self.write_back[event[1]].put(event, self._stopping)
 
 
+def _groups(layout: ControlLayout) -> dict[str, tuple[int, int]]:
+    """Each write-back group's (DP, CP) coordinates."""
+    if layout.topology is None:
+        raise ValueError("RayControl needs the job's topology in its ControlLayout")
+    t = layout.topology
+    return {group_name(d, c): (d, c) for d in range(t.dp) for c in range(t.cp)}
+
+
+def _writers(control: RayControl, layout: ControlLayout) -> dict[str, int]:
+    """Each group's writer rank: ``RayControl(writers=...)``, else Megatron's rank order."""
+    groups = _groups(layout)
+    assert layout.topology is not None
+    writers = dict(control.writers or writer_ranks(layout.topology, layout.pipeline))
+    wrong = sorted(set(writers) ^ set(groups))
+    if wrong:
+        raise ValueError(
+            f"RayControl writers names groups {sorted(writers)}; the job's are {sorted(groups)}"
+        )
+    outside = {g: r for g, r in writers.items() if not 0 <= r < layout.world_size}
+    if outside:
+        raise ValueError(
+            f"RayControl writers {outside} are outside the job's {layout.world_size} ranks"
+        )
+    return writers
+
+
 class RayControl:
     """A ``knitkit.job.ControlPlane`` for ranks on any node of a Ray cluster:
     ``Driver.Config(...).build(control=RayControl(placement))``.
@@ -579,11 +795,16 @@ class RayControl:
         in_flight: int = 4,
         start_timeout_s: float = 120.0,
         call_timeout_s: float = 60.0,
+        writers: Mapping[str, int] | None = None,
     ) -> None:
         """``in_flight``: schedule calls outstanding per relay; ``start_timeout_s``: bound of
-        the relays' start; ``call_timeout_s``: a relay silent this long past a pull is dead."""
+        the relays' start; ``call_timeout_s``: a relay silent this long past a pull is dead;
+        ``writers``: each (DP, CP) group's writer rank (TP 0 of the last stage) by group name,
+        where ranks are not numbered in Megatron's default order (TP fastest, then CP, DP,
+        stage: ``knitkit.job.control.writer_ranks``)."""
         if in_flight < 1:
             raise ValueError(f"RayControl in_flight={in_flight} must be >= 1")
+        self.writers = dict(writers) if writers is not None else None
         self.placement = tuple(placement)
         self.in_flight = in_flight
         self.start_timeout_s = start_timeout_s

@@ -10,7 +10,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from knitkit.job.records import Record, RecordReader, RecordWriter
-from knitkit.storage import RingSpec, UnitBackend
+from knitkit.job.spec import group_name
+from knitkit.storage import RingSpec, Topology, UnitBackend
 from knitkit.storage.delivery import ConsumerClosedError, Producer
 
 # NOTE [ Control across nodes ]: the job's control records (NOTE [ Records over slot rings ] in
@@ -21,7 +22,8 @@ from knitkit.storage.delivery import ConsumerClosedError, Producer
 # that hosts ranks creates that node's schedule ring (read by that node's ranks only, in rank
 # order: ``RankSpec.schedule_of``), the driver sends every schedule record to every relay in
 # order, and each relay republishes it into its ring; the relay reads the write-back rings its
-# node's writer ranks create and the driver pulls those records from it. The rank side is the
+# node's writer ranks create, places their outputs on its node (NOTE [ Write-backs stay on the
+# writer's node ] in write_back.py) and the driver pulls those records from it. The rank side is the
 # same code on every node: ``RankHandle`` reads rings on its own node and never imports an
 # engine. The guarantees of the local rings hold end to end: same serving order on every rank
 # (one sender, per-caller call order kept by each relay and checked by a sequence number),
@@ -149,6 +151,12 @@ class ControlLayout:
     liveness_timeout_s: float
     units: UnitBackend | None = None
     """The store's backend: a lost node's units are named (and marked lost) in it."""
+    topology: Topology | None = None
+    """The job's backbone topology (where each group's writer rank is: ``writer_ranks``)."""
+    pipeline: int = 1
+    """Pipeline stages."""
+    passes: tuple[str, ...] = ()
+    """The passes' names, in order."""
 
 
 class ControlPlane(Protocol):
@@ -192,6 +200,17 @@ class LocalWriteBack:
             self._closed = True
             if self._reader is not None:
                 self._reader.close()
+
+
+def writer_ranks(topology: Topology, pipeline: int) -> dict[str, int]:
+    """Each (DP, CP) group's writer rank (TP 0 of the last pipeline stage) where ranks are
+    numbered in Megatron's default order: TP fastest, then CP, then DP, then stage."""
+    first = (pipeline - 1) * topology.dp * topology.cp
+    return {
+        group_name(d, c): (first + d * topology.cp + c) * topology.tp
+        for d in range(topology.dp)
+        for c in range(topology.cp)
+    }
 
 
 def writer_rank(group: str) -> Producer:

@@ -204,6 +204,9 @@ class Driver:
                     write_back=self._write_back,
                     liveness_timeout_s=config.liveness_timeout_s,
                     units=self.store.backend,
+                    topology=t,
+                    pipeline=config.pipeline,
+                    passes=tuple(p.name for p in passes),
                 )
             )
             undo.callback(channels.close)

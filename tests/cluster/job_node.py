@@ -6,7 +6,7 @@
 - ``ray-driver ADDRESS...``: the DP2 x TP2 job of ``JOB`` on the Ray cluster, rank ``r`` on the
   node at ``ADDRESS[r]``: ``RayBackend`` store, ``RayDispatcher`` reorganizers and ``RayControl``
   relays on the ranks' nodes. Prints the spec, writes every trajectory, drains, prints
-  ``{"figures": ...}`` (or ``{"failed": error type, "message": ...}``), then holds the driver
+  ``{"figures": ..., "placed_on": {node address: written-back bytes placed there}}`` (or ``{"failed": error type, "message": ...}``), then holds the driver
   until its stdin closes (the ranks are done).
 - ``ray-lose ADDRESS...``: ``ray-driver``'s job with a rollout writer actor on every ranks'
   node placing every other trajectory there; prints the spec and ``{"order", "placed_on"}``,
@@ -70,6 +70,13 @@ def job_coords() -> list[RankCoords]:
 def figures(driver: Driver) -> dict[str, float]:
     metrics = driver.metrics()
     return {name: metrics[f"knitkit/job/{name}"] for name in FIGURES}
+
+
+def placed_on(driver: Driver) -> dict[str, float]:
+    """Bytes of written-back units the driver adopted, by the node (address) that placed them."""
+    prefix = "knitkit/storage/written_back_bytes_adopted_on/"
+    metrics = driver.metrics()
+    return {k.removeprefix(prefix): v for k, v in metrics.items() if k.startswith(prefix)}
 
 
 def seen_json(seen: Seen) -> dict[str, object]:
@@ -152,7 +159,7 @@ def ray_driver(addresses: list[str]) -> None:
                 job.write(trajectory)
             job.finish()
             job.drain(300)
-            print(json.dumps({"figures": figures(job)}), flush=True)
+            print(json.dumps({"figures": figures(job), "placed_on": placed_on(job)}), flush=True)
         except JobError as error:
             print(json.dumps({"failed": type(error).__name__, "message": str(error)}), flush=True)
         sys.stdin.read()

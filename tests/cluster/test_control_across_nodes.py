@@ -22,7 +22,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "job"))
 
-from job_harness import Seen, assert_trained_once, join, run_ranks, token_ids  # noqa: E402
+from job_harness import (  # noqa: E402
+    PASSES,
+    Seen,
+    assert_trained_once,
+    join,
+    run_ranks,
+    token_ids,
+)
 from job_node import JOB, controller, figures, job_config, job_coords, job_data, seen_json  # noqa: E402
 from rss_node import MARGIN, STEPS  # noqa: E402
 
@@ -121,7 +128,9 @@ def test_ranks_on_nodes_with_their_own_dev_shm_run_the_job_as_on_one_node(
     assert driver.wait(120) == 0
     assert [m for s in got for m in s["mismatches"]] == []
     assert got == reference
-    assert result == {"figures": reference_figures}
+    assert result["figures"] == reference_figures
+    writers = {cluster.node(n).address for n in (1, 2)}  # the writer ranks' nodes
+    assert set(result["placed_on"]) == writers and min(result["placed_on"].values()) > 0, result
     whole = Counter(tok for t in job_data() for tok in token_ids(t))
     for name in ("old", "train"):
         trained = Counter(
@@ -136,23 +145,34 @@ def test_ranks_on_nodes_with_their_own_dev_shm_run_the_job_as_on_one_node(
 
 
 def test_driver_rss_stays_flat_while_the_payload_per_step_grows_10x(
-    cluster: SimulatedCluster,
+    cluster: SimulatedCluster, tmp_path: Path
 ) -> None:
     """A writer on node 1 places every trajectory's units on its node and sends the driver (node
-    0) JSON records; reorganizers on node 2 read the units across the link (roles:
-    ``rss_node.py``). Three steps at 1x payload, then three at 10x (~41 MiB a step): the
-    driver's RSS grows by less than ``MARGIN`` (12 MiB) over the 10x steps, and its metrics show
-    the reorganizers' reads came from node 1 over the link node 1 -> node 2, none from the
-    driver's node. On bf68f6a there is no ``PlacedTrajectory`` (the driver holds every unit)."""
+    0) JSON records; real ranks (``RankHandle`` through ``RayControl``, each CP group's
+    reorganizer beside its rank) of one DP rank's two CP groups run on node 2 (CP 0) and node 1
+    (CP 1): a forward-only pass writes back a per-token output and a train pass reads it back
+    bit for bit (roles: ``rss_node.py``). Two steps at 1x payload, then two at 10x (~41 MiB a
+    step): the driver's RSS grows by less than ``MARGIN`` (12 MiB) over the 10x steps. Its
+    metrics show every written-back unit was assembled from both CP groups' pieces and placed
+    on node 2 by the CP 0 writer's relay (none on the driver's node; node 1's relay handed its
+    pieces over), and every read crossed only the links between nodes 1 and 2, none from the
+    driver's node. On bf68f6a there is no ``PlacedTrajectory`` (the driver holds every unit); on
+    2cc1a5d the write-backs travel to the driver, which puts them from node 0."""
     me = [sys.executable, str(HERE / "rss_node.py")]
+    one, two = cluster.node(1).address, cluster.node(2).address
     driver = cluster.node(0).popen(
-        [*me, "driver", cluster.node(2).address],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+        [*me, "driver", two, one], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     assert driver.stdin is not None
     name = _line(driver)["backend"]
+    spec_file = tmp_path / "rss.json"  # /tmp is every node's
+    spec_file.write_text(_line_text(driver))
+    ranks = [
+        cluster.node(node).popen(
+            [*me, "rank", str(spec_file), str(rank)], stdout=subprocess.PIPE, text=True
+        )
+        for rank, node in ((0, 2), (1, 1))
+    ]
     writer = cluster.node(1).popen(
         [*me, "writer", name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
@@ -170,22 +190,26 @@ def test_driver_rss_stays_flat_while_the_payload_per_step_grows_10x(
     driver.stdin.write("metrics\n")
     driver.stdin.flush()
     metrics = _line(driver)
+    seen = [_line(rank) for rank in ranks]
     driver.stdin.close()
-    assert driver.wait(60) == 0
+    assert [rank.wait(60) for rank in ranks] == [0, 0] and driver.wait(60) == 0
     assert writer.stdin is not None
     writer.stdin.close()
     writer.wait(60)
+    assert seen == [{"mismatches": [], "error": "", "passes": 4 * STEPS}] * 2, seen
     ten_x = sum(placed[STEPS:])
     assert ten_x >= 8 * sum(placed[:STEPS]) and ten_x > 4 * MARGIN, placed
     growth = rss[-1]["VmRSS"] - rss[STEPS - 1]["VmRSS"]
     print(f"driver RSS per step {[r['VmRSS'] >> 20 for r in rss]} MiB, placed {placed}")
     assert growth < MARGIN, f"driver RSS grew {growth >> 20} MiB over {ten_x >> 20} MiB: {rss}"
-    one, two = cluster.node(1).address, cluster.node(2).address
     prefix = "knitkit/delivery/reorganizer_bytes"
-    assert metrics[f"{prefix}_read_remote"] > 0 == metrics[f"{prefix}_read_local"]
+    adopted = "knitkit/storage/written_back_bytes_adopted"
+    on = {k.rpartition("/")[2]: v for k, v in metrics.items() if k.startswith(f"{adopted}_on/")}
+    assert on == {two: metrics[adopted]} and metrics[adopted] > 0, on
+    assert metrics[f"{prefix}_read_remote"] > 0 and metrics[f"{prefix}_read_local"] > 0
     links = {k.rpartition("/")[2]: v for k, v in metrics.items() if "_by_link/" in k}
-    assert set(links) == {f"{one}_to_{two}"}, links
-    assert links[f"{one}_to_{two}"] >= metrics[f"{prefix}_read_remote"]
+    assert set(links) == {f"{one}_to_{two}", f"{two}_to_{one}"}, links  # none from node 0
+    assert metrics["knitkit/job/write_back_records"] >= 2 * STEPS, metrics
 
 
 def _seen_of(lines: list[dict[str, Any]]) -> list[Seen]:
@@ -258,7 +282,14 @@ def test_a_lost_node_fails_the_job_naming_what_it_lost_and_the_survivors_resume_
     on_lost = {t for t, host in placed_on.items() if host == addresses[-1]}
     owners = {key.partition("/")[0] for key in failed["units"]}
     assert pending & on_lost and pending & on_lost <= owners, (pending, on_lost, owners)
-    assert owners & set(placed_on) <= on_lost, owners  # no unit of node 1 is called lost
+    elsewhere = {  # units of trajectories placed on node 1
+        k
+        for k in failed["units"]
+        if placed_on.get(k.partition("/")[0], addresses[-1]) != addresses[-1]
+    }
+    written = {o.name for p in PASSES for o in p.writes}  # placed by node 2's relay
+    assert {k.partition("/")[2] for k in elsewhere} <= written, elsewhere  # none of node 1's
+    assert elsewhere, "no write-back unit of node 2's writer rank was lost with it"
     assert f"{len(failed['units'])} unit(s)" in failed["message"], failed
     for error in errors:  # the driver's failure, or the lost units their pass read, named
         named = error.startswith("DriverFailedError") and lost[:8] in error
