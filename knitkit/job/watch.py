@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import weakref
+from collections.abc import Iterator
 
 from knitkit.job.errors import DriverDiedError, DriverFailedError, JobError
 from knitkit.job.pool import untagged
@@ -31,7 +33,10 @@ class DriverWatch:
     while the rank waits on its data and encoder rings (NOTE [ Next pass per group ] in
     serving.py): once the driver failed (at once) or died (within a liveness period), every
     ``PassTake`` of the rank raises ``DriverFailedError`` / ``DriverDiedError``, one waiting in
-    another thread included."""
+    another thread included. A driver that is alive but silent (its heartbeat older than
+    ``liveness_timeout_s``) counts as dead only while a take waits for its pass's first
+    micro-batch (the one the driver's submission gates), as a wait on the schedule did: a driver
+    process busy for a while (a long save) never fails ranks that do not wait for it."""
 
     def __init__(self, spec: RingSpec, rank: int, *, liveness_timeout_s: float) -> None:
         self.rank = rank
@@ -39,6 +44,8 @@ class DriverWatch:
         self._error: JobError | None = None
         self._takes: weakref.WeakSet[PassTake] = weakref.WeakSet()
         self._lock = threading.Lock()
+        self._gated = 0
+        """Takes waiting now for the first micro-batch of their pass."""
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"knitkit-driver-watch-{rank}", daemon=True
@@ -67,6 +74,20 @@ class DriverWatch:
         except (ReorganizerError, ReorganizerDiedError) as error:
             raise driver_error(self.rank, error) from None
 
+    @contextlib.contextmanager
+    def gated(self, first: bool) -> Iterator[None]:
+        """Around a take's wait: with ``first``, one for its pass's first micro-batch."""
+        if not first:
+            yield
+            return
+        with self._lock:
+            self._gated += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._gated -= 1
+
     def close(self) -> None:
         """Stop the thread and unmap; idempotent."""
         self._stop.set()
@@ -75,7 +96,8 @@ class DriverWatch:
 
     def _run(self) -> None:
         try:
-            self._watch.wait(math.inf, self._stop)  # returns once finished or stopped
+            # returns once finished or stopped
+            self._watch.wait(math.inf, self._stop, heartbeat=lambda: self._gated > 0)
         except (ReorganizerError, ReorganizerDiedError) as error:
             self._error = driver_error(self.rank, error)
             with self._lock:
@@ -97,7 +119,8 @@ class PassTake(Take):
         if self.taken < self.count:
             self._watch.raise_failure()
         try:
-            lease = super().__next__()
+            with self._watch.gated(self.taken == 0):
+                lease = super().__next__()
         except (StopIteration, InterruptedError):
             if self.taken < self.count:  # interrupted by the watch, or by its owner
                 self._watch.raise_failure()

@@ -7,7 +7,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -469,10 +469,16 @@ class ProducerWatch:
         self._idle = threading.Condition()
         self._closed = False
 
-    def wait(self, timeout_s: float, cancel: threading.Event) -> bool:
+    def wait(
+        self,
+        timeout_s: float,
+        cancel: threading.Event,
+        heartbeat: Callable[[], bool] = lambda: True,
+    ) -> bool:
         """Block until the producer finished (``True``), or ``timeout_s`` passed or ``cancel``
         is set (``False``, also once closed); raise ``ReorganizerError`` (it failed, with its
-        message) or ``ReorganizerDiedError`` (gone, or silent past ``liveness_timeout_s``)."""
+        message) or ``ReorganizerDiedError`` (gone; or silent past ``liveness_timeout_s`` at a
+        check where ``heartbeat()`` says its silence matters now)."""
         if not self._enter():
             return False
         try:
@@ -480,7 +486,8 @@ class ProducerWatch:
             slices = WaitSlices(timeout_s, min(CHECK_EVERY_S, self._liveness_timeout_s / 4))
             while not (self._closed or cancel.is_set()):
                 seen = ring.notified  # before the checks: an event after them changes it
-                if self._check(slices.check_due()):
+                due = slices.check_due()
+                if self._check(due, stale=due and heartbeat()):
                     return True
                 if slices.expired:
                     return False
@@ -493,7 +500,7 @@ class ProducerWatch:
         """``wait``'s errors now, without waiting (nothing once closed)."""
         if self._enter():
             try:
-                self._check(alive=True)
+                self._check(alive=True, stale=True)
             finally:
                 self._leave()
 
@@ -510,8 +517,9 @@ class ProducerWatch:
                 return
         self._ring.close()
 
-    def _check(self, alive: bool) -> bool:
-        """True once the producer finished; its failure, and with ``alive`` its death, raised."""
+    def _check(self, alive: bool, *, stale: bool) -> bool:
+        """True once the producer finished; its failure, with ``alive`` its death, and with
+        ``stale`` its silence past ``liveness_timeout_s`` raised."""
         ring = self._ring
         state = ring.state
         if state == FAILED:
@@ -523,7 +531,7 @@ class ProducerWatch:
                 ring,
                 self.producer,
                 state,
-                self._liveness_timeout_s,
+                self._liveness_timeout_s if stale else math.inf,
                 self._startup_deadline,
                 before="finishing",
             )
