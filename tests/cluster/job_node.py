@@ -11,8 +11,9 @@
 - ``ray-lose ADDRESS...``: ``ray-driver``'s job with a rollout writer actor on every ranks'
   node placing every other trajectory there; prints the spec and ``{"order", "placed_on"}``,
   waits for a line (every rank held at the last mini-batch's train pass), prints
-  ``{"state": checkpoint}``, drains into the node's loss and prints ``{"failed", "message",
-  "node", "ranks", "units"}``, then ``{"closed_s"}`` (its close). Resumes on ``ADDRESS[0]``
+  ``{"state": checkpoint}`` once the pending trajectories' write-backs are in, drains into
+  the node's loss and prints ``{"failed", "message", "node", "ranks", "units"}``, then
+  ``{"closed_s"}`` (its close). Resumes on ``ADDRESS[0]``
   alone: prints the new spec, has the writer there re-write what ``reissue()`` names, drains,
   prints ``{"pending", "reissue", "order"}`` and holds until its stdin closes.
 - ``ranks FIRST COUNT SPEC_FILE [MINIBATCH]``: reads the spec from the file and runs ranks
@@ -210,6 +211,8 @@ def ray_lose(addresses: list[str]) -> None:
         print(json.dumps({"order": order, "placed_on": where}), flush=True)
         sys.stdin.readline()  # every rank holds at the last mini-batch's train pass
         state = first.state_dict(trained=len(order) - 1, timeout_s=WAIT_S)
+        pending = [t for p in state["pending"] for t in p["trajectories"]]
+        _await_written(first, pending)  # ranks reach the train pass before the driver has them
         print(json.dumps({"state": state}), flush=True)
         try:
             first.drain(300)
@@ -248,6 +251,17 @@ def ray_lose(addresses: list[str]) -> None:
         sys.stdin.read()
     backend.close()
     ray.shutdown()
+
+
+def _await_written(job: Driver, trajectories: list[str]) -> None:
+    """Wait (bounded) until every written field of ``trajectories`` is in the driver's store:
+    placed by the writer ranks' relays and adopted."""
+    fields = [o.name for p in job.config.passes for o in p.writes]
+    deadline = time.monotonic() + WAIT_S
+    pause = threading.Event()
+    while not all(job.store.field_complete(t, f) for t in trajectories for f in fields):
+        assert time.monotonic() < deadline, f"write-backs of {trajectories} not in by {WAIT_S} s"
+        pause.wait(0.05)
 
 
 def ranks(first: int, count: int, spec_file: str, held: str = "") -> None:
