@@ -72,7 +72,8 @@ class RankHandle:
         slot_nbytes: int = 0
         """Bytes each staging slot gets at start-up (size it to the token budget)."""
         next_timeout_s: float = 600.0
-        """Bound of one micro-batch's wait (a pass's data follows its schedule record)."""
+        """Bound of one micro-batch's wait (a later pass's first one waits for the group's
+        inputs to be written back: NOTE [ Next pass per group ] in serving.py)."""
 
     def __init__(
         self,
