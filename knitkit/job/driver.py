@@ -527,8 +527,7 @@ class Driver:
             ledger = core.ledger
             live = ledger.minibatches.values()
             served = {
-                p.name: ledger.released + sum(g.served(p.name) for g in live)
-                for p in self.passes
+                p.name: ledger.released + sum(g.served(p.name) for g in live) for p in self.passes
             }
             consumed = {
                 p.name: ledger.released + sum(g.consumed(p.name) for g in live) for p in self.passes
