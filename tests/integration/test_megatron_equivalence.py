@@ -200,13 +200,12 @@ def test_template_and_planted_models_through_the_fixture(planted: Path, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("nproc", "label"), [(2, "tp2"), (4, "dp2_tp2")])
-def test_command_checks_a_model_defined_outside_knitkit(
-    tmp_path: Path, nproc: int, label: str
-) -> None:
+def test_command_checks_a_model_defined_outside_knitkit(tmp_path: Path) -> None:
     """``knitkit check-equivalence`` under torchrun (gloo): prints the table, writes the JSON
-    report, exits 0 for the user's model at TP2 (2 ranks) and DP2 x TP2 (4 ranks)."""
-    report_path = tmp_path / f"command_{label}.json"
+    report, exits 0 for the user's model at DP2 x TP2 (4 ranks; TP2 alone is the fixture
+    test's first world, ``test_template_and_planted_models_through_the_fixture``)."""
+    nproc = 4
+    report_path = tmp_path / "command_dp2_tp2.json"
     run = subprocess.run(
         [
             *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
