@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from knitkit.storage import UnitBackend
 from knitkit.storage.backends import (
@@ -21,6 +20,8 @@ from knitkit.storage.backends import (
     spec_of,
 )
 from knitkit.types import SeqRange, UnitKey, UnitRead
+
+from .pinning import pinned_to
 
 _Boxed = list[ray.ObjectRef]
 """One object ref in a list: Ray resolves top-level ref arguments of actor calls, never nested ones."""
@@ -142,9 +143,7 @@ class RayBackend(UnitBackend):
         self.name = name or f"knitkit-units-{uuid.uuid4().hex[:12]}"
         actor_name = f"knitkit-directory/{self.name}"
         if create:
-            here = NodeAffinitySchedulingStrategy(
-                ray.get_runtime_context().get_node_id(), soft=False
-            )
+            here = pinned_to(ray.get_runtime_context().get_node_id())
             self._directory = UnitDirectory.options(  # type: ignore[attr-defined]
                 name=actor_name, scheduling_strategy=here
             ).remote()

@@ -9,7 +9,6 @@ from typing import Any, cast
 
 import ray
 from ray.actor import ActorHandle
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from knitkit.job.pool import ReorganizerDied, numbering, successor_ring, tagged, untagged
 from knitkit.job.spec import data_rings, group_name
@@ -25,6 +24,7 @@ from knitkit.storage import (
 )
 from knitkit.storage.delivery import unlink_ring
 
+from .pinning import pinned_to
 from .reorganizer import ReorganizerActor
 
 
@@ -183,7 +183,7 @@ class RayDispatcher:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             ray.wait(
                 [
-                    _unlink_ring.options(scheduling_strategy=_on(self.nodes[name][0])).remote(
+                    _unlink_ring.options(scheduling_strategy=pinned_to(self.nodes[name][0])).remote(
                         old_spec.name
                     )
                 ],
@@ -278,7 +278,7 @@ class RayDispatcher:
             ray.kill(actor)
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         unlinks = [
-            _unlink_ring.options(scheduling_strategy=_on(self.nodes[name][0])).remote(
+            _unlink_ring.options(scheduling_strategy=pinned_to(self.nodes[name][0])).remote(
                 self.rings[name].name
             )
             for name in sorted(orphans - lost)
@@ -317,7 +317,7 @@ class RayDispatcher:
         """A fresh actor for group ``name`` on its node, publishing into ring ``spec``."""
         self.rings[name] = spec
         self._actors[name] = ReorganizerActor.options(  # type: ignore[attr-defined]
-            scheduling_strategy=_on(self._placement[name]),
+            scheduling_strategy=pinned_to(self._placement[name]),
             name=f"knitkit-reorganizer/{spec.name}",
         ).remote(self._backend, spec)
 
@@ -415,7 +415,3 @@ def _not_returned(pending: list[_Pending]) -> list[_Pending]:
 @ray.remote(num_cpus=0)
 def _unlink_ring(name: str) -> bool:
     return unlink_ring(name)
-
-
-def _on(node_id: str) -> NodeAffinitySchedulingStrategy:
-    return NodeAffinitySchedulingStrategy(node_id, soft=False)

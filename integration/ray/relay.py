@@ -14,7 +14,6 @@ from typing import Any, cast
 import numpy as np
 import ray
 from ray.actor import ActorHandle
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from knitkit.job import ControlLayout, NodeFailedError
 from knitkit.job.control import ScheduleRings, writer_rank, writer_ranks
@@ -26,6 +25,7 @@ from knitkit.storage.delivery import ConsumerClosedError, RingNotReadyError
 from knitkit.types import UnitKey
 
 from .backend import RayBackend
+from .pinning import pinned_to
 
 # NOTE [ Ray control relays ]: how ``RayControl`` carries NOTE [ Control across nodes ] (in
 # knitkit/job/control.py) over Ray. Lifecycle table: docs/lifecycle.md.
@@ -604,7 +604,7 @@ class RayChannels:
                     last_pass=layout.passes[-1] if layout.passes else "",
                 )
                 actor = ControlRelay.options(  # type: ignore[attr-defined]
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                    scheduling_strategy=pinned_to(node),
                     name=f"knitkit-relay/{ring.name}",
                 ).remote(
                     label,
