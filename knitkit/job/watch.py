@@ -67,7 +67,8 @@ class DriverWatch:
 
     def check_now(self) -> None:
         """Raise the driver's failure or death now, without waiting (a data ring whose
-        reorganizer died: the driver's death takes its reorganizers with it)."""
+        reorganizer died or failed: the driver's death takes its reorganizers with it, and one
+        whose launcher is gone fails its ring "closed by its owner")."""
         self.raise_failure()
         try:
             self._watch.check()
@@ -125,8 +126,8 @@ class PassTake(Take):
             if self.taken < self.count:  # interrupted by the watch, or by its owner
                 self._watch.raise_failure()
             raise
-        except ReorganizerDiedError:
-            self._watch.check_now()
+        except (ReorganizerError, ReorganizerDiedError):
+            self._watch.check_now()  # a driver's death takes its reorganizers with it
             raise
         got = untagged(str(lease.layout.extra.get("minibatch_id", "")))
         if got != self.expect:

@@ -217,6 +217,25 @@ def serve_driver(conn: object) -> None:
         conn.recv_bytes()  # type: ignore[attr-defined]
 
 
+def serve_held_job(conn: object) -> None:
+    """A DP2 x CP2 driver in its own process (spawn target), liveness 5 s: writes two
+    mini-batches, sends its spec's JSON; on any message, waits until both dp1 groups finished
+    ``tb0-mb0``'s train pass (dp0's cannot: the test holds dp0/cp1 before it writes back), says
+    so, and waits for the next message (the test SIGKILLs it first)."""
+    data = trajectories(4, 2, seed=34)
+    config = driver_config(2, 2, 1, 1, liveness_timeout_s=5.0)
+    with config.build(admission=controller(data, 2)) as driver:
+        for trajectory in data:
+            driver.write(trajectory)
+        conn.send_bytes(driver.rank_spec().to_json().encode())  # type: ignore[attr-defined]
+        conn.recv_bytes()  # type: ignore[attr-defined]
+        dp1 = {"backbone/dp1/cp0", "backbone/dp1/cp1"}
+        done = driver.ledger("tb0-mb0").passes["train"].done
+        wait_for(lambda: dp1 <= done, 120, "dp1 finished tb0-mb0's train pass")
+        conn.send_bytes(b"dp1 trained")  # type: ignore[attr-defined]
+        conn.recv_bytes()  # type: ignore[attr-defined]
+
+
 def rank_process(spec_json: str, coords: RankCoords, results: object) -> None:
     """A rank in its own spawned process: ``rank_loop``, its record put on ``results``."""
     torch.set_num_threads(1)

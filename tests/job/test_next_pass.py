@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import threading
@@ -16,6 +17,7 @@ from job_harness import (
     grid,
     join,
     rank_loop,
+    serve_held_job,
     trajectories,
     wait_for,
 )
@@ -98,3 +100,41 @@ def test_the_driver_failing_reaches_a_rank_waiting_on_its_data_ring() -> None:
         held.release.set()
         join(threads)
     assert seen[1].error.startswith(("DriverFailedError", "ReorganizerDiedError")), seen[1].error
+
+
+def test_the_driver_process_dying_reaches_ranks_on_their_data_ring_and_on_the_schedule() -> None:
+    """The driver's process SIGKILLed (liveness 5 s) while dp0/cp0 waits on its data ring for
+    its train pass (dp0/cp1 is held before it writes back) and both dp1 ranks, done with the
+    mini-batch, wait on the schedule for the next one (it never opens): each of the three raises
+    ``DriverDiedError`` within the liveness bound (generous: 30 s), none waits out its own
+    bound (``RankHandle.Config``'s waits are longer). The held rank, released, fails too."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    process = ctx.Process(target=serve_held_job, args=(theirs,))  # it starts reorganizers
+    process.start()
+    threads: list[threading.Thread] = []
+    held = Hold("tb0-mb0", "old")
+    try:
+        wait_for(lambda: ours.poll(0.2) or not process.is_alive(), 120, "driver started")
+        assert process.is_alive(), f"the driver process exited with {process.exitcode}"
+        spec = RankSpec.from_json(ours.recv_bytes().decode())
+        entered = Hold("tb0-mb0", "train")
+        entered.release.set()  # a marker: the rank goes on at once
+        threads, seen, ended = _ranks(spec, grid(2, 2, 1, 1), {0: entered, 1: held})
+        assert entered.reached.wait(60), "dp0/cp0 never started its train pass"
+        ours.send_bytes(b"wait for dp1")
+        assert ours.poll(120), "dp1 never finished tb0-mb0's train pass"
+        ours.recv_bytes()
+        os.kill(process.pid or 0, signal.SIGKILL)
+        killed = time.monotonic()
+        for i in (0, 2, 3):
+            threads[i].join(60)
+            assert seen[i].error.startswith("DriverDiedError"), (i, seen[i].error)
+            assert ended[i] - killed < 30.0, (i, ended[i] - killed)
+        assert "the driver is gone" in seen[0].error, seen[0].error
+    finally:
+        held.release.set()
+        process.kill()
+        process.join(30)
+        join(threads)
+    assert seen[1].error.startswith(("DriverDiedError", "ReorganizerDiedError")), seen[1].error
