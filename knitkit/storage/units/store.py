@@ -138,20 +138,13 @@ class TrajectoryStore:
                 "such as RayBackend)"
             )
         keys = placed.unit_keys()
-        found = unit_specs(self.backend, keys)
-        unknown = [str(k) for k, spec in zip(keys, found, strict=True) if spec is None]
+        unknown, wrong = self._against_backend({k: placed.specs[k] for k in keys})
         if unknown:
             raise KeyError(
                 f"trajectory {tid!r}: units {unknown} are not in {type(self.backend).__name__}: "
                 "never placed there, freed since, or their writer process died (it owns them); "
                 "place the trajectory again"
             )
-        wrong = [
-            f"{k} stored {spec.dtype}{list(spec.shape)}, recorded "
-            f"{placed.specs[k].dtype}{list(placed.specs[k].shape)}"
-            for k, spec in zip(keys, found, strict=True)
-            if spec is not None and spec != placed.specs[k]
-        ]
         wrong += [
             f"{key} has {placed.specs[key].shape[:1]} rows for {record.meta.num_tokens} tokens"
             for name, key in record.fields.items()
@@ -310,20 +303,13 @@ class TrajectoryStore:
                     f"{key} recorded {spec.dtype}{list(spec.shape)}, declared "
                     f"{expected.dtype}{list(expected.shape)}"
                 )
-        keys = list(units)
-        found = unit_specs(self.backend, keys)
-        unknown = [str(k) for k, spec in zip(keys, found, strict=True) if spec is None]
+        unknown, stored_otherwise = self._against_backend(units)
         if unknown:
             raise KeyError(
                 f"written-back units {unknown} are not in {type(self.backend).__name__}: never "
                 "placed there, freed since, or the process that placed them died"
             )
-        wrong += [
-            f"{k} stored {spec.dtype}{list(spec.shape)}, recorded "
-            f"{units[k].dtype}{list(units[k].shape)}"
-            for k, spec in zip(keys, found, strict=True)
-            if spec is not None and spec != units[k]
-        ]
+        wrong += stored_otherwise
         if wrong:
             raise ValueError(f"written-back units refused: {wrong}")
         for key, spec in units.items():
@@ -333,6 +319,21 @@ class TrajectoryStore:
             record.partial.pop(key.field, None)
             self._unit_bytes[key] = spec.nbytes
             self._adopted_written[placed_on] += spec.nbytes
+
+    def _against_backend(self, recorded: Mapping[UnitKey, UnitSpec]) -> tuple[list[str], list[str]]:
+        """Units placed by another process, checked with one backend lookup (``adopt``,
+        ``adopt_written``): those the backend lacks, and those it stores with another spec
+        than recorded (each as a message)."""
+        keys = list(recorded)
+        found = unit_specs(self.backend, keys)
+        unknown = [str(k) for k, spec in zip(keys, found, strict=True) if spec is None]
+        differ = [
+            f"{k} stored {spec.dtype}{list(spec.shape)}, recorded "
+            f"{recorded[k].dtype}{list(recorded[k].shape)}"
+            for k, spec in zip(keys, found, strict=True)
+            if spec is not None and spec != recorded[k]
+        ]
+        return unknown, differ
 
     def field_complete(self, trajectory_id: str, field: str) -> bool:
         """Whether every token of the trajectory's ``field`` has been written."""
