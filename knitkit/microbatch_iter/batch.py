@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -9,7 +10,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from knitkit.types import LAYOUT_ALIGNMENT, MicroBatchLayout
+from knitkit.types import LAYOUT_ALIGNMENT, FieldView, MicroBatchLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +63,8 @@ class MicroBatch:
     The tensors live in a staging slot that is refilled once the ring comes round again, or
     on CPU in the source's published slot itself (NOTE [ Zero-copy hand-off ] in worker.py):
     they stay valid until the next ``next()`` call and must not be written into; ``clone()``
-    what must live longer or be modified.
+    what must live longer or be modified. A slot that carries the same layout again hands out
+    the same tensor objects over its new bytes (NOTE [ Reused field views ]).
     """
 
     index: int
@@ -121,6 +123,84 @@ def field_tensors(
         strides = (1,) if len(shape) == 1 else _contiguous(shape)
         views[view.name] = tensor.as_strided(shape, strides, start + view.offset // itemsize)
     return views
+
+
+# NOTE [ Reused field views ]
+# Building a micro-batch's field views costs one torch call per field and one per dtype
+# (``field_tensors``), and each call drops and retakes the GIL: with the training loop's thread
+# running torch ops, every such hand-off lets the loop in and makes the prefetch thread wait for
+# the GIL again. Where preparation is the critical path (prefetch.py's X4/Y6: compute 4 ms,
+# preparation 6 ms per micro-batch), that wait is added to every step (issue 31). A staging slot
+# (or a ring slot's private view) mostly carries the same layout again, so its views are built
+# once and handed out again while
+# - the layout is the one they were built for (its fields tuple, or an equal one, its size, the
+#   same dtype overrides), over the same buffer (a slot that grows drops them: StagingRing.ensure);
+# - the training loop left them as built: shape, requires_grad, strides and data pointer of the
+#   flat tensor and of every field view are compared with their values at build time (C-level
+#   maps, no torch call, no GIL hand-off), so a loop that reshaped one in place (``unsqueeze_``),
+#   made it require grad, gave it autograd history or swapped its ``.data`` gets fresh views.
+# Each micro-batch gets its own dict of them (a loop that adds or pops keys changes only its own).
+# What the loop writes into the bytes is covered by the lifetime rule (valid until the next
+# next(); NOTE [ Zero-copy hand-off ] in worker.py).
+
+_SHAPE_AND_GRAD = operator.attrgetter("shape", "requires_grad")
+
+
+class ViewCache:
+    """Field views of one flat buffer, built for the last layout and handed out again while
+    that layout repeats and the loop left them as built (NOTE [ Reused field views ])."""
+
+    __slots__ = ("_built", "_fields", "_flat", "_nbytes", "_overrides", "_tensors", "_viewed")
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the views (the buffer they view is going away)."""
+        self._fields: tuple[FieldView, ...] = ()
+        self._nbytes = -1
+        self._overrides: Mapping[str, torch.dtype] = {}
+        self._flat: torch.Tensor | None = None
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._viewed: tuple[torch.Tensor, ...] = ()
+        self._built: tuple[list[object], ...] = ()
+
+    def get(
+        self, layout: MicroBatchLayout, overrides: Mapping[str, torch.dtype]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        """The flat tensor and a fresh dict of the cached field views, or None if ``layout``
+        (with ``overrides``) is not the one they were built for or the loop changed one."""
+        fields = layout.fields
+        if (
+            self._flat is None
+            or (fields is not self._fields and fields != self._fields)
+            or layout.nbytes != self._nbytes
+            or overrides != self._overrides
+            or _snapshot(self._viewed) != self._built
+        ):
+            return None
+        return self._flat, dict(self._tensors)
+
+    def put(
+        self, base: torch.Tensor, layout: MicroBatchLayout, overrides: Mapping[str, torch.dtype]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Build ``base[:layout.nbytes]`` and its field views, cache them, return them as ``get``."""
+        flat = base[: layout.nbytes]
+        tensors = field_tensors(flat, layout, overrides)
+        self._fields, self._nbytes, self._overrides = layout.fields, layout.nbytes, dict(overrides)
+        self._flat, self._tensors = flat, tensors
+        self._viewed = (flat, *tensors.values())
+        self._built = _snapshot(self._viewed)
+        return flat, dict(tensors)
+
+
+def _snapshot(tensors: tuple[torch.Tensor, ...]) -> tuple[list[object], ...]:
+    """What the loop could change in place on a view: compared before it is handed out again."""
+    return (
+        list(map(_SHAPE_AND_GRAD, tensors)),
+        list(map(torch.Tensor.stride, tensors)),
+        list(map(torch.Tensor.data_ptr, tensors)),
+    )
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:

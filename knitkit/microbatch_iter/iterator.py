@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 import weakref
@@ -16,7 +17,7 @@ from knitkit.microbatch_iter.exit_guard import note_exit
 from knitkit.microbatch_iter.pool import StagingRing
 from knitkit.microbatch_iter.source import SourceItem, source_items
 from knitkit.microbatch_iter.transport import make_transport
-from knitkit.microbatch_iter.worker import End, Failure, Prefetcher
+from knitkit.microbatch_iter.worker import Failure, Prefetcher, Staged
 
 
 class MicroBatchIterator(Iterator[MicroBatch]):
@@ -93,6 +94,8 @@ class MicroBatchIterator(Iterator[MicroBatch]):
             exit_on_stuck_source=config.exit_on_stuck_source,
         )
         self._stats = IterStats()
+        self._events = transport.copies_to_device
+        """Whether hand-over and release order device work (CUDA), else both are no-ops."""
         self._launch_pending = False
         self._finished = False
         self._consumer: threading.Thread | None = None
@@ -103,23 +106,35 @@ class MicroBatchIterator(Iterator[MicroBatch]):
 
     def __next__(self) -> MicroBatch:
         start = time.perf_counter()
-        self._check_consumer()
+        if self._consumer is not threading.current_thread():
+            self._check_consumer()
         if self._finished:
             raise StopIteration
         prefetcher = self._prefetcher
-        prefetcher.release_held()  # see NOTE [ Zero-copy hand-off ] in worker.py
-        self.launched()
-        record = prefetcher.take(self.config.next_timeout_s)
-        if isinstance(record, End):
+        held = prefetcher.held
+        if held is not None:
+            if self._events or held.release is not None:
+                prefetcher.release_held()  # see NOTE [ Zero-copy hand-off ] in worker.py
+            else:  # a CPU staging slot: nothing to record or release
+                prefetcher.held = None
+        if self._launch_pending:  # stage_after_launch and the loop did not say launched()
+            self.launched()
+        try:
+            record = prefetcher.ready.get_nowait()
+        except queue.Empty:
+            record = prefetcher.take(self.config.next_timeout_s)
+        if type(record) is not Staged:
             self.close()
+            if isinstance(record, Failure):
+                raise record.error
             raise StopIteration
-        if isinstance(record, Failure):
-            self.close()
-            raise record.error
-        if record.slot is not None:
+        if self._events and record.slot is not None:
             prefetcher.transport.hand_over(record.slot)
         prefetcher.held = record
-        self._launch_pending = True
+        if self.config.stage_after_launch:
+            self._launch_pending = True
+        else:
+            prefetcher.credits.put(None)  # launched(): the thread may stage one more
         stats = MicroBatchStats(
             record.index,
             time.perf_counter() - start,
@@ -128,8 +143,6 @@ class MicroBatchIterator(Iterator[MicroBatch]):
             record.layout.nbytes,
         )
         self._stats.add(stats)
-        if not self.config.stage_after_launch:
-            self.launched()
         return MicroBatch(record.index, record.layout, record.flat, record.tensors, stats)
 
     def _check_consumer(self) -> None:
@@ -162,7 +175,7 @@ class MicroBatchIterator(Iterator[MicroBatch]):
         """
         if self._launch_pending:
             self._launch_pending = False
-            self._prefetcher.credits.release()
+            self._prefetcher.credits.put(None)
 
     @property
     def pool(self) -> StagingRing:

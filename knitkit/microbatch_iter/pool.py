@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from knitkit.microbatch_iter.batch import ViewCache
 from knitkit.microbatch_iter.transport import Transport
 
 
@@ -16,6 +18,10 @@ class StagingSlot:
     index: int
     host: torch.Tensor | None = None
     device: torch.Tensor | None = None
+    array: np.ndarray | None = None
+    """``host`` as a numpy array (the staging copy's target), made once per buffer."""
+    views: ViewCache = field(default_factory=ViewCache)
+    """Field views of ``device``, reused while the layout repeats (NOTE [ Reused field views ])."""
 
     @property
     def capacity(self) -> int:
@@ -55,11 +61,14 @@ class StagingRing:
         """
         size = 1 << max(nbytes - 1, 0).bit_length()
         if host and (slot.host is None or slot.capacity < nbytes):
-            slot.host = None
+            slot.views.clear()
+            slot.host = slot.array = None
             slot.device = None  # on CPU the device twin is the host buffer itself
             slot.host = self.transport.new_host(size)
+            slot.array = slot.host.numpy()
             self.allocations += 1
         if slot.device is None or slot.device.numel() < nbytes:
+            slot.views.clear()
             slot.device = None
             slot.device = self.transport.new_device(max(size, slot.capacity), slot.host)
 
@@ -76,5 +85,6 @@ class StagingRing:
 
     def clear(self) -> None:
         for slot in self.slots:
-            slot.host = None
+            slot.views.clear()
+            slot.host = slot.array = None
             slot.device = None

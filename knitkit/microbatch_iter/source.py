@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from knitkit.microbatch_iter.batch import torch_dtype
-from knitkit.types import Buffer, MicroBatchLayout, PackedMicroBatch
+from knitkit.types import Buffer, FieldView, MicroBatchLayout, PackedMicroBatch
 
 
 def source_items(source: Iterable[SourceItem]) -> Iterator[SourceItem]:
@@ -140,9 +140,19 @@ def check_dtype(name: str, dtype: np.dtype) -> None:
     )
 
 
+_checked: tuple[FieldView, ...] = ()
+"""The fields of the last layout that passed ``_check_layout``: a source mostly repeats its
+layout (often the same object), which then costs one identity test, not a call per field."""
+
+
 def _check_layout(layout: MicroBatchLayout) -> None:
-    for view in layout.fields:
+    global _checked
+    fields = layout.fields
+    if fields is _checked:
+        return
+    for view in fields:
         _check_field(view.name, view.dtype)
+    _checked = fields
 
 
 @lru_cache(maxsize=256)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from knitkit.microbatch_iter.batch import field_tensors
+from knitkit.microbatch_iter.batch import ViewCache
 from knitkit.microbatch_iter.exit_guard import abandon, exit_now
 from knitkit.microbatch_iter.pool import StagingRing
 from knitkit.microbatch_iter.source import SourceItem, StagingPlan, plan_staging
@@ -30,15 +30,17 @@ from knitkit.types import MicroBatchLayout
 # what it pulled, during the training loop's compute. It shares only this Prefetcher with the
 # consumer, never the iterator itself, so dropping the last reference to the iterator runs its
 # weakref finalizer (= shutdown()) while the thread is still running.
-# - Bounded memory: ``credits`` (a Semaphore of ``depth``) is taken before each pull from
+# - Bounded memory: ``credits`` (``depth`` tokens in a SimpleQueue: a semaphore in C, whose
+#   release costs ~0.1 us and a wake ~2.5 us, against ~4 and ~6 us for threading.Semaphore's
+#   Condition in Python on the 2-core dev box, issue 31) is taken before each pull from
 #   the source and returned when the consumer has launched the micro-batch it holds. At most
 #   ``depth`` micro-batches are pulled ahead of the one the consumer holds, so ``depth + 1``
 #   slots suffice and the source is never read further ahead (a bounded source, such as a
 #   consumer's ``take(n)``, is never asked for item n + 1).
-# - Every blocking call of the thread that we own has a timeout (credits.acquire) or is bounded
+# - Every blocking call of the thread that we own has a timeout (credits.get) or is bounded
 #   (copies, event waits); ``ready`` is unbounded, so put() never blocks. The thread checks
 #   ``stop`` after every blocking step and exits; an item pulled after ``stop`` is released.
-#   ``request_stop`` sets ``stop`` and releases one more credit, so a thread waiting for a credit
+#   ``request_stop`` sets ``stop`` and puts one more credit, so a thread waiting for a credit
 #   wakes at once: that wait can sleep in long slices (a wake costs ~0.1 ms of CPU, issue 23).
 # - Results travel in order through ``ready``: Staged records, then one End or Failure. The
 #   consumer blocks on it in slices and gives up if the thread died without a final record.
@@ -109,6 +111,9 @@ from knitkit.types import MicroBatchLayout
 # while it is idle for a credit, or at the latest before its next pull.
 
 _POLL_S = 0.1
+_PRIVATE_VIEW_SLOTS = 64
+"""Private slot views whose field views are kept (a ring has a few slots; a source whose
+private views are fresh buffers each time would otherwise pin them all)."""
 _CREDIT_WAIT_S = 2.0
 """Slice of the thread's wait for a credit: ``request_stop`` wakes it, the slice only bounds a
 missed wake."""
@@ -162,7 +167,10 @@ class Prefetcher:
         self.transport = transport
         self.join_timeout_s = join_timeout_s
         self.exit_on_stuck_source = exit_on_stuck_source
-        self.credits = threading.Semaphore(depth)
+        self.credits: queue.SimpleQueue[None] = queue.SimpleQueue()
+        """One token per micro-batch the thread may pull ahead (NOTE [ Prefetch thread shutdown ])."""
+        for _ in range(depth):
+            self.credits.put(None)
         self.ready: queue.SimpleQueue[Staged | Failure | End] = queue.SimpleQueue()
         self.retired: queue.SimpleQueue[Staged] = queue.SimpleQueue()
         """Records the consumer moved past, still to release (NOTE [ Zero-copy hand-off ])."""
@@ -170,6 +178,9 @@ class Prefetcher:
         """(staging slot, release) of items copied to the device in place, whose source slot
         goes back once that copy finished (NOTE [ Registered source rings ])."""
         self.release_lock = threading.Lock()
+        self._private_views: dict[int, ViewCache] = {}
+        """Field views over the private views of a source's slots, by address (NOTE [ Reused
+        field views ]); cleared at teardown, before the source is closed."""
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.in_source = False
@@ -215,30 +226,39 @@ class Prefetcher:
                 self._teardown()
 
     def _acquire_credit(self) -> bool:
-        if self.credits.acquire(blocking=False):
+        if not self.credits.empty():
+            self.credits.get_nowait()  # only this thread takes credits: one is there
             return not self.stop.is_set()
         self.release_copied()  # idle until the consumer moves on: hand copied slots back now
         while not self.stop.is_set():
-            if self.credits.acquire(timeout=_CREDIT_WAIT_S):
-                return not self.stop.is_set()
+            try:
+                self.credits.get(timeout=_CREDIT_WAIT_S)
+            except queue.Empty:
+                continue
+            return not self.stop.is_set()
         return False
 
     def request_stop(self) -> None:
         """Set ``stop`` and wake a thread waiting for a credit (NOTE [ Prefetch thread shutdown ])."""
         self.stop.set()
-        self.credits.release()
+        self.credits.put(None)
 
     def _stage(self, index: int, item: SourceItem, *, fetch_s: float) -> Staged:
         start = time.perf_counter()
         plan = plan_staging(item)
         layout = plan.layout
+        overrides = plan.torch_dtypes
         if plan.private is not None and not self.transport.copies_to_device:
             # See NOTE [ Zero-copy hand-off ]: no copy, the record releases the lease later.
-            private = np.frombuffer(plan.private(), np.uint8)[: layout.nbytes]
-            flat = torch.from_numpy(private)
-            tensors = field_tensors(flat, layout, plan.torch_dtypes)
+            # private() also books the view for the release's drop of written pages: call it
+            # for every lease, cached views or not (NOTE [ Reused field views ]).
+            private = np.frombuffer(plan.private(), np.uint8)
+            views = self._views_over(private)
+            cached = views.get(layout, overrides)
+            if cached is None:
+                cached = views.put(torch.from_numpy(private), layout, overrides)
             stage_s = time.perf_counter() - start
-            return Staged(index, None, layout, flat, tensors, fetch_s, stage_s, plan.release)
+            return Staged(index, None, layout, *cached, fetch_s, stage_s, plan.release)
         in_place = plan.view is not None and self.transport.reads_in_place(plan.view)
         slot = self.ring.slot_for(index)
         self.transport.before_refill(slot.index)
@@ -252,15 +272,26 @@ class Prefetcher:
             self.transport.to_device(slot.index, source, slot.device, layout.nbytes)
             self.copied.append((slot.index, plan.release))
         else:
-            assert slot.host is not None
-            plan.copy_into(slot.host.numpy())
+            assert slot.host is not None and slot.array is not None
+            plan.copy_into(slot.array)
             _release(plan)
             self.transport.to_device(slot.index, slot.host, slot.device, layout.nbytes)
-        flat = slot.device[: layout.nbytes]
-        tensors = field_tensors(flat, layout, plan.torch_dtypes)
+        cached = slot.views.get(layout, overrides)  # see NOTE [ Reused field views ]
+        if cached is None:
+            cached = slot.views.put(slot.device, layout, overrides)
         stage_s = time.perf_counter() - start
         # The record keeps no reference to the source's buffer: its slot may be reused now.
-        return Staged(index, slot.index, layout, flat, tensors, fetch_s, stage_s)
+        return Staged(index, slot.index, layout, *cached, fetch_s, stage_s)
+
+    def _views_over(self, private: np.ndarray) -> ViewCache:
+        """The view cache of the private slot view at ``private``'s address."""
+        address = private.__array_interface__["data"][0]
+        views = self._private_views.get(address)
+        if views is None:
+            if len(self._private_views) >= _PRIVATE_VIEW_SLOTS:
+                self._private_views.clear()  # not a ring's few slots: bound what is held
+            views = self._private_views[address] = ViewCache()
+        return views
 
     def take(self, timeout_s: float) -> Staged | Failure | End:
         """Consumer side: the next record, in order; raises if the thread died without one, or
@@ -297,7 +328,7 @@ class Prefetcher:
     def release_copied(self) -> None:
         """Hand back the source slots of in-place device copies, each once its copy finished
         (prefetch thread, or teardown; NOTE [ Registered source rings ])."""
-        while True:
+        while self.copied:
             try:
                 slot, release = self.copied.popleft()
             except IndexError:
@@ -308,6 +339,8 @@ class Prefetcher:
 
     def release_retired(self) -> None:
         """Hand every retired lease back to its producer (either thread)."""
+        if self.retired.empty():  # the usual case on the staging path: no lock, no exception
+            return
         with self.release_lock:
             while True:
                 try:
@@ -364,6 +397,7 @@ class Prefetcher:
             self.release_copied()
             self.transport.close()
             self.ring.clear()
+            self._private_views.clear()
             while not self.ready.empty():  # staged records hold views of the slots
                 record = self.ready.get_nowait()
                 if isinstance(record, Staged) and record.release is not None:
