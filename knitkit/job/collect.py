@@ -119,7 +119,7 @@ class Collector:
             )
         ledger = core.ledger.minibatches.get(str(header.get("mb")))
         pass_ = next((p for p in core.passes if p.name == header.get("pass")), None)
-        if ledger is None or pass_ is None or not ledger.passes[pass_.name].served:
+        if ledger is None or pass_ is None or not ledger.passes[pass_.name].served_to_any:
             raise RankFailedError(
                 f"{self.group} sent a {kind!r} record for pass {header.get('pass')!r} of "
                 f"mini-batch {header.get('mb')!r}, which is not being served"

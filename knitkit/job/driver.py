@@ -663,7 +663,7 @@ class Driver:
                 state = ledger.passes[p.name]
                 left = sorted(set(ledger.groups) - state.done)
                 if left:
-                    served = "served" if state.served else "not served yet"
+                    served = "served" if state.served_to_any else "not served yet"
                     parts.append(f"{ledger.minibatch_id}/{p.name} ({served}) waits for {left}")
                     break
         blocked = self._scheduler.blocked

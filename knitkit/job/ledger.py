@@ -26,8 +26,9 @@ class PassLedger:
     """Group -> the figures its writer rank reported with the pass's end."""
 
     @property
-    def served(self) -> bool:
-        """Whether the pass was served to any group (its records may come in)."""
+    def served_to_any(self) -> bool:
+        """Whether the pass was served to at least one group (its records may come in);
+        ``MiniBatchLedger.served(pass)`` says whether it was served to every group."""
         return bool(self.submitted)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 
 from knitkit.encoder_dedup import RankRoute
+from knitkit.job.completion import PassEnds
 from knitkit.job.errors import DriverDiedError, DriverNotFoundError
 from knitkit.job.pool import pass_id
 from knitkit.job.records import RecordReader, RecordWriter
@@ -29,6 +31,11 @@ from knitkit.storage import (
 from knitkit.storage.delivery import RingNotReadyError
 from knitkit.types import UnitKey
 
+_LEAVE_S = 5.0
+"""How long a rank leaving through an error lets its pass-end thread publish what it holds (its
+error record among them) before its write-back ring fails."""
+
+_H2D = "knitkit/delivery/h2d_s"
 _ITERATOR_FIGURES = (
     "knitkit/delivery/exposed_wait_s",
     "knitkit/delivery/first_wait_s",
@@ -36,7 +43,7 @@ _ITERATOR_FIGURES = (
     "knitkit/delivery/stage_s",
     "knitkit/delivery/micro_batches",
     "knitkit/delivery/bytes",
-    "knitkit/delivery/h2d_s",
+    _H2D,
 )
 
 
@@ -61,6 +68,10 @@ class RankHandle:
     and its reorganizers fail their rings naming it once they wait for it, so its TP peers raise
     at once (NOTE [ Micro-batch publication protocol ], "Dead consumers"). Closing between passes
     is a clean end: the driver may still drain what the rank finished.
+
+    A pass's end (its iterator closed, its write-back and ``done`` records published) runs on
+    the rank's pass-end thread: ``done`` and ``write_back`` return once the job is queued (NOTE
+    [ Asynchronous pass ends ] in completion.py).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -74,6 +85,10 @@ class RankHandle:
         next_timeout_s: float = 600.0
         """Bound of one micro-batch's wait (a later pass's first one waits for the group's
         inputs to be written back: NOTE [ Next pass per group ] in serving.py)."""
+        sends_ahead: int = 16
+        """Pass-end jobs (a write-back or ``done`` record, an iterator to close) the rank queues
+        ahead of its pass-end thread; a full queue blocks the rank, at most the spec's
+        ``wait_timeout_s`` (NOTE [ Asynchronous pass ends ] in completion.py)."""
 
     def __init__(
         self,
@@ -103,6 +118,8 @@ class RankHandle:
         self._units_taken: tuple[str, str] | None = None
         """The (mini-batch, pass) whose units were last taken from the encoder ring."""
         self._last_encoding = next((p.name for p in reversed(spec.passes) if p.encodes), None)
+        self._encoder_job = 0
+        """The last queued pass-end job that takes from the encoder ring (``PassEnds.wait``)."""
         self._closed = False
         waits = {
             "liveness_timeout_s": spec.liveness_timeout_s,
@@ -141,6 +158,15 @@ class RankHandle:
                 if self.writer
                 else None
             )
+            if self._writeback is not None:
+                stack.callback(self._writeback.close)
+            self._ends = PassEnds(
+                coords.rank,
+                depth=self.config.sends_ahead,
+                timeout_s=spec.wait_timeout_s,
+                on_failure=self._pass_end_failed,
+                on_start=functools.partial(_on_device, _cuda_device(device)),
+            )
             stack.pop_all()
 
     def passes(self) -> Iterator[PassWork]:
@@ -159,6 +185,7 @@ class RankHandle:
         if self._current is not None:
             self._current.done()
             self._current = None
+        self._ends.raise_failure()
         passes = self.spec.passes
         if self._last is not None and self._last[1] + 1 < len(passes):
             self._watch.raise_failure()
@@ -192,7 +219,8 @@ class RankHandle:
     def metrics(self) -> dict[str, float]:
         """This rank's delivery figures, cumulative since it attached: its ring consumers'
         (``knitkit/delivery/consumer_wait_s``, ``decode_s``, ``handed_out``, ...) and every
-        pass's prefetch iterator's, added up (``exposed_wait_s``, ``micro_batches``, ...)."""
+        pass's prefetch iterator's, added up (``exposed_wait_s``, ``micro_batches``, ...; a
+        pass's ``h2d_s`` once its pass-end thread closed the iterator)."""
         consumers = [self._data.metrics()]
         if self._units is not None:
             consumers.append(self._units.metrics())
@@ -201,13 +229,27 @@ class RankHandle:
     def close(self, reason: str = "") -> None:
         """Finish nothing more: detach from every ring. The writer ends its write-back ring: the
         driver's collector stops after its last record, or fails the job naming this rank and
-        ``reason`` (an exception out of ``with``) or the pass it left unfinished. Idempotent."""
+        ``reason`` (an exception out of ``with``) or the pass it left unfinished. A clean close
+        first lets the pass-end thread publish what it holds (bounded by the spec's
+        ``wait_timeout_s``) and raises its failure; with ``reason`` it gets at most 5 s
+        (NOTE [ Asynchronous pass ends ] in completion.py). Idempotent."""
         if self._closed:
             return
         self._closed = True
         if self._current is not None and not self._current.finished:
             where = f"pass {self._current.pass_.name!r} of {self._current.minibatch_id!r}"
             reason = f"{reason}; in {where}" if reason else f"closed in {where}"
+        failure: BaseException | None = None
+        if not reason:
+            try:
+                self._ends.wait()
+            except BaseException as error:  # raised below, once every ring is detached
+                failure = error
+                reason = f"{type(error).__name__}: {error}"
+        self._ends.stop(0.0 if failure is not None else _LEAVE_S)
+        if self._writeback is not None and self._ends.busy:
+            self._writeback.stop()  # a publication blocked on a full ring gives up
+        self._ends.join()
         if self._writeback is not None:
             if reason:
                 self._writeback.fail(f"rank {self.coords.rank} left: {reason}")
@@ -219,6 +261,8 @@ class RankHandle:
                 consumer.close()
         self._watch.close()
         self._schedule.close()
+        if failure is not None:
+            raise failure
 
     def __enter__(self) -> RankHandle:
         return self
@@ -263,6 +307,11 @@ class RankHandle:
         """This rank's encoder units of ``work``: those kept from the mini-batch's first
         encoding pass, else copied out of its encoder ring (see NOTE [ Encoder inputs once per
         mini-batch ])."""
+        self._ends.wait(self._encoder_job)  # NOTE [ Asynchronous pass ends ]: ring order
+        return self._encoder_units(work)
+
+    def _encoder_units(self, work: PassWork) -> dict[UnitKey, torch.Tensor]:
+        """``read_encoder_inputs`` on a thread whose earlier encoder-ring jobs ran."""
         count = work.encoder_micro_batches()
         if count == 0 or self._units is None:
             return {}
@@ -284,7 +333,7 @@ class RankHandle:
         if count == 0 or self._units is None or self._units_taken == here:
             return
         if self._kept is None or self._kept[0] != work.minibatch_id:
-            work.encoder_inputs()  # the first encoding pass never asked: read (and keep) them
+            self._encoder_units(work)  # the first encoding pass never asked: read and keep them
             return
         served: list[UnitKey] = []
         for lease in self._take(self._units, count, work):
@@ -303,14 +352,39 @@ class RankHandle:
         self, work: PassWork, iterator: MicroBatchIterator | None, take: Taken | None
     ) -> None:
         """Close the pass's iterator (adding its figures up), then take and release whatever
-        of the pass the loop never read, so the rings stay in step with the schedule."""
-        taken_by_loop = work.num_micro_batches if iterator is None else 0
-        if iterator is not None:
+        of the pass the loop never read, so the rings stay in step with the schedule. A loop
+        that read every micro-batch has this done on the pass-end thread (NOTE [ Asynchronous
+        pass ends ] in completion.py); a short one raises here, as the ring is left."""
+        if iterator is not None and iterator.stats.count == work.num_micro_batches:
             figures = iterator.metrics()
-            taken_by_loop = iterator.stats.count
-            iterator.close()
             for name in _ITERATOR_FIGURES:
-                self._totals[name] += figures[name]
+                if name != _H2D:  # complete once the iterator is closed
+                    self._totals[name] += figures[name]
+            number = self._ends.post(
+                f"end of pass {work.pass_.name!r} of {work.minibatch_id!r}",
+                lambda: self._end_pass(work, iterator, take, (_H2D,)),
+            )
+            if work.pass_.encodes:
+                self._encoder_job = number
+            return
+        self._ends.wait()
+        self._end_pass(work, iterator, take, _ITERATOR_FIGURES)
+
+    def _end_pass(
+        self,
+        work: PassWork,
+        iterator: MicroBatchIterator | None,
+        take: Taken | None,
+        figures: tuple[str, ...],
+    ) -> None:
+        """``end_pass``'s work, on whichever thread runs it; adds the iterator's ``figures``
+        up once it is closed."""
+        taken_by_loop = work.num_micro_batches if iterator is None else iterator.stats.count
+        if iterator is not None:
+            iterator.close()
+            closed = iterator.metrics()
+            for name in figures:
+                self._totals[name] += closed[name]
         left = work.num_micro_batches - (take.taken if take is not None else 0)
         for lease in self._take(self._data, left, work):
             lease.release()
@@ -335,9 +409,15 @@ class RankHandle:
         kind: str,
         header: Mapping[str, str | int],
         arrays: Mapping[str, np.ndarray],
+        *,
+        timeout_s: float | None = None,
     ) -> None:
-        """One record to the driver (writer ranks)."""
-        if self._writeback is None:
+        """One record to the driver (writer ranks): its arrays copied, then queued for the
+        pass-end thread, which publishes it (NOTE [ Asynchronous pass ends ] in
+        completion.py); waits only while the queue is full (at most ``timeout_s``, default the
+        spec's ``wait_timeout_s``)."""
+        writer = self._writeback
+        if writer is None:
             return
         full: dict[str, str | int] = {
             "kind": kind,
@@ -346,18 +426,65 @@ class RankHandle:
             "rank": self.coords.rank,
             **header,
         }
+        owned = {name: np.array(values, copy=True) for name, values in arrays.items()}
+        self._ends.post(
+            f"{kind} record of pass {work.pass_.name!r} of {work.minibatch_id!r}",
+            lambda: self._publish(writer, full, owned),
+            timeout_s=timeout_s,
+        )
+
+    def _publish(
+        self,
+        writer: RecordWriter,
+        header: Mapping[str, str | int],
+        arrays: Mapping[str, np.ndarray],
+    ) -> None:
+        """Publish one record (pass-end thread); a ring error means the driver is gone."""
         try:
-            self._writeback.send(full, arrays)
+            writer.send(header, arrays)
         except (RuntimeError, OSError) as error:
             raise DriverDiedError(
                 f"rank {self.coords.rank}: cannot reach the driver ({error})"
             ) from None
 
+    def _pass_end_failed(self, error: BaseException) -> None:
+        """The pass-end thread failed (NOTE [ Asynchronous pass ends ] in completion.py): the
+        driver hears of it through the failed write-back ring, the rank's waits on its data
+        rings through its watch."""
+        if self._writeback is not None:
+            with contextlib.suppress(Exception):  # a ring the driver already left
+                self._writeback.fail(
+                    f"rank {self.coords.rank}'s pass-end thread failed: "
+                    f"{type(error).__name__}: {error}"
+                )
+        self._watch.interrupt(error)
+
     def abandon(self, work: PassWork, message: str) -> None:
         """The pass raised: tell the driver (writer ranks), leave the rings as they are."""
         if self._writeback is not None:
             with contextlib.suppress(Exception):
-                self.send(work, "error", {"message": message[-3000:]}, {})
+                self.send(work, "error", {"message": message[-3000:]}, {}, timeout_s=_LEAVE_S)
+
+
+def _cuda_device(device: torch.device | str | None) -> torch.device | None:
+    """The rank's CUDA device as its iterators resolve it (on the calling thread), or None."""
+    resolved = torch.device(device) if device is not None else None
+    if resolved is None and torch.cuda.is_available():
+        resolved = torch.device("cuda")
+    if resolved is None or resolved.type != "cuda":
+        return None
+    return (
+        resolved
+        if resolved.index is not None
+        else torch.device("cuda", torch.cuda.current_device())
+    )
+
+
+def _on_device(device: torch.device | None) -> None:
+    """Make ``device`` current on the calling thread (the pass-end thread closes iterators
+    staged there: it must not touch another device's context)."""
+    if device is not None:
+        torch.cuda.set_device(device)
 
 
 @contextlib.contextmanager

@@ -36,12 +36,13 @@ class DriverWatch:
     another thread included. A driver that is alive but silent (its heartbeat older than
     ``liveness_timeout_s``) counts as dead only while a take waits for its pass's first
     micro-batch (the one the driver's submission gates), as a wait on the schedule did: a driver
-    process busy for a while (a long save) never fails ranks that do not wait for it."""
+    process busy for a while (a long save) never fails ranks that do not wait for it. The
+    rank's own pass-end thread failing interrupts its takes the same way (``interrupt``)."""
 
     def __init__(self, spec: RingSpec, rank: int, *, liveness_timeout_s: float) -> None:
         self.rank = rank
         self._watch = ProducerWatch(spec, producer=DRIVER, liveness_timeout_s=liveness_timeout_s)
-        self._error: JobError | None = None
+        self._error: BaseException | None = None
         self._takes: weakref.WeakSet[PassTake] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._gated = 0
@@ -60,10 +61,23 @@ class DriverWatch:
         return take
 
     def raise_failure(self) -> None:
-        """Raise the driver's failure or death once the watch saw it (a fresh error per call)."""
+        """Raise the driver's failure or death once the watch saw it, or what ``interrupt``
+        was given (a fresh job error per call)."""
         error = self._error
-        if error is not None:
+        if isinstance(error, JobError):
             raise type(error)(str(error))
+        if error is not None:
+            raise error
+
+    def interrupt(self, error: BaseException) -> None:
+        """Fail every take of the rank with ``error`` (the rank's pass-end thread failed: NOTE
+        [ Asynchronous pass ends ] in completion.py); the first error seen stays."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            takes = list(self._takes)
+        for take in takes:
+            take.interrupt()
 
     def check_now(self) -> None:
         """Raise the driver's failure or death now, without waiting (a data ring whose
@@ -100,11 +114,7 @@ class DriverWatch:
             # returns once finished or stopped
             self._watch.wait(math.inf, self._stop, heartbeat=lambda: self._gated > 0)
         except (ReorganizerError, ReorganizerDiedError) as error:
-            self._error = driver_error(self.rank, error)
-            with self._lock:
-                takes = list(self._takes)
-            for take in takes:
-                take.interrupt()
+            self.interrupt(driver_error(self.rank, error))
 
 
 class PassTake(Take):

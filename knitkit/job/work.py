@@ -30,8 +30,9 @@ class PassWork:
 
     Use it as a context manager (or call ``done()``): leaving it checks that every micro-batch
     was taken and, on the group's writer rank, that every output was written back, then tells
-    the driver the pass is finished. An exception inside the block reaches the driver too
-    (writer ranks), so both sides fail with the rank's error.
+    the driver the pass is finished, without waiting for the driver to take it (NOTE
+    [ Asynchronous pass ends ] in completion.py). An exception inside the block reaches the
+    driver too (writer ranks), so both sides fail with the rank's error.
     """
 
     def __init__(self, rank: RankHandle, minibatch_id: str, pass_: Pass, plan: MiniBatchPlan):
@@ -96,7 +97,8 @@ class PassWork:
         """Send micro-batch ``index``'s per-token outputs (one entry per field the pass writes):
         packed and CP-local as the micro-batch came, ``[T, *row]`` or ``[1, T, *row]``, padding
         included; cast to the declared dtype. Only the group's writer rank sends (TP rank 0 of
-        the last stage); on other ranks this does nothing."""
+        the last stage); on other ranks this does nothing. Returns once the values are copied
+        and queued for the rank's pass-end thread (it waits only while that queue is full)."""
         if not self._rank.writer:
             return
         writes = {o.name: o for o in self.pass_.writes}
@@ -134,8 +136,9 @@ class PassWork:
         self._figures.update({k: float(v) for k, v in figures.items()})
 
     def done(self) -> None:
-        """Finish the pass: check the micro-batches and write-backs, release what is left,
-        tell the driver (a failed check reaches it as the rank's error). Idempotent."""
+        """Finish the pass: check the micro-batches and write-backs, then hand the rest (closing
+        the iterator, releasing what is left, telling the driver) to the rank's pass-end thread
+        and return (a failed check reaches the driver as the rank's error). Idempotent."""
         if self.finished:
             return
         self.finished = True
