@@ -154,12 +154,13 @@ class Publisher:
         self._acquired = self._next
         return self.ring.slot(self._next, nbytes)
 
-    def publish(self, layout: MicroBatchLayout) -> int:
-        """Publish the acquired slot with ``layout``; returns its sequence number."""
+    def publish(self, layout: MicroBatchLayout, record: bytes | None = None) -> int:
+        """Publish the acquired slot with ``layout`` (``record``: its ``layout_codec`` record if
+        the caller encoded it already); returns its sequence number."""
         seq = self._acquired
         if seq is None:
             raise RuntimeError("publish() without acquire(): acquire a slot and fill it first")
-        self.ring.write_meta(seq, layout)
+        self.ring.write_meta(seq, layout, record)
         self.ring.set_published(seq + 1)
         self.ring.beat()
         self._acquired = None

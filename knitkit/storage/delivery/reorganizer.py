@@ -7,6 +7,7 @@ import traceback
 
 from knitkit.storage.backends.backend import UnitBackend, check_backend
 from knitkit.storage.backends.lost import UnitsLostError
+from knitkit.storage.delivery.layout_codec import RecordTemplate
 from knitkit.storage.delivery.publication import Publisher
 from knitkit.storage.delivery.slot_ring import (
     ConsumerDiedError,
@@ -14,7 +15,7 @@ from knitkit.storage.delivery.slot_ring import (
     RingSpec,
     SlotRing,
 )
-from knitkit.storage.planning.packing import RowSpec, pack_into_batched, pack_layout
+from knitkit.storage.planning.packing import PackTemplate, RowSpec, pack_template
 from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan, MicroBatchPlan
 from knitkit.types import MicroBatchLayout, UnitKey, UnitRead
 
@@ -33,12 +34,15 @@ class Reorganizer:
         self.backend = backend
         self.publisher = publisher
         self._schema: dict[str, RowSpec] = {}
+        self._packers: dict[object, tuple[PackTemplate, RecordTemplate]] = {}
+        """This assignment's field sets -> their templates (NOTE [ Pack templates ])."""
 
     def deliver(self, minibatch_id: str, plan: ConsumerPlan | EncoderRankPlan) -> int:
         """Publish every micro-batch of ``plan`` in consumption order; returns how many."""
         count = len(plan.micro_batches)
         if isinstance(plan, ConsumerPlan):
             self._learn_schema(plan)
+            self._packers.clear()  # the schema may have grown: templates per assignment
         for index in range(count):
             extra: dict[str, int | float | str] = {
                 "minibatch_id": minibatch_id,
@@ -54,11 +58,19 @@ class Reorganizer:
     def _publish_backbone(
         self, micro_batch: MicroBatchPlan, extra: dict[str, int | float | str]
     ) -> None:
-        layout = pack_layout(micro_batch, self._schema, extra)
-        slot = self.publisher.acquire(layout.nbytes)
+        key = (micro_batch.token_fields, micro_batch.scalar_fields, micro_batch.columns)
+        packer = self._packers.get(key)
+        if packer is None:
+            template = pack_template(micro_batch, self._schema)
+            record = RecordTemplate(template.names, template.dtypes, template.trailing)
+            packer = self._packers[key] = (template, record)
+        template, record = packer
+        shaped = template.shape(micro_batch, extra)
+        slot = self.publisher.acquire(shaped.layout.nbytes)
         before = self.backend.bytes_read
-        pack_into_batched(micro_batch, layout, slot, self.backend.read_many)
-        self._publish(layout, before)
+        template.fill(micro_batch, shaped, slot, self.backend.read_many)
+        layout = shaped.layout
+        self._publish(layout, before, record.encode(layout, shaped.offsets, shaped.lead))
 
     def _publish_encoder(
         self, units: tuple[UnitKey, ...], extra: dict[str, int | float | str]
@@ -73,11 +85,14 @@ class Reorganizer:
         layout.clear_padding(slot)
         self._publish(layout, before)
 
-    def _publish(self, layout: MicroBatchLayout, bytes_read_before: int) -> None:
-        """Count the bytes read for this micro-batch, then publish it: a consumer that sees a
-        micro-batch also sees the ring's byte count include it."""
+    def _publish(
+        self, layout: MicroBatchLayout, bytes_read_before: int, record: bytes | None = None
+    ) -> None:
+        """Count the bytes read for this micro-batch, then publish it (``record``: its layout
+        record, already encoded): a consumer that sees a micro-batch also sees the ring's byte
+        count include it."""
         self.publisher.ring.add_bytes_read(self.backend.bytes_read - bytes_read_before)
-        self.publisher.publish(layout)
+        self.publisher.publish(layout, record)
 
     def _learn_schema(self, plan: ConsumerPlan) -> None:
         """dtype and row shape of every field the plan packs.

@@ -469,8 +469,9 @@ class SlotRing:
             self._private.madvise(mmap.MADV_DONTNEED, *span)
             self._mapped[slot] = min(self._mapped.get(slot, 0), span[0] - start)
 
-    def write_meta(self, seq: int, layout: MicroBatchLayout) -> None:
-        blob = encode_layout(layout)
+    def write_meta(self, seq: int, layout: MicroBatchLayout, record: bytes | None = None) -> None:
+        """Write ``seq``'s layout record (``record``, or ``encode_layout(layout)``)."""
+        blob = encode_layout(layout) if record is None else record
         if len(blob) + _META_HEADER.size > self.spec.meta_bytes:
             raise ValueError(
                 f"micro-batch {seq}: layout metadata takes {len(blob)} bytes, more than the "

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 
 import numpy as np
 
 _PAGE = mmap.PAGESIZE
 _PRESENT, _SWAPPED, _FILE_PAGE = 63, 62, 61
 """Bits of a /proc/<pid>/pagemap entry (Linux >= 3.5): page present, swapped, file-backed."""
+_TOP_BYTE = 7 if sys.byteorder == "little" else 0
+"""Index of bits 56-63 in a native-endian page-map entry."""
+_WRITTEN = bytes(
+    (b >> (_PRESENT - 56) | b >> (_SWAPPED - 56)) & ~(b >> (_FILE_PAGE - 56)) & 1
+    for b in range(256)
+)
+"""Top byte of a page-map entry (bits 56-63) -> 1 if its page is mapped (present
+or swapped) and not the file's: a page this process wrote. ``bytes.translate`` maps a whole page
+map's top bytes at once, in C (numpy's five array operations over 600 entries cost ~9 us)."""
 
 
 class WrittenPages:
@@ -34,14 +44,14 @@ class WrittenPages:
         entries = self._entries(low, pages)
         if entries is None:
             return low, pages * _PAGE
-        mapped = (entries >> _PRESENT) | (entries >> _SWAPPED)
-        written = np.flatnonzero(mapped & ~(entries >> _FILE_PAGE) & 1)
-        if written.size == 0:
+        written = entries[_TOP_BYTE::8].translate(_WRITTEN)
+        first = written.find(1)
+        if first < 0:
             return None
-        first, last = int(written[0]), int(written[-1])
+        last = written.rfind(1)
         return low + first * _PAGE, (last + 1 - first) * _PAGE
 
-    def _entries(self, offset: int, pages: int) -> np.ndarray | None:
+    def _entries(self, offset: int, pages: int) -> bytes | None:
         if not self.readable:
             return None
         try:
@@ -56,7 +66,7 @@ class WrittenPages:
         if len(raw) != 8 * pages:
             self.readable = False
             return None
-        return np.frombuffer(raw, np.uint64)
+        return raw
 
     def close(self) -> None:
         if self._fd is not None:
