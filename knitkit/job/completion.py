@@ -30,11 +30,17 @@ JOIN_S = 5.0
 #   the spec's ``wait_timeout_s`` (``TimeoutError`` naming the rank and what it queued). The
 #   wait for a pass's write-backs moved to where their data is needed: the next pass's first
 #   micro-batch, which the driver serves only once they arrived (its bound and the driver's
-#   failure and death reach it as before: the rank's ``DriverWatch``). The encoder ring is
-#   read again only after the jobs that take from it ran (``wait``: the next mini-batch's
-#   first encoding pass), so ring order is kept; a clean ``close`` waits for all of them.
-#   ``metrics`` waits for none: a pass's iterator figures are added at its end, its device
-#   copy time (``h2d_s``, complete only once closed) when the thread closed it.
+#   failure and death reach it as before: the rank's ``DriverWatch``). A clean ``close`` waits
+#   for every job; ``metrics`` for none (a pass's iterator figures are added at its end, its
+#   device copy time, ``h2d_s``, complete only once closed, when the thread closed it).
+# - What stays on the training thread: taking and releasing the encoder ring's copy of kept
+#   units (0.2-0.4 ms, published long before; the ring is read only there, in order), and a
+#   pass whose loop left micro-batches unread (closed there, then it raises).
+# - When the thread runs. Records of one process contend for one GIL: a publication running
+#   beside the training loop's Python delays it by up to the interpreter's switch interval
+#   (5 ms) per hand-back. So a pass's ``values`` records are held back and run with its end
+#   (``post(now=False)``; a full queue runs them at once): the thread works while the training
+#   thread waits for its next pass's data or schedule, with the GIL released.
 # - Order and exactly-once. One thread runs the jobs in the order posted, each once: a pass's
 #   write-backs, then its end, then the next pass's, exactly the records and order the
 #   training thread produced before (the driver's ledger checks them as before).
@@ -71,6 +77,8 @@ class PassEnds:
         self._jobs: deque[tuple[int, str, Callable[[], None]]] = deque()
         self._cond = threading.Condition()
         self._posted = 0
+        self._released = 0
+        """Jobs up to this number may run (``post(..., now=False)`` holds them back)."""
         self._ran = 0
         self._running = ""
         self._failure: BaseException | None = None
@@ -85,16 +93,30 @@ class PassEnds:
         """Whether a job is running now (e.g. a publication blocked on a full ring)."""
         return bool(self._running)
 
-    def post(self, what: str, job: Callable[[], None], *, timeout_s: float | None = None) -> int:
-        """Queue ``job`` (``what`` names it in errors); returns its number for ``wait``. Waits
-        only while ``depth`` jobs are queued or running, at most ``timeout_s`` (default: the
-        bound given at construction); raises an earlier job's failure."""
+    def post(
+        self,
+        what: str,
+        job: Callable[[], None],
+        *,
+        now: bool = True,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Queue ``job`` (``what`` names it in errors); returns its number for ``wait``.
+        ``now=False`` holds it (and later ones) back until a job is posted with ``now`` or the
+        queue is full. Waits only while ``depth`` jobs are queued or running, at most
+        ``timeout_s`` (default: the bound given at construction); raises an earlier job's
+        failure."""
         with self._cond:
+            if self._posted - self._ran >= self.depth:
+                self._released = self._posted  # a full queue runs what it holds
+                self._cond.notify_all()
             self._wait_for(
                 lambda: self._posted - self._ran < self.depth, f"to queue {what}", timeout_s
             )
             self._posted += 1
             self._jobs.append((self._posted, what, job))
+            if now:
+                self._released = self._posted
             self._cond.notify_all()
             return self._posted
 
@@ -102,6 +124,8 @@ class PassEnds:
         """Until job ``number`` (default: every job posted) ran; raises a job's failure."""
         with self._cond:
             target = self._posted if number is None else number
+            self._released = max(self._released, target)
+            self._cond.notify_all()
             self._wait_for(lambda: self._ran >= target, "for its queued jobs", timeout_s)
 
     def raise_failure(self) -> None:
@@ -114,6 +138,8 @@ class PassEnds:
         """Run what is queued for at most ``timeout_s``, then drop the rest and stop the thread
         (the caller makes a job blocked on a ring give up first: ``RecordWriter.stop``)."""
         with self._cond:
+            self._released = self._posted
+            self._cond.notify_all()
             self._cond.wait_for(lambda: not self._jobs and not self._running, timeout_s)
             self._stopping = True
             self._jobs.clear()
@@ -156,7 +182,11 @@ class PassEnds:
             return
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: bool(self._jobs) or self._stopping)
+                self._cond.wait_for(
+                    lambda: (
+                        self._stopping or (bool(self._jobs) and self._jobs[0][0] <= self._released)
+                    )
+                )
                 if self._stopping:
                     return
                 number, what, job = self._jobs.popleft()

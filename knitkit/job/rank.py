@@ -118,8 +118,6 @@ class RankHandle:
         self._units_taken: tuple[str, str] | None = None
         """The (mini-batch, pass) whose units were last taken from the encoder ring."""
         self._last_encoding = next((p.name for p in reversed(spec.passes) if p.encodes), None)
-        self._encoder_job = 0
-        """The last queued pass-end job that takes from the encoder ring (``PassEnds.wait``)."""
         self._closed = False
         waits = {
             "liveness_timeout_s": spec.liveness_timeout_s,
@@ -307,11 +305,6 @@ class RankHandle:
         """This rank's encoder units of ``work``: those kept from the mini-batch's first
         encoding pass, else copied out of its encoder ring (see NOTE [ Encoder inputs once per
         mini-batch ])."""
-        self._ends.wait(self._encoder_job)  # NOTE [ Asynchronous pass ends ]: ring order
-        return self._encoder_units(work)
-
-    def _encoder_units(self, work: PassWork) -> dict[UnitKey, torch.Tensor]:
-        """``read_encoder_inputs`` on a thread whose earlier encoder-ring jobs ran."""
         count = work.encoder_micro_batches()
         if count == 0 or self._units is None:
             return {}
@@ -333,7 +326,7 @@ class RankHandle:
         if count == 0 or self._units is None or self._units_taken == here:
             return
         if self._kept is None or self._kept[0] != work.minibatch_id:
-            self._encoder_units(work)  # the first encoding pass never asked: read and keep them
+            work.encoder_inputs()  # the first encoding pass never asked: read (and keep) them
             return
         served: list[UnitKey] = []
         for lease in self._take(self._units, count, work):
@@ -360,44 +353,44 @@ class RankHandle:
             for name in _ITERATOR_FIGURES:
                 if name != _H2D:  # complete once the iterator is closed
                     self._totals[name] += figures[name]
-            number = self._ends.post(
-                f"end of pass {work.pass_.name!r} of {work.minibatch_id!r}",
-                lambda: self._end_pass(work, iterator, take, (_H2D,)),
+            self._ends.post(  # every lease is taken: closing releases the last one, joins
+                f"closing pass {work.pass_.name!r} of {work.minibatch_id!r}",
+                lambda: self._close_iterator(iterator),
             )
-            if work.pass_.encodes:
-                self._encoder_job = number
+            self._end_encoder(work)
             return
-        self._ends.wait()
-        self._end_pass(work, iterator, take, _ITERATOR_FIGURES)
-
-    def _end_pass(
-        self,
-        work: PassWork,
-        iterator: MicroBatchIterator | None,
-        take: Taken | None,
-        figures: tuple[str, ...],
-    ) -> None:
-        """``end_pass``'s work, on whichever thread runs it; adds the iterator's ``figures``
-        up once it is closed."""
-        taken_by_loop = work.num_micro_batches if iterator is None else iterator.stats.count
+        taken_by_loop = work.num_micro_batches
         if iterator is not None:
-            iterator.close()
-            closed = iterator.metrics()
-            for name in figures:
-                self._totals[name] += closed[name]
+            self._ends.wait()  # a short pass: closed here, as the ring is left
+            taken_by_loop = iterator.stats.count
+            self._close_iterator(iterator, _ITERATOR_FIGURES)
         left = work.num_micro_batches - (take.taken if take is not None else 0)
         for lease in self._take(self._data, left, work):
             lease.release()
-        if work.pass_.encodes:  # the ring moves on: see NOTE [ Encoder inputs once per mini-batch ]
-            self._skip_encoder_units(work)
-            if work.pass_.name == self._last_encoding:
-                self._kept = None
+        self._end_encoder(work)
         if iterator is not None and taken_by_loop < work.num_micro_batches:
             raise RuntimeError(
                 f"rank {self.coords.rank}: pass {work.pass_.name!r} of {work.minibatch_id!r} "
                 f"ended after {taken_by_loop} of its {work.num_micro_batches} micro-batches; "
                 "train every micro-batch of a pass (every rank runs the same schedule)"
             )
+
+    def _close_iterator(
+        self, iterator: MicroBatchIterator, figures: tuple[str, ...] = (_H2D,)
+    ) -> None:
+        """Close a pass's iterator (on either thread), then add its ``figures`` up."""
+        iterator.close()
+        closed = iterator.metrics()
+        for name in figures:
+            self._totals[name] += closed[name]
+
+    def _end_encoder(self, work: PassWork) -> None:
+        """The encoder ring moves on (see NOTE [ Encoder inputs once per mini-batch ]): on the
+        training thread, the only one that reads it (its units were published long before)."""
+        if work.pass_.encodes:
+            self._skip_encoder_units(work)
+            if work.pass_.name == self._last_encoding:
+                self._kept = None
 
     def _take(self, ring: FollowingConsumer, count: int, work: PassWork) -> PassTake:
         """Exactly ``count`` leases of ``work``'s assignment on ``ring``, checked to be its."""
@@ -430,6 +423,7 @@ class RankHandle:
         self._ends.post(
             f"{kind} record of pass {work.pass_.name!r} of {work.minibatch_id!r}",
             lambda: self._publish(writer, full, owned),
+            now=kind != "values",  # a pass's values go with its end (or once the queue is full)
             timeout_s=timeout_s,
         )
 
