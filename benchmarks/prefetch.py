@@ -32,14 +32,17 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import os
 import queue
+import resource
 import statistics
 import threading
 import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from multiprocessing import shared_memory
 from threading import Semaphore
 from typing import Any
@@ -317,27 +320,66 @@ def open_loop(method: str, source: ShmReorganizer, device: str) -> Any:
     raise ValueError(f"unknown method {method!r}")
 
 
-def run(
-    method: str, source: ShmReorganizer, compute: Compute, device: str, *, warm: bool
-) -> tuple[list[float], float]:
-    """One mini-batch through the method: (each micro-batch's wait in next(), wall time from the
-    first ask to the last compute). ``warm``: one step of compute between creating the loader
-    and asking (the loop's lead-in), else the loop asks at once (cold)."""
+@dataclass(slots=True)
+class Run:
+    """One mini-batch through a method."""
+
+    waits: list[float]
+    """Each micro-batch's wait in next() (wall seconds)."""
+    wall: float
+    """From the first ask to the end of the last compute."""
+    process_cpu: float
+    """CPU seconds of this process, all threads (the loop, a prefetch thread; not a DataLoader's
+    worker processes), over the same span."""
+    handover_cpu: list[float]
+    """The loop thread's CPU seconds inside each next()."""
+    loop_cpu: float
+    """The loop thread's CPU seconds over the span (Linux schedstat; NaN elsewhere)."""
+    loop_runqueue: float
+    """Seconds the loop thread was ready but waited for a core (other tenants, our own threads)."""
+
+    @property
+    def loop_blocked(self) -> float:
+        """Seconds the loop thread slept: waiting for data or for the GIL (the data path's doing)."""
+        return self.wall - self.loop_cpu - self.loop_runqueue
+
+
+def run(method: str, source: ShmReorganizer, compute: Compute, device: str, *, warm: bool) -> Run:
+    """One mini-batch through the method. ``warm``: one step of compute between creating the
+    loader and asking (the loop's lead-in), else the loop asks at once (cold)."""
     loop = open_loop(method, source, device)
-    waits = []
+    waits, handover_cpu = [], []
     try:
         if warm:
             compute.lead_in(staged(source, device))
-        start = time.perf_counter()
+        start, cpu, sched = time.perf_counter(), _process_cpu(), _thread_sched()
         for _ in range(source.n_micro):
-            asked = time.perf_counter()
+            asked, asked_cpu = time.perf_counter(), time.thread_time()
             tensors = next(loop)
+            handover_cpu.append(time.thread_time() - asked_cpu)
             waits.append(time.perf_counter() - asked)
             compute(tensors)
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, _process_cpu() - cpu
+        (cpu_end, runqueue_end), (cpu_begin, runqueue_begin) = _thread_sched(), sched
+        loop_cpu, loop_runqueue = cpu_end - cpu_begin, runqueue_end - runqueue_begin
     finally:
         loop.close()
-    return waits, wall
+    return Run(waits, wall, cpu, handover_cpu, loop_cpu, loop_runqueue)
+
+
+def _thread_sched() -> tuple[float, float]:
+    """This thread's (CPU seconds, seconds ready but waiting for a core), from Linux schedstat."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as stat:
+            cpu_ns, runqueue_ns, _ = stat.read().split()
+    except OSError:
+        return math.nan, math.nan
+    return int(cpu_ns) / 1e9, int(runqueue_ns) / 1e9
+
+
+def _process_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def staged(source: ShmReorganizer, device: str) -> Tensors:
@@ -375,15 +417,25 @@ def measure(
             pure = oracle_wall(source, compute, device)
             row = {"oracle_ms_per_micro": pure / n * 1e3}
             for method in methods:
-                cold, _ = run(method, source, compute, device, warm=False)
-                waits, wall = run(method, source, compute, device, warm=True)
+                cold = run(method, source, compute, device, warm=False)
+                warm = run(method, source, compute, device, warm=True)
+                waits = warm.waits
                 row |= {
-                    f"{method}.cold_first_wait_ms": cold[0] * 1e3,
+                    f"{method}.cold_first_wait_ms": cold.waits[0] * 1e3,
                     f"{method}.warm_first_wait_ms": waits[0] * 1e3,
                     f"{method}.wait_ms_per_micro": statistics.fmean(waits) * 1e3,
                     f"{method}.steady_wait_us_per_micro": statistics.fmean(waits[1:]) * 1e6,
-                    f"{method}.wall_overhead": wall / pure - 1,
+                    f"{method}.wall_overhead": warm.wall / pure - 1,
                 }
+                if method != "dataloader":  # its workers' CPU is in other processes
+                    row[f"{method}.process_cpu_ms_per_micro"] = warm.process_cpu / n * 1e3
+                row[f"{method}.loop_cpu_ms_per_micro"] = warm.loop_cpu / n * 1e3
+                row[f"{method}.loop_runqueue_ms_per_micro"] = warm.loop_runqueue / n * 1e3
+                row[f"{method}.loop_blocked_ms_per_micro"] = warm.loop_blocked / n * 1e3
+            if "thread" in methods:  # paired within the repeat: the same source, load, minute
+                row["wall_overhead_minus_thread"] = (
+                    row["iter.wall_overhead"] - row["thread.wall_overhead"]
+                )
         finally:
             source.close()
         rows.append(row)
@@ -400,21 +452,32 @@ def measure(
     return out
 
 
-def handover_overhead_us(device: str, n: int, tokens: int, compute_ms: float, repeats: int):
-    """Time in next() when micro-batches are staged ahead: (median, mean) over micro-batches.
+def handover_overhead_us(
+    device: str, n: int, tokens: int, compute_ms: float, repeats: int
+) -> tuple[float, float, float]:
+    """Time in next() when micro-batches are staged ahead: (median, mean, median loop-thread CPU)
+    over micro-batches, in us.
 
     The median is the iterator's own hand-over cost; the mean also carries the moments another
-    tenant of the machine kept the prefetch thread off the CPU for a whole step.
+    tenant of the machine kept the prefetch thread off the CPU for a whole step; the CPU figure
+    leaves out the time the loop thread waited for a core (it moves less with the load).
     """
     compute = Compute(compute_ms, device)
     waits: list[float] = []
+    cpu: list[float] = []
     for _ in range(repeats):
         source = ShmReorganizer(n, tokens, prep_ms=0.0)
         try:
-            waits += run("iter", source, compute, device, warm=True)[0][1:]
+            warm = run("iter", source, compute, device, warm=True)
+            waits += warm.waits[1:]
+            cpu += warm.handover_cpu[1:]
         finally:
             source.close()
-    return statistics.median(waits) * 1e6, statistics.fmean(waits) * 1e6
+    return (
+        statistics.median(waits) * 1e6,
+        statistics.fmean(waits) * 1e6,
+        statistics.median(cpu) * 1e6,
+    )
 
 
 def cuda_bandwidth(quick: bool) -> dict[str, float]:
@@ -492,18 +555,23 @@ def main() -> int:
         if i == 0:
             figures.update({f"cpu.{key}": value for key, value in row.items()})
         print_setting(f"X {x_ms:g} ms compute, Y {y_ms:g} ms preparation", row, METHODS)
-    median, mean = handover_overhead_us("cpu", n, 4096, 6.0, repeats)
+    median, mean, cpu = handover_overhead_us("cpu", n, 4096, 6.0, repeats)
     figures["cpu.overhead_us_per_micro"], figures["cpu.overhead_mean_us_per_micro"] = median, mean
-    print(f"hand-over overhead per micro-batch: median {median:.1f} us, mean {mean:.1f} us")
+    figures["cpu.overhead_cpu_us_per_micro"] = cpu
+    print(
+        f"hand-over overhead per micro-batch: median {median:.1f} us, mean {mean:.1f} us"
+        f" (loop thread CPU {cpu:.1f} us)"
+    )
     if args.gpu:
         figures.update(cuda_bandwidth(args.quick))
         methods = (*METHODS, "iter_staging")
         cuda = measure("cuda", n, 16384, 8.0, 4.0, repeats, methods)
         figures.update({f"cuda.{key}": value for key, value in cuda.items()})
         print_setting("CUDA: 16384 tokens (3.1 MiB), X 8 ms, Y 4 ms", cuda, methods)
-        median, mean = handover_overhead_us("cuda", n, 16384, 8.0, repeats)
+        median, mean, cpu = handover_overhead_us("cuda", n, 16384, 8.0, repeats)
         figures["cuda.overhead_us_per_micro"] = median
         figures["cuda.overhead_mean_us_per_micro"] = mean
+        figures["cuda.overhead_cpu_us_per_micro"] = cpu
         print(
             f"CUDA H2D: raw {figures['cuda.raw_h2d_gbps']:.1f} GB/s; from the registered slot"
             f" {figures['cuda.direct.h2d_gbps']:.1f} GB/s"
@@ -526,19 +594,25 @@ def print_setting(title: str, row: Mapping[str, float], methods: Iterable[str]) 
     print(f"{title}; oracle (data in memory) {row['oracle_ms_per_micro']:.2f} ms per micro-batch")
     print(
         f"{'method':<14}{'cold first ms':>14}{'warm first ms':>14}{'steady wait us':>16}"
-        f"{'wall overhead':>15}"
+        f"{'wall overhead':>15}{'process CPU ms':>16}{'loop cpu/runq/blocked ms':>26}"
     )
     for method in methods:
+        cpu = row.get(f"{method}.process_cpu_ms_per_micro")
         print(
             f"{method:<14}{row[f'{method}.cold_first_wait_ms']:>14.2f}"
             f"{row[f'{method}.warm_first_wait_ms']:>14.2f}"
             f"{row[f'{method}.steady_wait_us_per_micro']:>16.1f}"
             f"{row[f'{method}.wall_overhead']:>15.1%}"
+            + (f"{cpu:>16.2f}" if cpu is not None else f"{'-':>16}")
+            + f"{row[f'{method}.loop_cpu_ms_per_micro']:>10.2f}"
+            + f"{row[f'{method}.loop_runqueue_ms_per_micro']:>8.2f}"
+            + f"{row[f'{method}.loop_blocked_ms_per_micro']:>8.2f}"
         )
     print(
         f"iterator wait / DataLoader wait {row['exposed_ratio']:.3f} (cold first micro-batch"
         f" {row['cold_first_wait_ratio']:.3f}); / one-ahead thread {row['exposed_ratio.thread']:.3f}"
-        f" (cold first {row['cold_first_wait_ratio.thread']:.3f})"
+        f" (cold first {row['cold_first_wait_ratio.thread']:.3f}); iterator - thread wall overhead,"
+        f" paired per repeat: {row['wall_overhead_minus_thread']:+.1%}"
     )
 
 

@@ -127,12 +127,14 @@ def field_tensors(
 
 # NOTE [ Reused field views ]
 # Building a micro-batch's field views costs one torch call per field and one per dtype
-# (``field_tensors``), and each call drops and retakes the GIL: with the training loop's thread
-# running torch ops, every such hand-off lets the loop in and makes the prefetch thread wait for
-# the GIL again. Where preparation is the critical path (prefetch.py's X4/Y6: compute 4 ms,
-# preparation 6 ms per micro-batch), that wait is added to every step (issue 31). A staging slot
-# (or a ring slot's private view) mostly carries the same layout again, so its views are built
-# once and handed out again while
+# (``field_tensors``: ~8 us for prefetch.py's 3 fields, ~30 us for 9 on the 2-core dev box), and
+# each call drops and retakes the GIL: with the training loop's thread running torch ops, every
+# such hand-off lets the loop in and makes the prefetch thread wait for the GIL again, so a
+# micro-batch can be late although the thread had the time to stage it. A staging slot (or a
+# ring slot's private view) mostly carries the same layout again, so its views are built once
+# and handed out again (with the credits in a SimpleQueue, NOTE [ Prefetch thread shutdown ] in
+# worker.py: prefetch.py at X6/Y4, load 4-7, the loop's steady wait per micro-batch went from
+# 265-850 us, p90 0.9-2.1 ms, to 41-61 us, p90 61-75 us; issue 31) while
 # - the layout is the one they were built for (its fields tuple, or an equal one, its size, the
 #   same dtype overrides), over the same buffer (a slot that grows drops them: StagingRing.ensure);
 # - the training loop left them as built: shape, requires_grad, strides and data pointer of the

@@ -32,8 +32,9 @@ from knitkit.types import MicroBatchLayout
 # weakref finalizer (= shutdown()) while the thread is still running.
 # - Bounded memory: ``credits`` (``depth`` tokens in a SimpleQueue: a semaphore in C, whose
 #   release costs ~0.1 us and a wake ~2.5 us, against ~4 and ~6 us for threading.Semaphore's
-#   Condition in Python on the 2-core dev box, issue 31) is taken before each pull from
-#   the source and returned when the consumer has launched the micro-batch it holds. At most
+#   Condition in Python: a scratch timing on the 2-core dev box at load 12-15, issue 31) is
+#   taken before each pull from the source and returned when the consumer has launched the
+#   micro-batch it holds. At most
 #   ``depth`` micro-batches are pulled ahead of the one the consumer holds, so ``depth + 1``
 #   slots suffice and the source is never read further ahead (a bounded source, such as a
 #   consumer's ``take(n)``, is never asked for item n + 1).
