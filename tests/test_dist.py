@@ -29,10 +29,10 @@ def _sleep(rank: int) -> None:
 def test_world_runs_jobs_reports_errors_and_times_out() -> None:
     """A real gloo world: results in rank order; a raising rank's traceback and a hang become WorkerError;
     the world restarts for the next job."""
-    with World(2, timeout_s=4) as world:
+    with World(2) as world:
         assert world.run(_sum_of_ranks, 2.0) == [2.0, 2.0]
         with pytest.raises(WorkerError, match="rank one is broken"):
             world.run(_fail_on_rank_one)
         assert world.run(_sum_of_ranks, 1.0) == [1.0, 1.0]
         with pytest.raises(WorkerError, match="timed out"):
-            world.run(_sleep)
+            world.run(_sleep, timeout_s=2)  # the job sleeps 60 s: it cannot finish in time

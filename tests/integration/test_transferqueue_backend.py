@@ -167,9 +167,11 @@ def test_store_over_transferqueue_delivers_like_memory(connection: TransferQueue
         assert all(np.array_equal(got[k], expected[k]) for k in expected)
 
 
-_START = """
-import sys, time
+_STARTS = """
+import time, ray
+from knitkit.integration.ray import start_ray
 from knitkit.integration.transferqueue import start_transfer_queue
+
 started = time.monotonic()
 try:
     start_transfer_queue(num_cpus=2)
@@ -177,12 +179,8 @@ except ValueError as error:
     print("REFUSED", round(time.monotonic() - started), error, flush=True)
 else:
     print("STARTED", flush=True)
-"""
+ray.shutdown()
 
-_BUSY = """
-import time, ray
-from knitkit.integration.ray import start_ray
-from knitkit.integration.transferqueue import start_transfer_queue
 start_ray(num_cpus=3)
 
 @ray.remote(num_cpus=1)
@@ -194,7 +192,7 @@ hog = Hog.remote()
 ray.get(hog.ready.remote())
 started = time.monotonic()
 try:
-    start_transfer_queue(timeout_s=5)
+    start_transfer_queue(timeout_s=3)
 except TimeoutError as error:
     print("TIMEOUT", round(time.monotonic() - started), error, flush=True)
 else:
@@ -208,36 +206,37 @@ ray.shutdown()
 """
 
 
-def _run(code: str, timeout_s: float) -> str:
-    """Run ``code`` in a fresh process (a Ray runtime of its own); its stdout."""
+@pytest.fixture(scope="module")
+def start_outcomes() -> list[str]:
+    """Two starts that must not succeed, in one fresh process (Ray and TQ imported once): 2
+    logical CPUs in all, then 3 with one held by another actor; stdout, a line per outcome."""
     try:
         done = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s
+            [sys.executable, "-c", _STARTS], capture_output=True, text=True, timeout=400
         )
     except subprocess.TimeoutExpired:
-        pytest.fail(f"start_transfer_queue did not return within {timeout_s} s")
+        pytest.fail("start_transfer_queue did not return within 400 s (two starts)")
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return done.stdout.splitlines()
 
 
-def test_too_few_cpus_for_transfer_queue_is_refused_at_once() -> None:
+def test_too_few_cpus_for_transfer_queue_is_refused_at_once(start_outcomes: list[str]) -> None:
     """``start_transfer_queue(num_cpus=2)``: TQ's controller and two storage units need 3
     logical CPUs, so it would wait forever; it is refused at once, naming the CPUs and the fix
     (the bound here covers Ray's own start on a loaded machine)."""
-    out = _run(_START, timeout_s=240)
-    assert out.startswith("REFUSED"), out
+    out = start_outcomes[0]
+    assert out.startswith("REFUSED"), start_outcomes
     assert "needs 3 logical CPUs" in out and "num_cpus=3" in out
 
 
-def test_a_start_that_cannot_be_placed_times_out_and_cleans_up() -> None:
+def test_a_start_that_cannot_be_placed_times_out_and_cleans_up(start_outcomes: list[str]) -> None:
     """Enough CPUs in the cluster but one held by another actor: the start gives up after
-    ``timeout_s`` with a ``TimeoutError`` naming the free CPUs, and kills what it started (5 s:
+    ``timeout_s`` with a ``TimeoutError`` naming the free CPUs, and kills what it started (3 s:
     the start can never be placed, so a loaded machine only makes the wait longer)."""
-    out = _run(_BUSY, timeout_s=280)
-    lines = out.splitlines()
-    assert lines[0].startswith("TIMEOUT") and "free logical CPUs" in lines[0], out
-    assert 5 <= int(lines[0].split()[1]) < 200, out
-    assert lines[1] == "CLEAN", out
+    timeout, cleanup = start_outcomes[1:3]
+    assert timeout.startswith("TIMEOUT") and "free logical CPUs" in timeout, start_outcomes
+    assert 3 <= int(timeout.split()[1]) < 200, start_outcomes
+    assert cleanup == "CLEAN", start_outcomes
 
 
 def test_write_ranges_goes_through_whole_unit_replace(backend: TransferQueueBackend):

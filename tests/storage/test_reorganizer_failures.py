@@ -134,8 +134,11 @@ def test_reorganizer_error_reaches_consumers(loaded):
 
 _OWNER = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys, time
     import numpy as np
+    # A suite run in the background of a non-interactive shell inherits SIGINT ignored; a user's
+    # owner process gets Python's default handler, so this one does too.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {tests!r})
     from delivery_payloads import fill_backend, make_metas, plan_for
     from knitkit.storage.planning.plan import Topology
