@@ -34,16 +34,22 @@ JOIN_S = 5.0
 #   for every job; ``metrics`` for none (a pass's iterator figures are added at its end, its
 #   device copy time, ``h2d_s``, complete only once closed, when the thread closed it).
 # - What stays on the training thread: taking and releasing the encoder ring's copy of kept
-#   units (0.2-0.4 ms, published long before; the ring is read only there, in order), and a
-#   pass whose loop left micro-batches unread (closed there, then it raises).
-# - When the thread runs. Records of one process contend for one GIL: a publication running
-#   beside the training loop's Python delays it by up to the interpreter's switch interval
-#   (5 ms) per hand-back. So a pass's ``values`` records are held back and run with its end
-#   (``post(now=False)``; a full queue runs them at once): the thread works while the training
-#   thread waits for its next pass's data or schedule, with the GIL released.
+#   units (0.2-0.4 ms in the profile above: published long before; the ring is read only
+#   there, in order), and a pass whose loop left micro-batches unread (closed there, then it
+#   raises).
+# - When the thread runs. The thread and the training loop share one GIL: a job running
+#   beside the loop's Python delays it (CPython hands the GIL back after its switch interval,
+#   5 ms by default). Profiled with jobs run as soon as posted (``grpo_step.py --quick``, load
+#   ~18): "sending write-backs" 7.6 ms per step instead of 0.3-0.6 ms, and the encoder-ring
+#   release after a posted iterator close 1-11 ms per pass instead of 0.2-0.4 ms. So a pass's
+#   jobs (its ``values`` records, its iterator's close) are held back (``post(now=False)``)
+#   until the training thread finished its part of the pass's end (``RankHandle.pass_ended``;
+#   a full queue runs them at once): the thread then works while the training thread waits for
+#   its next pass's data or schedule, with the GIL released.
 # - Order and exactly-once. One thread runs the jobs in the order posted, each once: a pass's
-#   write-backs, then its end, then the next pass's, exactly the records and order the
-#   training thread produced before (the driver's ledger checks them as before).
+#   write-backs, its iterator's close, its ``done``, then the next pass's: exactly the records,
+#   in the order, the training thread published before (the driver's ledger checks them as
+#   before: every output once, a group's pass end after its outputs).
 # - Errors. A job that fails stops the thread (later jobs are dropped) and ``on_failure`` gets
 #   the error at once: the writer rank fails its write-back ring (the driver fails naming the
 #   rank) and the rank's ``DriverWatch`` interrupts its waits on data rings with it; every later
@@ -119,6 +125,12 @@ class PassEnds:
                 self._released = self._posted
             self._cond.notify_all()
             return self._posted
+
+    def release(self) -> None:
+        """Let every job posted so far run (those posted with ``now=False``)."""
+        with self._cond:
+            self._released = self._posted
+            self._cond.notify_all()
 
     def wait(self, number: int | None = None, *, timeout_s: float | None = None) -> None:
         """Until job ``number`` (default: every job posted) ran; raises a job's failure."""

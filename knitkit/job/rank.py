@@ -353,11 +353,12 @@ class RankHandle:
             for name in _ITERATOR_FIGURES:
                 if name != _H2D:  # complete once the iterator is closed
                     self._totals[name] += figures[name]
+            self._end_encoder(work)  # first: the thread starts with ``pass_ended``
             self._ends.post(  # every lease is taken: closing releases the last one, joins
                 f"closing pass {work.pass_.name!r} of {work.minibatch_id!r}",
                 lambda: self._close_iterator(iterator),
+                now=False,
             )
-            self._end_encoder(work)
             return
         taken_by_loop = work.num_micro_batches
         if iterator is not None:
@@ -374,6 +375,12 @@ class RankHandle:
                 f"ended after {taken_by_loop} of its {work.num_micro_batches} micro-batches; "
                 "train every micro-batch of a pass (every rank runs the same schedule)"
             )
+
+    def pass_ended(self, work: PassWork, figures: Mapping[str, np.ndarray]) -> None:
+        """The pass is finished: queue its ``done`` record (writer ranks) and let the pass-end
+        thread run what the pass queued (NOTE [ Asynchronous pass ends ] in completion.py)."""
+        self.send(work, "done", {}, figures)
+        self._ends.release()
 
     def _close_iterator(
         self, iterator: MicroBatchIterator, figures: tuple[str, ...] = (_H2D,)

@@ -149,7 +149,7 @@ class PassWork:
             self._rank.abandon(self, f"{type(error).__name__}: {error}")
             raise
         figures = {k: np.array([v], np.float64) for k, v in self._figures.items()}
-        self._rank.send(self, "done", {}, figures)
+        self._rank.pass_ended(self, figures)
 
     def _check_written(self) -> None:
         """On the writer rank: every micro-batch with tokens got every output of the pass."""
