@@ -1,6 +1,6 @@
 """One GRPO step on megatron-core, knitkit's path vs the unwrapped loop: data wait, CPU of every process, bytes read.
 
-Runs ``examples/grpo_megatron.py``'s loop under torchrun (4 ranks, DP2 x TP2; gloo on CPU) twice
+Runs ``examples/grpo_megatron.py``'s loop under torchrun (4 ranks, DP2 x TP2; gloo on CPU) four times
 in one run, on the same admitted mini-batches:
 
 - knitkit: the driver on rank 0 (admission, shared-memory store, one reorganizer process per
@@ -15,8 +15,14 @@ in one run, on the same admitted mini-batches:
   trajectories in admission order, up to the same token budget, block-causal mask), the vision
   path in every micro-batch: the fair baseline for packing (issue 31), so that knitkit's edge
   over it is the data path and dedup, not packing alone.
+- plain_dedup: the plain loop (one trajectory per micro-batch, nothing packed) with each unique
+  image encoded once per pass of a mini-batch (``examples/grpo/plain_dedup.py``:
+  ``knitkit.encoder_dedup``'s routing plan and ``DedupVLMStep``, the same dedup knitkit's path
+  runs; routing and loading the images a rank encodes count as its data wait): the fair
+  baseline for dedup, so that knitkit's edge over it is packing and the data path (issue 31).
+  Added after the other three; it moves none of their figures.
 
-Both run the same model and the same fixed extra compute per token (``--work``: 128 x 128
+All four run the same model and the same fixed extra compute per token (``--work``: 128 x 128
 matmuls per 64 tokens of each micro-batch, real CPU work standing in for a bigger model, not a
 sleep). Per step: the exposed data wait (a rank's time in the data path: waiting for a pass,
 its batches, encoder inputs, write-backs; for plain, building its share), wall time, the CPU
@@ -29,13 +35,13 @@ warms up), summed or maxed over ranks as named.
 
     python benchmarks/grpo_step.py [--quick] [--json PATH] [--steps N] [--work W]
 
-JSON keys (``<path>`` = knitkit, plain, plain_packed): ``<path>.exposed_wait_s_per_step`` (max over ranks),
+JSON keys (``<path>`` = knitkit, plain, plain_packed, plain_dedup): ``<path>.exposed_wait_s_per_step`` (max over ranks),
 ``<path>.exposed_wait_s_per_step.mean_rank``, ``<path>.exposed_wait_s_per_step.<kind>`` (the
 slowest rank's wait of one kind: ``pass``, ``encoder_inputs``, ``batch``, ``write_back``,
 ``done``; ``load`` for plain), ``<path>.step_s``, ``<path>.cpu_s_per_step``
 (every process), ``<path>.cpu_s_per_step.ranks``, ``.rank<r>``, ``.rank<r>.main_thread``,
 ``knitkit.cpu_s_per_step.reorganizers``, ``.other_children``, ``<path>.bytes_read_per_step``,
-``knitkit.images_encoded_per_step``, ``plain.images_encoded_per_step``, ``steps``, ``work``.
+``<path>.images_encoded_per_step``, ``steps``, ``work``.
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ WAIT_KINDS = {
     "load": "loading its share (plain)",
 }
 """The parts of the exposed data wait (``StepClock`` kinds)."""
-PATHS = ("knitkit", "plain", "plain_packed")
+PATHS = ("knitkit", "plain", "plain_packed", "plain_dedup")
 
 
 # ----- inside torchrun: one rank --------------------------------------------------------------
@@ -102,6 +108,7 @@ def _worker(out_dir: Path, steps: int, work: float) -> None:
     from grpo.config import GRPOConfig
     from grpo.knit import knitkit_loop
     from grpo.plain import _group, plain_loop
+    from grpo.plain_dedup import PlainDedup
     from grpo.rollout import parse_trajectory_id
     from grpo_megatron import new_trainer
 
@@ -138,9 +145,25 @@ def _worker(out_dir: Path, steps: int, work: float) -> None:
                 samples, sequences, device, budget
             ),
         )
+        say("dedup-only plain loop: the same mini-batches")
+        dedup_trainer = new_trainer(run)
+        dedup_trainer.work_per_token = work
+        deduped = plain_loop(
+            run,
+            dedup_trainer,
+            minibatches,
+            clock=StepClock(probe),
+            dedup=PlainDedup(run.rollout),
+        )
+        histories = {
+            "knitkit": knit,
+            "plain": plain,
+            "plain_packed": packed,
+            "plain_dedup": deduped,
+        }
         result = {
             path: [{"figures": r.figures, "timings": r.timings} for r in history]
-            for path, history in (("knitkit", knit), ("plain", plain), ("plain_packed", packed))
+            for path, history in histories.items()
         }
         (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
         say("done")

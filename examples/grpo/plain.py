@@ -4,7 +4,8 @@ What a team without knitkit writes: DP rank d takes every DP-th trajectory of th
 regenerates it from the rollout's own output (the SGLang ``/generate`` dict and its request)
 with plain numpy, and runs one trajectory per micro-batch (``[1, s]``, causal mask). The
 vision path re-encodes the trajectory's image inside every micro-batch of every pass, and each
-pass's log-probs stay in this rank's memory for the train pass. Nothing here imports knitkit.
+pass's log-probs stay in this rank's memory for the train pass. Nothing here uses knitkit's data
+path (``plain_dedup.py`` adds its encoder dedup, nothing else).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +25,9 @@ from grpo.rollout import Group, RolloutConfig, generate_group, parse_trajectory_
 from grpo.train import StepRecord, Trainer, figure_names
 from knitkit.integration.megatron import current_device
 from knitkit.metrics import MetricsObserver
+
+if TYPE_CHECKING:
+    from grpo.plain_dedup import PlainDedup
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,12 +111,15 @@ def plain_loop(
     observe: MetricsObserver | None = None,
     clock: StepClock | None = None,
     batches_of: Callable[[list[Sample], int, torch.device], list[dict[str, object]]] | None = None,
+    dedup: PlainDedup | None = None,
 ) -> list[StepRecord]:
     """The GRPO steps on ``minibatches`` (trajectory ids per step) without knitkit's data path:
     each pass runs megatron's schedule on this rank's share, log-probs recomputed per step.
     Loading a step's share counts as its data wait (``clock``): nothing overlaps it.
     ``batches_of(samples, sequences, device)`` builds the micro-batches (default: one trajectory
-    each, ``batch``; benchmarks/grpo_step.py also packs them)."""
+    each, ``batch``; benchmarks/grpo_step.py also packs them). ``dedup`` encodes each unique
+    image once per pass of a mini-batch instead of in every micro-batch (``plain_dedup.py``;
+    routing it and loading the images it encodes count as the data wait too)."""
     from megatron.core import parallel_state
 
     dp = parallel_state.get_data_parallel_world_size()
@@ -129,13 +137,17 @@ def plain_loop(
                 else [batch(s, len(ids), device) for s in samples]
             )
             clock.bytes_read += sum(s.nbytes for s in samples)
-        old = trainer.logprobs(trainer.policy, batches, len(batches), None)
-        ref = trainer.logprobs(trainer.reference, batches, len(batches), None)
+            if dedup is not None:
+                clock.bytes_read += dedup.prepare(ids)
+        policy = dedup.for_model(trainer.policy) if dedup is not None else None
+        reference = dedup.for_model(trainer.reference) if dedup is not None else None
+        old = trainer.logprobs(trainer.policy, batches, len(batches), policy)
+        ref = trainer.logprobs(trainer.reference, batches, len(batches), reference)
         train = [
             dict(b, old_logprobs=o["logprobs"], ref_logprobs=r["logprobs"])
             for b, o, r in zip(batches, old, ref, strict=True)
         ]
-        figures = trainer.train(train, len(train), None)
+        figures = trainer.train(train, len(train), policy)
         history.append(StepRecord(step, tuple(sorted(ids)), figures, clock.stop()))
         if observe is not None:
             observe(step, figure_names(figures))
