@@ -251,8 +251,9 @@ class Prefetcher:
         overrides = plan.torch_dtypes
         if plan.private is not None and not self.transport.copies_to_device:
             # See NOTE [ Zero-copy hand-off ]: no copy, the record releases the lease later.
-            # private() also books the view for the release's drop of written pages: call it
-            # for every lease, cached views or not (NOTE [ Reused field views ]).
+            # private() is the lease's own view (a source may book it for the release's drop
+            # of written pages): ask every lease, cached views or not (NOTE [ Reused field
+            # views ]); only its address picks the cached views.
             private = np.frombuffer(plan.private(), np.uint8)
             views = self._views_over(private)
             cached = views.get(layout, overrides)
