@@ -44,7 +44,8 @@ def serve_stoppable(conn: object) -> None:
 
 
 class _Rank:
-    """One rank in a thread: every pass, held at the start of the passes in ``holds``; sets
+    """One rank in a thread: every pass, held in the passes of ``holds`` once it has their
+    encoder inputs and first micro-batch (so the driver queued the pass on its reorganizers); sets
     ``ended[key]`` once ``with work`` returned; counts its write-back records and compares
     the written-back field bit for bit."""
 
@@ -65,12 +66,12 @@ class _Rank:
                 for work in rank.passes():
                     key = f"{work.minibatch_id}/{work.pass_.name}"
                     hold = self.holds.get(key)
-                    if hold is not None:
-                        hold.reached.set()
-                        hold.release.wait(120)
                     with work:
                         work.encoder_inputs()
                         for i, mb in enumerate(work.micro_batches()):
+                            if hold is not None and i == 0:
+                                hold.reached.set()
+                                hold.release.wait(120)
                             if work.pass_.writes:
                                 work.write_back(i, {"old_lp": output_of(mb["tokens"])})
                                 self.values[key] += 1
@@ -87,7 +88,7 @@ class _Rank:
 
 def test_a_pass_ends_before_the_driver_takes_it_exactly_once_and_a_later_death_is_named() -> None:
     """The driver's process is SIGSTOPped while the rank runs mini-batch 0's forward-only pass
-    (its write-back ring holds ONE record): the pass's write-backs and its end return at once,
+    (from its first micro-batch on; its write-back ring holds ONE record): the pass's write-backs and its end return at once,
     queued on the rank (before, the rank blocked until the driver took them). Once the driver
     runs again, every record arrives exactly once (the mini-batch released with exactly its
     records and pass ends; the train pass read the outputs bit for bit). Then the rank ends
