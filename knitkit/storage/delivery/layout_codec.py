@@ -226,7 +226,7 @@ _MAX_FIELD_SETS = 64
 """Field sets a process keeps (a job has a handful: one per pass and ring kind)."""
 
 
-@functools.cache
+@functools.lru_cache(maxsize=_MAX_FIELD_SETS)
 def _columns(count: int) -> tuple[struct.Struct, struct.Struct]:
     """Structs reading ``count`` field rows' static columns (dtype code, ndim, dimensions after
     the first) and their dynamic ones (offset, first dimension)."""
