@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -297,25 +298,14 @@ def pack_template(micro_batch: MicroBatchPlan, schema: Mapping[str, RowSpec]) ->
     )
 
 
+@functools.lru_cache(maxsize=64)  # field sets a process keeps templates for (a job has a handful)
 def _template(
     token_fields: tuple[str, ...],
     scalar_fields: tuple[str, ...],
     columns: tuple[tuple[str, int, int], ...],
     resolved: tuple[RowSpec, ...],
 ) -> PackTemplate:
-    key = (token_fields, scalar_fields, columns, resolved)
-    template = _TEMPLATES.get(key)
-    if template is None:
-        template = PackTemplate(token_fields, scalar_fields, columns, resolved)
-        if len(_TEMPLATES) >= _MAX_TEMPLATES:
-            _TEMPLATES.pop(next(iter(_TEMPLATES)))
-        _TEMPLATES[key] = template
-    return template
-
-
-_TEMPLATES: dict[object, PackTemplate] = {}
-_MAX_TEMPLATES = 64
-"""Field sets a process keeps templates for (a job has a handful: one per pass)."""
+    return PackTemplate(token_fields, scalar_fields, columns, resolved)
 
 
 def _ramp(length: int) -> np.ndarray:
