@@ -117,6 +117,8 @@ class RankHandle:
         NOTE [ Encoder inputs once per mini-batch ])."""
         self._units_taken: tuple[str, str] | None = None
         """The (mini-batch, pass) whose units were last taken from the encoder ring."""
+        self._routes: tuple[str, RankRoute] | None = None
+        """The current mini-batch's dedup route, shared by its passes (NOTE [ One pass ahead ])."""
         self._last_encoding = next((p.name for p in reversed(spec.passes) if p.encodes), None)
         self._closed = False
         waits = {
@@ -211,8 +213,10 @@ class RankHandle:
         if index + 1 == len(passes):
             del self._plans[minibatch_id]
         self._last = (minibatch_id, index)
-        self._current = PassWork(self, minibatch_id, pass_, plan.with_fields(pass_.reads))
-        return self._current
+        work = PassWork(self, minibatch_id, pass_, plan.with_fields(pass_.reads))
+        self._current = work
+        work.prefetch()  # see NOTE [ One pass ahead ]
+        return work
 
     def metrics(self) -> dict[str, float]:
         """This rank's delivery figures, cumulative since it attached: its ring consumers'
@@ -237,6 +241,7 @@ class RankHandle:
         if self._current is not None and not self._current.finished:
             where = f"pass {self._current.pass_.name!r} of {self._current.minibatch_id!r}"
             reason = f"{reason}; in {where}" if reason else f"closed in {where}"
+            self._current.stop_prefetch()
         failure: BaseException | None = None
         if not reason:
             try:
@@ -269,14 +274,37 @@ class RankHandle:
         self.close(f"{kind.__name__}: {error}" if kind is not None else "")
 
     # ----- for PassWork --------------------------------------------------------------------------
-    def route_of(self, plan: MiniBatchPlan) -> RankRoute:
+    def route_of(self, work: PassWork) -> RankRoute:
+        """``work``'s mini-batch's dedup route, built by its first pass that asks (NOTE [ One
+        pass ahead ])."""
         if self._route is None:
             raise RuntimeError(
                 "this RankHandle has no route function; build it with route=... (e.g. "
                 "MegatronLayout.route) to run the encoder with dedup"
             )
-        return self._route(plan)
+        if self._routes is None or self._routes[0] != work.minibatch_id:
+            self._routes = (work.minibatch_id, self._route(work.plan))
+        return self._routes[1]
 
+    # NOTE [ One pass ahead ]: what a pass needs before its first micro-batch is started
+    # when the pass is handed out (``next_pass``), not when the loop first asks for it.
+    # - Its prefetch iterator: ``next_pass`` starts it, so its thread takes and stages the
+    #   pass's first micro-batches while the loop reads its encoder inputs, encodes them and
+    #   runs the dedup handshakes, and while the pass-end thread publishes the previous pass's
+    #   write-backs (which the driver waits for before it serves this pass: NOTE [ Next pass
+    #   per group ] in serving.py). ``micro_batches()`` hands out that iterator. A loop that
+    #   never asks for it ends the pass as one that never iterated (what was staged is released
+    #   unread, with no error); one that stops short raises as before. The ring's order is the
+    #   schedule's, and the previous pass's leases were all taken before ``next_pass`` returns
+    #   this one (its loop read every micro-batch, or ``end_pass`` took the rest), so the
+    #   early take cannot take a micro-batch of another pass; each lease is checked to be the
+    #   pass's (``PassTake``). Before, the iterator (a thread and its staging slots) started
+    #   after the encoder ran, so the train pass's first micro-batch was waited for in full.
+    # - Its dedup route: every pass of a mini-batch encodes from the one plan, so the route
+    #   (``RankHandle(route=...)``, e.g. ``MegatronLayout.route``: a routing plan for every
+    #   rank of the encoder group) is built once per mini-batch and shared by its passes, not
+    #   rebuilt per pass (``benchmarks/grpo_step.py`` profiled at de94463: 1.2 ms of a rank's
+    #   main-thread CPU per build, three builds per step).
     def iterate(self, work: PassWork) -> tuple[MicroBatchIterator, Taken]:
         """A prefetch iterator over exactly ``work``'s micro-batches of the data ring."""
         take = self._take(self._data, work.num_micro_batches, work)
@@ -369,7 +397,7 @@ class RankHandle:
         for lease in self._take(self._data, left, work):
             lease.release()
         self._end_encoder(work)
-        if iterator is not None and taken_by_loop < work.num_micro_batches:
+        if work.iterated and taken_by_loop < work.num_micro_batches:
             raise RuntimeError(
                 f"rank {self.coords.rank}: pass {work.pass_.name!r} of {work.minibatch_id!r} "
                 f"ended after {taken_by_loop} of its {work.num_micro_batches} micro-batches; "

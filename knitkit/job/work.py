@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable, Mapping
-from functools import cached_property
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -50,6 +49,8 @@ class PassWork:
         self._written: dict[int, set[str]] = {}
         self._figures: dict[str, float] = {}
         self.finished = False
+        self.iterated = False
+        """Whether the loop asked for ``micro_batches()``."""
 
     @property
     def num_micro_batches(self) -> int:
@@ -60,10 +61,12 @@ class PassWork:
     def forward_only(self) -> bool:
         return self.pass_.forward_only
 
-    @cached_property
+    @property
     def route(self) -> RankRoute:
-        """This rank's encoder-dedup route for the mini-batch (``RankHandle(route=...)``)."""
-        return self._rank.route_of(self.plan)
+        """This rank's encoder-dedup route for the mini-batch (``RankHandle(route=...)``),
+        computed once per mini-batch: every pass gets the same one (NOTE [ One pass ahead ]
+        in rank.py)."""
+        return self._rank.route_of(self)
 
     def encoder_inputs(self) -> dict[UnitKey, torch.Tensor]:
         """The unique multimodal units this rank encodes in this pass, by key, on the rank's
@@ -84,14 +87,33 @@ class PassWork:
 
     def micro_batches(self) -> MicroBatchIterator:
         """The pass's micro-batches, prefetched: exactly ``num_micro_batches`` from the rank's
-        ring (``MicroBatchIterator`` over ``take``), never one of the next pass. Once per pass."""
-        if self._iterator is not None:
+        ring (``MicroBatchIterator`` over ``take``), never one of the next pass. Once per pass.
+        Its prefetch started when the pass was handed out (NOTE [ One pass ahead ] in
+        rank.py)."""
+        if self.iterated:
             raise RuntimeError(
                 f"pass {self.pass_.name!r} of {self.minibatch_id!r}: micro_batches() was already "
                 "called; iterate the one iterator it returned"
             )
-        self._iterator, self._take = self._rank.iterate(self)
+        self.prefetch()
+        if self._iterator is None:
+            raise RuntimeError(
+                f"pass {self.pass_.name!r} of {self.minibatch_id!r} is finished; take "
+                "micro_batches() inside the pass"
+            )
+        self.iterated = True
         return self._iterator
+
+    def prefetch(self) -> None:
+        """Start the pass's prefetch iterator (its thread takes and stages the first
+        micro-batches) unless it runs; ``RankHandle.next_pass`` calls it."""
+        if self._iterator is None and not self.finished:
+            self._iterator, self._take = self._rank.iterate(self)
+
+    def stop_prefetch(self) -> None:
+        """Close the pass's iterator (stop its prefetch thread), if it runs: the pass is left."""
+        if self._iterator is not None:
+            self._iterator.close()
 
     def write_back(self, index: int, values: Mapping[str, torch.Tensor | np.ndarray]) -> None:
         """Send micro-batch ``index``'s per-token outputs (one entry per field the pass writes):
@@ -184,8 +206,7 @@ class PassWork:
             return
         if not self.finished:
             self.finished = True
-            if self._iterator is not None:
-                self._iterator.close()  # stop its prefetch thread; the rank is failing anyway
+            self.stop_prefetch()  # the rank is failing anyway
             message = "".join(traceback.format_exception(exc_type, exc, tb))
             self._rank.abandon(self, message)
 

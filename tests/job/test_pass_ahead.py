@@ -1,0 +1,132 @@
+"""What a pass needs before its first micro-batch starts when the pass is handed out (NOTE [ One
+pass ahead ] in knitkit/job/rank.py): its prefetch iterator, and one dedup route per mini-batch."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+from job_harness import controller, driver_config, join, trajectories, wait_for, wait_freed
+
+from knitkit.encoder_dedup import RankRoute, route_minibatch
+from knitkit.job import PassWork, RankCoords, RankHandle, RankSpec
+from knitkit.storage import MiniBatchPlan
+
+HANDED_OUT = "knitkit/delivery/handed_out"
+
+
+def _run_job(rank: Callable[[RankSpec], None], minibatches: int = 2) -> list[str]:
+    """One DP1 rank (``rank(spec)`` in a thread) over ``minibatches`` mini-batches; drains."""
+    data = trajectories(2 * minibatches, 2, seed=5)
+    with driver_config(1, 1, 1, 1).build(admission=controller(data, minibatches)) as driver:
+        thread = threading.Thread(target=rank, args=(driver.rank_spec(),), daemon=True)
+        thread.start()
+        for trajectory in data:
+            driver.write(trajectory)
+        served = driver.minibatches()
+        driver.finish()
+        driver.drain(120)
+        join([thread])
+        wait_freed(driver.store)
+    return served
+
+
+def _write_back(work: PassWork) -> None:
+    for i, mb in enumerate(work.consumer.micro_batches):
+        work.write_back(i, {"old_lp": torch.zeros(mb.num_tokens)})
+
+
+def test_next_pass_stages_its_first_micro_batch_before_the_loop_asks() -> None:
+    """Once ``next_pass`` hands out the train pass, its first micro-batch is taken from the ring
+    (the driver serves it when the old pass's write-backs are in) while the loop has not asked
+    for ``micro_batches()`` yet; the loop then gets every micro-batch, in order, once."""
+    errors: list[BaseException] = []
+    ahead: list[float] = []
+
+    def rank(spec: RankSpec) -> None:
+        try:
+            with RankHandle(spec, RankCoords(0, 0, 0, 0, encoder_rank=0), device="cpu") as handle:
+                for work in handle.passes():
+                    with work:
+                        if work.pass_.name == "train" and work.num_micro_batches:
+                            before = handle.metrics()[HANDED_OUT]
+                            wait_for(
+                                lambda before=before: handle.metrics()[HANDED_OUT] > before,
+                                30,
+                                "the train pass's first micro-batch taken before the loop asks",
+                            )
+                            ahead.append(handle.metrics()[HANDED_OUT] - before)
+                        work.encoder_inputs()
+                        indices = [mb.index for mb in work.micro_batches()]
+                        assert indices == list(range(work.num_micro_batches)), indices
+                        if work.pass_.writes:
+                            _write_back(work)
+        except BaseException as error:  # asserted below
+            errors.append(error)
+
+    served = _run_job(rank)
+    assert not errors, errors[0]
+    assert len(ahead) == len(served) == 2
+
+
+def test_a_pass_the_loop_never_iterates_ends_cleanly() -> None:
+    """A train pass whose loop never asks for its micro-batches (they were staged ahead) ends
+    without error; what was staged is released unread and the next mini-batch reads its own."""
+    errors: list[BaseException] = []
+    read: list[tuple[str, str]] = []
+
+    def rank(spec: RankSpec) -> None:
+        try:
+            with RankHandle(spec, RankCoords(0, 0, 0, 0, encoder_rank=0), device="cpu") as handle:
+                for index, work in enumerate(handle.passes()):
+                    with work:
+                        work.encoder_inputs()
+                        if index == 1:  # the first mini-batch's train pass
+                            continue
+                        for _ in work.micro_batches():
+                            pass
+                        read.append((work.minibatch_id, work.pass_.name))
+                        if work.pass_.writes:
+                            _write_back(work)
+        except BaseException as error:  # asserted below
+            errors.append(error)
+
+    served = _run_job(rank)
+    assert not errors, errors[0]
+    assert read == [(served[0], "old"), (served[1], "old"), (served[1], "train")]
+
+
+def test_the_route_is_built_once_per_minibatch() -> None:
+    """Every pass of a mini-batch gets the very route its first pass asked for; the route
+    function runs once per mini-batch."""
+    errors: list[BaseException] = []
+    built: list[MiniBatchPlan] = []
+    routes: dict[tuple[str, str], RankRoute] = {}
+
+    def route(plan: MiniBatchPlan) -> RankRoute:
+        built.append(plan)
+        encoder = plan.encoder("vision")
+        return route_minibatch({0: plan.consumer(0, 0)}, encoder.ranks, world_size=1).for_rank(0)
+
+    def rank(spec: RankSpec) -> None:
+        coords = RankCoords(0, 0, 0, 0, encoder_rank=0)
+        try:
+            with RankHandle(spec, coords, device="cpu", route=route) as handle:
+                for work in handle.passes():
+                    with work:
+                        routes[(work.minibatch_id, work.pass_.name)] = work.route
+                        work.encoder_inputs()
+                        for _ in work.micro_batches():
+                            pass
+                        if work.pass_.writes:
+                            _write_back(work)
+        except BaseException as error:  # asserted below
+            errors.append(error)
+
+    served = _run_job(rank)
+    assert not errors, errors[0]
+    assert len(built) == len(served) == 2
+    for mb in served:
+        assert routes[(mb, "train")] is routes[(mb, "old")]
+    assert routes[(served[0], "old")] is not routes[(served[1], "old")]
