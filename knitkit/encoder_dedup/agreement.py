@@ -39,6 +39,23 @@ _MAX_LINES = 8
 # use before their own first collective (``integration/megatron/pipeline.py``); it all-gathers
 # (one row per rank, the same for every peer), which scales to a whole world but cannot name a
 # rank that never arrives.
+#
+# NOTE [ One round when the plan vouches ]: round (2) exists so that a disagreement only two
+# ranks can see (the row counts between them) reaches every rank. Everything else a rank says
+# in round (1) (its point and turn, plan fingerprint, graph mode, failure) it says alike to
+# every peer, and each rank's n-th exchange hears every rank's n-th row, so every rank sees
+# the same set of them. When that set shows one point, turn 1, one graph mode and one
+# non-empty plan fingerprint, and no failure, every rank knows the others saw it too, and the
+# counts need no report: they are a pure function of the fingerprinted plan
+# (``build_routing_plan``), so each rank's own check of its counts against its peers' suffices.
+# Every rank then skips round (2) together: one small exchange per phase instead of two
+# (``benchmarks/grpo_step.py`` at de94463: each ``agree`` cost a rank ~0.9 ms of CPU and two
+# waits for its slowest peer, six per GRPO step). Counts that differ under one fingerprint
+# (routes built by different code from the same plan) are still caught: the two ranks
+# involved raise ``RouteMismatch`` naming the counts at once, and the others, already past the
+# handshake, fail in the row exchange, bounded, naming a peer that stopped after it. Any other
+# disagreement (different fingerprints, a hand-built route without one, a phase or graph mode
+# that differs) falls back to the two rounds on every rank, as before.
 
 
 class RouteMismatch(RuntimeError):
@@ -87,7 +104,9 @@ def tell_all(
     every rank can reach the same verdict. ``hint`` ends the TimeoutError raised when a rank
     does not arrive.
     """
-    row = torch.tensor([_wire(point, 1, values, problem)], dtype=torch.int64, device=device)
+    row = torch.tensor(
+        [_wire(point, 1, values, _text_words(problem))], dtype=torch.int64, device=device
+    )
     with _named(dist.get_rank(group), point, timeout_s, hint):
         received = gather_rows(row, group, timeout_s=timeout_s)
     return [_heard(rank, r) for rank, r in enumerate(received.cpu().tolist())]
@@ -105,7 +124,8 @@ def _exchange_rows(
     turn: int = 1,
 ) -> list[Heard]:
     """Send peer ``p`` the agreement row ``rows[p]`` with this rank's ``problem``; bounded by ``timeout_s``."""
-    wire = [_wire(point, turn, row, problem) for row in rows]
+    text = _text_words(problem)
+    wire = [_wire(point, turn, row, text) for row in rows]
     send = torch.tensor(wire, dtype=torch.int64, device=device)
     ones = [1] * transport.world_size
     with _named(transport.rank, point, timeout_s, hint):
@@ -170,6 +190,17 @@ def agree(
         report = _first_problem(row, phase, mine, route)
         if report[0] != _NONE:
             break
+    if route.plan_fingerprint and all(
+        h.point == phase and h.turn == 1 and list(h.values[: _FINGERPRINT_WORDS + 1]) == mine
+        for h in heard
+    ):  # see NOTE [ One round when the plan vouches ]
+        if report[0] == _NONE:
+            return
+        raise RouteMismatch(
+            f"rank {me}, phase {phase!r}: routes of the same plan (one fingerprint on every "
+            f"rank) disagree before any row moved: {_describe(me, report)} The ranks built "
+            "their routes with different code; run one knitkit version on every rank."
+        )
     reports = _exchange_rows(
         transport,
         phase,
@@ -260,12 +291,13 @@ def _point(code: int) -> str:
     return POINTS[code] if 0 <= code < len(POINTS) else "?"
 
 
-def _wire(point: str, turn: int, values: Sequence[int], problem: str) -> list[int]:
-    """One agreement row (see NOTE [ Handshake before rows move ]): point, turn, values, text."""
+def _wire(point: str, turn: int, values: Sequence[int], text: list[int]) -> list[int]:
+    """One agreement row (see NOTE [ Handshake before rows move ]): point, turn, values, and
+    the problem as ``_text_words``."""
     if len(values) > VALUES:
         raise ValueError(f"an agreement row holds at most {VALUES} values, got {len(values)}")
     padded = [int(v) for v in values] + [0] * (VALUES - len(values))
-    return [POINTS.index(point), turn, *padded, *_text_words(problem)]
+    return [POINTS.index(point), turn, *padded, *text]
 
 
 def _text_words(text: str) -> list[int]:
@@ -282,6 +314,8 @@ def _text_words(text: str) -> list[int]:
 def _heard(rank: int, row: list[int]) -> Heard:
     point, turn, *rest = (int(x) for x in row)
     values, (length, *words) = rest[:VALUES], rest[VALUES:]
-    data = b"".join(w.to_bytes(8, "little", signed=True) for w in words)
-    problem = data[: max(0, min(length, len(data)))].decode(errors="replace")
+    problem = ""
+    if length > 0:
+        data = b"".join(w.to_bytes(8, "little", signed=True) for w in words)
+        problem = data[: min(length, len(data))].decode(errors="replace")
     return Heard(rank, _point(point), turn, tuple(values), problem)

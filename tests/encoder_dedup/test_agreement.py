@@ -8,6 +8,7 @@ waiting for the process-group timeout.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
@@ -134,3 +135,93 @@ def test_rank_that_skips_backward_times_out_with_knitkit_error() -> None:
     limit = 2.0  # the peer can never arrive, so a short bound cannot flake on a loaded machine
     message = run_world(_skips_backward_and_stops, 2, limit, timeout_s=180)[0]
     assert "'backward'" in message and "within 2 s" in message, message
+
+
+@dataclasses.dataclass(slots=True)
+class _Counted:
+    """A rank's real transport, counting its handshake exchanges (int64 rows) and row exchanges."""
+
+    inner: ProcessGroupTransport
+    handshakes: int = 0
+    rows: int = 0
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    def exchange(
+        self,
+        send: torch.Tensor,
+        send_counts: Sequence[int],
+        recv_counts: Sequence[int],
+        *,
+        timeout_s: float | None = None,
+    ) -> torch.Tensor:
+        if send.is_floating_point():
+            self.rows += 1
+        else:
+            self.handshakes += 1
+        return self.inner.exchange(send, send_counts, recv_counts, timeout_s=timeout_s)
+
+
+def _counted_step(rank: int, plan: RoutingPlan) -> tuple[int, int, list[list[float]]]:
+    """One encode, backbone backward and deferred backward over a counting transport."""
+    transport = _Counted(ProcessGroupTransport())
+    dedup = DedupEncoder(plan.for_rank(rank), transport, hidden=HIDDEN, handshake_timeout_s=60)
+    dedup.encode(_encode_fn(rank))
+    features = dedup.features(0)
+    features.sum().backward()
+    dedup.backward()
+    return transport.handshakes, transport.rows, features.tolist()
+
+
+def test_agreeing_plans_shake_hands_once_per_phase(world: World) -> None:
+    """Ranks that hold one routing plan (its fingerprint vouches for every row count) agree in
+    one handshake exchange per phase, not two (NOTE [ One round when the plan vouches ]), and
+    move the same rows as before."""
+    plan = _plan(rank_one_wants_more=False)
+    for handshakes, rows, features in world.run(_counted_step, plan):
+        assert (handshakes, rows) == (2, 2)
+        assert features == [[1.0, 1.0]] * 3 + [[2.0, 2.0]] * 2
+
+
+def _hand_built(rank: int, plan: RoutingPlan) -> int:
+    """Routes without a fingerprint: the handshake keeps both rounds; returns the exchange count."""
+    route = dataclasses.replace(plan.for_rank(rank), plan_fingerprint=b"")
+    transport = _Counted(ProcessGroupTransport())
+    dedup = DedupEncoder(route, transport, hidden=HIDDEN, handshake_timeout_s=60)
+    dedup.encode(_encode_fn(rank))
+    return transport.handshakes
+
+
+def test_routes_without_a_fingerprint_keep_both_rounds(world: World) -> None:
+    """A hand-built route carries no plan fingerprint, so nothing vouches for its counts: every
+    rank runs the second round that tells each rank every disagreement."""
+    assert world.run(_hand_built, _plan(rank_one_wants_more=False)) == [2, 2]
+
+
+def _counts_differ_under_one_plan(rank: int) -> str:
+    """Rank 1's route expects one row fewer from rank 0, under the same fingerprint."""
+    route = _plan(rank_one_wants_more=False).for_rank(rank)
+    if rank == 1:
+        forward = route.forward
+        counts = (forward.recv_counts[0] - 1, *forward.recv_counts[1:])
+        route = dataclasses.replace(route, forward=dataclasses.replace(forward, recv_counts=counts))
+    dedup = DedupEncoder(route, ProcessGroupTransport(), hidden=HIDDEN, handshake_timeout_s=60)
+    try:
+        dedup.encode(_encode_fn(rank))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_counts_that_differ_under_one_plan_are_named(world: World) -> None:
+    """Counts that differ although the fingerprints agree (routes built by different code)
+    raise ``RouteMismatch`` on both ranks of the pair before any row moves, naming the counts."""
+    for message in world.run(_counts_differ_under_one_plan):
+        assert "routes of the same plan" in message, message
+        assert "rank 0 sends 3 forward rows to rank 1, which expects 2" in message, message
