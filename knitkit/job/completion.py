@@ -47,9 +47,10 @@ JOIN_S = 5.0
 #   a full queue runs them at once): the thread then works while the training thread waits for
 #   its next pass's data or schedule, with the GIL released.
 # - Order and exactly-once. One thread runs the jobs in the order posted, each once: a pass's
-#   write-backs, its iterator's close, its ``done``, then the next pass's: exactly the records,
-#   in the order, the training thread published before (the driver's ledger checks them as
-#   before: every output once, a group's pass end after its outputs).
+#   write-backs, its iterator's close, its ``done``, then the next pass's iterator start (NOTE
+#   [ One pass ahead ] in rank.py) and its jobs: exactly the records, in the order, the
+#   training thread published before (the driver's ledger checks them as before: every output
+#   once, a group's pass end after its outputs).
 # - Errors. A job that fails stops the thread (later jobs are dropped) and ``on_failure`` gets
 #   the error at once: the writer rank fails its write-back ring (the driver fails naming the
 #   rank) and the rank's ``DriverWatch`` interrupts its waits on data rings with it; every later

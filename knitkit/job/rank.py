@@ -215,7 +215,10 @@ class RankHandle:
         self._last = (minibatch_id, index)
         work = PassWork(self, minibatch_id, pass_, plan.with_fields(pass_.reads))
         self._current = work
-        work.prefetch()  # see NOTE [ One pass ahead ]
+        self._ends.post(  # see NOTE [ One pass ahead ]
+            f"starting the prefetch of pass {pass_.name!r} of {minibatch_id!r}",
+            functools.partial(_prefetch_ahead, work),
+        )
         return work
 
     def metrics(self) -> dict[str, float]:
@@ -288,18 +291,22 @@ class RankHandle:
 
     # NOTE [ One pass ahead ]: what a pass needs before its first micro-batch is started
     # when the pass is handed out (``next_pass``), not when the loop first asks for it.
-    # - Its prefetch iterator: ``next_pass`` starts it, so its thread takes and stages the
-    #   pass's first micro-batches while the loop reads its encoder inputs, encodes them and
-    #   runs the dedup handshakes, and while the pass-end thread publishes the previous pass's
-    #   write-backs (which the driver waits for before it serves this pass: NOTE [ Next pass
-    #   per group ] in serving.py). ``micro_batches()`` hands out that iterator. A loop that
-    #   never asks for it ends the pass as one that never iterated (what was staged is released
-    #   unread, with no error); one that stops short raises as before. The ring's order is the
-    #   schedule's, and the previous pass's leases were all taken before ``next_pass`` returns
-    #   this one (its loop read every micro-batch, or ``end_pass`` took the rest), so the
-    #   early take cannot take a micro-batch of another pass; each lease is checked to be the
-    #   pass's (``PassTake``). Before, the iterator (a thread and its staging slots) started
-    #   after the encoder ran, so the train pass's first micro-batch was waited for in full.
+    # - Its prefetch iterator: ``next_pass`` queues its start on the rank's pass-end thread
+    #   (after the previous pass's write-backs and close: NOTE [ Asynchronous pass ends ] in
+    #   completion.py) and returns; the iterator's thread then takes and stages the pass's first
+    #   micro-batches while the loop reads its encoder inputs, encodes them and runs the dedup
+    #   handshakes. ``micro_batches()`` hands out that iterator, or starts it if the pass-end
+    #   thread has not yet (a lock makes it one start; none once the pass is finished). Starting
+    #   it there, not on the training thread, keeps a thread start (which waits until the new
+    #   thread is scheduled: 2-6 ms of wall time per pass on the loaded 2-core machine, 0.6 ms of
+    #   CPU, ``benchmarks/grpo_step.py --quick`` profiled at de94463) off the loop. A loop that
+    #   never asks for the iterator ends the pass as one that never iterated (what was staged
+    #   is released unread, with no error); one that stops short raises as before. The ring's
+    #   order is the schedule's, and the previous pass's leases were all taken before
+    #   ``next_pass`` returns this one (its loop read every micro-batch, or ``end_pass`` took
+    #   the rest), so the early take cannot take a micro-batch of another pass; each lease is
+    #   checked to be the pass's (``PassTake``). Before, the iterator started after the encoder
+    #   ran, so the train pass's first micro-batch was waited for in full.
     # - Its dedup route: every pass of a mini-batch encodes from the one plan, so the route
     #   (``RankHandle(route=...)``, e.g. ``MegatronLayout.route``: a routing plan for every
     #   rank of the encoder group) is built once per mini-batch and shared by its passes, not
@@ -493,6 +500,13 @@ class RankHandle:
         if self._writeback is not None:
             with contextlib.suppress(Exception):
                 self.send(work, "error", {"message": message[-3000:]}, {}, timeout_s=_LEAVE_S)
+
+
+def _prefetch_ahead(work: PassWork) -> None:
+    """Start ``work``'s prefetch on the pass-end thread (NOTE [ One pass ahead ]); a failure
+    to start is left to the loop's ``micro_batches()``, which starts it again and raises."""
+    with contextlib.suppress(Exception):
+        work.prefetch()
 
 
 def _cuda_device(device: torch.device | str | None) -> torch.device | None:

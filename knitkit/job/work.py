@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import traceback
 from collections.abc import Callable, Mapping
 from types import TracebackType
@@ -51,6 +52,9 @@ class PassWork:
         self.finished = False
         self.iterated = False
         """Whether the loop asked for ``micro_batches()``."""
+        self._starting = threading.Lock()
+        """Held while the iterator starts (on the rank's pass-end thread or the loop's): one
+        start, none once the pass is finished (NOTE [ One pass ahead ] in rank.py)."""
 
     @property
     def num_micro_batches(self) -> int:
@@ -106,14 +110,23 @@ class PassWork:
 
     def prefetch(self) -> None:
         """Start the pass's prefetch iterator (its thread takes and stages the first
-        micro-batches) unless it runs; ``RankHandle.next_pass`` calls it."""
-        if self._iterator is None and not self.finished:
-            self._iterator, self._take = self._rank.iterate(self)
+        micro-batches) unless it runs or the pass is finished; ``RankHandle.next_pass`` has
+        the rank's pass-end thread call it (NOTE [ One pass ahead ] in rank.py)."""
+        with self._starting:
+            if self._iterator is None and not self.finished:
+                self._iterator, self._take = self._rank.iterate(self)
 
     def stop_prefetch(self) -> None:
         """Close the pass's iterator (stop its prefetch thread), if it runs: the pass is left."""
-        if self._iterator is not None:
-            self._iterator.close()
+        iterator, _ = self._finish()
+        if iterator is not None:
+            iterator.close()
+
+    def _finish(self) -> tuple[MicroBatchIterator | None, Taken | None]:
+        """Mark the pass finished (no iterator starts after this); its iterator and take."""
+        self.finished = True
+        with self._starting:  # a start in progress on the pass-end thread completes first
+            return self._iterator, self._take
 
     def write_back(self, index: int, values: Mapping[str, torch.Tensor | np.ndarray]) -> None:
         """Send micro-batch ``index``'s per-token outputs (one entry per field the pass writes):
@@ -163,9 +176,9 @@ class PassWork:
         and return (a failed check reaches the driver as the rank's error). Idempotent."""
         if self.finished:
             return
-        self.finished = True
+        iterator, take = self._finish()
         try:
-            self._rank.end_pass(self, self._iterator, self._take)
+            self._rank.end_pass(self, iterator, take)
             self._check_written()
         except BaseException as error:
             self._rank.abandon(self, f"{type(error).__name__}: {error}")
@@ -205,7 +218,6 @@ class PassWork:
             self.done()
             return
         if not self.finished:
-            self.finished = True
             self.stop_prefetch()  # the rank is failing anyway
             message = "".join(traceback.format_exception(exc_type, exc, tb))
             self._rank.abandon(self, message)
