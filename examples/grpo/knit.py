@@ -197,12 +197,15 @@ def _steps(
                 work = handle.next_pass()
                 if work is None:
                     raise RuntimeError(f"the driver finished before step {step}'s passes")
-            with clock.data("encoder_inputs"):
-                work.work.encoder_inputs()  # this rank's unique images, read once per pass
+            with clock.data("encoder_inputs"):  # read once per mini-batch, and routed
+                work.work.encoder_inputs()  # this rank's unique images
+                rank_route = work.route
             model = models[work.pass_.name]
             encode = work.encode_fn(model.module.vision.encode)
-            route = Dedup(dedup[id(model)], work.route, encode)
-            data = clock.timed(work.data_iterator())
+            route = Dedup(dedup[id(model)], rank_route, encode)
+            with clock.data("batch"):  # the pass's prefetch iterator (started by then, or now)
+                batches = work.data_iterator()
+            data = clock.timed(batches)
             with work:
                 if work.pass_.forward_only:
                     out = trainer.logprobs(model, data, work.num_micro_batches, route)
