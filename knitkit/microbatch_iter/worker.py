@@ -70,8 +70,8 @@ from knitkit.types import MicroBatchLayout
 # - One copy per delivered byte (issue 31): the reorganizer packs into the ring slot, and the
 #   rank's tensors ARE that slot: no copy on the rank. Each consumer maps its ring's data region
 #   ONCE (one MAP_PRIVATE mapping per ring and process, for the whole job) and keeps every slot's
-#   pages mapped across occupants: the prefetch thread faults a slot's pages in once
-#   (MADV_POPULATE_READ, the first time the slot is used), so neither the loop nor later
+#   pages mapped across occupants: the prefetch thread faults a slot's pages in once, all of
+#   them (MADV_POPULATE_READ, the first time the slot is used), so neither the loop nor later
 #   hand-outs take page faults or change page tables.
 # - Why copy-on-write and not a read-only mapping: torch has no read-only tensors, and the TP
 #   peers of a rank read the same slot. Over a PROT_READ mapping a rank's in-place write (masking
@@ -81,7 +81,9 @@ from knitkit.types import MicroBatchLayout
 #   and a write copies that page for this process only: the write works, the peers never see it.
 #   No API change, no ``writable=True`` copy to ask for; ``clone()`` is still the way to keep a
 #   tensor past the lease.
-# - The release undoes writes only where there were some: it reads this process's page map for
+# - The release undoes writes only where there were some: unless the process took no page fault
+#   since the slot was last clean (then nothing can have been written: NOTE [ Written pages only
+#   after a fault ] in slot_ring.py), it reads this process's page map for
 #   the lease's range (/proc/self/pagemap, one pread of 8 bytes per page: a written page is
 #   anonymous, an unwritten one is still the file's; ``written_pages.py``) and drops the private
 #   copies of the written span (MADV_DONTNEED) BEFORE it stores its release, so the slot's next

@@ -6,6 +6,7 @@ import ctypes
 import ctypes.util
 import platform
 import sys
+import threading
 import time
 from collections.abc import Callable
 from functools import lru_cache
@@ -38,7 +39,7 @@ import numpy as np
 # libatomic ships with GCC's runtime (package libatomic1); machines other than x86-64 refuse to
 # run without it.
 
-_ACQUIRE, _RELEASE = 2, 3  # __ATOMIC_ACQUIRE, __ATOMIC_RELEASE
+_ACQUIRE, _RELEASE, _SEQ_CST = 2, 3, 5  # __ATOMIC_ACQUIRE, __ATOMIC_RELEASE, __ATOMIC_SEQ_CST
 
 # NOTE [ Futex waits ]
 #
@@ -70,6 +71,17 @@ _ACQUIRE, _RELEASE = 2, 3  # __ATOMIC_ACQUIRE, __ATOMIC_RELEASE
 #   released least. Between threads of one process the blocking primitives are threading's
 #   (the prefetch thread's credits and result queue, Events for stop and cancel).
 # - Spurious returns (a wake meant for another waiter, a signal) are harmless: callers loop.
+# - A wake is a syscall through ctypes: ~6 us warm, tens of us right after compute (issue 31),
+#   paid per release by every rank although the producer rarely waits. So the producer announces
+#   its wait: it stores the waited consumer's index + 1 in its own word PRODUCER_WAITS before it
+#   sleeps (0 after), and a consumer wakes only if that word names it, read with
+#   `store_then_load` right after its release store. No lost wake-up: the producer's store is
+#   visible before the kernel compares the word it sleeps on (FUTEX_WAIT's full barrier, (A) in
+#   kernel/futex), and the consumer's release store is visible before it loads PRODUCER_WAITS
+#   (the full barrier of `store_then_load`): of the two stores at least one side sees the
+#   other's, so either the producer finds the new count and does not sleep, or the consumer
+#   finds the producer waiting and wakes it. The producer's own wakes of consumers (NOTIFY) stay
+#   unconditional: consumers of several processes, and watchers with no index, may wait there.
 # - Off Linux, or on a machine whose futex syscall number we do not know, `wait` sleeps a short
 #   back-off instead (portable fallback, polled).
 
@@ -113,12 +125,13 @@ def futex_available() -> bool:
 
 _Load = Callable[[int, int], int]
 _Store = Callable[[int, int, int], None]
+_Fence = Callable[[int], None]
 
 
 @lru_cache(maxsize=1)
-def _libatomic() -> tuple[_Load, _Store] | None:
-    """libatomic's 8-byte acquire load and release store; None on x86-64, where plain aligned
-    accesses are both (see NOTE [ Publication ordering ])."""
+def _libatomic() -> tuple[_Load, _Store, _Fence] | None:
+    """libatomic's 8-byte acquire load, release store and thread fence; None on x86-64, where
+    plain aligned accesses are the first two (see NOTE [ Publication ordering ])."""
     if platform.machine() in ("x86_64", "AMD64"):
         return None
     name = ctypes.util.find_library("atomic")
@@ -134,7 +147,10 @@ def _libatomic() -> tuple[_Load, _Store] | None:
     store = getattr(lib, "__atomic_store_8")
     store.restype = None
     store.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
-    return load, store
+    fence = lib.atomic_thread_fence  # libatomic >= 1.2 (GCC 7)
+    fence.restype = None
+    fence.argtypes = (ctypes.c_int,)
+    return load, store, fence
 
 
 class AtomicWords:
@@ -151,6 +167,9 @@ class AtomicWords:
         self._plain = words.data.cast("B").cast("q")
         """The words as plain 8-byte accesses (x86-64: acquire loads and release stores)."""
         self._futex = _futex()
+        self._fence = threading.Lock()
+        """Taken and dropped as a full barrier on x86-64 (``store_then_load``)."""
+        self._fence_call: _Fence | None = None if ops is None else ops[2]
 
     def load_acquire(self, index: int) -> int:
         """Word ``index``; no later access of this thread is performed before this load."""
@@ -164,6 +183,20 @@ class AtomicWords:
             self._plain[index] = value
         else:
             self._store(self._base + 8 * index, value, _RELEASE)
+
+    def store_then_load(self, index: int, value: int, load_index: int) -> int:
+        """Release-store ``value`` in word ``index``, then acquire-load word ``load_index`` with a
+        full barrier between: the store is visible to every process before the load reads (NOTE
+        [ Futex waits ], where such a pair decides whether to wake). x86-64 reorders only a later
+        load before an earlier store, and a lock's acquire is an atomic read-modify-write there,
+        a full barrier; elsewhere libatomic's ``atomic_thread_fence(seq_cst)``."""
+        self.store_release(index, value)
+        if self._fence_call is None:
+            with self._fence:
+                pass
+        else:
+            self._fence_call(_SEQ_CST)
+        return self.load_acquire(load_index)
 
     def wait(self, index: int, expected: int, timeout_s: float) -> None:
         """Sleep while word ``index`` holds ``expected``, at most ``timeout_s``; may return early

@@ -139,6 +139,11 @@ class _SlotBytes:
         self.__array_interface__ = interface
 
 
+def _same(view: memoryview) -> memoryview:
+    """``view`` itself: a lease's ``private()`` (bound with ``partial``, no closure per lease)."""
+    return view
+
+
 def _detach(ring: SlotRing, releases: _Releases, key: tuple[str, int]) -> None:
     """Forget the attachment and unmap (``close()``, or GC or interpreter exit of a consumer
     never closed). A consumer that leaves while its producer still runs marks its pid word
@@ -273,16 +278,12 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
             # every hand-out reads through this process's copy-on-write mapping (NOTE [ Zero-copy
             # hand-off ] in knitkit/microbatch_iter/worker.py): numpy views are read-only, but a
             # write through ``torch.from_numpy`` of one stays with this rank, never its TP peers
-            holder = _SlotBytes(np.frombuffer(releases.private(seq, layout.nbytes), np.uint8))
+            view = releases.private(seq, layout.nbytes)
+            holder = _SlotBytes(np.frombuffer(view, np.uint8))
             release = weakref.finalize(holder, releases.release, seq)  # runs once: see _SlotBytes
             release.atexit = False
-            lease = PackedMicroBatch(
-                layout,
-                np.asarray(holder),
-                release,
-                seq,
-                partial(releases.private, seq, layout.nbytes),
-            )
+            # the lease's private() is this very view: booked once, mapped once per hand-out
+            lease = PackedMicroBatch(layout, np.asarray(holder), release, seq, partial(_same, view))
             self._next = seq + 1
             self._wait_s += published - start
             self._decode_s += time.perf_counter() - published
@@ -326,7 +327,12 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
         - ``knitkit/delivery/handed_out``: micro-batches leased;
         - ``knitkit/delivery/handed_out_bytes``: their bytes;
         - ``knitkit/delivery/producer_bytes_read``: bytes its reorganizer read from storage (for
-          the whole ring, every TP consumer's share).
+          the whole ring, every TP consumer's share);
+        - ``knitkit/delivery/page_map_reads``: releases that read the page map for pages this
+          process wrote (the others: no page fault since the slot was last clean, NOTE [ Written
+          pages only after a fault ] in slot_ring.py);
+        - ``knitkit/delivery/release_wakes``: releases that woke the producer, each a syscall (the
+          others found it not waiting: NOTE [ Futex waits ] in atomic_words.py).
         """
         return {
             "knitkit/delivery/consumer_wait_s": self._wait_s,
@@ -334,6 +340,8 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
             "knitkit/delivery/handed_out": float(self._handed_out),
             "knitkit/delivery/handed_out_bytes": float(self._handed_out_bytes),
             "knitkit/delivery/producer_bytes_read": float(self._ring.bytes_read),
+            "knitkit/delivery/page_map_reads": float(self._ring.page_map_reads),
+            "knitkit/delivery/release_wakes": float(self._ring.release_wakes),
         }
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import mmap
 import os
+import resource
 import secrets
 import struct
 import time
@@ -66,6 +67,9 @@ STARTING, RUNNING, DONE, FAILED = 0, 1, 2, 3
 _MAGIC = 0x4B4E4954_52494E47
 _MAGIC_W, _STATE_W, _PRODUCER_PID_W, _OWNER_PID_W = 0, 1, 2, 3
 _PUBLISHED_W, _BYTES_READ_W, _STOP_W, _ERROR_LEN_W, _HEARTBEAT_W, _NOTIFY_W = 4, 5, 6, 7, 8, 9
+_PRODUCER_WAITS_W = 10
+"""The producer's: index + 1 of the consumer whose RELEASED word it sleeps on, 0 while it does
+not sleep (NOTE [ Futex waits ] in atomic_words.py)."""
 _RELEASED_W = 16
 """RELEASED[c] is word ``_RELEASED_W + c``; CONSUMER_PID[c] follows the RELEASED words."""
 _ERROR_BYTES = 4096
@@ -185,11 +189,19 @@ class SlotRing:
         self._written: WrittenPages | None = None
         self._mapped: dict[int, int] = {}
         """Slot index -> leading bytes whose pages the private mapping has mapped (populated)."""
+        self._clean_at: dict[int, int] = {}
+        """Slot index -> this process's page-fault count when the slot was last known to hold no
+        private copy (NOTE [ Written pages only after a fault ])."""
+        self.page_map_reads = 0
+        self.release_wakes = 0
+        """Releases that woke the producer (a syscall; the others found it not sleeping)."""
+        """Releases that read the page map to find written pages (the others had no fault)."""
         self._populate = True
         self.words = np.frombuffer(self._buf, np.int64, spec._num_words)
         self._atomic = AtomicWords(self.words)
         self._heartbeat = np.frombuffer(self._buf, np.float64, 1, 8 * _HEARTBEAT_W)
         # offsets as plain ints: a consumer computes them per micro-batch right after waking
+        self._segment_bytes = spec.segment_bytes
         self._meta_at = spec._meta_offset
         self._num_slots, self._meta_bytes = spec.num_slots, spec.meta_bytes
 
@@ -304,7 +316,7 @@ class SlotRing:
         """Raise ``RingTruncatedError`` if the segment file shrank under this mapping (reading a
         page past its end would kill the process with SIGBUS); one fstat."""
         if self._fd is not None:
-            _check_size(self.spec, self._fd)
+            _check_size(self.spec, self._fd, self._segment_bytes)
 
     # -- control words (each has a single writer; see NOTE [ Micro-batch publication protocol ]) --
     @property
@@ -404,14 +416,27 @@ class SlotRing:
         return self._atomic.load_acquire(_RELEASED_W + consumer)
 
     def set_released(self, consumer: int, count: int) -> None:
-        """Consumer: release store of its count, then wake a producer waiting for it."""
-        self._atomic.store_release(_RELEASED_W + consumer, count)
-        self._atomic.wake(_RELEASED_W + consumer)
+        """Consumer: release store of its count, then wake the producer if it sleeps on it (a
+        syscall only then: NOTE [ Futex waits ] in atomic_words.py)."""
+        word = _RELEASED_W + consumer
+        if self._atomic.store_then_load(word, count, _PRODUCER_WAITS_W) == consumer + 1:
+            self._atomic.wake(word)
+            self.release_wakes += 1
 
     def wait_released(self, consumer: int, seen: int, timeout_s: float) -> None:
         """Producer: sleep while ``consumer``'s count is ``seen``, at most ``timeout_s``; may
         return early (NOTE [ Futex waits ] in atomic_words.py)."""
-        self._atomic.wait(_RELEASED_W + consumer, seen, timeout_s)
+        self._atomic.store_release(_PRODUCER_WAITS_W, consumer + 1)  # before the kernel's check
+        try:
+            self._atomic.wait(_RELEASED_W + consumer, seen, timeout_s)
+        finally:
+            self._atomic.store_release(_PRODUCER_WAITS_W, 0)
+
+    @property
+    def producer_waits_on(self) -> int | None:
+        """The consumer whose release the producer sleeps on now, if any."""
+        waits = self._atomic.load_acquire(_PRODUCER_WAITS_W)
+        return waits - 1 if waits else None
 
     def consumer_pid(self, consumer: int) -> int:
         """Pid of the process attached as ``consumer``: 0 if none attached (yet, or it detached
@@ -429,9 +454,9 @@ class SlotRing:
 
     def private_slot(self, seq: int, nbytes: int) -> memoryview:
         """The first ``nbytes`` of ``seq``'s slot through this process's one copy-on-write mapping
-        of the data region, mapped once per ring and its pages faulted in once per slot: reads
-        see the shared pages, writes stay in this process (NOTE [ Zero-copy hand-off ] in
-        knitkit/microbatch_iter/worker.py); ``drop_private`` before the release."""
+        of the data region, mapped once per ring, each slot's pages faulted in whole at its first
+        use: reads see the shared pages, writes stay in this process (NOTE [ Zero-copy hand-off ]
+        in knitkit/microbatch_iter/worker.py); ``drop_private`` before the release."""
         if self._private is None:
             length = self._num_slots * self.spec.slot_bytes
             self._private = mmap.mmap(
@@ -445,29 +470,37 @@ class SlotRing:
         slot = seq % self._num_slots
         start = slot * self.spec.slot_bytes
         mapped = self._mapped.get(slot, 0)
-        if nbytes > mapped:  # pages stay mapped across occupants: only new ones are faulted in
+        if nbytes > mapped:  # pages stay mapped across occupants: faulted in once per slot
+            whole = self.spec.slot_bytes  # later, larger occupants need no call of their own
             if self._populate:
                 try:  # here (the prefetch thread), not in the training step
                     self._private.madvise(
-                        _MADV_POPULATE_READ, *_pages(start + mapped, nbytes - mapped)
+                        _MADV_POPULATE_READ, *_pages(start + mapped, whole - mapped)
                     )
                 except OSError:
                     self._populate = False  # kernel < 5.14: the first reads fault them in
-            self._mapped[slot] = nbytes
+            self._mapped[slot] = whole
         return memoryview(self._private)[start : start + nbytes]
 
     def drop_private(self, seq: int, nbytes: int) -> None:
         """Drop this process's private copies of the pages of ``seq``'s first ``nbytes`` it wrote
-        (MADV_DONTNEED over their span; none in the usual read-only case, found from the page map
-        with no page-table change), so the slot's next occupant is read from the shared pages."""
+        (MADV_DONTNEED over their span), so the slot's next occupant is read from the shared
+        pages. The written pages are found from the page map, with no page-table change, and only
+        if this process took a page fault since the slot was last known clean: none in the usual
+        read-only case (NOTE [ Written pages only after a fault ])."""
         if self._private is None or self._written is None or not nbytes:
             return
         slot = seq % self._num_slots
+        faults = _page_faults()  # before the page map is read: a later write faults again
+        if self._clean_at.get(slot) == faults:
+            return
         start = slot * self.spec.slot_bytes
+        self.page_map_reads += 1
         span = self._written.span(start, nbytes)
         if span is not None:
             self._private.madvise(mmap.MADV_DONTNEED, *span)
             self._mapped[slot] = min(self._mapped.get(slot, 0), span[0] - start)
+        self._clean_at[slot] = faults
 
     def write_meta(self, seq: int, layout: MicroBatchLayout, record: bytes | None = None) -> None:
         """Write ``seq``'s layout record (``record``, or ``encode_layout(layout)``)."""
@@ -572,14 +605,44 @@ def _path(spec: RingSpec) -> str:
     return os.path.join(SHM_DIR, spec.name)
 
 
-def _check_size(spec: RingSpec, fd: int) -> None:
+def _check_size(spec: RingSpec, fd: int, segment_bytes: int) -> None:
+    """``segment_bytes`` is ``spec.segment_bytes``, computed once per ring (a chain of
+    properties that cost more than the ``fstat``, paid per hand-out)."""
     size = os.fstat(fd).st_size
-    if size < spec.segment_bytes:
+    if size < segment_bytes:
         raise RingTruncatedError(
             f"slot ring {spec.name!r} (/dev/shm/{spec.name}) is {size} bytes, shorter than the "
-            f"ring's {spec.segment_bytes}: a process of this user truncated it under its "
+            f"ring's {segment_bytes}: a process of this user truncated it under its "
             "consumers; restart its reorganizer (and keep other jobs out of this /dev/shm)"
         )
+
+
+# NOTE [ Written pages only after a fault ]
+#
+# A release must find the pages of its lease this process wrote (private copy-on-write copies,
+# NOTE [ Zero-copy hand-off ] in knitkit/microbatch_iter/worker.py) before the slot's next
+# occupant is read. Reading the page map for that touches every page's struct page: 60-75 us per
+# 2.7 MiB lease, most of a rank's CPU per micro-batch (RANK31's scratch profile of transfer.py's
+# fields, issue 31). But a page of the private mapping can only become a private copy through a
+# page fault of this process: `private_slot` maps every page read-only (populated, or absent
+# until read), so the first write to each one faults (a write-protect or a missing-page fault;
+# also a write by the kernel on the process's behalf, `read()` into the buffer or a pinning
+# `get_user_pages`), and the kernel counts every fault in the process's rusage (minor + major, all
+# threads, exited ones included; a count that only grows). So each slot keeps the fault count
+# read just BEFORE its page map was last read (or its written pages dropped): while the count is
+# unchanged at the next release, nothing in the process faulted since the slot was known clean,
+# hence no page of it was written, and the page map is not read (one getrusage, ~1 us). Any
+# fault (a write to another slot, the allocator growing, a populate) makes the next release of
+# every slot read its page map as before: the check can only skip work, never a write.
+# Not seen: a write into this process's memory by ANOTHER process (process_vm_writev, ptrace),
+# whose faults are counted in that process; the lease contract's "no writes" covers those.
+
+
+def _page_faults() -> int:
+    """This process's page faults so far, every thread (NOTE [ Written pages only after a
+    fault ])."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
 
 
 def _pages(start: int, nbytes: int) -> tuple[int, int]:

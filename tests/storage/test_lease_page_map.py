@@ -1,0 +1,98 @@
+"""A release looks for pages the rank wrote only where a write can have happened: after a page
+fault of the process since the slot was last clean (issue 31; NOTE [ Written pages only after a
+fault ] in knitkit/storage/delivery/slot_ring.py)."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+from knitkit.storage.delivery.consumer import MicroBatchConsumer
+from knitkit.storage.delivery.publication import Publisher
+from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing
+from knitkit.types import MicroBatchLayout
+
+ROWS = (1 << 20) // 8
+"""One MiB of int64 per micro-batch: 256 pages of 4 KiB."""
+READS = "knitkit/delivery/page_map_reads"
+
+
+def _publish(publisher: Publisher, value: int) -> None:
+    layout = MicroBatchLayout.build({"x": ("int64", (ROWS,))})
+    layout.numpy_views(publisher.acquire(layout.nbytes))["x"][:] = value
+    publisher.publish(layout)
+
+
+def test_read_only_releases_skip_the_page_map_and_a_write_is_never_skipped() -> None:
+    """Once the ring is warm (every slot mapped, the producer's pages faulted in), releases of
+    leases that were only read find no page fault since their slot was last clean and read no
+    page map (most of them: anything else in the process may fault now and then); a lease written
+    through its private view is found and dropped at its release, so the writer reads the slot's
+    next occupant exactly."""
+    spec = RingSpec.new(num_slots=2, slot_bytes=1 << 20, num_consumers=1)
+    owner = SlotRing.create(spec)
+    publisher = Publisher(SlotRing.attach(spec))
+    publisher.start()
+    consumer = MicroBatchConsumer(spec, 0, liveness_timeout_s=60.0)
+    try:
+        value = 0
+
+        def hand_out() -> np.ndarray:
+            nonlocal value
+            _publish(publisher, value)
+            lease = consumer.next_micro_batch(timeout_s=60.0)
+            assert lease.private is not None
+            x = np.frombuffer(lease.private(), np.int64)[:ROWS]
+            assert x.min() == x.max() == value, f"micro-batch {value}"
+            value += 1
+            lease.release()
+            return x
+
+        for _ in range(4):  # warm: two laps
+            hand_out()
+        before = consumer.metrics()[READS]
+        for _ in range(20):
+            hand_out()
+        reads = consumer.metrics()[READS] - before
+        assert reads <= 10, f"{reads} of 20 read-only releases read the page map"
+
+        _publish(publisher, value)
+        lease = consumer.next_micro_batch(timeout_s=60.0)
+        assert lease.private is not None
+        written = np.frombuffer(lease.private(), np.int64)
+        written[ROWS // 2] = -1  # one page written, in the middle of the slot
+        before = consumer.metrics()[READS]
+        lease.release()
+        assert consumer.metrics()[READS] == before + 1, "a written lease skipped the page map"
+        value += 1
+        hand_out()  # the other slot
+        after = hand_out()  # the written slot's next occupant: the shared bytes, not the write
+        assert after[ROWS // 2] == value - 1
+        del written, after
+    finally:
+        consumer.close()
+        owner.request_stop()
+        publisher.close()
+        owner.close()
+        owner.unlink()
+
+
+def test_every_page_of_a_slot_is_mapped_at_its_first_use() -> None:
+    """A slot's pages are faulted in whole at its first hand-out, so a later, larger occupant
+    maps nothing more: no populate and no page fault per micro-batch as sizes vary."""
+    spec = RingSpec.new(num_slots=1, slot_bytes=64 * mmap.PAGESIZE, num_consumers=1)
+    owner = SlotRing.create(spec)
+    ring = SlotRing.attach(spec, read_only_slots=True)
+    try:
+        ring.private_slot(0, mmap.PAGESIZE)  # a small first occupant
+        assert ring._private is not None
+        address = np.frombuffer(ring._private, np.uint8, 1).ctypes.data
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            pagemap.seek(8 * (address // mmap.PAGESIZE))
+            entries = np.frombuffer(pagemap.read(8 * 64), np.uint64)
+        assert int(((entries >> 63) & 1).sum()) == 64, "the slot's later pages are not mapped"
+    finally:
+        ring.close()
+        owner.close()
+        owner.unlink()

@@ -1,0 +1,81 @@
+"""A release wakes the producer only while the producer sleeps on that consumer's count: no futex
+syscall per release otherwise, and no lost wake-up (issue 31; NOTE [ Futex waits ] in
+knitkit/storage/delivery/atomic_words.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from knitkit.storage.delivery.consumer import MicroBatchConsumer
+from knitkit.storage.delivery.publication import Publisher
+from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing
+from knitkit.types import MicroBatchLayout
+
+BOUND_S = 60.0
+WAKES = "knitkit/delivery/release_wakes"
+LAYOUT = MicroBatchLayout.build({"x": ("int64", (64,))})
+
+
+def _publish(publisher: Publisher) -> None:
+    publisher.acquire(LAYOUT.nbytes)
+    publisher.publish(LAYOUT)
+
+
+def test_releases_make_no_wake_while_the_producer_does_not_wait() -> None:
+    """A ring with room for every micro-batch: the producer never sleeps, so none of the
+    releases makes a wake syscall."""
+    spec = RingSpec.new(num_slots=8, slot_bytes=4096, num_consumers=2)
+    owner = SlotRing.create(spec)
+    publisher = Publisher(SlotRing.attach(spec))
+    publisher.start()
+    consumers = [MicroBatchConsumer(spec, c, liveness_timeout_s=BOUND_S) for c in range(2)]
+    try:
+        for _ in range(6):
+            _publish(publisher)
+        for consumer in consumers:
+            for _ in range(6):
+                consumer.next_micro_batch(timeout_s=BOUND_S).release()
+            assert consumer.metrics()[WAKES] == 0
+        assert owner.released(0) == owner.released(1) == 6
+    finally:
+        for consumer in consumers:
+            consumer.close()
+        owner.request_stop()
+        publisher.close()
+        owner.close()
+        owner.unlink()
+
+
+def test_a_producer_sleeping_on_a_full_ring_is_woken_by_the_release_it_waits_for() -> None:
+    """The producer blocks on a full ring waiting for consumer 1 (the one that released least);
+    consumer 0's release does not wake it (it does not wait on consumer 0), consumer 1's release
+    does, with one wake, and the producer goes on to publish into the freed slot."""
+    spec = RingSpec.new(num_slots=1, slot_bytes=4096, num_consumers=2)
+    owner = SlotRing.create(spec)
+    publisher = Publisher(SlotRing.attach(spec))
+    publisher.start()
+    consumers = [MicroBatchConsumer(spec, c, liveness_timeout_s=BOUND_S) for c in range(2)]
+    try:
+        _publish(publisher)
+        leases = [consumer.next_micro_batch(timeout_s=BOUND_S) for consumer in consumers]
+        leases[0].release()
+        second = threading.Thread(target=_publish, args=(publisher,), daemon=True)
+        second.start()
+        deadline = time.monotonic() + BOUND_S
+        while owner.producer_waits_on != 1:  # the producer sleeps on consumer 1's count
+            assert time.monotonic() < deadline, "the producer never waited for consumer 1"
+            time.sleep(0.001)
+        assert consumers[0].metrics()[WAKES] == 0
+        leases[1].release()
+        assert consumers[1].metrics()[WAKES] == 1
+        second.join(BOUND_S)
+        assert not second.is_alive() and owner.published == 2
+        assert owner.producer_waits_on is None
+    finally:
+        for consumer in consumers:
+            consumer.close()
+        owner.request_stop()
+        publisher.close()
+        owner.close()
+        owner.unlink()
