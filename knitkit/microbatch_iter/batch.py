@@ -175,8 +175,8 @@ class ViewCache:
         fields = layout.fields
         if (
             self._flat is None
+            or layout.nbytes != self._nbytes  # first: it tells most new layouts apart at once
             or (fields is not self._fields and fields != self._fields)
-            or layout.nbytes != self._nbytes
             or overrides != self._overrides
             or _snapshot(self._viewed) != self._built
         ):
