@@ -15,11 +15,12 @@ import torch
 from knitkit.encoder_dedup import RankRoute
 from knitkit.job.completion import PassEnds
 from knitkit.job.errors import DriverDiedError, DriverNotFoundError
+from knitkit.job.passes import Pass
 from knitkit.job.pool import pass_id
 from knitkit.job.records import RecordReader, RecordWriter
 from knitkit.job.recovery import FollowingConsumer, restarts_of
 from knitkit.job.spec import RankCoords, RankSpec, encoder_rank_name, group_name
-from knitkit.job.watch import DRIVER, DriverWatch, PassTake, driver_error
+from knitkit.job.watch import DRIVER, DriverWatch, Gate, PassTake, driver_error
 from knitkit.job.work import PassWork, Route
 from knitkit.metrics import merge, sum_over
 from knitkit.microbatch_iter import MicroBatchIterator
@@ -119,6 +120,8 @@ class RankHandle:
         """The (mini-batch, pass) whose units were last taken from the encoder ring."""
         self._routes: tuple[str, RankRoute] | None = None
         """The current mini-batch's dedup route, shared by its passes (NOTE [ One pass ahead ])."""
+        self._ahead: PassWork | None = None
+        """The mini-batch's next pass, its prefetch started (NOTE [ One pass ahead ])."""
         self._last_encoding = next((p.name for p in reversed(spec.passes) if p.encodes), None)
         self._closed = False
         waits = {
@@ -208,14 +211,28 @@ class RankHandle:
                 record.arrays["plan"].tobytes().decode()
             )
             index = 0
-        pass_ = passes[index]
         plan = self._plans[minibatch_id]
         if index + 1 == len(passes):
             del self._plans[minibatch_id]
         self._last = (minibatch_id, index)
-        work = PassWork(self, minibatch_id, pass_, plan.with_fields(pass_.reads))
-        self._current = work
-        self._ends.post(  # see NOTE [ One pass ahead ]
+        # a later pass was built, its prefetch started, with the previous one (NOTE [ One pass
+        # ahead ]); a mini-batch's first pass starts here
+        work = self._ahead or self._start_ahead(minibatch_id, passes[index], plan, after=None)
+        self._current, self._ahead = work, None
+        if index + 1 < len(passes):
+            self._ahead = self._start_ahead(
+                minibatch_id, passes[index + 1], plan, after=work.drained
+            )
+        return work
+
+    def _start_ahead(
+        self, minibatch_id: str, pass_: Pass, plan: MiniBatchPlan, *, after: Gate | None
+    ) -> PassWork:
+        """``pass_``'s work, its prefetch started on the pass-end thread; with ``after``, its
+        take waits for that gate (the previous pass's leases all taken: NOTE [ One pass
+        ahead ])."""
+        work = PassWork(self, minibatch_id, pass_, plan.with_fields(pass_.reads), after=after)
+        self._ends.post(
             f"starting the prefetch of pass {pass_.name!r} of {minibatch_id!r}",
             functools.partial(_prefetch_ahead, work),
         )
@@ -245,6 +262,8 @@ class RankHandle:
             where = f"pass {self._current.pass_.name!r} of {self._current.minibatch_id!r}"
             reason = f"{reason}; in {where}" if reason else f"closed in {where}"
             self._current.stop_prefetch()
+        if self._ahead is not None:
+            self._ahead.stop_prefetch()
         failure: BaseException | None = None
         if not reason:
             try:
@@ -289,24 +308,31 @@ class RankHandle:
             self._routes = (work.minibatch_id, self._route(work.plan))
         return self._routes[1]
 
-    # NOTE [ One pass ahead ]: what a pass needs before its first micro-batch is started
-    # when the pass is handed out (``next_pass``), not when the loop first asks for it.
-    # - Its prefetch iterator: ``next_pass`` queues its start on the rank's pass-end thread
-    #   (after the previous pass's write-backs and close: NOTE [ Asynchronous pass ends ] in
-    #   completion.py) and returns; the iterator's thread then takes and stages the pass's first
-    #   micro-batches while the loop reads its encoder inputs, encodes them and runs the dedup
-    #   handshakes. ``micro_batches()`` hands out that iterator, or starts it if the pass-end
-    #   thread has not yet (a lock makes it one start; none once the pass is finished). Starting
-    #   it there, not on the training thread, keeps a thread start (which waits until the new
-    #   thread is scheduled: 2-6 ms of wall time per pass on the loaded 2-core machine, 0.6 ms of
-    #   CPU, ``benchmarks/grpo_step.py --quick`` profiled at de94463) off the loop. A loop that
-    #   never asks for the iterator ends the pass as one that never iterated (what was staged
-    #   is released unread, with no error); one that stops short raises as before. The ring's
-    #   order is the schedule's, and the previous pass's leases were all taken before
-    #   ``next_pass`` returns this one (its loop read every micro-batch, or ``end_pass`` took
-    #   the rest), so the early take cannot take a micro-batch of another pass; each lease is
-    #   checked to be the pass's (``PassTake``). Before, the iterator started after the encoder
-    #   ran, so the train pass's first micro-batch was waited for in full.
+    # NOTE [ One pass ahead ]: what a pass needs before its first micro-batch starts ahead of
+    # the loop, not when the loop first asks for it.
+    # - Its prefetch iterator. ``next_pass`` queues the start of the pass's iterator on the
+    #   rank's pass-end thread (after the previous pass's write-backs and close: NOTE
+    #   [ Asynchronous pass ends ] in completion.py) and, for the mini-batch's next pass, the
+    #   start of that pass's iterator too, with its take gated: it takes nothing until every
+    #   micro-batch of the pass before it was taken from the ring (``PassWork.drained``: the
+    #   earlier take's last lease, or ``done`` taking what the loop left). The ring's order is
+    #   the schedule's, so the gated take cannot take a micro-batch of another pass, and each
+    #   lease is checked to be the pass's (``PassTake``). So the next pass's thread is started
+    #   while the current pass computes, and its first micro-batch is taken and staged as soon
+    #   as the driver served it: for a pass that reads rollout fields only (reference log-probs
+    #   after old), while the previous pass's last micro-batches compute; for one that reads
+    #   written-back fields (train), once the write-backs are in, while the loop encodes and
+    #   runs the dedup handshakes. ``micro_batches()`` hands out that iterator, or starts it if
+    #   the pass-end thread has not yet (a lock makes it one start; none once the pass is
+    #   finished). A thread start on the training thread waits until the new thread is
+    #   scheduled and holds the GIL: 2-7 ms of wall time per pass on the loaded 2-core machine
+    #   for 0.6 ms of CPU (``benchmarks/grpo_step.py``, profiled at de94463 and with the start
+    #   moved to the pass-end thread at the pass's own start). A loop that never asks for the
+    #   iterator ends the pass as one that never iterated (what was staged is released unread,
+    #   with no error); one that stops short raises as before. A mini-batch's first pass starts
+    #   at ``next_pass`` (its plan arrives with the schedule record); closing the handle stops a
+    #   pass started ahead. Before, the iterator started after the encoder ran, so each pass's
+    #   first micro-batch and the thread start were waited for in full.
     # - Its dedup route: every pass of a mini-batch encodes from the one plan, so the route
     #   (``RankHandle(route=...)``, e.g. ``MegatronLayout.route``: a routing plan for every
     #   rank of the encoder group) is built once per mini-batch and shared by its passes, not
@@ -314,7 +340,13 @@ class RankHandle:
     #   main-thread CPU per build, three builds per step).
     def iterate(self, work: PassWork) -> tuple[MicroBatchIterator, Taken]:
         """A prefetch iterator over exactly ``work``'s micro-batches of the data ring."""
-        take = self._take(self._data, work.num_micro_batches, work)
+        take = self._watch.take(
+            self._data,
+            work.num_micro_batches,
+            pass_id(work.minibatch_id, work.pass_.name),
+            after=work.after,
+            drained=work.drained,
+        )
         config = MicroBatchIterator.Config(
             depth=self.config.depth,
             slot_nbytes=self.config.slot_nbytes,
@@ -403,6 +435,7 @@ class RankHandle:
         left = work.num_micro_batches - (take.taken if take is not None else 0)
         for lease in self._take(self._data, left, work):
             lease.release()
+        work.drained.open()  # the next pass's take may start (NOTE [ One pass ahead ])
         self._end_encoder(work)
         if work.iterated and taken_by_loop < work.num_micro_batches:
             raise RuntimeError(

@@ -6,7 +6,7 @@ import contextlib
 import math
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from knitkit.job.errors import DriverDiedError, DriverFailedError, JobError
 from knitkit.job.pool import untagged
@@ -53,9 +53,18 @@ class DriverWatch:
         )
         self._thread.start()
 
-    def take(self, source: LeaseSource, count: int, expect: str) -> PassTake:
-        """Exactly ``count`` leases of the submitted assignment ``expect`` (``pass_id``)."""
-        take = PassTake(source, count, expect=expect, watch=self)
+    def take(
+        self,
+        source: LeaseSource,
+        count: int,
+        expect: str,
+        *,
+        after: Gate | None = None,
+        drained: Gate | None = None,
+    ) -> PassTake:
+        """Exactly ``count`` leases of the submitted assignment ``expect`` (``pass_id``); the
+        first is taken once ``after`` is open, and ``drained`` opens once the last is taken."""
+        take = PassTake(source, count, expect=expect, watch=self, after=after, drained=drained)
         with self._lock:  # after the error is set: a later take sees it (``raise_failure``)
             self._takes.add(take)
         return take
@@ -117,18 +126,71 @@ class DriverWatch:
             self.interrupt(driver_error(self.rank, error))
 
 
+class Gate:
+    """A one-way gate on a rank's data ring: open once a pass's every lease is taken, so the
+    next pass's take may start (NOTE [ One pass ahead ] in rank.py)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._open = False
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    def open(self) -> None:
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+    def wait(self, stop: Callable[[], bool]) -> bool:
+        """Until open (True) or ``stop()`` holds after a ``wake`` (False)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._open or stop())
+            return self._open
+
+    def wake(self) -> None:
+        """Make waiters check their ``stop`` again."""
+        with self._cond:
+            self._cond.notify_all()
+
+
 class PassTake(Take):
     """Exactly ``count`` leases of one submitted assignment from a rank's ring: each checked to
-    carry its ``pass_id``; the driver's failure or death raised as the rank's named error."""
+    carry its ``pass_id``; the driver's failure or death raised as the rank's named error. With
+    ``after``, nothing is taken before that gate opens (the previous pass's leases are all
+    taken); ``drained`` opens once the last lease is taken."""
 
-    def __init__(self, source: LeaseSource, count: int, *, expect: str, watch: DriverWatch) -> None:
+    def __init__(
+        self,
+        source: LeaseSource,
+        count: int,
+        *,
+        expect: str,
+        watch: DriverWatch,
+        after: Gate | None = None,
+        drained: Gate | None = None,
+    ) -> None:
         super().__init__(source, count)
         self.expect = expect
         self._source, self._watch = source, watch
+        self._after, self._drained = after, drained
+        self._stopped = False
+        if drained is not None and count == 0:
+            drained.open()
+
+    def interrupt(self) -> None:
+        self._stopped = True
+        super().interrupt()
+        if self._after is not None:
+            self._after.wake()
 
     def __next__(self) -> PackedMicroBatch:
         if self.taken < self.count:
             self._watch.raise_failure()
+            if self._after is not None and not self._after.wait(lambda: self._stopped):
+                self._watch.raise_failure()  # interrupted by the watch, or by its owner
+                raise StopIteration
         try:
             with self._watch.gated(self.taken == 0):
                 lease = super().__next__()
@@ -139,6 +201,8 @@ class PassTake(Take):
         except (ReorganizerError, ReorganizerDiedError):
             self._watch.check_now()  # a driver's death takes its reorganizers with it
             raise
+        if self._drained is not None and self.taken == self.count:
+            self._drained.open()
         got = untagged(str(lease.layout.extra.get("minibatch_id", "")))
         if got != self.expect:
             lease.release()

@@ -14,6 +14,7 @@ import torch
 from knitkit.encoder_dedup import RankRoute
 from knitkit.job.errors import WriteBackMissingError
 from knitkit.job.passes import Pass
+from knitkit.job.watch import Gate
 from knitkit.microbatch_iter import MicroBatchIterator
 from knitkit.storage import ConsumerPlan, MiniBatchPlan
 from knitkit.types import UnitKey
@@ -35,7 +36,17 @@ class PassWork:
     driver too (writer ranks), so both sides fail with the rank's error.
     """
 
-    def __init__(self, rank: RankHandle, minibatch_id: str, pass_: Pass, plan: MiniBatchPlan):
+    def __init__(
+        self,
+        rank: RankHandle,
+        minibatch_id: str,
+        pass_: Pass,
+        plan: MiniBatchPlan,
+        *,
+        after: Gate | None = None,
+    ):
+        """``after``: the previous pass's ``drained`` gate, when this pass's prefetch starts
+        before that pass ends (NOTE [ One pass ahead ] in rank.py)."""
         self.minibatch_id = minibatch_id
         self.pass_ = pass_
         self.plan = plan
@@ -52,6 +63,10 @@ class PassWork:
         self.finished = False
         self.iterated = False
         """Whether the loop asked for ``micro_batches()``."""
+        self.after = after
+        self.drained = Gate()
+        """Opens once every micro-batch of the pass is taken from the ring (by its iterator,
+        or by ``done`` for what the loop left): the next pass's take may start."""
         self._starting = threading.Lock()
         """Held while the iterator starts (on the rank's pass-end thread or the loop's): one
         start, none once the pass is finished (NOTE [ One pass ahead ] in rank.py)."""

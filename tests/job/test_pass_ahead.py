@@ -1,5 +1,5 @@
-"""What a pass needs before its first micro-batch starts when the pass is handed out (NOTE [ One
-pass ahead ] in knitkit/job/rank.py): its prefetch iterator, and one dedup route per mini-batch."""
+"""What a pass needs before its first micro-batch starts ahead of the loop (NOTE [ One pass ahead ]
+in knitkit/job/rank.py): its prefetch iterator, and one dedup route per mini-batch."""
 
 from __future__ import annotations
 
@@ -10,16 +10,17 @@ import torch
 from job_harness import controller, driver_config, join, trajectories, wait_for, wait_freed
 
 from knitkit.encoder_dedup import RankRoute, route_minibatch
-from knitkit.job import PassWork, RankCoords, RankHandle, RankSpec
+from knitkit.job import Pass, PassWork, RankCoords, RankHandle, RankSpec
 from knitkit.storage import MiniBatchPlan
 
 HANDED_OUT = "knitkit/delivery/handed_out"
 
 
-def _run_job(rank: Callable[[RankSpec], None], minibatches: int = 2) -> list[str]:
-    """One DP1 rank (``rank(spec)`` in a thread) over ``minibatches`` mini-batches; drains."""
-    data = trajectories(2 * minibatches, 2, seed=5)
-    with driver_config(1, 1, 1, 1).build(admission=controller(data, minibatches)) as driver:
+def _run_job(rank: Callable[[RankSpec], None], **overrides: object) -> list[str]:
+    """One DP1 rank (``rank(spec)`` in a thread) over two mini-batches; drains."""
+    data = trajectories(4, 2, seed=5)
+    config = driver_config(1, 1, 1, 1, **overrides)
+    with config.build(admission=controller(data, 2)) as driver:
         thread = threading.Thread(target=rank, args=(driver.rank_spec(),), daemon=True)
         thread.start()
         for trajectory in data:
@@ -45,14 +46,14 @@ def test_next_pass_stages_its_first_micro_batch_before_the_loop_asks() -> None:
     ahead: list[float] = []
 
     def rank(spec: RankSpec) -> None:
+        before = 0  # leases of the passes before this one (data and encoder rings)
         try:
             with RankHandle(spec, RankCoords(0, 0, 0, 0, encoder_rank=0), device="cpu") as handle:
                 for work in handle.passes():
                     with work:
-                        if work.pass_.name == "train" and work.num_micro_batches:
-                            before = handle.metrics()[HANDED_OUT]
+                        if work.pass_.name == "train":
                             wait_for(
-                                lambda before=before: handle.metrics()[HANDED_OUT] > before,
+                                lambda n=before: handle.metrics()[HANDED_OUT] > n,
                                 30,
                                 "the train pass's first micro-batch taken before the loop asks",
                             )
@@ -62,10 +63,43 @@ def test_next_pass_stages_its_first_micro_batch_before_the_loop_asks() -> None:
                         assert indices == list(range(work.num_micro_batches)), indices
                         if work.pass_.writes:
                             _write_back(work)
+                    before += work.num_micro_batches + work.encoder_micro_batches()
         except BaseException as error:  # asserted below
             errors.append(error)
 
     served = _run_job(rank)
+    assert not errors, errors[0]
+    assert len(ahead) == len(served) == 2
+
+
+def test_the_next_pass_is_taken_while_the_current_one_runs() -> None:
+    """Two passes that read rollout fields only: once the loop has taken every micro-batch of
+    the first, the second's first micro-batch is taken from the ring while the first pass is
+    still running (its prefetch started with the first pass, gated on its last lease)."""
+    errors: list[BaseException] = []
+    ahead: list[float] = []
+    passes = (Pass("a", reads=("tokens",)), Pass("b", reads=("tokens",)))
+
+    def rank(spec: RankSpec) -> None:
+        handed = 0  # micro-batches of every pass so far, this one included
+        try:
+            with RankHandle(spec, RankCoords(0, 0, 0, 0, encoder_rank=0), device="cpu") as handle:
+                for work in handle.passes():
+                    with work:
+                        handed += work.num_micro_batches
+                        for _ in work.micro_batches():
+                            pass
+                        if work.pass_.name == "a":
+                            wait_for(
+                                lambda n=handed: handle.metrics()[HANDED_OUT] > n,
+                                30,
+                                "pass b's first micro-batch taken while pass a runs",
+                            )
+                            ahead.append(handle.metrics()[HANDED_OUT] - handed)
+        except BaseException as error:  # asserted below
+            errors.append(error)
+
+    served = _run_job(rank, passes=passes)
     assert not errors, errors[0]
     assert len(ahead) == len(served) == 2
 
