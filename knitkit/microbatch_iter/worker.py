@@ -93,7 +93,12 @@ from knitkit.types import MicroBatchLayout
 #   check, layout decode, lease), staging 34 us (views), release 68 us (the page-map read: it
 #   touches every page's struct page, 25-65 us) = ~150 us, against 58 + 196 (populate per
 #   hand-out) + 56 (drop) = ~310 us before; issue 31 measured the earlier copy-on-write hand-off
-#   at 143 us/MiB against 43 us/MiB for a plain copy.
+#   at 143 us/MiB against 43 us/MiB for a plain copy. Inside transfer.py's knitkit phases (8
+#   ranks and 6 reorganizers on 2 cores, load 4-11, warm-up steps included; per-function thread
+#   CPU, RANK31's scratch profile at 7290235) the same steps cost about 3x that per micro-batch:
+#   hand-out 383 us (wait 125, decode 90, per-phase first mapping 74, size checks 25), views
+#   152, release 84 (the page map read at 282 of 720 releases, a wake at 299), the loop's
+#   next() 70: cache misses after compute and contention, not one dominant step.
 # - The Staged record carries the lease's release. The consumer's next next() (or close())
 #   retires the held record into ``retired`` (release_held); only retired records are released,
 #   so no slot goes back to the producer while the consumer may still read it.
