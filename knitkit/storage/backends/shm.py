@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator, Sequence
@@ -120,6 +121,7 @@ class SharedMemoryBackend(UnitBackend):
             self._slabs[slab_index].free(offset)
             raise
         np.copyto(self._slabs[slab_index].array(offset, spec.dtype, spec.shape), value)
+        self._slabs[slab_index].holds(offset + spec.nbytes)
         self._units[key] = (slab_index, offset, spec)
         size = self._journal.append(_put_record(key, (slab_index, offset, spec)))
         self._put_bytes[key] = size
@@ -156,6 +158,7 @@ class SharedMemoryBackend(UnitBackend):
         self._check_fork()
         if not self._owner:
             self._follow_journal()
+        self._populate()
         slabs, units, moved = self._slabs, self._units, 0
         sized: set[int] = set()
         try:
@@ -224,6 +227,8 @@ class SharedMemoryBackend(UnitBackend):
             Slab(p, n, owner=False) for p, n in zip(self._paths, state["sizes"], strict=True)
         ]
         self._units = state["units"]
+        for slab_index, offset, spec in self._units.values():
+            self._slabs[slab_index].holds(offset + spec.nbytes)
         self._journal = UnitJournal(
             state["journal"],
             owner=False,
@@ -311,6 +316,7 @@ class SharedMemoryBackend(UnitBackend):
             elif op == "put":
                 key, location = self._check_put(record)
                 self._units[key] = location
+                self._slabs[location[0]].holds(location[1] + location[2].nbytes)
             elif op == "delete":
                 self._units.pop(UnitKey.parse(str(record[1])), None)
             else:
@@ -357,8 +363,17 @@ class SharedMemoryBackend(UnitBackend):
 
     def _view(self, key: UnitKey) -> np.ndarray:
         slab_index, offset, spec = self._locate(key)
+        self._populate()
         self._check_slab(slab_index, [UnitRead(key)])
         return self._slabs[slab_index].array(offset, spec.dtype, spec.shape)
+
+    def _populate(self) -> None:
+        """Map the pages of every slab up to its high-water mark where some are not yet (NOTE
+        [ Populated mappings ] in slab.py): one compare per slab unless a mark moved. A shrunk
+        slab is skipped here; a read of it raises (``_check_slab``)."""
+        for slab in self._slabs:
+            with contextlib.suppress(SegmentTruncatedError):
+                slab.populate()
 
     def _check_slab(self, index: int, reads: Sequence[UnitRead]) -> None:
         """Before ``reads`` touch slab ``index``: if another process shrank it, every unit it

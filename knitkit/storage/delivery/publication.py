@@ -7,6 +7,7 @@ import os
 import threading
 from collections.abc import Iterator
 
+from knitkit.storage.backends.slab import populate_writable
 from knitkit.storage.delivery.liveness import WaitSlices
 from knitkit.storage.delivery.slot_ring import (
     DONE,
@@ -116,6 +117,8 @@ class Publisher:
         """Mark the producer running and start its idle heartbeat (see NOTE [ Micro-batch
         publication protocol ])."""
         self.ring.claim_producer()  # NOTE [ Ring role locks ] in slot_ring.py
+        spec = self.ring.spec
+        populate_writable(self.ring.slot(0, spec.num_slots * spec.slot_bytes))  # once per attach
         self.ring.set_producer_pid(os.getpid())
         self.ring.beat()
         self.ring.set_state(RUNNING)
