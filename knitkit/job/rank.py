@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import socket
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -101,7 +102,9 @@ class RankHandle:
         route: Route | None = None,
     ) -> None:
         """``route(plan)`` gives this rank's dedup route for passes that encode
-        (``MegatronLayout.route``, or ``route_minibatch(...).for_rank(rank)``)."""
+        (``MegatronLayout.route``, or ``route_minibatch(...).for_rank(rank)``): a pure
+        function, called once per mini-batch, on the rank's pass-end thread (NOTE [ One pass
+        ahead ])."""
         coords.check(spec)
         self.spec, self.coords = spec, coords
         self.config = config or RankHandle.Config()
@@ -120,6 +123,7 @@ class RankHandle:
         """The (mini-batch, pass) whose units were last taken from the encoder ring."""
         self._routes: tuple[str, RankRoute] | None = None
         """The current mini-batch's dedup route, shared by its passes (NOTE [ One pass ahead ])."""
+        self._routing = threading.Lock()
         self._ahead: PassWork | None = None
         """The mini-batch's next pass, its prefetch started (NOTE [ One pass ahead ])."""
         self._last_encoding = next((p.name for p in reversed(spec.passes) if p.encodes), None)
@@ -234,9 +238,18 @@ class RankHandle:
         work = PassWork(self, minibatch_id, pass_, plan.with_fields(pass_.reads), after=after)
         self._ends.post(
             f"starting the prefetch of pass {pass_.name!r} of {minibatch_id!r}",
-            functools.partial(_prefetch_ahead, work),
+            functools.partial(self._prepare, work),
         )
         return work
+
+    def _prepare(self, work: PassWork) -> None:
+        """On the pass-end thread: start ``work``'s prefetch and, for a pass that encodes, build
+        its mini-batch's route (NOTE [ One pass ahead ]). A failure is left to the loop's own
+        call (``micro_batches()``, ``route``), which does it again and raises."""
+        with contextlib.suppress(Exception):
+            work.prefetch()
+            if work.pass_.encodes and self._route is not None:
+                self.route_of(work)
 
     def metrics(self) -> dict[str, float]:
         """This rank's delivery figures, cumulative since it attached: its ring consumers'
@@ -304,9 +317,10 @@ class RankHandle:
                 "this RankHandle has no route function; build it with route=... (e.g. "
                 "MegatronLayout.route) to run the encoder with dedup"
             )
-        if self._routes is None or self._routes[0] != work.minibatch_id:
-            self._routes = (work.minibatch_id, self._route(work.plan))
-        return self._routes[1]
+        with self._routing:  # one build, on the pass-end thread or the loop's
+            if self._routes is None or self._routes[0] != work.minibatch_id:
+                self._routes = (work.minibatch_id, self._route(work.plan))
+            return self._routes[1]
 
     # NOTE [ One pass ahead ]: what a pass needs before its first micro-batch starts ahead of
     # the loop, not when the loop first asks for it.
@@ -337,7 +351,11 @@ class RankHandle:
     #   (``RankHandle(route=...)``, e.g. ``MegatronLayout.route``: a routing plan for every
     #   rank of the encoder group) is built once per mini-batch and shared by its passes, not
     #   rebuilt per pass (``benchmarks/grpo_step.py`` profiled at de94463: 1.2 ms of a rank's
-    #   main-thread CPU per build, three builds per step).
+    #   main-thread CPU per build, 2.5-7 ms of wall time on rank 0, whose driver threads share
+    #   its GIL; three builds per step). It is built on the pass-end thread right after the
+    #   mini-batch's first encoding pass's prefetch starts (a lock makes it one build), so it
+    #   overlaps the loop's waits; the route function must therefore be pure, as
+    #   ``MegatronLayout.route`` is.
     def iterate(self, work: PassWork) -> tuple[MicroBatchIterator, Taken]:
         """A prefetch iterator over exactly ``work``'s micro-batches of the data ring."""
         take = self._watch.take(
@@ -533,13 +551,6 @@ class RankHandle:
         if self._writeback is not None:
             with contextlib.suppress(Exception):
                 self.send(work, "error", {"message": message[-3000:]}, {}, timeout_s=_LEAVE_S)
-
-
-def _prefetch_ahead(work: PassWork) -> None:
-    """Start ``work``'s prefetch on the pass-end thread (NOTE [ One pass ahead ]); a failure
-    to start is left to the loop's ``micro_batches()``, which starts it again and raises."""
-    with contextlib.suppress(Exception):
-        work.prefetch()
 
 
 def _cuda_device(device: torch.device | str | None) -> torch.device | None:
