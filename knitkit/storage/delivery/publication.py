@@ -82,8 +82,10 @@ from knitkit.types import MicroBatchLayout
 # per hand-out, per acquired slot and once per period while waiting; a truncation in the
 # microseconds between a check and an access still faults).
 #
-# Liveness is progress, not thread life. HEARTBEAT is written by a producer thread every
-# HEARTBEAT_S only while the producer is IDLE (waiting for its next assignment); while it is BUSY
+# Liveness is progress, not thread life. HEARTBEAT is written every HEARTBEAT_S only while the
+# producer is IDLE (waiting for its next assignment), by a producer thread, or by a host whose
+# own loop already wakes that often (ReorganizerProcess: its wait for the next assignment, one
+# wake per period for the beat and its owner check, NOTE [ Reorganizer process shutdown ]); while it is BUSY
 # (`with publisher.busy():` around an assignment) only the producer's own loop writes it: at every
 # slot acquired, every wait slice on a full ring and every publication. A read that blocks therefore
 # stops the heartbeat and consumers raise ReorganizerDiedError after the liveness timeout, while
@@ -113,19 +115,26 @@ class Publisher:
         self._beat_thread: threading.Thread | None = None
         self._busy = 0
 
-    def start(self) -> None:
+    def start(self, *, beat_thread: bool = True) -> None:
         """Mark the producer running and start its idle heartbeat (see NOTE [ Micro-batch
-        publication protocol ])."""
+        publication protocol ]); ``beat_thread=False``: the caller's own wait loop calls
+        ``beat_idle`` at least every ``HEARTBEAT_S`` while no assignment runs."""
         self.ring.claim_producer()  # NOTE [ Ring role locks ] in slot_ring.py
         spec = self.ring.spec
         populate_writable(self.ring.slot(0, spec.num_slots * spec.slot_bytes))  # once per attach
         self.ring.set_producer_pid(os.getpid())
         self.ring.beat()
         self.ring.set_state(RUNNING)
-        self._beat_thread = threading.Thread(
-            target=self._beat, name="knitkit-publisher-heartbeat", daemon=True
-        )
-        self._beat_thread.start()
+        if beat_thread:
+            self._beat_thread = threading.Thread(
+                target=self._beat, name="knitkit-publisher-heartbeat", daemon=True
+            )
+            self._beat_thread.start()
+
+    def beat_idle(self) -> None:
+        """The idle heartbeat, from a host's own wait loop (``start(beat_thread=False)``)."""
+        if not self._busy:
+            self.ring.beat()
 
     def acquire(self, nbytes: int) -> memoryview:
         """Wait until the next slot is released by every consumer; return its first ``nbytes``."""

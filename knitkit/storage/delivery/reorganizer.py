@@ -142,8 +142,11 @@ class ReorganizerHost:
         *,
         owns_ring: bool = False,
         role: str = "reorganizer",
+        beat_thread: bool = True,
     ) -> None:
-        """``role`` names the producer in the errors it writes to the ring."""
+        """``role`` names the producer in the errors it writes to the ring; ``beat_thread=False``:
+        the host's loop calls ``beat_idle`` every ``HEARTBEAT_S`` while idle instead of a thread
+        (see NOTE [ Micro-batch publication protocol ])."""
         check_backend(backend)  # a wrapper handed over without a store fails here, named
         self.spec = spec
         self.role = role
@@ -152,7 +155,7 @@ class ReorganizerHost:
         self._owns_ring = owns_ring
         self._publisher = Publisher(self._ring)
         try:
-            self._publisher.start()
+            self._publisher.start(beat_thread=beat_thread)
         except BaseException:
             self.close()
             raise
@@ -216,6 +219,10 @@ class ReorganizerHost:
         ring that already failed keeps its first error)."""
         if not self._ring.failed:
             self._publisher.fail(message)
+
+    def beat_idle(self) -> None:
+        """Say "alive, waiting for work" (a host built with ``beat_thread=False``)."""
+        self._publisher.beat_idle()
 
     def stop(self) -> None:
         """Make a ``deliver`` blocked on a full ring give up (the owner's STOP; any thread)."""
