@@ -124,6 +124,11 @@ class RankHandle:
         self._routes: tuple[str, RankRoute] | None = None
         """The current mini-batch's dedup route, shared by its passes (NOTE [ One pass ahead ])."""
         self._routing = threading.Lock()
+        self._encoder = threading.RLock()
+        """Guards the encoder ring's takes and the kept inputs: the loop's thread and the
+        pass-end thread (its copy of a mini-batch's inputs) both take (NOTE [ One pass ahead ])."""
+        self._copied: tuple[str, dict[UnitKey, torch.Tensor]] | None = None
+        """A mini-batch's encoder inputs copied to host memory ahead, not yet on ``device``."""
         self._ahead: PassWork | None = None
         """The mini-batch's next pass, its prefetch started (NOTE [ One pass ahead ])."""
         self._last_encoding = next((p.name for p in reversed(spec.passes) if p.encodes), None)
@@ -248,8 +253,12 @@ class RankHandle:
         call (``micro_batches()``, ``route``), which does it again and raises."""
         with contextlib.suppress(Exception):
             work.prefetch()
-            if work.pass_.encodes and self._route is not None:
+            if not work.pass_.encodes:
+                return
+            if self._route is not None:
                 self.route_of(work)
+            if work.after is None:  # not a pass started ahead: its units are served with it
+                self.copy_encoder_inputs(work)
 
     def metrics(self) -> dict[str, float]:
         """This rank's delivery figures, cumulative since it attached: its ring consumers'
@@ -356,6 +365,11 @@ class RankHandle:
     #   mini-batch's first encoding pass's prefetch starts (a lock makes it one build), so it
     #   overlaps the loop's waits; the route function must therefore be pure, as
     #   ``MegatronLayout.route`` is.
+    # - Its encoder inputs: for a mini-batch's first pass that encodes, the same job then copies
+    #   this rank's units out of the encoder ring into host memory (NOTE [ Encoder inputs once
+    #   per mini-batch ]), instead of the loop waiting for them when it asks. A pass started
+    #   ahead does not: its units may not be served before the current pass's write-backs are
+    #   in, which the same thread publishes.
     def iterate(self, work: PassWork) -> tuple[MicroBatchIterator, Taken]:
         """A prefetch iterator over exactly ``work``'s micro-batches of the data ring."""
         take = self._watch.take(
@@ -385,24 +399,45 @@ class RankHandle:
     # unread when the pass ends (off the critical path: published long before), its unit keys
     # checked against the kept ones. The tensors are shared by the passes: an in-place edit in
     # one pass shows in the next (clone first). They are dropped after the last pass that
-    # encodes.
+    # encodes. The first encoding pass's copy to host memory is taken by the pass-end thread as
+    # a mini-batch's first pass is handed out (NOTE [ One pass ahead ]); the loop's thread moves
+    # them to the device when asked. Both threads take from the encoder ring under one lock,
+    # in the schedule's order: the pass-end thread only for a pass handed out now, whose units
+    # the driver serves with it, after the loop's thread skipped the earlier passes' units.
     def read_encoder_inputs(self, work: PassWork) -> dict[UnitKey, torch.Tensor]:
         """This rank's encoder units of ``work``: those kept from the mini-batch's first
         encoding pass, else copied out of its encoder ring (see NOTE [ Encoder inputs once per
         mini-batch ])."""
-        count = work.encoder_micro_batches()
-        if count == 0 or self._units is None:
+        if work.encoder_micro_batches() == 0 or self._units is None:
             return {}
-        if self._kept is not None and self._kept[0] == work.minibatch_id:
+        with self._encoder:
+            if self._kept is None or self._kept[0] != work.minibatch_id:
+                self.copy_encoder_inputs(work)
+                assert self._copied is not None
+                host, self._copied = self._copied[1], None
+                device = self.device or "cpu"
+                self._kept = (work.minibatch_id, {k: v.to(device) for k, v in host.items()})
             return dict(self._kept[1])
-        out: dict[UnitKey, torch.Tensor] = {}
-        for lease in self._take(self._units, count, work):
-            with lease:
-                for key, view in lease.layout.unit_views(lease.buffer).items():
-                    out[key] = torch.from_numpy(np.array(view)).to(self.device or "cpu")
-        self._kept = (work.minibatch_id, out)
-        self._units_taken = (work.minibatch_id, work.pass_.name)
-        return dict(out)
+
+    def copy_encoder_inputs(self, work: PassWork) -> None:
+        """Copy ``work``'s encoder units out of the encoder ring into host memory, unless they
+        are kept or copied (the pass-end thread does it ahead for a mini-batch's first pass:
+        NOTE [ One pass ahead ]; the loop's thread moves them to the device)."""
+        count = work.encoder_micro_batches()
+        with self._encoder:
+            if count == 0 or self._units is None or work.minibatch_id in self._inputs_of():
+                return
+            out: dict[UnitKey, torch.Tensor] = {}
+            for lease in self._take(self._units, count, work):
+                with lease:
+                    for key, view in lease.layout.unit_views(lease.buffer).items():
+                        out[key] = torch.from_numpy(np.array(view))
+            self._copied = (work.minibatch_id, out)
+            self._units_taken = (work.minibatch_id, work.pass_.name)
+
+    def _inputs_of(self) -> set[str]:
+        """The mini-batches whose encoder inputs are kept or copied."""
+        return {held[0] for held in (self._kept, self._copied) if held is not None}
 
     def _skip_encoder_units(self, work: PassWork) -> None:
         """Take and release the encoder ring's copy of ``work``'s units unread (a later encoding
@@ -479,11 +514,12 @@ class RankHandle:
 
     def _end_encoder(self, work: PassWork) -> None:
         """The encoder ring moves on (see NOTE [ Encoder inputs once per mini-batch ]): on the
-        training thread, the only one that reads it (its units were published long before)."""
+        training thread (its units were published long before)."""
         if work.pass_.encodes:
-            self._skip_encoder_units(work)
-            if work.pass_.name == self._last_encoding:
-                self._kept = None
+            with self._encoder:
+                self._skip_encoder_units(work)
+                if work.pass_.name == self._last_encoding:
+                    self._kept = None
 
     def _take(self, ring: FollowingConsumer, count: int, work: PassWork) -> PassTake:
         """Exactly ``count`` leases of ``work``'s assignment on ``ring``, checked to be its."""

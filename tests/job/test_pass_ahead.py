@@ -12,6 +12,7 @@ from job_harness import controller, driver_config, join, trajectories, wait_for,
 from knitkit.encoder_dedup import RankRoute, route_minibatch
 from knitkit.job import Pass, PassWork, RankCoords, RankHandle, RankSpec
 from knitkit.storage import MiniBatchPlan
+from knitkit.types import UnitKey
 
 HANDED_OUT = "knitkit/delivery/handed_out"
 
@@ -38,38 +39,54 @@ def _write_back(work: PassWork) -> None:
         work.write_back(i, {"old_lp": torch.zeros(mb.num_tokens)})
 
 
-def test_next_pass_stages_its_first_micro_batch_before_the_loop_asks() -> None:
-    """Once ``next_pass`` hands out the train pass, its first micro-batch is taken from the ring
-    (the driver serves it when the old pass's write-backs are in) while the loop has not asked
-    for ``micro_batches()`` yet; the loop then gets every micro-batch, in order, once."""
+def test_a_pass_data_and_encoder_inputs_are_taken_before_the_loop_asks() -> None:
+    """Once ``next_pass`` hands out a mini-batch's first (encoding) pass, its encoder units are
+    taken from the encoder ring (by the pass-end thread) before the loop asks; once it hands out
+    the train pass, its first micro-batch is taken (the driver serves it when the old pass's
+    write-backs are in) before the loop asks for ``micro_batches()``. The loop then gets every
+    micro-batch, in order, once, and the train pass the old pass's very encoder inputs."""
     errors: list[BaseException] = []
     ahead: list[float] = []
+    inputs: dict[tuple[str, str], dict[UnitKey, torch.Tensor]] = {}
 
     def rank(spec: RankSpec) -> None:
-        before = 0  # leases of the passes before this one (data and encoder rings)
+        before = units = 0  # leases of the passes before this one: both rings, encoder ring
         try:
             with RankHandle(spec, RankCoords(0, 0, 0, 0, encoder_rank=0), device="cpu") as handle:
+                ring = handle._units  # the encoder ring's consumer: its own handed_out
+                assert ring is not None
                 for work in handle.passes():
                     with work:
-                        if work.pass_.name == "train":
+                        if work.pass_.name == "old":
+                            want = units + work.encoder_micro_batches()
+                            wait_for(
+                                lambda n=want: ring.metrics()[HANDED_OUT] >= n,
+                                30,
+                                "the encoder units taken before the loop asks",
+                            )
+                        else:
                             wait_for(
                                 lambda n=before: handle.metrics()[HANDED_OUT] > n,
                                 30,
                                 "the train pass's first micro-batch taken before the loop asks",
                             )
                             ahead.append(handle.metrics()[HANDED_OUT] - before)
-                        work.encoder_inputs()
+                        inputs[(work.minibatch_id, work.pass_.name)] = work.encoder_inputs()
                         indices = [mb.index for mb in work.micro_batches()]
                         assert indices == list(range(work.num_micro_batches)), indices
                         if work.pass_.writes:
                             _write_back(work)
                     before += work.num_micro_batches + work.encoder_micro_batches()
+                    units += work.encoder_micro_batches()
         except BaseException as error:  # asserted below
             errors.append(error)
 
     served = _run_job(rank)
     assert not errors, errors[0]
     assert len(ahead) == len(served) == 2
+    for mb in served:
+        old, train = inputs[(mb, "old")], inputs[(mb, "train")]
+        assert old and all(train[key] is old[key] for key in old)
 
 
 def test_the_next_pass_is_taken_while_the_current_one_runs() -> None:
