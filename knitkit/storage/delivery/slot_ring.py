@@ -193,9 +193,9 @@ class SlotRing:
         """Slot index -> this process's page-fault count when the slot was last known to hold no
         private copy (NOTE [ Written pages only after a fault ])."""
         self.page_map_reads = 0
+        """Releases that read the page map to find written pages (the others had no fault)."""
         self.release_wakes = 0
         """Releases that woke the producer (a syscall; the others found it not sleeping)."""
-        """Releases that read the page map to find written pages (the others had no fault)."""
         self._populate = True
         self.words = np.frombuffer(self._buf, np.int64, spec._num_words)
         self._atomic = AtomicWords(self.words)
