@@ -138,7 +138,11 @@ BARRIER_TIMEOUT_S = 900.0
 # start is not counted either). What a job pays every step stays in: each step's trajectories are
 # new to every reader, so every phase reads the store through handles that have none of its pages
 # mapped (knitkit: fresh reorganizer processes per phase; sample-level: each rank reopens its store
-# handle), and a page is mapped at its first read in the phase, as a job's new trajectories are.
+# handle). A shared-memory handle maps the pages of each slab up to the slab's high-water mark at
+# its first read (NOTE [ Populated mappings ] in knitkit/storage/backends/slab.py), in the
+# warm-up step for both methods: as a job's long-lived readers have them mapped, since its new
+# trajectories reuse the extents of released ones. Every later step's units are still new
+# to the handle: it has read none of their bytes before.
 # Buffers a careful user allocates once (sample-level's arenas) are sized before the run.
 
 # NOTE [ Process CPU clocks ]
@@ -553,9 +557,8 @@ class _Rank:
         return waits
 
     def _reopen_store(self) -> None:
-        """A fresh handle on the store, with none of its pages mapped: each step's units are
-        mapped at their first read in the phase, as a job's new trajectories are (and as
-        knitkit's reorganizers, fresh processes each phase, map them); NOTE [ Warm-up step ]."""
+        """A fresh handle on the store, with none of its pages mapped, as knitkit's reorganizers
+        (fresh processes each phase) have; its first read maps them (NOTE [ Warm-up step ])."""
         fresh = pickle.loads(pickle.dumps(self.backend))
         self.backend.close()
         self.backend = fresh

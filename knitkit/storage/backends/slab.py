@@ -128,6 +128,7 @@ class Slab:
     # slab and reader while a store fills, then never, since the owner's first-fit allocator
     # puts new units in freed extents below the mark. Populating costs what the faults cost
     # (~80 us per MiB here), once instead of at every new unit; past the mark nothing is mapped.
+    # No memory is added: the pages are the store's own (a reader's RSS counts them, shared).
     # Considered instead: ``preadv`` from the slab's file into the slot, no mapping at all. On
     # this 2-core VM the kernel's copy (``_copy_to_iter``) moved 3 MiB from tmpfs in 530-700 us
     # against 180-240 us for a memcpy from mapped pages and ~480 us from freshly mapped ones
