@@ -7,8 +7,8 @@ from __future__ import annotations
 import mmap
 
 import numpy as np
+from ring_parts import BOUND_S, published_ring
 
-from knitkit.storage.delivery.consumer import MicroBatchConsumer
 from knitkit.storage.delivery.publication import Publisher
 from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing
 from knitkit.types import MicroBatchLayout
@@ -31,17 +31,14 @@ def test_read_only_releases_skip_the_page_map_and_a_write_is_never_skipped() -> 
     through its private view is found and dropped at its release, so the writer reads the slot's
     next occupant exactly."""
     spec = RingSpec.new(num_slots=2, slot_bytes=1 << 20, num_consumers=1)
-    owner = SlotRing.create(spec)
-    publisher = Publisher(SlotRing.attach(spec))
-    publisher.start()
-    consumer = MicroBatchConsumer(spec, 0, liveness_timeout_s=60.0)
-    try:
+    with published_ring(spec) as ring:
+        publisher, consumer = ring.publisher, ring.consumers[0]
         value = 0
 
         def hand_out() -> np.ndarray:
             nonlocal value
             _publish(publisher, value)
-            lease = consumer.next_micro_batch(timeout_s=60.0)
+            lease = consumer.next_micro_batch(timeout_s=BOUND_S)
             assert lease.private is not None
             x = np.frombuffer(lease.private(), np.int64)[:ROWS]
             assert x.min() == x.max() == value, f"micro-batch {value}"
@@ -58,7 +55,7 @@ def test_read_only_releases_skip_the_page_map_and_a_write_is_never_skipped() -> 
         assert reads <= 10, f"{reads} of 20 read-only releases read the page map"
 
         _publish(publisher, value)
-        lease = consumer.next_micro_batch(timeout_s=60.0)
+        lease = consumer.next_micro_batch(timeout_s=BOUND_S)
         assert lease.private is not None
         written = np.frombuffer(lease.private(), np.int64)
         written[ROWS // 2] = -1  # one page written, in the middle of the slot
@@ -70,12 +67,6 @@ def test_read_only_releases_skip_the_page_map_and_a_write_is_never_skipped() -> 
         after = hand_out()  # the written slot's next occupant: the shared bytes, not the write
         assert after[ROWS // 2] == value - 1
         del written, after
-    finally:
-        consumer.close()
-        owner.request_stop()
-        publisher.close()
-        owner.close()
-        owner.unlink()
 
 
 def test_every_page_of_a_slot_is_mapped_at_its_first_use() -> None:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import threading
 import time
 
-from knitkit.storage.delivery.consumer import MicroBatchConsumer
+from ring_parts import BOUND_S, published_ring
+
 from knitkit.storage.delivery.publication import Publisher
 from knitkit.storage.delivery.slot_ring import _PRODUCER_WAITS_W as PRODUCER_WAITS_W
-from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing
+from knitkit.storage.delivery.slot_ring import RingSpec
 from knitkit.types import MicroBatchLayout
 
-BOUND_S = 60.0
 WAKES = "knitkit/delivery/release_wakes"
 LAYOUT = MicroBatchLayout.build({"x": ("int64", (64,))})
 
@@ -27,11 +27,8 @@ def test_releases_make_no_wake_while_the_producer_does_not_wait() -> None:
     """A ring with room for every micro-batch: the producer never sleeps, so none of the
     releases makes a wake syscall."""
     spec = RingSpec.new(num_slots=8, slot_bytes=4096, num_consumers=2)
-    owner = SlotRing.create(spec)
-    publisher = Publisher(SlotRing.attach(spec))
-    publisher.start()
-    consumers = [MicroBatchConsumer(spec, c, liveness_timeout_s=BOUND_S) for c in range(2)]
-    try:
+    with published_ring(spec) as ring:
+        owner, publisher, consumers = ring.owner, ring.publisher, ring.consumers
         for _ in range(6):
             _publish(publisher)
         for consumer in consumers:
@@ -39,13 +36,6 @@ def test_releases_make_no_wake_while_the_producer_does_not_wait() -> None:
                 consumer.next_micro_batch(timeout_s=BOUND_S).release()
             assert consumer.metrics()[WAKES] == 0
         assert owner.released(0) == owner.released(1) == 6
-    finally:
-        for consumer in consumers:
-            consumer.close()
-        owner.request_stop()
-        publisher.close()
-        owner.close()
-        owner.unlink()
 
 
 def test_a_producer_sleeping_on_a_full_ring_is_woken_by_the_release_it_waits_for() -> None:
@@ -53,11 +43,8 @@ def test_a_producer_sleeping_on_a_full_ring_is_woken_by_the_release_it_waits_for
     consumer 0's release does not wake it (it does not wait on consumer 0), consumer 1's release
     does, with one wake, and the producer goes on to publish into the freed slot."""
     spec = RingSpec.new(num_slots=1, slot_bytes=4096, num_consumers=2)
-    owner = SlotRing.create(spec)
-    publisher = Publisher(SlotRing.attach(spec))
-    publisher.start()
-    consumers = [MicroBatchConsumer(spec, c, liveness_timeout_s=BOUND_S) for c in range(2)]
-    try:
+    with published_ring(spec) as ring:
+        owner, publisher, consumers = ring.owner, ring.publisher, ring.consumers
         _publish(publisher)
         leases = [consumer.next_micro_batch(timeout_s=BOUND_S) for consumer in consumers]
         leases[0].release()
@@ -75,24 +62,14 @@ def test_a_producer_sleeping_on_a_full_ring_is_woken_by_the_release_it_waits_for
         second.join(BOUND_S)
         assert not second.is_alive() and owner.published == 2
         assert owner.producer_waits_on is None
-    finally:
-        for consumer in consumers:
-            consumer.close()
-        owner.request_stop()
-        publisher.close()
-        owner.close()
-        owner.unlink()
 
 
 def test_a_release_wakes_exactly_when_the_producer_announces_it_sleeps_on_that_consumer() -> None:
     """The consumer's side of the handshake alone, with the producer's word set by hand: a
     release wakes (one syscall) only while the word names its consumer."""
     spec = RingSpec.new(num_slots=4, slot_bytes=4096, num_consumers=2)
-    owner = SlotRing.create(spec)
-    publisher = Publisher(SlotRing.attach(spec))
-    publisher.start()
-    consumers = [MicroBatchConsumer(spec, c, liveness_timeout_s=BOUND_S) for c in range(2)]
-    try:
+    with published_ring(spec) as ring:
+        owner, publisher, consumers = ring.owner, ring.publisher, ring.consumers
         for _ in range(3):
             _publish(publisher)
         for announced, wakes in ((None, (0, 0)), (1, (0, 1)), (0, (1, 1))):
@@ -100,10 +77,3 @@ def test_a_release_wakes_exactly_when_the_producer_announces_it_sleeps_on_that_c
             for consumer in consumers:
                 consumer.next_micro_batch(timeout_s=BOUND_S).release()
             assert tuple(c.metrics()[WAKES] for c in consumers) == wakes, announced
-    finally:
-        for consumer in consumers:
-            consumer.close()
-        owner.request_stop()
-        publisher.close()
-        owner.close()
-        owner.unlink()
