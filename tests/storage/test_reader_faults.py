@@ -15,6 +15,7 @@ from delivery_payloads import fill_backend, make_metas, plan_for, real_tokens
 
 from knitkit.storage.backends.lost import UnitsLostError
 from knitkit.storage.backends.shm import SharedMemoryBackend
+from knitkit.storage.backends.slab import MADV_POPULATE_READ
 from knitkit.storage.delivery.consumer import MicroBatchConsumer
 from knitkit.storage.delivery.publication import Publisher
 from knitkit.storage.delivery.reorganizer import Reorganizer
@@ -29,7 +30,7 @@ UNIT_ROWS = 1 << 16
 def _populate_supported() -> bool:
     probe = mmap.mmap(-1, mmap.PAGESIZE)
     try:
-        probe.madvise(22, 0, mmap.PAGESIZE)  # MADV_POPULATE_READ
+        probe.madvise(MADV_POPULATE_READ, 0, mmap.PAGESIZE)
     except OSError as exc:
         return exc.errno != errno.EINVAL
     finally:

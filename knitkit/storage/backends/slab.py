@@ -164,7 +164,7 @@ class Slab:
         end = min(-(-self._high // mmap.PAGESIZE) * mmap.PAGESIZE, self.size)
         self.check_size()  # populating pages past a shrunk file's end fails (EFAULT)
         try:
-            self._map.madvise(_MADV_POPULATE_READ, self._populated, end - self._populated)
+            self._map.madvise(MADV_POPULATE_READ, self._populated, end - self._populated)
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # kernel < 5.14: pages fault in at first use
                 _POPULATE = False
@@ -202,9 +202,10 @@ class Slab:
             self._map = None
 
 
-_MADV_POPULATE_READ = 22
-_MADV_POPULATE_WRITE = 23
-"""Linux >= 5.14 (``mmap`` of Python 3.11 names neither)."""
+MADV_POPULATE_READ = 22
+MADV_POPULATE_WRITE = 23
+"""Linux >= 5.14: map a range's pages now, read or writable, without touching them from Python
+(``mmap`` of Python 3.11 names neither)."""
 _POPULATE = True
 """Whether this kernel populates mappings (cleared at the first EINVAL)."""
 
@@ -220,7 +221,7 @@ def populate_writable(buffer: memoryview) -> None:
     first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
     length = (start + buffer.nbytes - first) // mmap.PAGESIZE * mmap.PAGESIZE
     if length > 0:
-        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), _MADV_POPULATE_WRITE)
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), MADV_POPULATE_WRITE)
 
 
 @functools.cache

@@ -23,7 +23,7 @@ from knitkit.storage.backends.segments import (
     lock_byte,
     sweep_dead_segments,
 )
-from knitkit.storage.backends.slab import reserve
+from knitkit.storage.backends.slab import MADV_POPULATE_READ, reserve
 from knitkit.storage.delivery.atomic_words import AtomicWords
 from knitkit.storage.delivery.layout_codec import LayoutDecodeError, decode_layout, encode_layout
 from knitkit.storage.delivery.written_pages import WrittenPages
@@ -74,8 +74,6 @@ _RELEASED_W = 16
 """RELEASED[c] is word ``_RELEASED_W + c``; CONSUMER_PID[c] follows the RELEASED words."""
 _ERROR_BYTES = 4096
 _PAGE = mmap.PAGESIZE
-_MADV_POPULATE_READ = 22
-"""Linux >= 5.14: fault a range's pages in (read) without touching them from Python."""
 _META_HEADER = struct.Struct("<qq")
 """Before each slot's layout record: the micro-batch's seq and the record's length."""
 HEARTBEAT_S = 0.25
@@ -475,7 +473,7 @@ class SlotRing:
             if self._populate:
                 try:  # here (the prefetch thread), not in the training step
                     self._private.madvise(
-                        _MADV_POPULATE_READ, *_pages(start + mapped, whole - mapped)
+                        MADV_POPULATE_READ, *_pages(start + mapped, whole - mapped)
                     )
                 except OSError:
                     self._populate = False  # kernel < 5.14: the first reads fault them in
