@@ -5,6 +5,7 @@ fault ] in knitkit/storage/delivery/slot_ring.py)."""
 from __future__ import annotations
 
 import mmap
+import resource
 
 import numpy as np
 from ring_parts import BOUND_S, published_ring
@@ -24,10 +25,8 @@ def _publish(publisher: Publisher, value: int) -> None:
     publisher.publish(layout)
 
 
-def test_read_only_releases_skip_the_page_map_and_a_write_is_never_skipped() -> None:
-    """Once the ring is warm (every slot mapped, the producer's pages faulted in), releases of
-    leases that were only read find no page fault since their slot was last clean and read no
-    page map (most of them: anything else in the process may fault now and then); a lease written
+def test_a_written_lease_never_skips_the_page_map() -> None:
+    """Once the ring is warm (every slot mapped, the producer's pages faulted in), a lease written
     through its private view is found and dropped at its release, so the writer reads the slot's
     next occupant exactly."""
     spec = RingSpec.new(num_slots=2, slot_bytes=1 << 20, num_consumers=1)
@@ -48,12 +47,6 @@ def test_read_only_releases_skip_the_page_map_and_a_write_is_never_skipped() -> 
 
         for _ in range(4):  # warm: two laps
             hand_out()
-        before = consumer.metrics()[READS]
-        for _ in range(20):
-            hand_out()
-        reads = consumer.metrics()[READS] - before
-        assert reads <= 10, f"{reads} of 20 read-only releases read the page map"
-
         _publish(publisher, value)
         lease = consumer.next_micro_batch(timeout_s=BOUND_S)
         assert lease.private is not None
@@ -87,3 +80,34 @@ def test_every_page_of_a_slot_is_mapped_at_its_first_use() -> None:
         ring.close()
         owner.close()
         owner.unlink()
+
+
+def test_a_release_with_no_page_fault_since_its_slot_was_clean_reads_no_page_map() -> None:
+    """Read-only hand-outs of one slot: wherever the process took no page fault between the
+    slot's last clean point and the end of a release (other threads of the test process may
+    fault at any time, so such releases are picked out, not assumed), that release read no page
+    map; most releases of a quiet loop are such."""
+    spec = RingSpec.new(num_slots=1, slot_bytes=1 << 20, num_consumers=1)
+    owner = SlotRing.create(spec)
+    ring = SlotRing.attach(spec, read_only_slots=True)
+    try:
+        quiet = 0
+        for seq in range(50):
+            x = np.frombuffer(ring.private_slot(seq, spec.slot_bytes), np.int64)
+            assert int(x.max()) == 0  # every byte read, as the training step would
+            del x
+            clean, reads = ring._clean_at.get(0), ring.page_map_reads
+            ring.drop_private(seq, spec.slot_bytes)
+            if clean is not None and _faults() == clean:  # none since the clean point
+                assert ring.page_map_reads == reads, f"release {seq} read the page map"
+                quiet += 1
+        assert quiet > 0, "no release of 50 ran without a page fault of the process"
+    finally:
+        ring.close()
+        owner.close()
+        owner.unlink()
+
+
+def _faults() -> int:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
