@@ -372,12 +372,8 @@ class RankHandle:
     #   in, which the same thread publishes.
     def iterate(self, work: PassWork) -> tuple[MicroBatchIterator, Taken]:
         """A prefetch iterator over exactly ``work``'s micro-batches of the data ring."""
-        take = self._watch.take(
-            self._data,
-            work.num_micro_batches,
-            pass_id(work.minibatch_id, work.pass_.name),
-            after=work.after,
-            drained=work.drained,
+        take = self._take(
+            self._data, work.num_micro_batches, work, after=work.after, drained=work.drained
         )
         config = MicroBatchIterator.Config(
             depth=self.config.depth,
@@ -521,9 +517,20 @@ class RankHandle:
                 if work.pass_.name == self._last_encoding:
                     self._kept = None
 
-    def _take(self, ring: FollowingConsumer, count: int, work: PassWork) -> PassTake:
-        """Exactly ``count`` leases of ``work``'s assignment on ``ring``, checked to be its."""
-        return self._watch.take(ring, count, pass_id(work.minibatch_id, work.pass_.name))
+    def _take(
+        self,
+        ring: FollowingConsumer,
+        count: int,
+        work: PassWork,
+        *,
+        after: Gate | None = None,
+        drained: Gate | None = None,
+    ) -> PassTake:
+        """Exactly ``count`` leases of ``work``'s assignment on ``ring``, checked to be its;
+        ``after`` and ``drained`` as for ``DriverWatch.take``."""
+        return self._watch.take(
+            ring, count, pass_id(work.minibatch_id, work.pass_.name), after=after, drained=drained
+        )
 
     def send(
         self,

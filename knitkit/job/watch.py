@@ -134,10 +134,6 @@ class Gate:
         self._cond = threading.Condition()
         self._open = False
 
-    @property
-    def is_open(self) -> bool:
-        return self._open
-
     def open(self) -> None:
         with self._cond:
             self._open = True
