@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -153,3 +154,34 @@ def _groups(
             own.append(g)
             cp = g if (dd, tt) == (d, t) else cp
     return dp_cp, (cp if layout.cp > 1 else None), own
+
+
+@dataclass(slots=True)
+class WatchedTransport:
+    """A rank's real transport that calls ``before(rows)`` ahead of each exchange: ``rows`` is
+    True for feature rows (floating point), False for a handshake's int64 rows. Tests override
+    ``before`` to count exchanges or to fail one."""
+
+    inner: ProcessGroupTransport
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    def before(self, rows: bool) -> None:
+        """Runs ahead of each exchange; nothing here."""
+
+    def exchange(
+        self,
+        send: torch.Tensor,
+        send_counts: Sequence[int],
+        recv_counts: Sequence[int],
+        *,
+        timeout_s: float | None = None,
+    ) -> torch.Tensor:
+        self.before(send.is_floating_point())
+        return self.inner.exchange(send, send_counts, recv_counts, timeout_s=timeout_s)

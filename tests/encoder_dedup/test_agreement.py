@@ -15,6 +15,7 @@ import pytest
 import torch
 from dist import World, run_world
 
+from encoder_dedup.harness import WatchedTransport
 from knitkit.encoder_dedup import (
     BackboneAssignment,
     DedupEncoder,
@@ -138,34 +139,17 @@ def test_rank_that_skips_backward_times_out_with_knitkit_error() -> None:
 
 
 @dataclasses.dataclass(slots=True)
-class _Counted:
+class _Counted(WatchedTransport):
     """A rank's real transport, counting its handshake exchanges (int64 rows) and row exchanges."""
 
-    inner: ProcessGroupTransport
     handshakes: int = 0
     rows: int = 0
 
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
-
-    def exchange(
-        self,
-        send: torch.Tensor,
-        send_counts: Sequence[int],
-        recv_counts: Sequence[int],
-        *,
-        timeout_s: float | None = None,
-    ) -> torch.Tensor:
-        if send.is_floating_point():
+    def before(self, rows: bool) -> None:
+        if rows:
             self.rows += 1
         else:
             self.handshakes += 1
-        return self.inner.exchange(send, send_counts, recv_counts, timeout_s=timeout_s)
 
 
 def _counted_step(rank: int, plan: RoutingPlan) -> tuple[int, int, list[list[float]]]:

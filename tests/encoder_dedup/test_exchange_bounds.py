@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from dist import World, run_world
 
+from encoder_dedup.harness import WatchedTransport
 from knitkit.encoder_dedup import (
     BackboneAssignment,
     DedupEncoder,
@@ -136,31 +136,14 @@ def test_forward_only_on_one_rank_is_refused_at_encode(world2: World) -> None:
         assert took < NEVER_S / 2, took
 
 
-@dataclass(frozen=True, slots=True)
-class _StopsAfterHandshake:
+class _StopsAfterHandshake(WatchedTransport):
     """Rank 2's transport: passes the handshake, then never joins the feature-row exchange."""
 
-    inner: ProcessGroupTransport
+    __slots__ = ()
 
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
-
-    def exchange(
-        self,
-        send: torch.Tensor,
-        send_counts: Sequence[int],
-        recv_counts: Sequence[int],
-        *,
-        timeout_s: float | None = None,
-    ) -> torch.Tensor:
-        if send.is_floating_point():  # feature rows; handshake rows are int64
+    def before(self, rows: bool) -> None:
+        if rows:  # feature rows; handshake rows are int64
             raise RuntimeError("rank 2 stopped after the handshake")
-        return self.inner.exchange(send, send_counts, recv_counts, timeout_s=timeout_s)
 
 
 def _peer_stops(rank: int, where: str, limit: float) -> tuple[str, str, float]:
