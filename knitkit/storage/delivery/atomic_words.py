@@ -80,8 +80,14 @@ _ACQUIRE, _RELEASE, _SEQ_CST = 2, 3, 5  # __ATOMIC_ACQUIRE, __ATOMIC_RELEASE, __
 #   kernel/futex), and the consumer's release store is visible before it loads PRODUCER_WAITS
 #   (the full barrier of `store_then_load`): of the two stores at least one side sees the
 #   other's, so either the producer finds the new count and does not sleep, or the consumer
-#   finds the producer waiting and wakes it. The producer's own wakes of consumers (NOTIFY) stay
-#   unconditional: consumers of several processes, and watchers with no index, may wait there.
+#   finds the producer waiting and wakes it.
+# - The same handshake the other way for publications: a consumer about to sleep on NOTIFY for
+#   a micro-batch stores 1 in its own word CONSUMER_WAITS[c] (0 after), and the producer, right
+#   after it stores NOTIFY + 1 for a publication, reads those words (`store_then_any`, the full
+#   barrier between) and wakes only if one is set: the usual look-ahead case (consumers busy with
+#   compute while the producer fills the next slot) makes no syscall per publication. State
+#   changes (DONE, FAILED, a launcher's mark), a close and an interrupt still wake NOTIFY
+#   unconditionally: watchers with no consumer index (`ProducerWatch`) wait for those only.
 # - Off Linux, or on a machine whose futex syscall number we do not know, `wait` sleeps a short
 #   back-off instead (portable fallback, polled).
 
@@ -197,6 +203,12 @@ class AtomicWords:
         else:
             self._fence_call(_SEQ_CST)
         return self.load_acquire(load_index)
+
+    def store_then_any(self, index: int, value: int, first: int, count: int) -> bool:
+        """``store_then_load`` over ``count`` words from ``first``: whether any is non-zero."""
+        if self.store_then_load(index, value, first):
+            return True
+        return any(self.load_acquire(first + i) for i in range(1, count))
 
     def wait(self, index: int, expected: int, timeout_s: float) -> None:
         """Sleep while word ``index`` holds ``expected``, at most ``timeout_s``; may return early

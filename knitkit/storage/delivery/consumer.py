@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from knitkit.storage.backends.lost import UnitsLostError, lost_units_in
-from knitkit.storage.delivery.liveness import CHECK_EVERY_S, WaitSlices
+from knitkit.storage.delivery.liveness import CHECK_EVERY_S, LONGEST_CHECK_S, WaitSlices
 from knitkit.storage.delivery.slot_ring import (
     DONE,
     FAILED,
@@ -28,8 +28,9 @@ from knitkit.storage.delivery.slot_ring import (
 from knitkit.types import PackedMicroBatch
 
 CLOSE_WAIT_S = 10.0
-"""How long ``close()`` waits for a ``next_micro_batch()`` of another thread to leave (it leaves
-within one liveness period of NOTE [ Liveness checks off the poll path ])."""
+"""How long ``close()`` waits for a ``next_micro_batch()`` of another thread to leave (at once,
+or within one liveness period, at most ``LONGEST_CHECK_S``, if it missed the wake: NOTE
+[ Liveness checks back off ] in liveness.py)."""
 
 _ATTACHED: set[tuple[str, int]] = set()
 """(ring name, consumer index) of every consumer attached in this process."""
@@ -372,7 +373,7 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
 
     def _wait_published(self, seq: int, timeout_s: float, cancel: threading.Event | None) -> None:
         ring = self._ring
-        slices = WaitSlices(timeout_s, min(CHECK_EVERY_S, self._liveness_timeout_s / 4))
+        slices = _backing_off(timeout_s, self._liveness_timeout_s)
         while True:
             seen = ring.notified  # before the checks: an event after them changes it
             if ring.published > seq:
@@ -397,7 +398,8 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
                 ring.check_size()
             if slices.expired:
                 raise TimeoutError(self._timeout_message(seq, timeout_s))
-            ring.wait_notified(seen, slices.slice_s())  # NOTE [ Futex waits ] in atomic_words.py
+            # NOTE [ Futex waits ] in atomic_words.py: announced, so a publication wakes it
+            ring.wait_notified(seen, slices.slice_s(), self._index)
 
     def _timeout_message(self, seq: int, timeout_s: float) -> str:
         message = f"no micro-batch {seq} from ring {self._ring.spec.name!r} within {timeout_s} s"
@@ -418,6 +420,15 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
             self._startup_deadline,
             before=f"before micro-batch {self._next}",
         )
+
+
+def _backing_off(timeout_s: float, liveness_timeout_s: float) -> WaitSlices:
+    """A rank's wait on a ring: checks after ``CHECK_EVERY_S``, then at doubling periods, at most
+    a quarter of the liveness timeout apart (NOTE [ Liveness checks back off ] in liveness.py)."""
+    quarter = liveness_timeout_s / 4
+    return WaitSlices(
+        timeout_s, min(CHECK_EVERY_S, quarter), longest_s=min(LONGEST_CHECK_S, quarter)
+    )
 
 
 def check_producer(
@@ -491,7 +502,7 @@ class ProducerWatch:
             return False
         try:
             ring = self._ring
-            slices = WaitSlices(timeout_s, min(CHECK_EVERY_S, self._liveness_timeout_s / 4))
+            slices = _backing_off(timeout_s, self._liveness_timeout_s)
             while not (self._closed or cancel.is_set()):
                 seen = ring.notified  # before the checks: an event after them changes it
                 due = slices.check_due()

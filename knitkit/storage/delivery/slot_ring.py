@@ -71,7 +71,9 @@ _PRODUCER_WAITS_W = 10
 """The producer's: index + 1 of the consumer whose RELEASED word it sleeps on, 0 while it does
 not sleep (NOTE [ Futex waits ] in atomic_words.py)."""
 _RELEASED_W = 16
-"""RELEASED[c] is word ``_RELEASED_W + c``; CONSUMER_PID[c] follows the RELEASED words."""
+"""RELEASED[c] is word ``_RELEASED_W + c``; CONSUMER_PID[c] follows the RELEASED words, then
+CONSUMER_WAITS[c]: 1 while consumer c sleeps on NOTIFY for a publication, else 0 (consumer c's;
+NOTE [ Futex waits ] in atomic_words.py)."""
 _ERROR_BYTES = 4096
 _PAGE = mmap.PAGESIZE
 _META_HEADER = struct.Struct("<qq")
@@ -142,7 +144,7 @@ class RingSpec:
 
     @property
     def _num_words(self) -> int:
-        return _RELEASED_W + 2 * self.num_consumers
+        return _RELEASED_W + 3 * self.num_consumers
 
     @property
     def _error_offset(self) -> int:
@@ -194,6 +196,8 @@ class SlotRing:
         """Releases that read the page map to find written pages (the others had no fault)."""
         self.release_wakes = 0
         """Releases that woke the producer (a syscall; the others found it not sleeping)."""
+        self.publish_wakes = 0
+        """Publications that woke consumers (a syscall; the others found none sleeping)."""
         self._populate = True
         self.words = np.frombuffer(self._buf, np.int64, spec._num_words)
         self._atomic = AtomicWords(self.words)
@@ -202,6 +206,8 @@ class SlotRing:
         self._segment_bytes = spec.segment_bytes
         self._meta_at = spec._meta_offset
         self._num_slots, self._meta_bytes = spec.num_slots, spec.meta_bytes
+        self._waits_at = _RELEASED_W + 2 * spec.num_consumers
+        """Word of CONSUMER_WAITS[0]."""
 
     @classmethod
     def create(cls, spec: RingSpec) -> SlotRing:
@@ -359,19 +365,34 @@ class SlotRing:
 
     def set_published(self, count: int) -> None:
         """Release store: the slots and metadata written before become visible with it; then
-        notify waiting consumers."""
+        notify, waking the consumers only if one sleeps for a publication (a syscall only then:
+        NOTE [ Futex waits ] in atomic_words.py)."""
         self._atomic.store_release(_PUBLISHED_W, count)
-        self._notify()
+        # NOTIFY has one writer, the producer: a plain read of its own word is current
+        notify = int(self.words[_NOTIFY_W]) + 1
+        if self._atomic.store_then_any(_NOTIFY_W, notify, self._waits_at, self.spec.num_consumers):
+            self._atomic.wake(_NOTIFY_W)
+            self.publish_wakes += 1
 
     @property
     def notified(self) -> int:
         """Producer events so far (publications, state changes): what consumers wait on."""
         return self._atomic.load_acquire(_NOTIFY_W)
 
-    def wait_notified(self, seen: int, timeout_s: float) -> None:
-        """Consumer: sleep until the producer's next event after ``seen`` (``notified``), at
-        most ``timeout_s``; may return early (NOTE [ Futex waits ] in atomic_words.py)."""
-        self._atomic.wait(_NOTIFY_W, seen, timeout_s)
+    def wait_notified(self, seen: int, timeout_s: float, consumer: int | None = None) -> None:
+        """Sleep until the producer's next event after ``seen`` (``notified``), at most
+        ``timeout_s``; may return early (NOTE [ Futex waits ] in atomic_words.py). A publication
+        wakes only a waiter that names its ``consumer`` index (announced in CONSUMER_WAITS);
+        state changes, closes and interrupts wake every waiter."""
+        if consumer is None:
+            self._atomic.wait(_NOTIFY_W, seen, timeout_s)
+            return
+        word = self._waits_at + consumer
+        self._atomic.store_release(word, 1)  # before the kernel's check
+        try:
+            self._atomic.wait(_NOTIFY_W, seen, timeout_s)
+        finally:
+            self._atomic.store_release(word, 0)
 
     def wake_consumers(self) -> None:
         """Wake every waiting consumer (they look again); for a close or an interrupt."""
@@ -429,6 +450,10 @@ class SlotRing:
             self._atomic.wait(_RELEASED_W + consumer, seen, timeout_s)
         finally:
             self._atomic.store_release(_PRODUCER_WAITS_W, 0)
+
+    def consumer_waits(self, consumer: int) -> bool:
+        """Whether ``consumer`` sleeps for a publication now (it announced it)."""
+        return bool(self._atomic.load_acquire(self._waits_at + consumer))
 
     @property
     def producer_waits_on(self) -> int | None:
