@@ -96,6 +96,10 @@ WARMUP_STEPS = 1
 TQ_PARTITION = "transfer-bench"
 TQ_IMAGE = "image"
 BARRIER_TIMEOUT_S = 900.0
+LIVENESS_S = 30.0
+"""Every knitkit ring consumer's liveness timeout (MicroBatchConsumer's default), which its
+producer is told so it paces its waits to it (NOTE [ Heartbeat period ] in
+knitkit/storage/delivery/publication.py), as a job's driver does with its own timeout."""
 
 # NOTE [ Equal look-ahead ]
 #
@@ -472,8 +476,14 @@ class _Rank:
         phase; TP0/CP0 also takes its encoder rank's micro-batches at each step's start."""
         rank, rings = self.rank, self.setup.rings[phase.regime]
         counts = [len(group.micro_batches) for group in self.groups]
-        backbone = MicroBatchConsumer(rings.backbone[(rank.dp, rank.cp)], rank.tp)
-        encoder = MicroBatchConsumer(rings.encoder[rank.dp], 0) if rank.reads_multimodal else None
+        backbone = MicroBatchConsumer(
+            rings.backbone[(rank.dp, rank.cp)], rank.tp, liveness_timeout_s=LIVENESS_S
+        )
+        encoder = (
+            MicroBatchConsumer(rings.encoder[rank.dp], 0, liveness_timeout_s=LIVENESS_S)
+            if rank.reads_multimodal
+            else None
+        )
         config = MicroBatchIterator.Config(depth=phase.depth)
         waits = []
         try:
@@ -628,7 +638,7 @@ class _ImageShare:
         self.into: MicroBatchConsumer | None = None
         self.shared = 0
         if rank.reads_multimodal:
-            self.out = ReorganizerHost(backend, spec, owns_ring=True)
+            self.out = ReorganizerHost(backend, spec, owns_ring=True, liveness_timeout_s=LIVENESS_S)
 
     def share(self, local: LocalTrajectories) -> None:
         if self.out is not None:
@@ -637,7 +647,7 @@ class _ImageShare:
             self.out.deliver(f"images{self.shared}", plan)
         else:
             if self.into is None:
-                self.into = MicroBatchConsumer(self.spec, self.index)
+                self.into = MicroBatchConsumer(self.spec, self.index, liveness_timeout_s=LIVENESS_S)
             receive_multimodal(self.into, local)
         self.shared += 1
 
@@ -944,9 +954,13 @@ class _Knitkit:
         self.close()
         rings, backend = self.rings[phase.regime], self.work.store.backend
         for (d, c), spec in rings.backbone.items():
-            self.reorganizers[f"dp{d}cp{c}"] = ReorganizerProcess(backend, spec)
+            self.reorganizers[f"dp{d}cp{c}"] = ReorganizerProcess(
+                backend, spec, liveness_timeout_s=LIVENESS_S
+            )
         for r, spec in enumerate(rings.encoder):
-            self.reorganizers[f"vision{r}"] = ReorganizerProcess(backend, spec)
+            self.reorganizers[f"vision{r}"] = ReorganizerProcess(
+                backend, spec, liveness_timeout_s=LIVENESS_S
+            )
         return {name: r.pid or 0 for name, r in self.reorganizers.items()}
 
     def submit(self, phase: Phase, step: int) -> None:

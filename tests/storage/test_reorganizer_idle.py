@@ -1,18 +1,33 @@
-"""An idle reorganizer process costs little: one wake per heartbeat period (NOTE [ Reorganizer process shutdown ])."""
+"""A waiting reorganizer process costs little: one wake per heartbeat period, paced to its
+consumers' liveness timeout, and none for its launcher's death or stop (NOTE [ Reorganizer
+process shutdown ], NOTE [ Heartbeat period ])."""
 
 from __future__ import annotations
 
 import glob
+import os
+import select
+import subprocess
+import sys
+import textwrap
 import time
 
+import numpy as np
 import pytest
+from delivery_payloads import fill_backend, make_metas, plan_for
 
 from knitkit.storage.backends.shm import SharedMemoryBackend
 from knitkit.storage.delivery.consumer import MicroBatchConsumer
+from knitkit.storage.delivery.publication import MAX_HEARTBEAT_S, heartbeat_period
 from knitkit.storage.delivery.reorganizer_process import ReorganizerProcess
 from knitkit.storage.delivery.slot_ring import HEARTBEAT_S, STARTING, RingSpec
+from knitkit.storage.planning.plan import Topology
 
 LIVENESS_S = 1.0
+PACED_LIVENESS_S = 30.0
+"""The consumers' default timeout: their producer beats once per MAX_HEARTBEAT_S."""
+WAIT_S = 120.0
+"""Bound of every wait on another process's start-up: generous, for a loaded machine."""
 
 
 def _wakes(pid: int) -> int:
@@ -26,6 +41,15 @@ def _wakes(pid: int) -> int:
     return total
 
 
+def _started(reorganizer: ReorganizerProcess) -> int:
+    """The child's pid once it runs (its start-up imports: polled, not a fixed wait)."""
+    deadline = time.monotonic() + WAIT_S
+    while reorganizer.ring.state == STARTING and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reorganizer.pid is not None and reorganizer.ring.state != STARTING
+    return reorganizer.pid
+
+
 def test_an_idle_reorganizer_wakes_once_per_heartbeat_period() -> None:
     """A reorganizer process waiting for its next assignment wakes once per heartbeat period,
     for its owner check and its beat together (a heartbeat thread beside a 0.2 s poll woke it
@@ -36,12 +60,8 @@ def test_an_idle_reorganizer_wakes_once_per_heartbeat_period() -> None:
     spec = RingSpec.new(num_slots=1, slot_bytes=1 << 12, num_consumers=1)
     try:
         with ReorganizerProcess(backend, spec) as reorganizer:
-            pid = reorganizer.pid
-            assert pid is not None
+            pid = _started(reorganizer)
             with MicroBatchConsumer(spec, 0, liveness_timeout_s=LIVENESS_S) as consumer:
-                deadline = time.monotonic() + 60
-                while reorganizer.ring.state == STARTING and time.monotonic() < deadline:
-                    time.sleep(0.05)  # the child's start-up (imports): polled, not a fixed wait
                 before, start = _wakes(pid), time.monotonic()
                 with pytest.raises(TimeoutError):
                     consumer.next_micro_batch(timeout_s=1.2 * LIVENESS_S)
@@ -49,3 +69,101 @@ def test_an_idle_reorganizer_wakes_once_per_heartbeat_period() -> None:
         assert wakes <= elapsed / HEARTBEAT_S + 3, f"{wakes} wakes in {elapsed:.2f} s idle"
     finally:
         backend.close()
+
+
+def test_a_paced_reorganizer_wakes_once_per_period_idle_and_on_a_full_ring() -> None:
+    """Told its consumers' liveness timeout (30 s), a reorganizer process beats once per
+    MAX_HEARTBEAT_S instead of 4 times a second: idle it wakes at most once per period, blocked
+    on a full ring (its one slot held by a consumer) once per period plus the release, and both
+    consumers stay content (no ReorganizerDiedError). close() then stops the idle child at once
+    (its stop item wakes it): it exits by itself, code 0, within a join timeout shorter than
+    its period, rather than being terminated."""
+    assert heartbeat_period(PACED_LIVENESS_S) == MAX_HEARTBEAT_S
+    metas = make_metas(np.full(4, 120).tolist())
+    backend = SharedMemoryBackend(slab_bytes=2 << 20)
+    fill_backend(backend, metas)
+    group = plan_for(metas, Topology(dp=1, cp=1, tp=1), 240, "mb0").consumer(0, 0)
+    assert len(group.micro_batches) >= 2
+    spec = RingSpec.new(num_slots=1, slot_bytes=1 << 18, num_consumers=1)
+    window_s = MAX_HEARTBEAT_S
+    try:
+        reorganizer = ReorganizerProcess(
+            backend, spec, join_timeout_s=0.5 * MAX_HEARTBEAT_S, liveness_timeout_s=PACED_LIVENESS_S
+        )
+        with reorganizer:
+            pid = _started(reorganizer)
+            with MicroBatchConsumer(spec, 0, liveness_timeout_s=PACED_LIVENESS_S) as consumer:
+                before, start = _wakes(pid), time.monotonic()
+                with pytest.raises(TimeoutError):  # idle: nothing submitted
+                    consumer.next_micro_batch(timeout_s=window_s)
+                idle, idle_s = _wakes(pid) - before, time.monotonic() - start
+                reorganizer.submit("mb0", group)
+                held = consumer.next_micro_batch(timeout_s=WAIT_S)  # the ring's only slot
+                deadline = time.monotonic() + WAIT_S
+                while reorganizer.ring.producer_waits_on is None:  # blocked on the full ring
+                    assert time.monotonic() < deadline, "the producer never waited for a slot"
+                    time.sleep(0.01)
+                before, start = _wakes(pid), time.monotonic()
+                time.sleep(window_s)  # the producer waits for the held slot all along
+                full, full_s = _wakes(pid) - before, time.monotonic() - start
+                held.release()
+                for _ in range(len(group.micro_batches) - 1):
+                    consumer.next_micro_batch(timeout_s=WAIT_S).release()
+            stop = time.monotonic()
+        stopped_s = time.monotonic() - stop
+        assert idle <= idle_s / MAX_HEARTBEAT_S + 2, f"{idle} wakes in {idle_s:.2f} s idle"
+        assert full <= full_s / MAX_HEARTBEAT_S + 2, (
+            f"{full} wakes in {full_s:.2f} s on a full ring"
+        )
+        assert reorganizer._process.exitcode == 0, reorganizer._process.exitcode
+        assert stopped_s < reorganizer.join_timeout_s, stopped_s
+    finally:
+        backend.close()
+
+
+_LAUNCHER = textwrap.dedent(
+    """
+    import sys
+    from knitkit.storage.backends.shm import SharedMemoryBackend
+    from knitkit.storage.delivery.reorganizer_process import ReorganizerProcess
+    from knitkit.storage.delivery.slot_ring import RingSpec
+
+    if __name__ == "__main__":
+        backend = SharedMemoryBackend(slab_bytes=1 << 16)
+        spec = RingSpec.new(num_slots=1, slot_bytes=1 << 12, num_consumers=1)
+        reorganizer = ReorganizerProcess(backend, spec, liveness_timeout_s={liveness})
+        while reorganizer.ring.state == 0:  # STARTING
+            pass
+        print(reorganizer.pid, flush=True)
+        sys.stdin.read()  # hold the reorganizer until killed
+    """
+)
+
+
+def test_an_idle_reorganizer_leaves_as_its_launcher_dies(tmp_path) -> None:
+    """The launcher of an idle reorganizer paced to a 2 s heartbeat is SIGKILLed: the child
+    sees it through its pidfd at once and exits well within one period (it used to notice only
+    at its next timed wake, through the owner's role lock)."""
+    script = tmp_path / "launcher.py"
+    script.write_text(_LAUNCHER.format(liveness=PACED_LIVENESS_S))
+    launcher = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert launcher.stdout is not None
+        ready, _, _ = select.select([launcher.stdout], [], [], WAIT_S)
+        assert ready, "the launcher printed no reorganizer pid"
+        child = os.pidfd_open(int(launcher.stdout.readline()))
+        try:
+            time.sleep(0.3)  # let the child settle in its idle wait (not a bound: any time works)
+            launcher.kill()
+            killed = time.monotonic()
+            exited, _, _ = select.select([child], [], [], WAIT_S)
+            left_s = time.monotonic() - killed
+        finally:
+            os.close(child)
+        assert exited, "the reorganizer outlived its launcher"
+        assert left_s < 0.75 * MAX_HEARTBEAT_S, f"it left {left_s:.2f} s after its launcher died"
+    finally:
+        launcher.kill()
+        launcher.wait(WAIT_S)

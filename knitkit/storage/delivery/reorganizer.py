@@ -8,7 +8,7 @@ import traceback
 from knitkit.storage.backends.backend import UnitBackend, check_backend
 from knitkit.storage.backends.lost import UnitsLostError
 from knitkit.storage.delivery.layout_codec import RecordTemplate
-from knitkit.storage.delivery.publication import Publisher
+from knitkit.storage.delivery.publication import Publisher, heartbeat_period
 from knitkit.storage.delivery.slot_ring import (
     ConsumerDiedError,
     RingClosedError,
@@ -143,10 +143,13 @@ class ReorganizerHost:
         owns_ring: bool = False,
         role: str = "reorganizer",
         beat_thread: bool = True,
+        liveness_timeout_s: float | None = None,
     ) -> None:
         """``role`` names the producer in the errors it writes to the ring; ``beat_thread=False``:
-        the host's loop calls ``beat_idle`` every ``HEARTBEAT_S`` while idle instead of a thread
-        (see NOTE [ Micro-batch publication protocol ])."""
+        the host's loop calls ``beat_idle`` every ``heartbeat_s`` while idle instead of a thread
+        (see NOTE [ Micro-batch publication protocol ]); ``liveness_timeout_s``: the shortest
+        ``liveness_timeout_s`` of the ring's consumers, which paces the heartbeat (NOTE
+        [ Heartbeat period ]; ``None``: one beat per ``HEARTBEAT_S``)."""
         check_backend(backend)  # a wrapper handed over without a store fails here, named
         self.spec = spec
         self.role = role
@@ -155,7 +158,9 @@ class ReorganizerHost:
         self._owns_ring = owns_ring
         self._publisher = Publisher(self._ring)
         try:
-            self._publisher.start(beat_thread=beat_thread)
+            self._publisher.start(
+                beat_thread=beat_thread, heartbeat_s=heartbeat_period(liveness_timeout_s)
+            )
         except BaseException:
             self.close()
             raise
@@ -174,6 +179,30 @@ class ReorganizerHost:
     def consumers_attached(self) -> int:
         """How many of the ring's consumers are attached now (NOTE [ Ring role locks ])."""
         return sum(self._ring.consumer_attached(c) for c in range(self.spec.num_consumers))
+
+    @property
+    def heartbeat_s(self) -> float:
+        """How often the host beats while it waits (NOTE [ Heartbeat period ])."""
+        return self._publisher.heartbeat_s
+
+    def owner_exit_fd(self) -> int | None:
+        """A pidfd that polls readable once the ring's owner process exits, for a host's wait
+        loop; ``None`` where the platform has none or the owner is gone already (``abandoned``
+        says so). The caller closes it. Opened before the owner's role lock is checked, so it
+        cannot name a process that reused a dead owner's pid: a live owner at the check was
+        alive at the open too."""
+        pidfd_open = getattr(os, "pidfd_open", None)
+        pid = self._ring.owner_pid
+        if pidfd_open is None or pid <= 0:
+            return None
+        try:
+            fd: int = pidfd_open(pid)
+        except OSError:  # no such process (here), or a kernel without pidfds
+            return None
+        if not self._ring.owner_alive:
+            os.close(fd)
+            return None
+        return fd
 
     @property
     def abandoned(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -16,11 +17,11 @@ from multiprocessing.context import SpawnProcess
 
 from knitkit.storage.backends.backend import UnitBackend, check_backend
 from knitkit.storage.backends.owner import OwnerFinalizer
+from knitkit.storage.delivery.publication import heartbeat_period
 from knitkit.storage.delivery.reorganizer import ReorganizerHost
 from knitkit.storage.delivery.sigterm import sigterm_exits
 from knitkit.storage.delivery.slot_ring import (
     DONE,
-    HEARTBEAT_S,
     STARTING,
     ConsumerDiedError,
     RingClosedError,
@@ -39,15 +40,20 @@ from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan
 # interpreter exit (the finalizer). If the launcher is SIGKILLed, its resource tracker unlinks
 # the ring. close(): set STOP (the child's loop and a producer blocked on a full ring give up),
 # join for `join_timeout_s`, then terminate and finally kill the child, then unlink the ring.
-# The child ignores SIGINT (the launcher decides), polls its assignment pipe with a timeout and
-# exits when STOP is set, the launcher is gone (the ring's owner lock is free: NOTE [ Ring role
-# locks ] in slot_ring.py) or the pipe ends, so it never outlives its owner for long. The poll's
-# timeout is the idle heartbeat's period, and the same wake beats (no heartbeat thread), through
-# one ``select.poll`` object: an idle child wakes 4 times a second, not 9. Measured (an idle
+# The child ignores SIGINT (the launcher decides) and waits for its next assignment in one
+# ``select.poll`` over its assignment pipe and a pidfd of the launcher (os.pidfd_open, Linux 5.3+),
+# so it wakes for work, at once when the launcher exits, and at once when close() stops it (close
+# sets STOP, then sends a stop item down the pipe); otherwise once per heartbeat period, to beat
+# and to check the STOP word and the owner's role lock (NOTE [ Ring role locks ] in slot_ring.py:
+# the backstop where no pidfd could be opened, or the pid names another process). It exits when
+# STOP is set, the launcher is gone or the pipe ends, so it never outlives its owner for long.
+# The period is the heartbeat period (NOTE [ Heartbeat period ] in publication.py): HEARTBEAT_S,
+# or up to 2 s where the launcher passes its consumers' liveness timeout. Measured (an idle
 # ReorganizerProcess's CPU clock over 6 s, the length of a transfer.py look-ahead step; loaded
 # 2-core machine): 5.7 ms with a 0.2 s ``Connection.poll`` (~0.1 ms a wake: it builds a
 # selector per call) and a heartbeat thread, 3.6 ms with one 0.25 s ``Connection.poll``,
-# 2.1-2.4 ms this way; a bare ``select.poll`` loop costs ~45 us per wake.
+# 2.1-4 ms with one ``select.poll`` per 0.25 s (a bare ``select.poll`` loop costs ~45 us per
+# wake, ~0.15 ms at load ~8, when its caches are cold).
 # Assignments travel over a pipe, not a multiprocessing queue: a spawn-context queue makes three
 # named POSIX semaphores (/dev/shm/sem.mp-*) that only its finalizers remove, so every SIGKILLed
 # launcher left three behind. A pipe is two descriptors the kernel closes with the process. The
@@ -71,6 +77,11 @@ _CLOSE = object()
 
 
 @dataclass(frozen=True, slots=True)
+class _Stop:
+    """The owner's stop, after it set the ring's STOP: wakes an idle child at once."""
+
+
+@dataclass(frozen=True, slots=True)
 class _Assignment:
     """One mini-batch's work for one reorganizer (a backbone (DP, CP) group or an encoder rank)."""
 
@@ -88,7 +99,7 @@ class _Assignments:
         self._pending: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def put(self, item: _Assignment | None) -> None:
+    def put(self, item: _Assignment | _Stop | None) -> None:
         """Queue ``item`` (``None``: no more assignments) for the child."""
         if self._thread is None:
             self._thread = threading.Thread(
@@ -116,9 +127,18 @@ class ReorganizerProcess:
     """A reorganizer in a spawned process, fed assignments in order; owns its slot ring."""
 
     def __init__(
-        self, backend: UnitBackend, spec: RingSpec, *, join_timeout_s: float = 5.0
+        self,
+        backend: UnitBackend,
+        spec: RingSpec,
+        *,
+        join_timeout_s: float = 5.0,
+        liveness_timeout_s: float | None = None,
     ) -> None:
-        """``backend`` must pickle into a reader of the same units (shared-memory or disk)."""
+        """``backend`` must pickle into a reader of the same units (shared-memory or disk);
+        ``liveness_timeout_s``: the shortest ``liveness_timeout_s`` of the ring's consumers,
+        which paces the child's waits (NOTE [ Heartbeat period ] in publication.py; ``None``:
+        one wake per ``HEARTBEAT_S``, fit for any consumer)."""
+        heartbeat_period(liveness_timeout_s)  # a bad bound fails here, not in the child
         check_backend(backend)  # in the launcher, before a child is spawned to fail on it
         self.spec = spec
         self.join_timeout_s = join_timeout_s
@@ -127,7 +147,7 @@ class ReorganizerProcess:
         self._assignments = _Assignments(writer, spec.name)
         self._process = _ReorganizerChild(
             target=_serve,
-            args=(backend, spec, reader),
+            args=(backend, spec, reader, liveness_timeout_s),
             name=f"knitkit-reorganizer-{spec.name}",
         )
         sigterm_exits.hold()  # see NOTE [ SIGTERM while reorganizers are open ]
@@ -268,6 +288,9 @@ def _shutdown(
 ) -> None:
     try:
         ring.request_stop()
+        if process.pid is not None and process.exitcode is None:
+            with contextlib.suppress(RuntimeError):  # no new thread at interpreter exit: the
+                assignments.put(_Stop())  # child then sees STOP at its next timed wake
         if process.pid is not None:
             process.join(join_s)
             if process.is_alive():
@@ -283,34 +306,50 @@ def _shutdown(
         sigterm_exits.release()
 
 
-def _serve(backend: UnitBackend, spec: RingSpec, assignments: Connection) -> None:
+def _serve(
+    backend: UnitBackend, spec: RingSpec, assignments: Connection, liveness_timeout_s: float | None
+) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # see NOTE [ Reorganizer process shutdown ]
-    host = ReorganizerHost(backend, spec, beat_thread=False)
-    pipe = select.poll()  # one poll object: Connection.poll builds a selector per call
-    pipe.register(assignments.fileno(), select.POLLIN)
-    period_ms = round(HEARTBEAT_S * 1000)
+    host = ReorganizerHost(backend, spec, beat_thread=False, liveness_timeout_s=liveness_timeout_s)
+    waits = select.poll()  # one poll object: Connection.poll builds a selector per call
+    waits.register(assignments.fileno(), select.POLLIN)
+    owner = host.owner_exit_fd()
+    if owner is not None:
+        waits.register(owner, select.POLLIN)
+    period_ms = round(host.heartbeat_s * 1000)
+    closed = f"ring {spec.name!r} closed by its owner"
     try:
         while True:
-            if not pipe.poll(period_ms):  # one wake per period: the owner check and the beat
-                if host.abandoned:
-                    host.fail(f"ring {spec.name!r} closed by its owner")
-                    return
+            ready = {fd for fd, _ in waits.poll(period_ms)}  # NOTE [ Reorganizer process shutdown ]
+            if host.abandoned:
+                host.fail(closed)
+                return
+            if owner is not None and owner in ready:  # the pid named another process (another
+                waits.unregister(owner)  # pid namespace): the owner's lock is checked per wake
+                os.close(owner)
+                owner = None
+            if assignments.fileno() not in ready:
                 host.beat_idle()
                 continue
             try:
                 item = assignments.recv()
             except EOFError:  # the launcher closed (or lost) its end
-                host.fail(f"ring {spec.name!r} closed by its owner")
-                return
-            if item is None:
+                item = _Stop()
+            if isinstance(item, _Assignment):
+                host.deliver(item.minibatch_id, item.plan)
+            elif item is None:
                 host.finish()
                 return
-            host.deliver(item.minibatch_id, item.plan)
+            else:  # the owner's stop: it set STOP first, and no wait is left to see it
+                host.fail(closed)
+                return
     except (RingClosedError, ConsumerDiedError):
         return  # the host wrote the reason to the ring; nothing else to report
     except BaseException:
         host.fail(f"reorganizer pid {os.getpid()} failed:\n{traceback.format_exc()}")
         raise
     finally:
+        if owner is not None:
+            os.close(owner)
         host.close()
         backend.close()
