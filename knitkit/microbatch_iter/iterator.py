@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any, Generic, TypeVar, overload
 
 import torch
 
@@ -19,8 +21,36 @@ from knitkit.microbatch_iter.source import SourceItem, source_items
 from knitkit.microbatch_iter.transport import make_transport
 from knitkit.microbatch_iter.worker import Failure, Prefetcher, Staged
 
+B = TypeVar("B")
+"""What the iterator yields: ``MicroBatch``, or what its ``convert`` makes of one."""
 
-class MicroBatchIterator(Iterator[MicroBatch]):
+# NOTE [ Conversion on the prefetch thread ]: a training loop rarely trains on a ``MicroBatch``
+# itself; it turns each into the dict its forward step takes (``megatron_batch``: labels rolled,
+# positions, the block-causal mask, ``PackedSeqParams``; GRPO's per-token weights on top). Run
+# on the training thread after ``next()``, that is data-path time the loop waits for in full:
+# ~0.3 ms of Python and small torch ops per micro-batch (``benchmarks/grpo_step.py --quick``,
+# profiled at 30f28cf: 3.9 ms of a rank's "waiting for micro-batches" per GRPO step of 6
+# micro-batches). ``convert`` runs it on the prefetch thread instead, right after the
+# micro-batch is staged and under the same lock (teardown never frees a slot a conversion
+# reads), so ``next()`` hands over the converted object. What stays true: the object may view
+# the staged micro-batch, so it is valid until the next ``next()`` (clone what must live
+# longer), as a ``MicroBatch`` is; the ``MicroBatch`` it is given carries ``stats`` without the
+# loop's wait (``wait_s`` 0: not known yet; ``iterator.stats`` has it); a conversion that raises
+# ends the thread, its micro-batch's lease goes back at once, and the loop's ``next()`` raises
+# the error, as a source error does (NOTE [ Prefetch thread shutdown ] in worker.py). The
+# conversion must be a function of the micro-batch alone (it runs up to ``depth`` micro-batches
+# ahead, on another thread). On CUDA the staged bytes land by an asynchronous copy on the
+# iterator's side stream, and kernels the conversion enqueues from the prefetch thread would
+# need ordering after that copy (``h2d_done``) AND allocator lifetimes tied to the compute
+# stream that later reads them (NOTE [ Stream/event hand-off ] in transport.py: a block freed
+# by the loop could be handed to the next side-stream conversion while compute still reads it).
+# So with a device copy the conversion runs at hand-over, on the training thread, after
+# ``next()`` made the compute stream wait for the copy's event: ordered after the copy by
+# construction, with the loop's own stream and allocator; the prefetch thread converts only
+# where no device copy is involved (CPU), which is where it contends with the loop for cores.
+
+
+class MicroBatchIterator(Iterator[B], Generic[B]):
     """Wraps a source of packed micro-batches and yields them staged on the device, in order.
 
     A background thread, started here, pulls from the source and stages up to ``depth``
@@ -29,7 +59,8 @@ class MicroBatchIterator(Iterator[MicroBatch]):
     place instead: NOTE [ Zero-copy hand-off ], NOTE [ Registered source rings ]); see NOTE
     [ Stream/event hand-off ] and NOTE [ Prefetch thread shutdown ]. Create it before the work
     that precedes the first micro-batch, so that one is staged meanwhile (warm start). Use it
-    as a context manager, or call ``close()``.
+    as a context manager, or call ``close()``. With ``convert`` it yields ``convert(micro_batch)``,
+    run ahead on the prefetch thread (NOTE [ Conversion on the prefetch thread ]).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -64,18 +95,59 @@ class MicroBatchIterator(Iterator[MicroBatch]):
         True ends the process at once with the loop's exit status, skipping atexit handlers
         registered before knitkit (NOTE [ Exit with a thread inside the source ])."""
 
+        @overload
         def build(
-            self, source: Iterable[SourceItem], *, device: torch.device | str | None = None
-        ) -> MicroBatchIterator:
-            return MicroBatchIterator(source, self, device=device)
+            self,
+            source: Iterable[SourceItem],
+            *,
+            device: torch.device | str | None = None,
+            convert: None = None,
+        ) -> MicroBatchIterator[MicroBatch]: ...
+        @overload
+        def build(
+            self,
+            source: Iterable[SourceItem],
+            *,
+            device: torch.device | str | None = None,
+            convert: Callable[[MicroBatch], B],
+        ) -> MicroBatchIterator[B]: ...
+        def build(
+            self,
+            source: Iterable[SourceItem],
+            *,
+            device: torch.device | str | None = None,
+            convert: Callable[[MicroBatch], Any] | None = None,
+        ) -> MicroBatchIterator[Any]:
+            return MicroBatchIterator(source, self, device=device, convert=convert)
 
+    @overload
+    def __init__(
+        self: MicroBatchIterator[MicroBatch],
+        source: Iterable[SourceItem],
+        config: Config | None = None,
+        *,
+        device: torch.device | str | None = None,
+        convert: None = None,
+    ) -> None: ...
+    @overload
+    def __init__(
+        self: MicroBatchIterator[B],
+        source: Iterable[SourceItem],
+        config: Config | None = None,
+        *,
+        device: torch.device | str | None = None,
+        convert: Callable[[MicroBatch], B],
+    ) -> None: ...
     def __init__(
         self,
         source: Iterable[SourceItem],
         config: Config | None = None,
         *,
         device: torch.device | str | None = None,
+        convert: Callable[[MicroBatch], B] | None = None,
     ) -> None:
+        """``convert`` turns each micro-batch into what ``next()`` returns (NOTE [ Conversion
+        on the prefetch thread ])."""
         self.config = config = config or MicroBatchIterator.Config()
         if config.depth < 1:
             raise ValueError(f"depth={config.depth}; prefetch needs depth >= 1")
@@ -85,6 +157,10 @@ class MicroBatchIterator(Iterator[MicroBatch]):
             self.device, slots, time_h2d=config.time_h2d, register_host=config.register_host
         )
         ring = StagingRing(slots, transport, config.slot_nbytes)
+        ahead = convert is not None and not transport.copies_to_device
+        self._convert_here = None if ahead else convert
+        """A conversion run at hand-over (CUDA: NOTE [ Conversion on the prefetch thread ])."""
+        self._converted = convert is not None
         self._prefetcher = Prefetcher(
             source_items(source),
             ring,
@@ -92,6 +168,7 @@ class MicroBatchIterator(Iterator[MicroBatch]):
             depth=config.depth,
             join_timeout_s=config.join_timeout_s,
             exit_on_stuck_source=config.exit_on_stuck_source,
+            convert=_converting(convert) if ahead and convert is not None else None,
         )
         self._stats = IterStats()
         self._events = transport.copies_to_device
@@ -104,7 +181,7 @@ class MicroBatchIterator(Iterator[MicroBatch]):
         self._finalizer.atexit = False
         self._prefetcher.thread.start()
 
-    def __next__(self) -> MicroBatch:
+    def __next__(self) -> B:
         start = time.perf_counter()
         if self._consumer is not threading.current_thread():
             self._check_consumer()
@@ -143,7 +220,13 @@ class MicroBatchIterator(Iterator[MicroBatch]):
             record.layout.nbytes,
         )
         self._stats.add(stats)
-        return MicroBatch(record.index, record.layout, record.flat, record.tensors, stats)
+        if self._converted:
+            if self._convert_here is None:
+                return record.converted  # type: ignore[return-value]
+            return self._convert_here(
+                MicroBatch(record.index, record.layout, record.flat, record.tensors, stats)
+            )
+        return MicroBatch(record.index, record.layout, record.flat, record.tensors, stats)  # type: ignore[return-value]
 
     def _check_consumer(self) -> None:
         """One consumer thread per iterator: the first to call ``next()`` owns it until a
@@ -218,7 +301,7 @@ class MicroBatchIterator(Iterator[MicroBatch]):
         self._finished = True
         self._finalizer()
 
-    def __enter__(self) -> MicroBatchIterator:
+    def __enter__(self) -> MicroBatchIterator[B]:
         return self
 
     def __exit__(
@@ -229,6 +312,25 @@ class MicroBatchIterator(Iterator[MicroBatch]):
     ) -> None:
         note_exit(exc)
         self.close()
+
+
+def _converting(convert: Callable[[MicroBatch], object]) -> Callable[[Staged], Staged]:
+    """``convert`` as the prefetch thread applies it to a staged record (NOTE [ Conversion on
+    the prefetch thread ]): a record whose conversion raised gives its lease back at once."""
+
+    def run(record: Staged) -> Staged:
+        stats = MicroBatchStats(
+            record.index, 0.0, record.fetch_s, record.stage_s, record.layout.nbytes
+        )
+        batch = MicroBatch(record.index, record.layout, record.flat, record.tensors, stats)
+        try:
+            return dataclasses.replace(record, converted=convert(batch))
+        except BaseException:
+            if record.release is not None:  # the record never reaches the loop
+                record.release()
+            raise
+
+    return run
 
 
 def _resolve(device: torch.device | str | None) -> torch.device:
