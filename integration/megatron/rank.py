@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 
 import torch
@@ -102,8 +103,11 @@ class MegatronRank:
         route = None
         if spec.encoders:
             route = functools.partial(layout.route, encoder=spec.encoders[0].name)
-        handle = RankHandle(spec, coords, config, device=current_device(), route=route)
         batch = to_batch or functools.partial(megatron_batch, cp_size=layout.topology.cp)
+        convert = _PassBatch(batch, layout, spec.pipeline)  # on the prefetch thread
+        handle = RankHandle(
+            spec, coords, config, device=current_device(), route=route, convert=convert
+        )
         return cls(handle, layout, batch, routing)
 
     def passes(self) -> Iterator[MegatronPass]:
@@ -132,8 +136,21 @@ class MegatronRank:
         """``to_batch(micro_batch)`` plus every other field the pass reads: per-token fields
         ``[1, T, ...]`` under their own names, scalar fields spread over each sequence's local
         tokens (padding included) as ``[1, T, ...]``."""
-        batch = dict(self._to_batch(micro_batch))
-        clone = self.handle.spec.pipeline > 1  # several micro-batches in flight
+        return _PassBatch(self._to_batch, self.layout, self.handle.spec.pipeline)(work, micro_batch)
+
+
+@dataclass(frozen=True, slots=True)
+class _PassBatch:
+    """``MegatronRank.batch`` as the handle's ``convert``: run on each pass's prefetch thread
+    (NOTE [ Conversion on the prefetch thread ] in knitkit/microbatch_iter/iterator.py)."""
+
+    to_batch: ToBatch
+    layout: MegatronLayout
+    pipeline: int
+
+    def __call__(self, work: PassWork, micro_batch: MicroBatch) -> Mapping[str, object]:
+        batch = dict(self.to_batch(micro_batch))
+        clone = self.pipeline > 1  # several micro-batches in flight
         scalars = (
             set(work.consumer.micro_batches[0].scalar_fields) if work.num_micro_batches else set()
         )
@@ -197,6 +214,8 @@ class MegatronPass:
         """The schedule's data iterator: this pass's micro-batches, prefetched, as megatron
         batches (``get_forward_backward_func()(data_iterator=...)``)."""
         micro_batches = self.work.micro_batches()
+        if self._rank.handle.convert is not None:  # converted on the prefetch thread
+            return iter(micro_batches)
         return megatron_batches(micro_batches, functools.partial(self._rank.batch, self.work))
 
     def forward_step(self, forward_step: ForwardStep) -> ForwardStep:

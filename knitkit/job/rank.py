@@ -6,7 +6,7 @@ import contextlib
 import functools
 import socket
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,7 +24,7 @@ from knitkit.job.spec import RankCoords, RankSpec, encoder_rank_name, group_name
 from knitkit.job.watch import DRIVER, DriverWatch, Gate, PassTake, driver_error
 from knitkit.job.work import PassWork, Route
 from knitkit.metrics import merge, sum_over
-from knitkit.microbatch_iter import MicroBatchIterator
+from knitkit.microbatch_iter import MicroBatch, MicroBatchIterator
 from knitkit.storage import (
     MiniBatchPlan,
     ReorganizerDiedError,
@@ -47,6 +47,10 @@ _ITERATOR_FIGURES = (
     "knitkit/delivery/bytes",
     _H2D,
 )
+
+
+Convert = Callable[[PassWork, MicroBatch], object]
+"""Turns one micro-batch of a pass into what the pass's iterator yields (``RankHandle(convert=)``)."""
 
 
 class Taken(Protocol):
@@ -100,16 +104,21 @@ class RankHandle:
         *,
         device: torch.device | str | None = None,
         route: Route | None = None,
+        convert: Convert | None = None,
     ) -> None:
         """``route(plan)`` gives this rank's dedup route for passes that encode
         (``MegatronLayout.route``, or ``route_minibatch(...).for_rank(rank)``): a pure
         function, called once per mini-batch, on the rank's pass-end thread (NOTE [ One pass
-        ahead ])."""
+        ahead ]). ``convert(work, micro_batch)`` turns each micro-batch of a pass into what
+        its iterator yields (e.g. the dict a forward step takes), on the pass's prefetch thread
+        ahead of the loop (NOTE [ Conversion on the prefetch thread ] in
+        knitkit/microbatch_iter/iterator.py)."""
         coords.check(spec)
         self.spec, self.coords = spec, coords
         self.config = config or RankHandle.Config()
         self.device = device
         self._route = route
+        self._convert = convert
         self.writer = coords.is_writer(spec)
         self._plans: dict[str, MiniBatchPlan] = {}
         self._current: PassWork | None = None
@@ -180,6 +189,11 @@ class RankHandle:
                 on_start=functools.partial(_on_device, _cuda_device(device)),
             )
             stack.pop_all()
+
+    @property
+    def convert(self) -> Convert | None:
+        """What each pass's iterator applies to its micro-batches (``None``: it yields them)."""
+        return self._convert
 
     def passes(self) -> Iterator[PassWork]:
         """Every pass the driver serves, in order, until it finishes (see ``next_pass``)."""
@@ -380,7 +394,8 @@ class RankHandle:
             slot_nbytes=self.config.slot_nbytes,
             next_timeout_s=self.config.next_timeout_s,
         )
-        return config.build(take, device=self.device), take
+        convert = functools.partial(self._convert, work) if self._convert is not None else None
+        return config.build(take, device=self.device, convert=convert), take
 
     # NOTE [ Encoder inputs once per mini-batch ]: every encoding pass of a mini-batch (old
     # log-probs, reference, train) encodes the same unique units: the plan is one per mini-batch

@@ -106,7 +106,8 @@ class PassWork:
 
     def micro_batches(self) -> MicroBatchIterator:
         """The pass's micro-batches, prefetched: exactly ``num_micro_batches`` from the rank's
-        ring (``MicroBatchIterator`` over ``take``), never one of the next pass. Once per pass.
+        ring (``MicroBatchIterator`` over ``take``), never one of the next pass; each converted
+        on the prefetch thread when the handle has ``convert``. Once per pass.
         Its prefetch started when the pass was handed out (NOTE [ One pass ahead ] in
         rank.py)."""
         if self.iterated:

@@ -14,8 +14,8 @@ unpacking, ``tests/job/test_unpack.py``), on both TP ranks of each group.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -56,16 +56,22 @@ def _logprob_step(
     return output, loss
 
 
-def _job(rank: int, spec_json: str) -> dict[str, dict[tuple[str, int], list[float]]]:
-    """One rank of the job: every pass the driver serves, through ``DedupVLMStep``."""
+def _job(rank: int, spec_json: str) -> dict[str, Any]:
+    """One rank of the job: every pass the driver serves, through ``DedupVLMStep``; also the
+    threads its batches were converted on (``"threads"``)."""
     megatron_cpu.initialize_model_parallel(tensor_parallel=2)
     megatron_cpu.install_schedule_shim()
     try:
         spec = broadcast_rank_spec(RankSpec.from_json(spec_json) if rank == 0 else None)
         model = user.build_model(False)
         vision = model.module.vision
-        to_batch = functools.partial(megatron_batch, cp_size=1, attention_mask=True)
-        seen: dict[str, dict[tuple[str, int], list[float]]] = {"old": {}, "train": {}}
+        threads: set[str] = set()
+
+        def to_batch(micro_batch: Any) -> Mapping[str, object]:
+            threads.add(threading.current_thread().name)
+            return megatron_batch(micro_batch, cp_size=1, attention_mask=True)
+
+        seen: dict[str, Any] = {"old": {}, "train": {}}
         step = DedupVLMStep(model, vision="vision")
         received: list[list[float]] = []
 
@@ -97,7 +103,7 @@ def _job(rank: int, spec_json: str) -> dict[str, dict[tuple[str, int], list[floa
                     else:
                         for i, values in enumerate(received):
                             seen["train"][(work.minibatch_id, i)] = values
-        return seen
+        return seen | {"threads": sorted(threads)}
     finally:
         megatron_cpu.destroy_model_parallel()
 
@@ -105,7 +111,9 @@ def _job(rank: int, spec_json: str) -> dict[str, dict[tuple[str, int], list[floa
 def test_megatron_rank_writes_back_log_probs_the_train_pass_reads_bit_identical() -> None:
     """DP2 x TP2 on gloo: per-token log-probs of a forward-only pass land in the store exactly
     and the train pass receives them bit-identical on both TP ranks of each group; every
-    admitted micro-batch is trained; the mini-batches are released after their last pass."""
+    admitted micro-batch is trained; the mini-batches are released after their last pass. Every
+    batch is converted (``to_batch``) on a pass's prefetch thread, never on the training thread
+    (NOTE [ Conversion on the prefetch thread ])."""
     data = [dataclasses.replace(t, source="s") for t in user.grpo_trajectories(seed=3)]
     controller = build_controller(
         "streaming", train_batch_size=len(data), num_minibatches=2, sources=["s"]
@@ -127,6 +135,11 @@ def test_megatron_rank_writes_back_log_probs_the_train_pass_reads_bit_identical(
         driver.drain(120)
         assert driver.progress().released == 2
         wait_freed(driver.store)
+    for rank in seen:
+        assert rank["threads"], "no batch was converted"
+        assert all(name.startswith("knitkit-microbatch-prefetch") for name in rank["threads"]), (
+            rank["threads"]
+        )
     # ranks 0, 1 are TP peers of DP rank 0 (megatron's order: TP fastest), 2, 3 of DP rank 1
     for writer, peer in ((0, 1), (2, 3)):
         old = seen[writer]["old"]
