@@ -21,6 +21,9 @@ _FINGERPRINT_WORDS = 2
 _NONE, _PHASE, _PLAN, _FORWARD, _BACKWARD, _GRAPH = range(6)
 _DIRECTIONS = {_FORWARD: "forward", _BACKWARD: "backward"}
 _MAX_LINES = 8
+_TEXT_AT = 2 + VALUES
+"""Column of an agreement row where ``_text_words`` starts (after point, turn, values)."""
+_WIDTH = _TEXT_AT + 1 + _TEXT_WORDS
 
 # NOTE [ Handshake before rows move ]: a row exchange with counts that disagree between ranks
 # keeps whatever the receive buffer held, and one that pairs a rank's backward with another rank's
@@ -104,12 +107,10 @@ def tell_all(
     every rank can reach the same verdict. ``hint`` ends the TimeoutError raised when a rank
     does not arrive.
     """
-    row = torch.tensor(
-        [_wire(point, 1, values, _text_words(problem))], dtype=torch.int64, device=device
-    )
+    row = _wire(point, 1, [values], problem, device)
     with _named(dist.get_rank(group), point, timeout_s, hint):
         received = gather_rows(row, group, timeout_s=timeout_s)
-    return [_heard(rank, r) for rank, r in enumerate(received.cpu().tolist())]
+    return _heard_all(received)
 
 
 def _exchange_rows(
@@ -124,13 +125,11 @@ def _exchange_rows(
     turn: int = 1,
 ) -> list[Heard]:
     """Send peer ``p`` the agreement row ``rows[p]`` with this rank's ``problem``; bounded by ``timeout_s``."""
-    text = _text_words(problem)
-    wire = [_wire(point, turn, row, text) for row in rows]
-    send = torch.tensor(wire, dtype=torch.int64, device=device)
+    send = _wire(point, turn, rows, problem, device)
     ones = [1] * transport.world_size
     with _named(transport.rank, point, timeout_s, hint):
         received = transport.exchange(send, ones, ones, timeout_s=timeout_s)
-    return [_heard(rank, row) for rank, row in enumerate(received.cpu().tolist())]
+    return _heard_all(received)
 
 
 @contextlib.contextmanager
@@ -291,13 +290,23 @@ def _point(code: int) -> str:
     return POINTS[code] if 0 <= code < len(POINTS) else "?"
 
 
-def _wire(point: str, turn: int, values: Sequence[int], text: list[int]) -> list[int]:
-    """One agreement row (see NOTE [ Handshake before rows move ]): point, turn, values, and
-    the problem as ``_text_words``."""
-    if len(values) > VALUES:
-        raise ValueError(f"an agreement row holds at most {VALUES} values, got {len(values)}")
-    padded = [int(v) for v in values] + [0] * (VALUES - len(values))
-    return [POINTS.index(point), turn, *padded, *text]
+def _wire(
+    point: str, turn: int, rows: Sequence[Sequence[int]], problem: str, device: torch.device
+) -> torch.Tensor:
+    """Agreement rows, one per entry of ``rows`` (see NOTE [ Handshake before rows move ]):
+    point, turn, the row's values, and ``problem`` as ``_text_words`` (one tensor, filled by
+    column: the text is encoded only when there is one)."""
+    widest = max((len(values) for values in rows), default=0)
+    if widest > VALUES:
+        raise ValueError(f"an agreement row holds at most {VALUES} values, got {widest}")
+    wire = torch.zeros((len(rows), _WIDTH), dtype=torch.int64)
+    wire[:, 0], wire[:, 1] = POINTS.index(point), turn
+    if widest:
+        padded = [[int(v) for v in values] + [0] * (widest - len(values)) for values in rows]
+        wire[:, 2 : 2 + widest] = torch.tensor(padded, dtype=torch.int64)
+    if problem:
+        wire[:, _TEXT_AT:] = torch.tensor(_text_words(problem), dtype=torch.int64)
+    return wire.to(device)
 
 
 def _text_words(text: str) -> list[int]:
@@ -311,11 +320,16 @@ def _text_words(text: str) -> list[int]:
     return [len(data), *words]
 
 
-def _heard(rank: int, row: list[int]) -> Heard:
-    point, turn, *rest = (int(x) for x in row)
-    values, (length, *words) = rest[:VALUES], rest[VALUES:]
-    problem = ""
-    if length > 0:
-        data = b"".join(w.to_bytes(8, "little", signed=True) for w in words)
-        problem = data[: min(length, len(data))].decode(errors="replace")
-    return Heard(rank, _point(point), turn, tuple(values), problem)
+def _heard_all(received: torch.Tensor) -> list[Heard]:
+    """Every rank's agreement row, decoded (the text words only of rows that carry a problem)."""
+    received = received.cpu()
+    heard = []
+    for rank, (point, turn, *rest) in enumerate(received[:, : _TEXT_AT + 1].tolist()):
+        values, length = rest[:VALUES], rest[VALUES]
+        problem = ""
+        if length > 0:
+            words = received[rank, _TEXT_AT + 1 :].tolist()
+            data = b"".join(w.to_bytes(8, "little", signed=True) for w in words)
+            problem = data[: min(length, len(data))].decode(errors="replace")
+        heard.append(Heard(rank, _point(point), turn, tuple(values), problem))
+    return heard
