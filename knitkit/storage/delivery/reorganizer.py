@@ -35,14 +35,14 @@ class Reorganizer:
         self.publisher = publisher
         self._schema: dict[str, RowSpec] = {}
         self._packers: dict[object, tuple[PackTemplate, RecordTemplate]] = {}
-        """This assignment's field sets -> their templates (NOTE [ Pack templates ])."""
+        """Field sets -> their templates under the current schema, kept across assignments
+        while the schema holds (NOTE [ Pack templates ])."""
 
     def deliver(self, minibatch_id: str, plan: ConsumerPlan | EncoderRankPlan) -> int:
         """Publish every micro-batch of ``plan`` in consumption order; returns how many."""
         count = len(plan.micro_batches)
-        if isinstance(plan, ConsumerPlan):
-            self._learn_schema(plan)
-            self._packers.clear()  # the schema may have grown: templates per assignment
+        if isinstance(plan, ConsumerPlan) and self._learn_schema(plan):
+            self._packers.clear()  # a field's dtype or row shape changed: its templates too
         for index in range(count):
             extra: dict[str, int | float | str] = {
                 "minibatch_id": minibatch_id,
@@ -94,15 +94,18 @@ class Reorganizer:
         self.publisher.ring.add_bytes_read(self.backend.bytes_read - bytes_read_before)
         self.publisher.publish(layout, record)
 
-    def _learn_schema(self, plan: ConsumerPlan) -> None:
-        """dtype and row shape of every field the plan packs.
+    def _learn_schema(self, plan: ConsumerPlan) -> bool:
+        """dtype and row shape of every field the plan packs; whether a field known before
+        changed (new fields only add templates).
 
         From the plan's own schema (``TrajectoryStore.register`` fills it in), else from the
         first of this consumer's trajectories that has the field, else from an earlier
         mini-batch. An idle DP rank has no trajectories to learn from, so without a schema its
         (empty) micro-batches cannot be laid out: that is an error naming the fields.
         """
-        self._schema.update(plan.row_specs)
+        given = plan.row_specs
+        changed = any(self._schema.get(name, spec) != spec for name, spec in given.items())
+        self._schema.update(given)
         for micro_batch in plan.micro_batches:
             for name in (*micro_batch.token_fields, *micro_batch.scalar_fields):
                 if name in self._schema or not micro_batch.sequences:
@@ -118,6 +121,7 @@ class Reorganizer:
                 "learn them from; submit the plan returned by TrajectoryStore.register (it "
                 "carries every field's schema)"
             )
+        return changed
 
 
 class ReorganizerHost:
