@@ -49,8 +49,8 @@ def pack_layout(
 # NOTE [ Pack templates ]: what packing needs per field (its dtype, row shape, bytes per row, its
 # place among the fields, which fields have padding rows, the layout record's static columns)
 # depends only on the micro-batch's field set and the schema, not on its sequences, so it is
-# computed and checked once per field set (``pack_template``, cached; a reorganizer asks once per
-# assignment). A micro-batch then costs a pass of integer arithmetic over precomputed lists (its
+# computed and checked once per field set (``pack_template``, cached; a reorganizer keeps its
+# templates across assignments until the schema changes a field). A micro-batch then costs a pass of integer arithmetic over precomputed lists (its
 # offsets: one running sum of aligned sizes; its views: offsets into the slot, no dict of views),
 # field views made with their slots set directly (``plan.field_views``), unit reads made the same
 # way, and a layout record that is the template's field table with two columns filled
