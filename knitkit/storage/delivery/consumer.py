@@ -125,19 +125,54 @@ class _Releases:
             self._closed = True
 
 
+class _Release:
+    """Releases one lease, once, whichever comes first: its holder's ``release()`` or the end of
+    its bytes' last reader (``_SlotBytes.__del__``). Thread-safe: the one-item list's ``pop`` is
+    atomic."""
+
+    __slots__ = ("_once", "_seq")
+
+    def __init__(self, releases: _Releases, seq: int) -> None:
+        self._once = [releases]
+        self._seq = seq
+
+    def __call__(self) -> None:
+        try:
+            releases = self._once.pop()
+        except IndexError:
+            return
+        releases.release(self._seq)
+
+
 class _SlotBytes:
     """A slot's bytes under the array interface, read-only. numpy collapses a view's base to
     the first object that is not an array, so every array (and tensor) over a lease's buffer
-    keeps this object alive: its finalizer releases a lease nobody released once nothing can
-    read the slot any more (a backstop; ``release()`` is the contract)."""
+    keeps this object alive: once nothing can read the slot any more, it releases a lease nobody
+    released (a backstop; ``release()`` is the contract).
 
-    __slots__ = ("__array_interface__", "__weakref__", "view")
+    NOTE [ Lease backstop ]: the backstop was a ``weakref.finalize`` per lease (~3 us, and an
+    entry added to and removed from its class-wide registry per micro-batch). In a rank process
+    started by fork, that made the process take about one page fault per hand-out, and any page
+    fault makes the next release read the page map (NOTE [ Written pages only after a fault ] in
+    slot_ring.py): a forked rank handing out transfer.py-sized micro-batches back to back had
+    258-267 of 297 releases read it, 29-32 with this ``__del__``; a spawned rank 21-23 and 11-13
+    (RANK31's scratch driver over a real ring, 2-core dev box, issue 31). Unlike
+    ``finalize(atexit=False)``, a ``__del__`` may run during interpreter shutdown: by then the
+    consumer has closed its release count (its own finalizer runs at exit), so the release
+    returns at once.
+    """
 
-    def __init__(self, view: np.ndarray) -> None:
+    __slots__ = ("__array_interface__", "_release", "view")
+
+    def __init__(self, view: np.ndarray, release: _Release) -> None:
         self.view = view
+        self._release = release
         interface = dict(view.__array_interface__)
         interface["data"] = (interface["data"][0], True)
         self.__array_interface__ = interface
+
+    def __del__(self) -> None:
+        self._release()
 
 
 def _same(view: memoryview) -> memoryview:
@@ -280,9 +315,8 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
             # hand-off ] in knitkit/microbatch_iter/worker.py): numpy views are read-only, but a
             # write through ``torch.from_numpy`` of one stays with this rank, never its TP peers
             view = releases.private(seq, layout.nbytes)
-            holder = _SlotBytes(np.frombuffer(view, np.uint8))
-            release = weakref.finalize(holder, releases.release, seq)  # runs once: see _SlotBytes
-            release.atexit = False
+            release = _Release(releases, seq)  # runs once: NOTE [ Lease backstop ]
+            holder = _SlotBytes(np.frombuffer(view, np.uint8), release)
             # the lease's private() is this very view: booked once, mapped once per hand-out
             lease = PackedMicroBatch(layout, np.asarray(holder), release, seq, partial(_same, view))
             self._next = seq + 1
