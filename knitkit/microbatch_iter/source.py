@@ -49,9 +49,6 @@ class StagingPlan:
     """The whole packed buffer (flat uint8) when its producer keeps it unchanged until
     ``release``: a CUDA iterator may copy it to the device in place (NOTE [ Registered source
     rings ])."""
-    private: Callable[[], Buffer] | None = None
-    """The same bytes as a writable copy-on-write view of this process (a ring consumer's lease):
-    a CPU iterator hands its tensors out over it with no copy (NOTE [ Zero-copy hand-off ])."""
 
     def copy_into(self, dst: np.ndarray) -> None:
         """Copy every array into the flat uint8 buffer ``dst``, one strided copy per array, in
@@ -65,18 +62,15 @@ class StagingPlan:
 def plan_staging(item: SourceItem) -> StagingPlan:
     """Describe how to copy ``item`` into a flat staging buffer; raises on malformed items."""
     if isinstance(item, PackedMicroBatch):
-        _check_layout(item.layout)
+        check_layout(item.layout)
         flat = _flat_bytes(item.buffer, item.layout)
         view = flat if item.on_release is not None else None
-        copies = ((0, flat),)
-        return StagingPlan(
-            item.layout, copies, release=item.release, view=view, private=item.private
-        )
+        return StagingPlan(item.layout, ((0, flat),), release=item.release, view=view)
     if isinstance(item, Mapping):
         return _plan_fields(item)
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], MicroBatchLayout):
         layout, buffer = item
-        _check_layout(layout)
+        check_layout(layout)
         return StagingPlan(layout, ((0, _flat_bytes(buffer, layout)),))
     raise TypeError(
         f"source item of type {type(item).__name__} is not a PackedMicroBatch, a (layout, "
@@ -141,11 +135,12 @@ def check_dtype(name: str, dtype: np.dtype) -> None:
 
 
 _checked: tuple[FieldView, ...] = ()
-"""The fields of the last layout that passed ``_check_layout``: a source mostly repeats its
+"""The fields of the last layout that passed ``check_layout``: a source mostly repeats its
 layout (often the same object), which then costs one identity test, not a call per field."""
 
 
-def _check_layout(layout: MicroBatchLayout) -> None:
+def check_layout(layout: MicroBatchLayout) -> None:
+    """``ValueError`` naming the first field whose dtype cannot be staged."""
     global _checked
     fields = layout.fields
     if fields is _checked:

@@ -12,6 +12,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -19,9 +20,9 @@ import torch
 from knitkit.microbatch_iter.batch import ViewCache
 from knitkit.microbatch_iter.exit_guard import abandon, exit_now
 from knitkit.microbatch_iter.pool import StagingRing
-from knitkit.microbatch_iter.source import SourceItem, StagingPlan, plan_staging
+from knitkit.microbatch_iter.source import SourceItem, StagingPlan, check_layout, plan_staging
 from knitkit.microbatch_iter.transport import Transport
-from knitkit.types import MicroBatchLayout
+from knitkit.types import MicroBatchLayout, PackedMicroBatch
 
 # NOTE [ Prefetch thread shutdown ]
 # Lifecycle table: docs/lifecycle.md.
@@ -118,6 +119,8 @@ from knitkit.types import MicroBatchLayout
 # [ Registered source rings ], NOTE [ Stream/event hand-off ]); the prefetch thread waits for it
 # while it is idle for a credit, or at the latest before its next pull.
 
+_NO_OVERRIDES: Mapping[str, torch.dtype] = MappingProxyType({})
+"""A lease's fields keep their layout dtypes."""
 _PRIVATE_VIEW_SLOTS = 64
 """Private slot views whose field views are kept (a ring has a few slots; a source whose
 private views are fresh buffers each time would otherwise pin them all)."""
@@ -263,21 +266,27 @@ class Prefetcher:
 
     def _stage(self, index: int, item: SourceItem, *, fetch_s: float) -> Staged:
         start = time.perf_counter()
-        plan = plan_staging(item)
-        layout = plan.layout
-        overrides = plan.torch_dtypes
-        if plan.private is not None and not self.transport.copies_to_device:
+        if (
+            isinstance(item, PackedMicroBatch)
+            and item.private is not None
+            and not self.transport.copies_to_device
+        ):
             # See NOTE [ Zero-copy hand-off ]: no copy, the record releases the lease later.
             # private() is the lease's own view (a source may book it for the release's drop
             # of written pages): ask every lease, cached views or not (NOTE [ Reused field
             # views ]); only its address picks the cached views.
-            private = np.frombuffer(plan.private(), np.uint8)
+            layout = item.layout
+            check_layout(layout)
+            private = np.frombuffer(item.private(), np.uint8)
             views = self._views_over(private)
-            cached = views.get(layout, overrides)
+            cached = views.get(layout, _NO_OVERRIDES)
             if cached is None:
-                cached = views.put(torch.from_numpy(private), layout, overrides)
+                cached = views.put(torch.from_numpy(private), layout, _NO_OVERRIDES)
             stage_s = time.perf_counter() - start
-            return Staged(index, None, layout, *cached, fetch_s, stage_s, plan.release)
+            return Staged(index, None, layout, *cached, fetch_s, stage_s, item.release)
+        plan = plan_staging(item)
+        layout = plan.layout
+        overrides = plan.torch_dtypes
         in_place = plan.view is not None and self.transport.reads_in_place(plan.view)
         slot = self.ring.slot_for(index)
         self.transport.before_refill(slot.index)
