@@ -48,7 +48,9 @@ JOIN_S = 5.0
 #   its next pass's data or schedule, with the GIL released.
 # - Order and exactly-once. One thread runs the jobs in the order posted, each once: a pass's
 #   write-backs, its iterator's close, its ``done``, then the next pass's iterator start (NOTE
-#   [ One pass ahead ] in rank.py) and its jobs: exactly the records, in the order, the
+#   [ One pass ahead ] in rank.py) and its jobs (during a mini-batch's last pass, first a wait
+#   for the next schedule record, which the training thread cancels before it queues anything:
+#   NOTE [ One mini-batch ahead ] in rank.py): exactly the records, in the order, the
 #   training thread published before (the driver's ledger checks them as before: every output
 #   once, a group's pass end after its outputs).
 # - Errors. A job that fails stops the thread (later jobs are dropped) and ``on_failure`` gets

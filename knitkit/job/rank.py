@@ -18,7 +18,7 @@ from knitkit.job.completion import PassEnds
 from knitkit.job.errors import DriverDiedError, DriverNotFoundError
 from knitkit.job.passes import Pass
 from knitkit.job.pool import pass_id
-from knitkit.job.records import RecordReader, RecordWriter
+from knitkit.job.records import Record, RecordReader, RecordWriter
 from knitkit.job.recovery import FollowingConsumer, restarts_of
 from knitkit.job.spec import RankCoords, RankSpec, encoder_rank_name, group_name
 from knitkit.job.watch import DRIVER, DriverWatch, Gate, PassTake, driver_error
@@ -130,8 +130,9 @@ class RankHandle:
         NOTE [ Encoder inputs once per mini-batch ])."""
         self._units_taken: tuple[str, str] | None = None
         """The (mini-batch, pass) whose units were last taken from the encoder ring."""
-        self._routes: tuple[str, RankRoute] | None = None
-        """The current mini-batch's dedup route, shared by its passes (NOTE [ One pass ahead ])."""
+        self._routes: dict[str, RankRoute] = {}
+        """The dedup routes of the current mini-batch, shared by its passes (NOTE [ One pass
+        ahead ]), and of the next one (NOTE [ One mini-batch ahead ])."""
         self._routing = threading.Lock()
         self._encoder = threading.RLock()
         """Guards the encoder ring's takes and the kept inputs: the loop's thread and the
@@ -140,6 +141,12 @@ class RankHandle:
         """A mini-batch's encoder inputs copied to host memory ahead, not yet on ``device``."""
         self._ahead: PassWork | None = None
         """The mini-batch's next pass, its prefetch started (NOTE [ One pass ahead ])."""
+        self._peek: int | None = None
+        """The pass-end job that waits for the next mini-batch's schedule record (NOTE [ One
+        mini-batch ahead ])."""
+        self._peek_cancel = threading.Event()
+        self._peeked: _Peeked | None = None
+        """What that job read: the record, and its opened plan and first pass if it got that far."""
         self._last_encoding = next((p.name for p in reversed(spec.passes) if p.encodes), None)
         self._closed = False
         waits = {
@@ -217,36 +224,126 @@ class RankHandle:
             self._watch.raise_failure()
             minibatch_id, index = self._last[0], self._last[1] + 1
         else:
-            try:
-                record = self._schedule.next(timeout_s)
-            except (ReorganizerDiedError, ReorganizerError) as error:
-                raise driver_error(self.coords.rank, error) from None
-            if record is None:
-                return None
-            minibatch_id, name = str(record.header["mb"]), str(record.header["pass"])
-            if name != passes[0].name or "plan" not in record.arrays:
-                raise RuntimeError(
-                    f"rank {self.coords.rank}: the schedule opened {minibatch_id!r} with pass "
-                    f"{name!r}, not {passes[0].name!r} with its plan: the driver and this rank "
-                    "run different passes; restart the job with one spec"
-                )
-            self._plans[minibatch_id] = MiniBatchPlan.from_json(
-                record.arrays["plan"].tobytes().decode()
-            )
+            peeked = self._end_peek()
+            if peeked is not None and peeked.work is not None:
+                self._ahead = peeked.work  # opened and started by the look-ahead
+                if peeked.work.pass_.encodes:  # its units now: the last pass's were released
+                    self._ends.post(
+                        f"copying the encoder inputs of {peeked.work.minibatch_id!r}",
+                        functools.partial(self._copy_ahead, peeked.work),
+                    )
+            if peeked is not None and peeked.opened is not None:
+                minibatch_id, self._plans[minibatch_id] = peeked.opened
+            else:
+                try:
+                    record = peeked.record if peeked is not None else self._schedule.next(timeout_s)
+                except (ReorganizerDiedError, ReorganizerError) as error:
+                    raise driver_error(self.coords.rank, error) from None
+                if record is None:
+                    return None
+                minibatch_id, self._plans[minibatch_id] = self._open(record)
             index = 0
         plan = self._plans[minibatch_id]
         if index + 1 == len(passes):
             del self._plans[minibatch_id]
         self._last = (minibatch_id, index)
         # a later pass was built, its prefetch started, with the previous one (NOTE [ One pass
-        # ahead ]); a mini-batch's first pass starts here
+        # ahead ]); a mini-batch's first pass starts here, or with the mini-batch before it
+        # (NOTE [ One mini-batch ahead ])
         work = self._ahead or self._start_ahead(minibatch_id, passes[index], plan, after=None)
         self._current, self._ahead = work, None
         if index + 1 < len(passes):
             self._ahead = self._start_ahead(
                 minibatch_id, passes[index + 1], plan, after=work.drained
             )
+        else:
+            self._start_peek(work)
         return work
+
+    def _open(self, record: Record) -> tuple[str, MiniBatchPlan]:
+        """A mini-batch's schedule record: its id and plan (checked to open the first pass)."""
+        passes = self.spec.passes
+        minibatch_id, name = str(record.header["mb"]), str(record.header["pass"])
+        if name != passes[0].name or "plan" not in record.arrays:
+            raise RuntimeError(
+                f"rank {self.coords.rank}: the schedule opened {minibatch_id!r} with pass "
+                f"{name!r}, not {passes[0].name!r} with its plan: the driver and this rank "
+                "run different passes; restart the job with one spec"
+            )
+        return minibatch_id, MiniBatchPlan.from_json(record.arrays["plan"].tobytes().decode())
+
+    # NOTE [ One mini-batch ahead ]: a mini-batch's first pass could not start ahead (NOTE [ One
+    # pass ahead ]): its plan comes with its schedule record, which the loop read in
+    # ``next_pass``, then decoded the plan and built the dedup route on the training thread
+    # (``benchmarks/grpo_step.py --quick`` at 9a7d30c, load ~4: "waiting for the next pass" 0.7
+    # ms and "reading encoder inputs" 1.7-3.2 ms per step on every rank, 1.2 ms of it the
+    # route's CPU). The driver announces mini-batch k + 1 once every group got every pass of k
+    # (NOTE [ Next pass per group ] in serving.py), long before the rank ends k's last pass
+    # (train: its forward-backward). So when ``next_pass`` hands out a mini-batch's last pass,
+    # it queues one more job on the pass-end thread, which then idles until that pass ends: wait
+    # for the next schedule record; with it, decode the plan, build the next first pass's work
+    # (its take gated on the last pass's ``drained``, as a later pass is), start its prefetch
+    # and build its route (``_prepare``). The training thread takes the result in ``next_pass``.
+    # - The wait never holds up the rank's own jobs: the loop's thread cancels it (an event the
+    #   record wait checks: ``InterruptedError``, the reader stays as it was) before it queues
+    #   anything (a record, a pass's end) and when it closes; a record that arrived first is
+    #   kept either way, so none is lost and the reads stay in the ring's order. A cancelled
+    #   look-ahead leaves ``next_pass`` to read the record itself, as before. No deadlock: the
+    #   driver's announcement of k + 1 does not wait for anything this rank queues after k's
+    #   last pass was handed out (its earlier write-backs were queued, so published, first).
+    # - Failures stay the loop's: the look-ahead swallows every error (the record's read then
+    #   happens again on the training thread and raises there, e.g. the driver's failure); one
+    #   after the read keeps the record for ``next_pass``, which opens it and raises.
+    # - The encoder units of k + 1 are copied ahead only once ``next_pass`` hands its first pass
+    #   out (a job queued then): until the last pass of k ended, the encoder ring still holds
+    #   that pass's copy, released at its end (NOTE [ Encoder inputs once per mini-batch ]).
+    def _start_peek(self, last: PassWork) -> None:
+        """Queue the look-ahead for the mini-batch after ``last``'s (NOTE [ One mini-batch
+        ahead ])."""
+        self._peek_cancel.clear()
+        self._peek = self._ends.post(
+            f"waiting for the schedule after {last.minibatch_id!r}",
+            functools.partial(self._peek_next, last),
+        )
+
+    def _peek_next(self, last: PassWork) -> None:
+        """Pass-end thread: the next schedule record, opened, its first pass started."""
+        try:
+            record = self._schedule.next(cancel=self._peek_cancel)
+        except Exception:  # cancelled, or the loop's own read raises it again
+            return
+        peeked = self._peeked = _Peeked(record)
+        if record is None:
+            return
+        with contextlib.suppress(Exception):  # the loop's own call raises it
+            minibatch_id, plan = peeked.opened = self._open(record)
+            first = self.spec.passes[0]
+            work = PassWork(
+                self, minibatch_id, first, plan.with_fields(first.reads), after=last.drained
+            )
+            peeked.work = work
+            self._prepare(work)
+
+    def _copy_ahead(self, work: PassWork) -> None:
+        """Pass-end thread: ``work``'s encoder inputs into host memory (a failure is left to
+        the loop's own call, which copies them again and raises)."""
+        with contextlib.suppress(Exception):
+            self.copy_encoder_inputs(work)
+
+    def _cancel_peek(self) -> None:
+        """End the look-ahead's wait (the loop's thread is about to queue a job)."""
+        if self._peek is not None:
+            self._peek_cancel.set()
+
+    def _end_peek(self) -> _Peeked | None:
+        """The look-ahead's result, once its job ended (cancelled if it still waits)."""
+        job, self._peek = self._peek, None
+        if job is None:
+            return None
+        self._peek_cancel.set()
+        self._ends.wait(job)
+        peeked, self._peeked = self._peeked, None
+        return peeked
 
     def _start_ahead(
         self, minibatch_id: str, pass_: Pass, plan: MiniBatchPlan, *, after: Gate | None
@@ -300,6 +397,7 @@ class RankHandle:
             self._current.stop_prefetch()
         if self._ahead is not None:
             self._ahead.stop_prefetch()
+        self._cancel_peek()
         failure: BaseException | None = None
         if not reason:
             try:
@@ -311,6 +409,8 @@ class RankHandle:
         if self._writeback is not None and self._ends.busy:
             self._writeback.stop()  # a publication blocked on a full ring gives up
         self._ends.join()
+        if self._peeked is not None and self._peeked.work is not None:
+            self._peeked.work.stop_prefetch()  # a first pass the look-ahead started
         if self._writeback is not None:
             if reason:
                 self._writeback.fail(f"rank {self.coords.rank} left: {reason}")
@@ -341,9 +441,12 @@ class RankHandle:
                 "MegatronLayout.route) to run the encoder with dedup"
             )
         with self._routing:  # one build, on the pass-end thread or the loop's
-            if self._routes is None or self._routes[0] != work.minibatch_id:
-                self._routes = (work.minibatch_id, self._route(work.plan))
-            return self._routes[1]
+            route = self._routes.get(work.minibatch_id)
+            if route is None:
+                route = self._routes[work.minibatch_id] = self._route(work.plan)
+                if len(self._routes) > 2:  # the current mini-batch's and the next one's
+                    del self._routes[next(iter(self._routes))]
+            return route
 
     # NOTE [ One pass ahead ]: what a pass needs before its first micro-batch starts ahead of
     # the loop, not when the loop first asks for it.
@@ -479,6 +582,7 @@ class RankHandle:
         of the pass the loop never read, so the rings stay in step with the schedule. A loop
         that read every micro-batch has this done on the pass-end thread (NOTE [ Asynchronous
         pass ends ] in completion.py); a short one raises here, as the ring is left."""
+        self._cancel_peek()  # NOTE [ One mini-batch ahead ]
         if iterator is not None and iterator.stats.count == work.num_micro_batches:
             figures = iterator.metrics()
             for name in _ITERATOR_FIGURES:
@@ -563,6 +667,7 @@ class RankHandle:
         writer = self._writeback
         if writer is None:
             return
+        self._cancel_peek()  # NOTE [ One mini-batch ahead ]
         full: dict[str, str | int] = {
             "kind": kind,
             "mb": work.minibatch_id,
@@ -609,6 +714,17 @@ class RankHandle:
         if self._writeback is not None:
             with contextlib.suppress(Exception):
                 self.send(work, "error", {"message": message[-3000:]}, {}, timeout_s=_LEAVE_S)
+
+
+@dataclass(slots=True)
+class _Peeked:
+    """What the look-ahead read (NOTE [ One mini-batch ahead ]): the schedule's next record
+    (``None``: the driver finished), and, if it got that far, the plan and the started first
+    pass."""
+
+    record: Record | None
+    opened: tuple[str, MiniBatchPlan] | None = None
+    work: PassWork | None = None
 
 
 def _cuda_device(device: torch.device | str | None) -> torch.device | None:

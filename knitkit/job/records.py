@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -126,12 +127,15 @@ class RecordReader:
             producer=producer,
         )
 
-    def next(self, timeout_s: float | None = None) -> Record | None:
+    def next(
+        self, timeout_s: float | None = None, *, cancel: threading.Event | None = None
+    ) -> Record | None:
         """The next record, or ``None`` once the writer finished; ``MicroBatchConsumer``'s errors
         (``ReorganizerError`` with the writer's message, ``ReorganizerDiedError``,
-        ``TimeoutError``, ``ConsumerClosedError``) otherwise."""
+        ``TimeoutError``, ``ConsumerClosedError``; ``InterruptedError`` once ``cancel`` is set,
+        the reader unchanged) otherwise."""
         try:
-            lease = self._consumer.next_micro_batch(timeout_s)
+            lease = self._consumer.next_micro_batch(timeout_s, cancel=cancel)
         except StopIteration:
             return None
         with lease:

@@ -184,3 +184,49 @@ def test_the_route_is_built_once_per_minibatch_off_the_loop() -> None:
     for mb in served:
         assert routes[(mb, "train")] is routes[(mb, "old")]
     assert routes[(served[0], "old")] is not routes[(served[1], "old")]
+
+
+def test_the_next_minibatch_opens_while_the_last_pass_runs() -> None:
+    """While a mini-batch's last pass runs, the rank's pass-end thread reads the next
+    mini-batch's schedule record, builds its route and starts its first pass (NOTE [ One
+    mini-batch ahead ] in knitkit/job/rank.py): the second mini-batch's route exists, built on
+    that thread, before the loop leaves the first one's last pass; every pass still gets its
+    own mini-batch's data, in the schedule's order."""
+    errors: list[BaseException] = []
+    built: list[tuple[str, str]] = []
+    read: list[tuple[str, str, int]] = []
+
+    def route(plan: MiniBatchPlan) -> RankRoute:
+        built.append((plan.minibatch_id, threading.current_thread().name))
+        encoder = plan.encoder("vision")
+        return route_minibatch({0: plan.consumer(0, 0)}, encoder.ranks, world_size=1).for_rank(0)
+
+    def rank(spec: RankSpec) -> None:
+        coords = RankCoords(0, 0, 0, 0, encoder_rank=0)
+        try:
+            with RankHandle(spec, coords, device="cpu", route=route) as handle:
+                for index, work in enumerate(handle.passes()):
+                    with work:
+                        assert work.route is not None
+                        work.encoder_inputs()
+                        count = sum(1 for _ in work.micro_batches())
+                        assert count == work.num_micro_batches
+                        read.append((work.minibatch_id, work.pass_.name, count))
+                        if work.pass_.writes:
+                            _write_back(work)
+                        if index == 1:  # the first mini-batch's last pass
+                            wait_for(
+                                lambda: len(built) == 2,
+                                15,
+                                "the next mini-batch's route built during the last pass",
+                            )
+        except BaseException as error:  # asserted below
+            errors.append(error)
+
+    served = _run_job(rank)
+    assert not errors, errors[0]
+    assert [mb for mb, _ in built] == list(served) and len(served) == 2
+    assert built[1] == (served[1], "knitkit-pass-end-0"), built
+    assert [(mb, name) for mb, name, _ in read] == [
+        (mb, name) for mb in served for name in ("old", "train")
+    ]
