@@ -33,10 +33,10 @@ JOIN_S = 5.0
 #   failure and death reach it as before: the rank's ``DriverWatch``). A clean ``close`` waits
 #   for every job; ``metrics`` for none (a pass's iterator figures are added at its end, its
 #   device copy time, ``h2d_s``, complete only once closed, when the thread closed it).
-# - What stays on the training thread: taking and releasing the encoder ring's copy of kept
-#   units (0.2-0.4 ms in the profile above: published long before; the ring is read only
-#   there, in order), and a pass whose loop left micro-batches unread (closed there, then it
-#   raises).
+# - What stays on the training thread: a pass whose loop left micro-batches unread (closed
+#   there, then it raises). Taking and releasing the encoder ring's copy of kept units stayed
+#   there too until the jobs were held back (below); it is a held job now (NOTE [ Encoder
+#   inputs once per mini-batch ] in rank.py).
 # - When the thread runs. The thread and the training loop share one GIL: a job running
 #   beside the loop's Python delays it (CPython hands the GIL back after its switch interval,
 #   5 ms by default). Profiled with jobs run as soon as posted (``grpo_step.py --quick``, load

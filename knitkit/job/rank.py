@@ -130,6 +130,9 @@ class RankHandle:
         NOTE [ Encoder inputs once per mini-batch ])."""
         self._units_taken: tuple[str, str] | None = None
         """The (mini-batch, pass) whose units were last taken from the encoder ring."""
+        self._skipping: int | None = None
+        """The last queued release of a pass's unread encoder units (a pass-end job): the
+        loop's thread waits for it before it takes from the encoder ring itself."""
         self._routes: dict[str, RankRoute] = {}
         """The dedup routes of the current mini-batch, shared by its passes (NOTE [ One pass
         ahead ]), and of the next one (NOTE [ One mini-batch ahead ])."""
@@ -510,20 +513,24 @@ class RankHandle:
     # train pass, 0.2 ms after; load ~7-10). The driver
     # still serves the units with every encoding pass, so every ring keeps the schedule's order
     # and a restarted reorganizer re-serves as before; a later pass's copy is taken and released
-    # unread when the pass ends (off the critical path: published long before), its unit keys
-    # checked against the kept ones. The tensors are shared by the passes: an in-place edit in
+    # unread once the pass ended, by the pass-end thread (a job held until ``pass_ended``, like
+    # the pass's other end jobs: 0.5-1.3 ms of "finishing passes" per GRPO step on the training
+    # thread before, ``benchmarks/grpo_step.py --quick`` at 4a12780), its unit keys checked
+    # against the kept ones. The tensors are shared by the passes: an in-place edit in
     # one pass shows in the next (clone first). They are dropped after the last pass that
     # encodes. The first encoding pass's copy to host memory is taken by the pass-end thread as
     # a mini-batch's first pass is handed out (NOTE [ One pass ahead ]); the loop's thread moves
-    # them to the device when asked. Both threads take from the encoder ring under one lock,
-    # in the schedule's order: the pass-end thread only for a pass handed out now, whose units
-    # the driver serves with it, after the loop's thread skipped the earlier passes' units.
+    # them to the device when asked. Both threads take from the encoder ring in the schedule's
+    # order: the pass-end thread runs its takes (copies under ``_encoder``, releases) in the
+    # order queued, a copy only for a pass handed out now, whose units the driver serves with
+    # it; the loop's thread, before a take of its own, waits for the releases it queued.
     def read_encoder_inputs(self, work: PassWork) -> dict[UnitKey, torch.Tensor]:
         """This rank's encoder units of ``work``: those kept from the mini-batch's first
         encoding pass, else copied out of its encoder ring (see NOTE [ Encoder inputs once per
         mini-batch ])."""
         if work.encoder_micro_batches() == 0 or self._units is None:
             return {}
+        self._await_skips()
         with self._encoder:
             if self._kept is None or self._kept[0] != work.minibatch_id:
                 self.copy_encoder_inputs(work)
@@ -553,25 +560,21 @@ class RankHandle:
         """The mini-batches whose encoder inputs are kept or copied."""
         return {held[0] for held in (self._kept, self._copied) if held is not None}
 
-    def _skip_encoder_units(self, work: PassWork) -> None:
+    def _skip_encoder_units(self, work: PassWork, kept: list[UnitKey]) -> None:
         """Take and release the encoder ring's copy of ``work``'s units unread (a later encoding
-        pass of a mini-batch whose inputs are kept), checking they are the kept ones."""
-        count, here = work.encoder_micro_batches(), (work.minibatch_id, work.pass_.name)
-        if count == 0 or self._units is None or self._units_taken == here:
-            return
-        if self._kept is None or self._kept[0] != work.minibatch_id:
-            work.encoder_inputs()  # the first encoding pass never asked: read (and keep) them
-            return
+        pass of a mini-batch whose inputs are kept), checking they are the ``kept`` ones."""
+        units = self._units
+        assert units is not None
         served: list[UnitKey] = []
-        for lease in self._take(self._units, count, work):
+        for lease in self._take(units, work.encoder_micro_batches(), work):
             with lease:
                 served += lease.layout.units
-        self._units_taken = here
-        if served != list(self._kept[1]):
+        self._units_taken = (work.minibatch_id, work.pass_.name)
+        if served != kept:
             raise RuntimeError(
                 f"rank {self.coords.rank}: pass {work.pass_.name!r} of {work.minibatch_id!r} was "
                 f"served encoder units {[str(k) for k in served]}, not the "
-                f"{[str(k) for k in self._kept[1]]} of the mini-batch's first encoding pass; "
+                f"{[str(k) for k in kept]} of the mini-batch's first encoding pass; "
                 "the driver and this rank disagree on the plan: restart the job"
             )
 
@@ -588,7 +591,7 @@ class RankHandle:
             for name in _ITERATOR_FIGURES:
                 if name != _H2D:  # complete once the iterator is closed
                     self._totals[name] += figures[name]
-            self._end_encoder(work)  # first: the thread starts with ``pass_ended``
+            self._end_encoder(work, queue=True)  # first: the thread starts with ``pass_ended``
             self._ends.post(  # every lease is taken: closing releases the last one, joins
                 f"closing pass {work.pass_.name!r} of {work.minibatch_id!r}",
                 lambda: self._close_iterator(iterator),
@@ -627,14 +630,38 @@ class RankHandle:
         for name in figures:
             self._totals[name] += closed[name]
 
-    def _end_encoder(self, work: PassWork) -> None:
-        """The encoder ring moves on (see NOTE [ Encoder inputs once per mini-batch ]): on the
-        training thread (its units were published long before)."""
-        if work.pass_.encodes:
+    def _await_skips(self) -> None:
+        """Before the loop's thread takes from the encoder ring: the releases it queued run
+        first, in the ring's order (never called under ``_encoder``: the job is not)."""
+        skipping, self._skipping = self._skipping, None
+        if skipping is not None:
+            self._ends.wait(skipping)
+
+    def _end_encoder(self, work: PassWork, *, queue: bool = False) -> None:
+        """The encoder ring moves on (see NOTE [ Encoder inputs once per mini-batch ]): the
+        pass's copy of kept units is released unread, by the pass-end thread with ``queue``
+        (held until ``pass_ended``, like the pass's other jobs), else here."""
+        if not work.pass_.encodes:
+            return
+        here = (work.minibatch_id, work.pass_.name)
+        if work.encoder_micro_batches() and self._units is not None and self._units_taken != here:
+            if self._kept is None or self._kept[0] != work.minibatch_id:
+                work.encoder_inputs()  # the first encoding pass never asked: read (and keep) them
+            else:
+                skip = functools.partial(self._skip_encoder_units, work, list(self._kept[1]))
+                if queue:
+                    self._skipping = self._ends.post(
+                        f"releasing the encoder units of pass {work.pass_.name!r} of "
+                        f"{work.minibatch_id!r}",
+                        skip,
+                        now=False,
+                    )
+                else:
+                    self._await_skips()
+                    skip()
+        if work.pass_.name == self._last_encoding:
             with self._encoder:
-                self._skip_encoder_units(work)
-                if work.pass_.name == self._last_encoding:
-                    self._kept = None
+                self._kept = None
 
     def _take(
         self,

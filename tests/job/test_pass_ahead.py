@@ -230,3 +230,43 @@ def test_the_next_minibatch_opens_while_the_last_pass_runs() -> None:
     assert [(mb, name) for mb, name, _ in read] == [
         (mb, name) for mb in served for name in ("old", "train")
     ]
+
+
+def test_a_later_pass_releases_its_encoder_units_off_the_loop() -> None:
+    """A later encoding pass's copy of the kept units (the train pass's) is taken and released
+    unread by the rank's pass-end thread once the pass ended, never by the loop's thread (NOTE
+    [ Encoder inputs once per mini-batch ] in knitkit/job/rank.py); every pass still gets its
+    own micro-batches and the train pass the old pass's very inputs."""
+    errors: list[BaseException] = []
+    takers: list[tuple[str, str]] = []
+    inputs: dict[tuple[str, str], dict[UnitKey, torch.Tensor]] = {}
+
+    def rank(spec: RankSpec) -> None:
+        try:
+            with RankHandle(spec, RankCoords(0, 0, 0, 0, encoder_rank=0), device="cpu") as handle:
+                take = handle._watch.take
+
+                def watched(source: object, count: int, expect: str, **gates: object) -> object:
+                    if source is handle._units:
+                        takers.append((expect, threading.current_thread().name))
+                    return take(source, count, expect, **gates)  # type: ignore[arg-type]
+
+                handle._watch.take = watched  # type: ignore[method-assign]
+                for work in handle.passes():
+                    with work:
+                        inputs[(work.minibatch_id, work.pass_.name)] = work.encoder_inputs()
+                        for _ in work.micro_batches():
+                            pass
+                        if work.pass_.writes:
+                            _write_back(work)
+        except BaseException as error:  # asserted below
+            errors.append(error)
+
+    served = _run_job(rank)
+    assert not errors, errors[0]
+    train = [(expect, thread) for expect, thread in takers if "train" in expect]
+    assert len(train) == len(served) == 2, takers
+    assert all(thread == "knitkit-pass-end-0" for _, thread in train), takers
+    for mb in served:
+        old, later = inputs[(mb, "old")], inputs[(mb, "train")]
+        assert old and all(later[key] is old[key] for key in old)
