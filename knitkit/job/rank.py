@@ -530,7 +530,8 @@ class RankHandle:
         mini-batch ])."""
         if work.encoder_micro_batches() == 0 or self._units is None:
             return {}
-        self._await_skips()
+        if self._kept is None or self._kept[0] != work.minibatch_id:  # set by this thread only
+            self._await_skips()  # a take follows
         with self._encoder:
             if self._kept is None or self._kept[0] != work.minibatch_id:
                 self.copy_encoder_inputs(work)
