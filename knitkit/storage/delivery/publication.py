@@ -40,9 +40,12 @@ MAX_HEARTBEAT_S = 2.0
 # sees a consumer that died holding a slot (its TP peers then raise ReorganizerError) or its
 # owner gone, so those stay prompt (within 2 s) under the default 30 s timeout, and a dead
 # owner or a stop request is seen at once anyway where the wait can watch for it (an idle
-# ReorganizerProcess polls its owner's pidfd and its assignment pipe, the owner's stop wakes a
-# full ring's wait). Stuck or stopped producers are still declared dead within the consumers'
-# ``liveness_timeout_s``, as before: only the wakes in between are fewer (8x at 30 s).
+# ReorganizerProcess's assignment pipe ends with its launcher and carries its stop; the owner's
+# stop wakes a full ring's wait). Stuck or stopped producers are still declared dead within the
+# consumers' ``liveness_timeout_s``, as before: only the wakes in between are fewer (8x at 30 s).
+# transfer.py tells both ends 30 s: its reorganizers' CPU went 0.0286 -> 0.0206 s per step
+# (look-ahead 0.0378 -> 0.0228; `--quick --skip-tq --skip-engines` back to back against
+# 30f28cf, load 11-13; benchmarks/README.md, transfer).
 
 
 def heartbeat_period(liveness_timeout_s: float | None) -> float:

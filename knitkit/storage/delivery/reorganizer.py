@@ -189,25 +189,6 @@ class ReorganizerHost:
         """How often the host beats while it waits (NOTE [ Heartbeat period ])."""
         return self._publisher.heartbeat_s
 
-    def owner_exit_fd(self) -> int | None:
-        """A pidfd that polls readable once the ring's owner process exits, for a host's wait
-        loop; ``None`` where the platform has none or the owner is gone already (``abandoned``
-        says so). The caller closes it. Opened before the owner's role lock is checked, so it
-        cannot name a process that reused a dead owner's pid: a live owner at the check was
-        alive at the open too."""
-        pidfd_open = getattr(os, "pidfd_open", None)
-        pid = self._ring.owner_pid
-        if pidfd_open is None or pid <= 0:
-            return None
-        try:
-            fd: int = pidfd_open(pid)
-        except OSError:  # no such process (here), or a kernel without pidfds
-            return None
-        if not self._ring.owner_alive:
-            os.close(fd)
-            return None
-        return fd
-
     @property
     def abandoned(self) -> bool:
         """The ring's owner asked the producer to stop, or died: an idle host should leave."""

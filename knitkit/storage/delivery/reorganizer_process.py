@@ -41,19 +41,20 @@ from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan
 # the ring. close(): set STOP (the child's loop and a producer blocked on a full ring give up),
 # join for `join_timeout_s`, then terminate and finally kill the child, then unlink the ring.
 # The child ignores SIGINT (the launcher decides) and waits for its next assignment in one
-# ``select.poll`` over its assignment pipe and a pidfd of the launcher (os.pidfd_open, Linux 5.3+),
-# so it wakes for work, at once when the launcher exits, and at once when close() stops it (close
-# sets STOP, then sends a stop item down the pipe); otherwise once per heartbeat period, to beat
-# and to check the STOP word and the owner's role lock (NOTE [ Ring role locks ] in slot_ring.py:
-# the backstop where no pidfd could be opened, or the pid names another process). It exits when
-# STOP is set, the launcher is gone or the pipe ends, so it never outlives its owner for long.
-# The period is the heartbeat period (NOTE [ Heartbeat period ] in publication.py): HEARTBEAT_S,
-# or up to 2 s where the launcher passes its consumers' liveness timeout. Measured (an idle
-# ReorganizerProcess's CPU clock over 6 s, the length of a transfer.py look-ahead step; loaded
-# 2-core machine): 5.7 ms with a 0.2 s ``Connection.poll`` (~0.1 ms a wake: it builds a
+# ``select.poll`` on its assignment pipe, which wakes it for work, at once when the launcher is
+# gone (the pipe ends: the kernel closed the launcher's end) and at once when close() stops it
+# (close sets STOP, then sends a stop item down the pipe); otherwise once per heartbeat period,
+# to beat and to check the STOP word and the owner's role lock (NOTE [ Ring role locks ] in
+# slot_ring.py; the backstop while a fork of the launcher keeps the pipe's end open). It exits
+# when STOP is set, the launcher is gone or the pipe ends, so it never outlives its owner for
+# long. The period is the heartbeat period (NOTE [ Heartbeat period ] in publication.py):
+# HEARTBEAT_S, or up to 2 s where the launcher passes its consumers' liveness timeout. Measured
+# (an idle ReorganizerProcess's CPU clock over 6 s, the length of a transfer.py look-ahead step;
+# loaded 2-core machine): 5.7 ms with a 0.2 s ``Connection.poll`` (~0.1 ms a wake: it builds a
 # selector per call) and a heartbeat thread, 3.6 ms with one 0.25 s ``Connection.poll``,
-# 2.1-4 ms with one ``select.poll`` per 0.25 s (a bare ``select.poll`` loop costs ~45 us per
-# wake, ~0.15 ms at load ~8, when its caches are cold).
+# 2.4-3.2 ms with one ``select.poll`` per 0.25 s (24 wakes; a bare ``select.poll`` loop costs
+# ~45 us per wake, ~0.15 ms at load ~8, when its caches are cold), 0.3-0.6 ms paced to 2 s
+# (3 wakes; a scratch run over transfer.py's workload, load 5-7, issue 31).
 # Assignments travel over a pipe, not a multiprocessing queue: a spawn-context queue makes three
 # named POSIX semaphores (/dev/shm/sem.mp-*) that only its finalizers remove, so every SIGKILLed
 # launcher left three behind. A pipe is two descriptors the kernel closes with the process. The
@@ -311,24 +312,17 @@ def _serve(
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # see NOTE [ Reorganizer process shutdown ]
     host = ReorganizerHost(backend, spec, beat_thread=False, liveness_timeout_s=liveness_timeout_s)
-    waits = select.poll()  # one poll object: Connection.poll builds a selector per call
-    waits.register(assignments.fileno(), select.POLLIN)
-    owner = host.owner_exit_fd()
-    if owner is not None:
-        waits.register(owner, select.POLLIN)
+    pipe = select.poll()  # one poll object: Connection.poll builds a selector per call
+    pipe.register(assignments.fileno(), select.POLLIN)
     period_ms = round(host.heartbeat_s * 1000)
     closed = f"ring {spec.name!r} closed by its owner"
     try:
         while True:
-            ready = {fd for fd, _ in waits.poll(period_ms)}  # NOTE [ Reorganizer process shutdown ]
+            woken = pipe.poll(period_ms)  # see NOTE [ Reorganizer process shutdown ]
             if host.abandoned:
                 host.fail(closed)
                 return
-            if owner is not None and owner in ready:  # the pid named another process (another
-                waits.unregister(owner)  # pid namespace): the owner's lock is checked per wake
-                os.close(owner)
-                owner = None
-            if assignments.fileno() not in ready:
+            if not woken:  # the period passed: beat
                 host.beat_idle()
                 continue
             try:
@@ -349,7 +343,5 @@ def _serve(
         host.fail(f"reorganizer pid {os.getpid()} failed:\n{traceback.format_exc()}")
         raise
     finally:
-        if owner is not None:
-            os.close(owner)
         host.close()
         backend.close()
