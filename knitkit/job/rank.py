@@ -130,6 +130,8 @@ class RankHandle:
         NOTE [ Encoder inputs once per mini-batch ])."""
         self._units_taken: tuple[str, str] | None = None
         """The (mini-batch, pass) whose units were last taken from the encoder ring."""
+        self._peek_skips: tuple[str, str] | None = None
+        """The (mini-batch, pass) whose unread encoder units the look-ahead releases."""
         self._skipping: int | None = None
         """The last queued release of a pass's unread encoder units (a pass-end job): the
         loop's thread waits for it before it takes from the encoder ring itself."""
@@ -297,20 +299,40 @@ class RankHandle:
     # - Failures stay the loop's: the look-ahead swallows every error (the record's read then
     #   happens again on the training thread and raises there, e.g. the driver's failure); one
     #   after the read keeps the record for ``next_pass``, which opens it and raises.
-    # - The encoder units of k + 1 are copied ahead only once ``next_pass`` hands its first pass
-    #   out (a job queued then): until the last pass of k ended, the encoder ring still holds
-    #   that pass's copy, released at its end (NOTE [ Encoder inputs once per mini-batch ]).
+    # - The encoder units of k + 1 are copied by the look-ahead too: the encoder ring holds k's
+    #   last pass's copy of the kept units first, so the job releases that copy before it waits
+    #   (published with the pass's serving, before its data), then copies k + 1's (the loop
+    #   copied them itself at ``next_pass`` before: 2.5-7.5 ms of "reading encoder inputs" on a
+    #   rank's worst steps at load ~12, ``benchmarks/grpo_step.py`` at 32dd9cf). The loop's own
+    #   takes from the encoder ring wait for the job (NOTE [ Encoder inputs once per
+    #   mini-batch ]); a loop that never asked for the kept inputs leaves the ring as it was.
     def _start_peek(self, last: PassWork) -> None:
         """Queue the look-ahead for the mini-batch after ``last``'s (NOTE [ One mini-batch
-        ahead ])."""
+        ahead ]); it first releases ``last``'s copy of kept encoder units, if it has one."""
+        here = (last.minibatch_id, last.pass_.name)
+        kept = None
+        if (
+            last.pass_.encodes
+            and last.encoder_micro_batches()
+            and self._units is not None
+            and self._units_taken != here
+            and self._kept is not None
+            and self._kept[0] == last.minibatch_id
+        ):
+            kept = list(self._kept[1])
         self._peek_cancel.clear()
         self._peek = self._ends.post(
             f"waiting for the schedule after {last.minibatch_id!r}",
-            functools.partial(self._peek_next, last),
+            functools.partial(self._peek_next, last, kept),
         )
+        if kept is not None:  # the loop's own takes wait for it; its pass end skips nothing
+            self._skipping, self._peek_skips = self._peek, here
 
-    def _peek_next(self, last: PassWork) -> None:
-        """Pass-end thread: the next schedule record, opened, its first pass started."""
+    def _peek_next(self, last: PassWork, kept: list[UnitKey] | None) -> None:
+        """Pass-end thread: ``last``'s unread encoder units released (``kept``), the next
+        schedule record, opened, its first pass started and its encoder inputs copied."""
+        if kept is not None:
+            self._skip_encoder_units(last, kept)  # a mismatch fails the thread, as at a pass end
         try:
             record = self._schedule.next(cancel=self._peek_cancel)
         except Exception:  # cancelled, or the loop's own read raises it again
@@ -318,6 +340,10 @@ class RankHandle:
         peeked = self._peeked = _Peeked(record)
         if record is None:
             return
+        here = (last.minibatch_id, last.pass_.name)
+        free = not (last.pass_.encodes and last.encoder_micro_batches()) or (
+            self._units_taken == here
+        )  # the encoder ring's next units are the new mini-batch's
         with contextlib.suppress(Exception):  # the loop's own call raises it
             minibatch_id, plan = peeked.opened = self._open(record)
             first = self.spec.passes[0]
@@ -326,6 +352,8 @@ class RankHandle:
             )
             peeked.work = work
             self._prepare(work)
+            if free:
+                self.copy_encoder_inputs(work)
 
     def _copy_ahead(self, work: PassWork) -> None:
         """Pass-end thread: ``work``'s encoder inputs into host memory (a failure is left to
@@ -645,7 +673,9 @@ class RankHandle:
         if not work.pass_.encodes:
             return
         here = (work.minibatch_id, work.pass_.name)
-        if work.encoder_micro_batches() and self._units is not None and self._units_taken != here:
+        if here == self._peek_skips:  # the look-ahead releases them (NOTE [ One mini-batch ahead ])
+            self._peek_skips = None
+        elif work.encoder_micro_batches() and self._units is not None and self._units_taken != here:
             if self._kept is None or self._kept[0] != work.minibatch_id:
                 work.encoder_inputs()  # the first encoding pass never asked: read (and keep) them
             else:
