@@ -141,7 +141,10 @@ class ControlRelay:
     ) -> None:
         self.node, self.address = node, address
         self._writer = RecordWriter(
-            schedule, owns_ring=True, role=f"the driver (through its relay on node {node})"
+            schedule,
+            owns_ring=True,
+            role=f"the driver (through its relay on node {node})",
+            liveness_timeout_s=liveness_timeout_s,
         )
         self._sequence = 0
         self._publishing = threading.Lock()

@@ -249,7 +249,9 @@ class LocalControl:
             slot_bytes=layout.schedule_slot_bytes,
             num_consumers=layout.world_size,
         )
-        schedule = RecordWriter(ring, owns_ring=True, role="the driver")
+        schedule = RecordWriter(
+            ring, owns_ring=True, role="the driver", liveness_timeout_s=layout.liveness_timeout_s
+        )
         sources = {
             group: LocalWriteBack(group, spec, layout.liveness_timeout_s)
             for group, spec in layout.write_back.items()

@@ -178,6 +178,7 @@ class Driver:
                     num_slots=config.num_slots,
                     slot_bytes=config.slot_bytes,
                     join_timeout_s=config.join_timeout_s,
+                    liveness_timeout_s=config.liveness_timeout_s,
                 )
                 undo.callback(pool.close)
             missing = sorted(set(groups) - set(pool.rings))

@@ -128,12 +128,16 @@ class ProcessPool:
         num_slots: int = 2,
         slot_bytes: int = 64 << 20,
         join_timeout_s: float = 5.0,
+        liveness_timeout_s: float | None = None,
     ) -> None:
         """``groups``: group name -> number of consumers of its ring (the TP ranks of its (DP,
-        CP, stage), NOTE [ One ring per pipeline stage ] in knitkit/storage/planning/plan.py)."""
+        CP, stage), NOTE [ One ring per pipeline stage ] in knitkit/storage/planning/plan.py);
+        ``liveness_timeout_s``: the ranks' bound, which paces the reorganizers' waits (NOTE
+        [ Heartbeat period ] in knitkit/storage/delivery/publication.py)."""
         self._backend = backend
         self._sizes = dict(groups)
         self._join_s = join_timeout_s
+        self._liveness_s = liveness_timeout_s
         self._members: dict[str, ReorganizerProcess] = {}
         self._retired: dict[str, float] = {}
         """Figures of replaced members, taken before they closed."""
@@ -204,7 +208,9 @@ class ProcessPool:
             member.close()
 
     def _start(self, spec: RingSpec) -> ReorganizerProcess:
-        return ReorganizerProcess(self._backend, spec, join_timeout_s=self._join_s)
+        return ReorganizerProcess(
+            self._backend, spec, join_timeout_s=self._join_s, liveness_timeout_s=self._liveness_s
+        )
 
     def _put(
         self,

@@ -187,7 +187,12 @@ class RankHandle:
             # the writer rank creates its write-back ring (see NOTE [ Records over slot rings ]
             # in records.py): the driver's collector attaches once it exists
             self._writeback = (
-                RecordWriter(spec.write_back[group], owns_ring=True, role=f"rank {coords.rank}")
+                RecordWriter(
+                    spec.write_back[group],
+                    owns_ring=True,
+                    role=f"rank {coords.rank}",
+                    liveness_timeout_s=spec.liveness_timeout_s,
+                )
                 if self.writer
                 else None
             )

@@ -46,11 +46,26 @@ class Record:
 class RecordWriter:
     """The producer of a record ring; ``owns_ring`` creates it (and unlinks it in ``close``)."""
 
-    def __init__(self, spec: RingSpec, *, owns_ring: bool, role: str) -> None:
-        """``role`` names the writer in the errors its readers get (the driver, a writer rank)."""
+    def __init__(
+        self,
+        spec: RingSpec,
+        *,
+        owns_ring: bool,
+        role: str,
+        liveness_timeout_s: float | None = None,
+    ) -> None:
+        """``role`` names the writer in the errors its readers get (the driver, a writer rank);
+        ``liveness_timeout_s``: its readers' bound, which paces its heartbeat (NOTE [ Heartbeat
+        period ] in knitkit/storage/delivery/publication.py)."""
         self.spec = spec
         self._backend = MemoryBackend()
-        self._host = ReorganizerHost(self._backend, spec, owns_ring=owns_ring, role=role)
+        self._host = ReorganizerHost(
+            self._backend,
+            spec,
+            owns_ring=owns_ring,
+            role=role,
+            liveness_timeout_s=liveness_timeout_s,
+        )
         self._numbers = itertools.count()
 
     def send(
