@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import os
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -34,6 +35,32 @@ from knitkit.types import SeqRange, UnitKey, UnitRead
 
 _COMPACT_MIN_BYTES = 64 << 10
 """Dead journal bytes tolerated while units are live (compaction then costs a full snapshot)."""
+
+
+_R = TypeVar("_R")
+
+# NOTE [ Owner threads ]:
+# A job's driver uses its store's backend from several threads: rollout writes and write-backs
+# under the driver's lock, but the scheduler thread flushes without it before it serves a pass
+# (knitkit/job/serving.py: file I/O the writers need not wait for). ``flush`` wrote the buffer it
+# had seen, then cleared the buffer: a unit ``put`` in between was dropped while the store's
+# index kept it, and its readers and its delete later raised ``KeyError: unknown unit``
+# (tests/job/test_checkpoint.py, ~1 run in 10 on a loaded machine). Every method that touches
+# the index, the buffer or the journal therefore runs under one re-entrant lock of the backend
+# (``put`` may flush, ``delete`` may flush through ``_entry``): a put waits for a flush in
+# progress, a flush writes every unit put before it took the lock. Reads hold it only for
+# their lookups; the bytes are read outside it.
+
+
+def _serialised(method: Callable[..., _R]) -> Callable[..., _R]:
+    """Run ``method`` under its backend's state lock (NOTE [ Owner threads ])."""
+
+    @functools.wraps(method)
+    def locked(self: SafetensorsBackend, *args: Any, **kwargs: Any) -> _R:
+        with self._state_lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class SafetensorsBackend(UnitBackend):
@@ -91,6 +118,9 @@ class SafetensorsBackend(UnitBackend):
         self._per_shard: Counter[str] = Counter()
         """Units indexed per shard file (a shard goes, and its descriptor, once none are)."""
         self._pending: dict[UnitKey, np.ndarray] = {}
+        self._state_lock = threading.RLock()
+        """Serialises the methods that touch the index, the buffer and the journal (NOTE
+        [ Owner threads ])."""
         self._files = OpenShards(max_open_shards)
         self._reads = ReadCounter()
         self._bad_units: dict[UnitKey, str] = {}
@@ -138,6 +168,7 @@ class SafetensorsBackend(UnitBackend):
             return {}
         return {"knitkit/storage/journal_bytes": float(self._journal.size)}
 
+    @_serialised
     def put(self, key: UnitKey, array: np.ndarray) -> None:
         self._require_owner("put")
         value = check_unit(key, array)
@@ -147,6 +178,7 @@ class SafetensorsBackend(UnitBackend):
         if sum(a.nbytes for a in self._pending.values()) >= self.shard_bytes:
             self.flush()
 
+    @_serialised
     def flush(self) -> None:
         """Write buffered units as one new shard and journal them; on failure nothing is left on
         disk."""
@@ -180,6 +212,7 @@ class SafetensorsBackend(UnitBackend):
         if self._owns():
             self._unsynced.sync()
 
+    @_serialised
     def replace(self, key: UnitKey, array: np.ndarray) -> None:
         self._require_owner("replace")
         entry = self._entry(key)
@@ -191,6 +224,7 @@ class SafetensorsBackend(UnitBackend):
             raise OSError(f"short write replacing unit {key} in {entry.shard}")
         self._unsynced.wrote(entry.shard)
 
+    @_serialised
     def write_ranges(self, key: UnitKey, ranges: Sequence[SeqRange], values: np.ndarray) -> None:
         """Write the rows in place: into the buffer if the unit is not flushed yet, else one
         ``pwritev`` per range at its offset in the shard (readers of the file see them)."""
@@ -237,14 +271,15 @@ class SafetensorsBackend(UnitBackend):
         layers) take only that range of each row (see NOTE [ Batched disk reads ])."""
         if len(reads) != len(outs):
             raise ValueError(f"read_many got {len(reads)} reads but {len(outs)} outs; pair them")
-        if any(unit.key in self._pending for unit in reads):
-            self.flush()
-        self._follow()
+        with self._state_lock:  # NOTE [ Owner threads ]
+            if any(unit.key in self._pending for unit in reads):
+                self.flush()
+            self._follow()
+            entries = [self._lookup(unit.key) for unit in reads]
         by_shard: dict[str, list[_Piece]] = {}
         staged: dict[str, list[_ColumnSpan]] = {}
         moved = 0
-        for unit, out in zip(reads, outs, strict=True):
-            entry = self._lookup(unit.key)
+        for unit, out, entry in zip(reads, outs, entries, strict=True):
             checked, columns, dst = open_read(unit, entry.spec, out)
             moved += dst.nbytes
             if dst.nbytes and _staged(entry.spec, columns):
@@ -260,6 +295,7 @@ class SafetensorsBackend(UnitBackend):
                 _read_staged(fd, shard, staged.get(shard, []))
         self._reads.bytes += moved
 
+    @_serialised
     def delete(self, key: UnitKey) -> None:
         self._require_owner("delete")
         if self._pending.pop(key, None) is not None:
@@ -272,6 +308,7 @@ class SafetensorsBackend(UnitBackend):
             self._unsynced.removed(shard)
         self._maybe_compact()
 
+    @_serialised
     def keys(self) -> Iterator[UnitKey]:
         self._follow()
         return iter([*self._entries, *self._pending])
@@ -310,6 +347,7 @@ class SafetensorsBackend(UnitBackend):
         for key, entry in state["entries"].items():
             self._index(key, entry)
         self._pending = {}
+        self._state_lock = threading.RLock()
         self._files = OpenShards(state["max_open_shards"])
         self._reads = ReadCounter()
         self._bad_units = state["bad_units"]
@@ -332,6 +370,7 @@ class SafetensorsBackend(UnitBackend):
                 "or a forked child's copy of the owner); write through the owner"
             )
 
+    @_serialised
     def _entry(self, key: UnitKey) -> ShardEntry:
         if key in self._pending:
             self.flush()
