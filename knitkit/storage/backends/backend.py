@@ -91,7 +91,9 @@ class UnitBackend(Protocol):
 
     def flush(self) -> None:
         """Make every unit put so far readable by other processes (a buffered backend writes
-        its buffer). This default has nothing to do."""
+        its buffer). A job's driver calls it from its scheduler thread while other threads put,
+        so a buffered backend serialises it with ``put`` (NOTE [ Owner threads ] in disk.py).
+        This default has nothing to do."""
         return None
 
     def sync(self) -> None:
