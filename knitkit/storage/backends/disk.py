@@ -325,6 +325,7 @@ class SafetensorsBackend(UnitBackend):
         self._journal.close()
         self._files.close()
 
+    @_serialised
     def __getstate__(self) -> dict[str, Any]:
         self.flush()
         self._follow()
