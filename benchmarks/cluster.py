@@ -540,7 +540,14 @@ def _job_phase(
     driver = config.build(
         admission=admission,
         store=TrajectoryStore(backend),
-        pool=RayDispatcher(backend, TOPOLOGY, encoders=[ENCODER], placement=placement, ring=ring),
+        pool=RayDispatcher(
+            backend,
+            TOPOLOGY,
+            encoders=[ENCODER],
+            placement=placement,
+            ring=ring,
+            liveness_timeout_s=config.liveness_timeout_s,
+        ),
         control=RayControl([node[2 + c.dp] for c in coords]),
     )
     host.ask({"ranks": driver.rank_spec().to_json(), "nodes": [2 + c.dp for c in coords]})

@@ -53,6 +53,7 @@ def serve(
             encoders=(layout.encoder_topology(),),
             placement=groups,
             ring=RingConfig(num_slots=2, slot_bytes=1 << 20),
+            liveness_timeout_s=30.0,  # the ranks' bound: Driver.Config's default
         )
         control = RayControl(placement)
         with build_driver(

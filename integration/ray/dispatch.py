@@ -65,7 +65,11 @@ class RayDispatcher:
         placement: Mapping[str, str] | None = None,
         ring: RingConfig | None = None,
         pipeline: int = 1,
+        liveness_timeout_s: float | None = None,
     ) -> None:
+        """``liveness_timeout_s``: the ranks' bound (the job's ``Driver.Config``), which paces
+        the actors' idle heartbeats (NOTE [ Heartbeat period ]; ``None``: 4 beats a second)."""
+        self._liveness_s = liveness_timeout_s
         self.topology = topology
         ring = self._ring = ring or RingConfig()
         groups = {  # a ring per (DP, CP, stage): NOTE [ One ring per pipeline stage ]
@@ -319,7 +323,7 @@ class RayDispatcher:
         self._actors[name] = ReorganizerActor.options(  # type: ignore[attr-defined]
             scheduling_strategy=pinned_to(self._placement[name]),
             name=f"knitkit-reorganizer/{spec.name}",
-        ).remote(self._backend, spec)
+        ).remote(self._backend, spec, self._liveness_s)
 
     def _deliver(self, name: str, tag: str, assignment: ConsumerPlan | EncoderRankPlan) -> None:
         ref: ray.ObjectRef = self._actors[name].deliver.remote(tag, assignment)

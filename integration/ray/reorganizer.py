@@ -40,10 +40,16 @@ class ReorganizerActor:
     NOTE [ Reorganizer actor lifetime ].
     """
 
-    def __init__(self, backend: UnitBackend, spec: RingSpec) -> None:
+    def __init__(
+        self, backend: UnitBackend, spec: RingSpec, liveness_timeout_s: float | None = None
+    ) -> None:
+        """``liveness_timeout_s``: its consumers' bound, which paces its idle heartbeat (NOTE
+        [ Heartbeat period ] in knitkit/storage/delivery/publication.py)."""
         self.backend = backend
         self.spec = spec
-        self.host = ReorganizerHost(backend, spec, owns_ring=True)
+        self.host = ReorganizerHost(
+            backend, spec, owns_ring=True, liveness_timeout_s=liveness_timeout_s
+        )
         self.closed = False
         self._delivering = threading.Lock()
 

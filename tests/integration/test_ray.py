@@ -40,7 +40,8 @@ from knitkit.storage.delivery.consumer import (  # noqa: E402
     ReorganizerDiedError,
     ReorganizerError,
 )
-from knitkit.storage.delivery.slot_ring import RingSpec  # noqa: E402
+from knitkit.storage.delivery.publication import MAX_HEARTBEAT_S  # noqa: E402
+from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing  # noqa: E402
 from knitkit.types import MicroBatchLayout, UnitKey  # noqa: E402
 
 # Ray workers cannot import this test module: ship its functions by value.
@@ -343,6 +344,33 @@ def test_a_killed_reorganizer_actor_makes_its_consumer_raise(nodes: tuple[str, s
     finally:
         dispatcher.close()
         backend.close()
+
+
+def test_idle_reorganizer_actors_beat_at_the_paced_period(nodes: tuple[str, str]) -> None:
+    """Told its ranks' liveness_timeout_s (the job's 30 s), an idle actor's heartbeat is written
+    once per paced period (MAX_HEARTBEAT_S), not 4 times a second (NOTE [ Heartbeat period ])."""
+    backend = RayBackend()
+    dispatcher = RayDispatcher(
+        backend,
+        Topology(1),
+        ring=RingConfig(num_slots=1, slot_bytes=1 << 16),
+        liveness_timeout_s=30,
+    )
+    try:
+        ring = SlotRing.attach(dispatcher.rings["backbone/dp0/cp0"])
+        try:
+            beats, last, start = 0, ring.heartbeat, time.monotonic()
+            while time.monotonic() - start < 1.25 * MAX_HEARTBEAT_S:  # the window watched
+                time.sleep(0.01)
+                beats += ring.heartbeat != last
+                last = ring.heartbeat
+            elapsed = time.monotonic() - start
+        finally:
+            ring.close()
+    finally:
+        dispatcher.close()
+        backend.close()
+    assert 1 <= beats <= elapsed / MAX_HEARTBEAT_S + 1, f"{beats} beats in {elapsed:.2f} s idle"
 
 
 def test_a_failing_reorganizer_actor_reports_its_error(nodes: tuple[str, str]) -> None:
