@@ -105,10 +105,16 @@ def agree_on_step(facts: StepFacts, *, timeout_s: float) -> None:
         "step) or is still in the previous one; raise handshake_timeout_s if ranks start steps "
         "further apart",
     )
+    refused_step(dist.get_rank(), stage, heard)
+
+
+def refused_step(me: int, stage: int, heard: list[Heard]) -> None:
+    """Raise ``StepRefused`` if any rank refused or the ranks' step facts differ (``heard``: every
+    rank's values ``num_microbatches, forward_only, plan, stage`` and refusal)."""
     lines = _verdict(heard)
     if lines:
         raise StepRefused(
-            f"rank {dist.get_rank()} (pipeline stage {stage}): the ranks refuse this step before "
+            f"rank {me} (pipeline stage {stage}): the ranks refuse this step before "
             "its first collective (every rank raises this error). " + " ".join(lines)
         )
 

@@ -14,8 +14,11 @@ from knitkit.encoder_dedup import (
     DedupEncoder,
     EncodeFn,
     FinalizeWithDeferredBackward,
+    Folded,
+    Heard,
     ProcessGroupTransport,
     RankRoute,
+    agree,
 )
 from knitkit.integration.megatron.device import current_device
 from knitkit.integration.megatron.grads import DeferredVisionBackward, averaged_over_tp
@@ -24,6 +27,7 @@ from knitkit.integration.megatron.pipeline import (
     StepFacts,
     StepRefused,
     agree_on_step,
+    refused_step,
     stage_group,
 )
 from knitkit.integration.megatron.routing_replay import RoutingReplay
@@ -145,8 +149,12 @@ class DedupVLMStep:
         except Exception as error:
             failure, problems = error, [f"{type(error).__name__}: {error}"]
         facts = StepFacts(num_microbatches, forward_only, route.plan_fingerprint, tuple(problems))
+        folded = self._folded(facts) if self._one_handshake() else None
         try:
-            agree_on_step(facts, timeout_s=self.handshake_timeout_s)
+            if folded is None:
+                agree_on_step(facts, timeout_s=self.handshake_timeout_s)
+            elif vision is None or problems:  # tell the peers in the encode handshake, then stop
+                self._refuse(route, facts, folded)
         except StepRefused as refused:
             raise refused from failure
         if vision is None:
@@ -161,7 +169,7 @@ class DedupVLMStep:
         named = [(n, p) for m in vision.modules for n, p in m.named_parameters() if p.requires_grad]
         params = tuple(p for _, p in named)
         tp_sum = 1 if forward_only else self._replicas_to_sum()
-        dedup.encode(encode_fn, keep_graph=not forward_only)
+        dedup.encode(encode_fn, keep_graph=not forward_only, folded=folded)
         self.last_encoded_units = dedup.encoded_units
         data, feed = self._feed(data_iterator)
         if not forward_only:  # a forward-only pass has no encoder backward and no finalize
@@ -194,6 +202,70 @@ class DedupVLMStep:
         with ``routing``, its figures too (``RoutingReplay.metrics``)."""
         routing = self.routing.metrics() if self.routing is not None else {}
         return {**self._figures, **routing}
+
+    # NOTE [ One handshake per step ]: NOTE [ Every rank refuses together ] (pipeline.py) meets
+    # the world once before the step's first collective, and the encode right after it meets the
+    # same ranks again (NOTE [ Handshake before rows move ]): two waits for the slowest rank and
+    # two gloo rounds per pass, 4 of the ~16 knitkit collectives of a GRPO step on every rank
+    # (``benchmarks/grpo_step.py``: old, ref, and the train pass's two epochs). Where the encoder
+    # group is the world and encoding is local (PP=1, a vision path without TP-sharded
+    # parameters: no collective inside the encoder), the step's facts (num_microbatches, whether
+    # the rank refused; forward-only and the plan are in the row already) ride in the encode
+    # handshake instead, and its verdict runs first on every rank. What a failing rank sees:
+    # - a rank that refuses the step (its own inputs, config, layout) skips its encoder and tells
+    #   the handshake; every rank raises the same ``StepRefused`` as before, with the same text.
+    #   The peers have encoded locally meanwhile (wasted work, no collective, nothing kept), and
+    #   a peer whose own encoder failed in that window raises its own error, not ``StepRefused``;
+    # - an encoder that raises: that rank raises its error, the peers ``PeerFailed``, as before;
+    # - a rank that never arrives: a bounded TimeoutError naming the missing rank at 'encode'
+    #   (the separate all-gather could not name it).
+    # Under pipeline parallelism (later stages hold no encoder) or with a TP-sharded vision
+    # path (its forward runs TP collectives, which must not start before the ranks agreed), the
+    # step keeps its own all-gather first.
+    def _one_handshake(self) -> bool:
+        """Whether the step's agreement rides in the encode handshake (NOTE [ One handshake per
+        step ]): at PP=1, with a vision path that holds no TP-sharded parameter (the same answer
+        on every rank: one model, one layout)."""
+        if PipelineStage.current().size > 1:
+            return False
+        try:
+            modules = [self._module_at(path) for path in (self.vision, *self.vision_extra)]
+        except (AttributeError, TypeError):
+            return True  # every rank refuses it alike, in the one handshake
+        return not any(
+            getattr(param, "tensor_model_parallel", False)
+            for module in modules
+            for param in module.parameters()
+        )
+
+    def _folded(self, facts: StepFacts) -> Folded:
+        """The step's facts as extra values of the encode handshake, and their verdict."""
+        refused = bool(facts.problems)
+        me = dist.get_rank()
+
+        def verdict(heard: list[Heard]) -> None:
+            refused_step(me, 0, [_step_row(h) for h in heard])
+
+        return Folded((facts.num_microbatches, int(refused)), verdict)
+
+    def _refuse(self, route: RankRoute, facts: StepFacts, folded: Folded) -> None:
+        """A rank that refused the step tells its peers in the encode handshake (its verdict raises
+        ``StepRefused`` on every rank; NOTE [ One handshake per step ])."""
+        transport = ProcessGroupTransport(stage_group())
+        spans = len(route.forward.send_counts) == len(route.backward.send_counts)
+        usable = spans and len(route.forward.send_counts) == transport.world_size
+        agree(
+            route if usable else None,
+            transport,
+            "encode",
+            device=current_device(),
+            timeout_s=self.handshake_timeout_s,
+            problem="; ".join(facts.problems),
+            keep_graph=not facts.forward_only,
+            extra=folded.extra,
+            verdict=folded.verdict,
+        )
+        raise StepRefused(f"rank {dist.get_rank()} refused the step: {'; '.join(facts.problems)}")
 
     def _refusals(
         self, route: RankRoute, num_microbatches: int, data_iterator: Iterable[object]
@@ -430,3 +502,12 @@ class _CachedFeatures(torch.nn.Module):
         if self._feed.count == 0:
             raise RuntimeError("the vision path ran before the forward step took its micro-batch")
         return self._dedup.features(self._feed.count - 1)
+
+
+def _step_row(heard: Heard) -> Heard:
+    """One rank's row of the encode handshake as ``agree_on_step`` reads its own (values
+    ``num_microbatches, forward_only, plan, stage``; the problem only if the rank refused the
+    step, not if its encoder failed): NOTE [ One handshake per step ]."""
+    num_microbatches, refused = heard.extra[:2]
+    step = (num_microbatches, int(not heard.keep_graph), heard.plan_word, 0)
+    return Heard(heard.rank, heard.point, heard.turn, step, heard.problem if refused else "")

@@ -2,7 +2,7 @@
 route detached rows to every consumer, return owned gradient rows, run one deferred encoder backward.
 """
 
-from knitkit.encoder_dedup.agreement import Heard, PeerFailed, RouteMismatch, tell_all
+from knitkit.encoder_dedup.agreement import Heard, PeerFailed, RouteMismatch, agree, tell_all
 from knitkit.encoder_dedup.assignment import (
     BackboneAssignment,
     EncoderAssignment,
@@ -10,7 +10,7 @@ from knitkit.encoder_dedup.assignment import (
     row_slices,
 )
 from knitkit.encoder_dedup.bridge import feature_slices, route_minibatch
-from knitkit.encoder_dedup.dedup import DedupEncoder, EncodeFn, Phase
+from knitkit.encoder_dedup.dedup import DedupEncoder, EncodeFn, Folded, Phase
 from knitkit.encoder_dedup.grad_sync import sync_encoder_grads
 from knitkit.encoder_dedup.minibatch import BackboneStep, train_minibatch
 from knitkit.encoder_dedup.ordering import DeferredBackward, FinalizeWithDeferredBackward
@@ -36,6 +36,7 @@ __all__ = [
     "EquivalenceReport",
     "Exchange",
     "FinalizeWithDeferredBackward",
+    "Folded",
     "Heard",
     "LocalTransport",
     "PeerFailed",
@@ -47,6 +48,7 @@ __all__ = [
     "RowSlice",
     "RowTransport",
     "Tolerance",
+    "agree",
     "build_routing_plan",
     "check_dedup_equivalence",
     "feature_slices",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +14,8 @@ from knitkit.encoder_dedup.transport import RowTransport, gather_rows
 
 POINTS = ("encode", "backward", "step")
 """Agreement points (index = wire code): the two dedup phases, and a trainer's step start."""
-VALUES = 8
-"""Integers a rank can tell a peer at one agreement point."""
+VALUES = 10
+"""Integers a rank can tell a peer at one agreement point (``agree`` uses 7, its ``extra`` the rest)."""
 _TEXT_WORDS = 64
 _FINGERPRINT_WORDS = 2
 _NONE, _PHASE, _PLAN, _FORWARD, _BACKWARD, _GRAPH = range(6)
@@ -24,6 +24,8 @@ _MAX_LINES = 8
 _TEXT_AT = 2 + VALUES
 """Column of an agreement row where ``_text_words`` starts (after point, turn, values)."""
 _WIDTH = _TEXT_AT + 1 + _TEXT_WORDS
+EXTRA_AT = _FINGERPRINT_WORDS + 5
+"""Where ``agree``'s ``extra`` values start in an agreement row's values."""
 
 # NOTE [ Handshake before rows move ]: a row exchange with counts that disagree between ranks
 # keeps whatever the receive buffer held, and one that pairs a rank's backward with another rank's
@@ -81,6 +83,21 @@ class Heard:
     values: tuple[int, ...]
     problem: str
     """The rank's local failure, ``""`` if none (truncated to a few hundred bytes)."""
+
+    @property
+    def plan_word(self) -> int:
+        """An ``agree`` row's first plan-fingerprint word (``fingerprint_words(...)[0]``)."""
+        return self.values[0]
+
+    @property
+    def keep_graph(self) -> bool:
+        """An ``agree`` row's graph mode."""
+        return bool(self.values[_FINGERPRINT_WORDS])
+
+    @property
+    def extra(self) -> tuple[int, ...]:
+        """An ``agree`` row's ``extra`` values (padded with zeros to ``VALUES``)."""
+        return self.values[EXTRA_AT:]
 
 
 def fingerprint_words(fingerprint: bytes) -> list[int]:
@@ -149,8 +166,12 @@ def _named(me: int, point: str, timeout_s: float, hint: str) -> Iterator[None]:
         raise RuntimeError(f"rank {me}, at {point!r}: {error}") from error
 
 
+Verdict = Callable[[list["Heard"]], None]
+"""Judges every rank's agreement row first, before ``agree``'s own checks (it raises to refuse)."""
+
+
 def agree(
-    route: RankRoute,
+    route: RankRoute | None,
     transport: RowTransport,
     phase: str,
     *,
@@ -158,20 +179,40 @@ def agree(
     timeout_s: float,
     problem: str = "",
     keep_graph: bool = True,
+    extra: Sequence[int] = (),
+    verdict: Verdict | None = None,
 ) -> None:
     """Raise on every rank unless all ranks are in ``phase`` with matching routes and none failed.
 
     ``problem`` is this rank's local failure (its error, as text): peers raise ``PeerFailed``
     naming it, this rank returns (its caller raises its own error). Disagreements raise
     ``RouteMismatch`` on every rank. See NOTE [ Handshake before rows move ].
+
+    ``extra`` (at most ``VALUES - 7`` ints, from ``Heard.values[EXTRA_AT]`` on) rides along to
+    every peer and ``verdict`` judges every rank's row before anything else here, so a caller
+    can fold its own agreement into this one (NOTE [ One handshake per step ] in
+    ``integration/megatron/step.py``). ``route=None``: a rank that has no usable route (it
+    refused the step) tells its ``problem`` with zero counts; it needs a ``problem``.
     """
     size, me = transport.world_size, transport.rank
-    fwd, bwd = route.forward, route.backward
-    mine = [*fingerprint_words(route.plan_fingerprint), int(keep_graph)]
-    rows = [
-        [*mine, fwd.send_counts[p], fwd.recv_counts[p], bwd.send_counts[p], bwd.recv_counts[p]]
-        for p in range(size)
+    if route is None and not problem:
+        raise ValueError("agree(route=None) is for a rank that failed: pass its problem")
+    mine = [
+        *fingerprint_words(route.plan_fingerprint if route is not None else b""),
+        int(keep_graph),
     ]
+    if route is None:
+        rows = [[*mine, 0, 0, 0, 0, *extra] for _ in range(size)]
+    else:
+        fwd, bwd = route.forward, route.backward
+        rows = [
+            [
+                *mine,
+                *(fwd.send_counts[p], fwd.recv_counts[p], bwd.send_counts[p], bwd.recv_counts[p]),
+                *extra,
+            ]
+            for p in range(size)
+        ]
     hint = (
         f"a rank skipped DedupEncoder.{phase}() (every rank of the transport must call "
         "encode() then backward() each mini-batch), died, or is stuck outside knitkit"
@@ -179,11 +220,14 @@ def agree(
     heard = _exchange_rows(
         transport, phase, rows, problem, device=device, timeout_s=timeout_s, hint=hint
     )
+    if verdict is not None:
+        verdict(heard)
     failed = [h for h in heard if h.problem and h.rank != me]
     if failed:
         raise PeerFailed(_failures(me, phase, failed))
     if any(h.problem for h in heard):
         return  # this rank failed alone; every rank saw it, so none runs round 2
+    assert route is not None  # a rank without one has a problem
     report = [_NONE, 0, 0, 0]
     for row in heard:
         report = _first_problem(row, phase, mine, route)

@@ -6,17 +6,28 @@ import contextlib
 import enum
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from knitkit.encoder_dedup.agreement import agree
+from knitkit.encoder_dedup.agreement import Verdict, agree
 from knitkit.encoder_dedup.plan import Exchange, RankRoute
 from knitkit.encoder_dedup.transport import RowTransport
 from knitkit.types import UnitKey
 
 EncodeFn = Callable[[Sequence[UnitKey]], torch.Tensor]
 """Encodes one encoder micro-batch of units into their rows ``[sum of num_rows, hidden]``, in order."""
+
+
+@dataclass(frozen=True, slots=True)
+class Folded:
+    """A caller's agreement folded into ``encode``'s handshake (``agree``'s ``extra`` and
+    ``verdict``): e.g. the Megatron step's (NOTE [ One handshake per step ] in
+    ``integration/megatron/step.py``)."""
+
+    extra: tuple[int, ...]
+    verdict: Verdict
 
 
 class Phase(enum.Enum):
@@ -83,20 +94,25 @@ class DedupEncoder:
         self._cache_grad = torch.empty(0, hidden, dtype=self.grad_dtype, device=self.device)
         self._index = [ix.to(self.device) for ix in route.micro_batch_index]
 
-    def encode(self, encode_fn: EncodeFn, *, keep_graph: bool = True) -> None:
+    def encode(
+        self, encode_fn: EncodeFn, *, keep_graph: bool = True, folded: Folded | None = None
+    ) -> None:
         """Run this rank's encoder micro-batches (graphs kept) and route detached rows to consumers.
 
         ``keep_graph=False`` is for forward-only passes (old / reference log-probs): the encoder
         runs under ``torch.no_grad()``, no outputs or gradient buffer are kept, ``features``
         returns plain gathers and ``backward`` is refused. If ``encode_fn`` raises on one rank,
         that rank raises its error and every peer raises ``PeerFailed`` naming it, before any row
-        moves.
+        moves. ``folded``: a caller's agreement that rides in the same handshake (its verdict
+        judges every rank's row first, on every rank, also when this rank failed).
         """
         started = time.perf_counter()
-        self._locally("encode", keep_graph, partial(self._expect, Phase.READY, "encode"))
+        expect = partial(self._expect, Phase.READY, "encode")
+        self._locally("encode", keep_graph, expect, folded)
         self.keep_graph = keep_graph
-        self._locally("encode", keep_graph, partial(self._run_encoder, encode_fn, keep_graph))
-        self._agree("encode", None, keep_graph)
+        run = partial(self._run_encoder, encode_fn, keep_graph)
+        self._locally("encode", keep_graph, run, folded)
+        self._agree("encode", None, keep_graph, folded)
         table = self._table([out.detach().to(self.dtype) for out in self._outputs], self.dtype)
         received = self._exchange(table, self.route.forward, "encode")
         self._cache = table.new_empty(self.route.cache_rows, self.hidden)
@@ -182,9 +198,15 @@ class DedupEncoder:
         self._cache_grad.index_add_(0, index, leaf.grad.to(self.grad_dtype))
         leaf.grad = None
 
-    def _agree(self, phase: str, failure: Exception | None, keep_graph: bool) -> None:
+    def _agree(
+        self,
+        phase: str,
+        failure: Exception | None,
+        keep_graph: bool,
+        folded: Folded | None = None,
+    ) -> None:
         """The bounded handshake; ``failure`` (this rank's local error) travels to the peers."""
-        if self.transport.world_size == 1:
+        if self.transport.world_size == 1 and folded is None:
             return
         agree(
             self.route,
@@ -194,6 +216,8 @@ class DedupEncoder:
             timeout_s=self.handshake_timeout_s,
             problem="" if failure is None else f"{type(failure).__name__}: {failure}",
             keep_graph=keep_graph,
+            extra=() if folded is None else folded.extra,
+            verdict=None if folded is None else folded.verdict,
         )
 
     def _run_encoder(self, encode_fn: EncodeFn, keep_graph: bool) -> None:
@@ -224,7 +248,13 @@ class DedupEncoder:
                 "has no encoder backward; encode with keep_graph=True for a training step"
             )
 
-    def _locally(self, phase: str, keep_graph: bool, work: Callable[[], None]) -> None:
+    def _locally(
+        self,
+        phase: str,
+        keep_graph: bool,
+        work: Callable[[], None],
+        folded: Folded | None = None,
+    ) -> None:
         """Run this rank's local ``work`` for ``phase``; if it raises, tell the peers, then re-raise.
 
         The failure travels in the handshake (NOTE [ Handshake before rows move ] in
@@ -234,7 +264,7 @@ class DedupEncoder:
             work()
         except Exception as error:
             with contextlib.suppress(Exception):  # peers failed too, or never came: ours wins
-                self._agree(phase, error, keep_graph)
+                self._agree(phase, error, keep_graph, folded)
             raise
 
     def _exchange(self, rows: torch.Tensor, step: Exchange, phase: str) -> torch.Tensor:
