@@ -30,15 +30,19 @@ seconds of every process (the ranks, and each rank's main thread alone: the rest
 prefetch and ring threads, rank 0's driver threads, and gloo's communication threads, busier in
 the plain loop's many micro-batches; the reorganizers and other children of rank 0), and bytes
 read (knitkit: by the reorganizers from the store;
-plain: the tokens and images each rank loads). Figures are medians over steps 2.. (step 1
-warms up), summed or maxed over ranks as named.
+plain: the tokens and images each rank loads), and the ``torch.distributed`` calls each rank
+makes (``COUNTED``: megatron's, knitkit's and the loop's collectives, a batch of point-to-point
+operations once; each a wait for peers and gloo thread wakes on every rank: a count that load
+does not blur). Figures are medians over steps 2.. (step 1 warms up), summed or maxed over ranks
+as named.
 
     python benchmarks/grpo_step.py [--quick] [--json PATH] [--steps N] [--work W]
 
 JSON keys (``<path>`` = knitkit, plain, plain_packed, plain_dedup): ``<path>.exposed_wait_s_per_step`` (max over ranks),
 ``<path>.exposed_wait_s_per_step.mean_rank``, ``<path>.exposed_wait_s_per_step.<kind>`` (the
 slowest rank's wait of one kind: ``pass``, ``encoder_inputs``, ``batch``, ``write_back``,
-``done``; ``load`` for plain), ``<path>.step_s``, ``<path>.cpu_s_per_step``
+``done``; ``load`` for plain), ``<path>.step_s``, ``<path>.collectives_per_step`` (the busiest
+rank's), ``<path>.cpu_s_per_step``
 (every process), ``<path>.cpu_s_per_step.ranks``, ``.rank<r>``, ``.rank<r>.main_thread``,
 ``knitkit.cpu_s_per_step.reorganizers``, ``.other_children``, ``<path>.bytes_read_per_step``,
 ``<path>.images_encoded_per_step``, ``steps``, ``work``.
@@ -54,6 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +105,41 @@ def _children_cpu() -> dict[str, float]:
     return out
 
 
+COUNTED = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "barrier",
+    "all_to_all_single",
+    "batch_isend_irecv",
+    "send",
+    "recv",
+)
+"""``torch.distributed`` calls a step's ``collectives`` figure counts (a batch of point-to-point
+operations counts once; ``isend``/``irecv`` are posted only in such batches here)."""
+
+
+def _count_collectives() -> Callable[[], dict[str, float]]:
+    """Wrap ``COUNTED`` in this rank's ``torch.distributed`` (every caller: megatron, knitkit, the
+    loops); returns a probe of the calls so far. A counter increment per call, nothing else."""
+    import torch.distributed as dist
+
+    calls = [0]
+
+    def counting(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    for name in COUNTED:
+        setattr(dist, name, counting(getattr(dist, name)))
+    return lambda: {"collectives": float(calls[0])}
+
+
 def _worker(out_dir: Path, steps: int, work: float) -> None:
     sys.path.insert(0, str(ROOT / "examples"))
     import megatron_common as common
@@ -119,7 +159,11 @@ def _worker(out_dir: Path, steps: int, work: float) -> None:
     run = GRPOConfig(steps=steps)
     with common.megatron_world(tensor_parallel=2):
         rank = dist.get_rank()
-        probe = _children_cpu if rank == 0 else None
+        collectives = _count_collectives()
+
+        def probe() -> dict[str, float]:
+            return collectives() | (_children_cpu() if rank == 0 else {})
+
         say(f"knitkit path: {steps} steps")
         trainer = new_trainer(run)
         trainer.work_per_token = work
@@ -251,6 +295,9 @@ def summarise(ranks: Ranks) -> dict[str, float]:
                 [max(w) for w in _series(ranks, path, kind)]
             )
         out[f"{path}.step_s"] = _median([max(w) for w in _series(ranks, path, "wall_s")])
+        out[f"{path}.collectives_per_step"] = _median(
+            [max(c) for c in _series(ranks, path, "collectives")]
+        )
         cpu = _series(ranks, path, "cpu_s")
         main = _series(ranks, path, "main_thread_cpu_s")
         for r in range(WORLD):
@@ -287,6 +334,7 @@ def _table(figures: dict[str, float]) -> str:
             for kind, label in WAIT_KINDS.items()
         ),
         ("step wall time (s)", "step_s", "{:.3f}"),
+        ("collective calls per step, busiest rank", "collectives_per_step", "{:.0f}"),
         ("CPU s per step, every process", "cpu_s_per_step", "{:.3f}"),
         ("  the 4 ranks (rank 0 with the driver)", "cpu_s_per_step.ranks", "{:.3f}"),
         *(
