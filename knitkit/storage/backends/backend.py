@@ -29,6 +29,13 @@ class UnitSpec:
         return self.row_nbytes * (self.shape[0] if self.shape else 1)
 
 
+UnitNeed = tuple[str, tuple[int, ...], int]
+"""What a copy list assumes of a unit it reads (``UnitBytes``, ``ranges.check_need``): its
+dtype, its row shape (the dimensions after the first) and the rows it reads up to; rows
+``WHOLE``: the unit's whole shape IS that shape (a scalar field, an encoder's multimodal unit)."""
+WHOLE = -1
+
+
 @runtime_checkable
 class UnitBackend(Protocol):
     """Stores atomic units by key and reads sequence ranges of them, moving only those bytes.
@@ -133,6 +140,20 @@ PROTOCOL_MEMBERS = (
     "close",
 )
 """Every member of ``UnitBackend`` (what ``check_backend`` looks for)."""
+
+
+@runtime_checkable
+class UnitBytes(Protocol):
+    """A backend whose units are bytes this process has mapped (shared memory, memory): a copy
+    list reads them in place (NOTE [ Copy lists ] in delivery/reorganizer.py)."""
+
+    def unit_bytes(
+        self, keys: Sequence[UnitKey], needs: Sequence[UnitNeed], nbytes: int
+    ) -> list[memoryview]:
+        """Flat byte views of the whole units ``keys``, each checked against its need
+        (``ranges.check_need``; ``read``'s ``KeyError`` for an unknown key), ``nbytes`` added
+        to ``bytes_read`` (the bytes the caller copies out of them)."""
+        ...
 
 
 def check_backend(backend: object) -> None:

@@ -6,9 +6,10 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from knitkit.storage.backends.backend import UnitBackend, UnitSpec
+from knitkit.storage.backends.backend import UnitBackend, UnitNeed, UnitSpec
 from knitkit.storage.backends.ranges import (
     ReadCounter,
+    check_need,
     check_replacement,
     check_write,
     copy_read,
@@ -58,6 +59,19 @@ class MemoryBackend(UnitBackend):
         for unit, out in zip(reads, outs, strict=True):
             stored = self._unit(unit.key)
             self._reads.bytes += copy_read(unit, spec_of(stored), stored, out).nbytes
+
+    def unit_bytes(
+        self, keys: Sequence[UnitKey], needs: Sequence[UnitNeed], nbytes: int
+    ) -> list[memoryview]:
+        """Flat byte views of whole units for a copy list to read ``nbytes`` of (counted in
+        ``bytes_read``), each checked to be what it reads them as (``check_need``)."""
+        out = []
+        for key, need in zip(keys, needs, strict=True):
+            unit = self._unit(key)
+            check_need(key, spec_of(unit), need)
+            out.append(unit.reshape(-1).view(np.uint8).data)
+        self._reads.bytes += nbytes
+        return out
 
     def view(self, key: UnitKey) -> np.ndarray:
         """Read-only zero-copy view of a whole unit."""

@@ -10,12 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from knitkit.storage.backends.backend import UnitBackend, UnitSpec
+from knitkit.storage.backends.backend import UnitBackend, UnitNeed, UnitSpec
 from knitkit.storage.backends.journal import RESET, Record, UnitJournal
 from knitkit.storage.backends.lost import UnitsLostError
 from knitkit.storage.backends.owner import OwnerFinalizer
 from knitkit.storage.backends.ranges import (
     ReadCounter,
+    check_need,
     check_ranges,
     check_replacement,
     check_write,
@@ -174,6 +175,39 @@ class SharedMemoryBackend(UnitBackend):
                     moved += copy_read(unit, spec, stored, out).nbytes
         finally:
             self._reads.bytes += moved
+
+    def unit_bytes(
+        self, keys: Sequence[UnitKey], needs: Sequence[UnitNeed], nbytes: int
+    ) -> list[memoryview]:
+        """Flat byte views of whole units over the shared pages, for a copy list to read
+        ``nbytes`` of (counted in ``bytes_read``): ``read_many``'s journal follow, slab checks
+        and errors, each unit checked to be what the copy list reads it as (``check_need``;
+        NOTE [ Copy lists ] in delivery/reorganizer.py)."""
+        self._check_fork()
+        if not self._owner:
+            self._follow_journal()
+        self._populate()
+        units, out = self._units, []
+        views: dict[int, memoryview] = {}
+        for key, need in zip(keys, needs, strict=True):
+            slab_index, offset, spec = units.get(key) or self._lookup(key)
+            slab = views.get(slab_index)
+            if slab is None:  # once per slab and call
+                try:
+                    self._slabs[slab_index].check_size()
+                except SegmentTruncatedError:
+                    self._check_slab(slab_index, [UnitRead(k) for k in keys])  # names them
+                slab = views[slab_index] = self._slabs[slab_index].bytes.data
+            dtype, row, rows = need
+            shape = spec.shape
+            if spec.dtype != dtype or (
+                shape != row if rows < 0 else shape[1:] != row or not shape or shape[0] < rows
+            ):
+                check_need(key, spec, need)  # raises
+            row_bytes = _ROW_LAYOUTS.get((spec.dtype, shape[1:])) or _row_layout(spec)
+            out.append(slab[offset : offset + row_bytes[1] * (shape[0] if shape else 1)])
+        self._reads.bytes += nbytes
+        return out
 
     def view(self, key: UnitKey) -> np.ndarray:
         """Zero-copy view of a whole unit over the shared pages (read-only in readers)."""

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
 import numpy as np
 
+from knitkit.storage.backends.backend import WHOLE, UnitNeed
+from knitkit.storage.planning.copy_list import (
+    CONSTANTS,
+    ONES,
+    RAMP,
+    ZEROS,
+    Copy,
+    reserve,
+)
 from knitkit.storage.planning.plan import MicroBatchPlan, field_views, slot_setters
 from knitkit.types import LAYOUT_ALIGNMENT, MicroBatchLayout, SeqRange, UnitKey, UnitRead
 
@@ -72,9 +82,12 @@ class PackTemplate:
         "_positions",
         "_row_bytes",
         "_scalar_targets",
+        "_scalars",
         "_shaped",
         "_sized",
         "_token_targets",
+        "_tokens",
+        "_widest_row",
         "dtypes",
         "names",
         "trailing",
@@ -133,6 +146,14 @@ class PackTemplate:
         padded = [*token_fields, *([LOSS_MASK] if generated_mask else [])]
         self._padded = [(names.index(f), row_bytes[names.index(f)]) for f in padded]
         self._row_bytes = row_bytes
+        self._tokens = [
+            (f, i, row_bytes[i], dtype.name, rest) for f, i, dtype, rest, _ in self._token_targets
+        ]
+        self._scalars = [
+            (f, i, row_bytes[i], (dtype.name, rest, WHOLE))
+            for f, i, dtype, rest in self._scalar_targets
+        ]
+        self._widest_row = max((size for _, size in self._padded), default=0)
         self._mask = names.index(LOSS_MASK) if generated_mask else None
         self._positions = names.index(POSITION_IDS)
         self._cu = (names.index(CU_SEQLENS), names.index(CU_SEQLENS_PADDED))
@@ -225,12 +246,89 @@ class PackTemplate:
         for index, values in zip(self._cu, (cu, layout.cu_seqlens_padded), strict=True):
             np.ndarray((count,), np.int32, flat, offsets[index])[:] = values
 
+    def copy_list(
+        self, micro_batch: MicroBatchPlan, shaped: ShapedLayout
+    ) -> tuple[list[UnitKey], list[UnitNeed], list[Copy], bytes, int]:
+        """``fill``'s result as byte copies (NOTE [ Copy lists ] in delivery/reorganizer.py):
+        the units read, what each must be, the copies (every byte of the layout written once:
+        unit rows, generated fields, padding rows and alignment bytes from the constant
+        sources), this micro-batch's constants and the bytes read from units. A plan that
+        reads stage columns (strided rows) has no copy list: ``ValueError``."""
+        if micro_batch.columns:
+            raise ValueError("stage columns are strided reads: pack them with fill()")
+        offsets = shaped.offsets
+        units: list[UnitKey] = []
+        needs: list[UnitNeed] = []
+        copies: list[Copy] = []
+        add = copies.append
+        moved = row = widest_zero = widest_ramp = 0
+        positions = offsets[self._positions]
+        mask = None if self._mask is None else offsets[self._mask]
+        padded = [(offsets[index], size) for index, size in self._padded]
+        tokens = [(f, offsets[i], size, dtype, rest) for f, i, size, dtype, rest in self._tokens]
+        scalars = [(f, offsets[i], size, need) for f, i, size, need in self._scalars]
+        cu = [0]
+        for i, seq in enumerate(micro_batch.sequences):
+            tid = seq.trajectory_id
+            ranges = _merge_adjacent(seq.read_ranges)
+            real = sum(b - a for a, b in ranges)
+            last = ranges[-1][1] if ranges else 0
+            for name, at, size, dtype, rest in tokens:
+                source = len(units)
+                units.append(_key(tid, name))
+                needs.append((dtype, rest, last))
+                to = at + row * size
+                for start, stop in ranges:
+                    add((source, start * size, to, (stop - start) * size))
+                    to += (stop - start) * size
+                moved += real * size
+            for name, at, size, need in scalars:
+                add((len(units), 0, at + i * size, size))
+                units.append(_key(tid, name))
+                needs.append(need)
+                moved += size
+            local = row
+            for start, stop in seq.chunks:
+                add((RAMP, start * 8, positions + local * 8, (stop - start) * 8))
+                local += stop - start
+                widest_ramp = max(widest_ramp, stop)
+            if mask is not None and real:
+                add((ONES, 0, mask + row * 4, real * 4))
+            if local > row + real:
+                for at, size in padded:
+                    add((ZEROS, 0, at + (row + real) * size, (local - row - real) * size))
+                widest_zero = max(widest_zero, (local - row - real) * self._widest_row)
+            cu.append(cu[-1] + seq.num_tokens)
+            row = local
+        for at, size in zip(offsets, shaped.sizes, strict=True):  # alignment bytes
+            if size & _ALIGN_UP:
+                add((ZEROS, 0, at + size, ((size + _ALIGN_UP) & -LAYOUT_ALIGNMENT) - size))
+        count = len(cu)
+        constants = struct.pack(f"={2 * count}i", *cu, *shaped.layout.cu_seqlens_padded)
+        first, second = self._cu
+        add((CONSTANTS, 0, offsets[first], 4 * count))
+        add((CONSTANTS, 4 * count, offsets[second], 4 * count))
+        reserve(ZEROS, max(widest_zero, LAYOUT_ALIGNMENT))
+        reserve(ONES, 4 * row)
+        reserve(RAMP, 8 * widest_ramp)
+        return units, needs, copies, constants, moved
+
 
 _TOKENS, _SEQUENCES, _BOUNDS = 0, 1, 2
 """What a field's first dimension counts: packed tokens, sequences, sequences + 1."""
 _GENERATED = frozenset((POSITION_IDS, LOSS_MASK, CU_SEQLENS, CU_SEQLENS_PADDED))
 _ALIGN_UP = LAYOUT_ALIGNMENT - 1
 _KEY_OWNER, _KEY_FIELD = slot_setters(UnitKey)
+
+
+def _key(owner: str, name: str) -> UnitKey:
+    """``UnitKey(owner, name)`` with its slots set directly (see ``_unit_read``)."""
+    key = object.__new__(UnitKey)
+    _KEY_OWNER(key, owner)
+    _KEY_FIELD(key, name)
+    return key
+
+
 _READ_KEY, _READ_RANGES, _READ_COLUMNS = slot_setters(UnitRead)
 
 
@@ -239,11 +337,8 @@ def _unit_read(
 ) -> UnitRead:
     """``UnitRead(UnitKey(owner, name), ranges, columns)`` with its slots set directly (a frozen
     dataclass's ``__init__`` costs five times as much; a reorganizer makes one per unit read)."""
-    key = object.__new__(UnitKey)
-    _KEY_OWNER(key, owner)
-    _KEY_FIELD(key, name)
     read = object.__new__(UnitRead)
-    _READ_KEY(read, key)
+    _READ_KEY(read, _key(owner, name))
     _READ_RANGES(read, ranges)
     _READ_COLUMNS(read, columns)
     return read
