@@ -1,6 +1,6 @@
-"""A release wakes the producer only while the producer sleeps on that consumer's count: no futex
-syscall per release otherwise, and no lost wake-up (issue 31; NOTE [ Futex waits ] in
-knitkit/storage/delivery/atomic_words.py)."""
+"""A release wakes the producer only while it sleeps and only once every consumer released the slot
+it waits for: no futex syscall per release otherwise, and no lost wake-up (issue 31; NOTE
+[ Futex waits ] in knitkit/storage/delivery/atomic_words.py)."""
 
 from __future__ import annotations
 
@@ -65,15 +65,20 @@ def test_a_producer_sleeping_on_a_full_ring_is_woken_by_the_release_it_waits_for
 
 
 def test_a_release_wakes_exactly_when_the_producer_announces_it_sleeps_on_that_consumer() -> None:
-    """The consumer's side of the handshake alone, with the producer's word set by hand: a
-    release wakes (one syscall) only while the word names its consumer."""
-    spec = RingSpec.new(num_slots=4, slot_bytes=4096, num_consumers=2)
+    """The consumer's side of the handshake alone, with the producer's word set by hand on a
+    full ring: a release wakes (one syscall, the announced consumer's word) only while the
+    producer announces a wait and only once every consumer released the slot it waits for, so
+    the announced consumer releasing first makes no wake and the last one does (on 62f8166 the
+    announced consumer woke it while its peer still held the slot)."""
+    spec = RingSpec.new(num_slots=2, slot_bytes=4096, num_consumers=2)
     with published_ring(spec) as ring:
         owner, publisher, consumers = ring.owner, ring.publisher, ring.consumers
-        for _ in range(3):
+        for _ in range(2):
             _publish(publisher)
-        for announced, wakes in ((None, (0, 0)), (1, (0, 1)), (0, (1, 1))):
+        for announced, order, wakes in ((0, (0, 1), (0, 1)), (None, (1, 0), (0, 1))):
             owner.words[PRODUCER_WAITS_W] = 0 if announced is None else announced + 1
-            for consumer in consumers:
-                consumer.next_micro_batch(timeout_s=BOUND_S).release()
+            for index in order:
+                consumers[index].next_micro_batch(timeout_s=BOUND_S).release()
             assert tuple(c.metrics()[WAKES] for c in consumers) == wakes, announced
+            owner.words[PRODUCER_WAITS_W] = 0
+            _publish(publisher)

@@ -74,13 +74,19 @@ _ACQUIRE, _RELEASE, _SEQ_CST = 2, 3, 5  # __ATOMIC_ACQUIRE, __ATOMIC_RELEASE, __
 # - A wake is a syscall through ctypes: ~6 us warm, tens of us right after compute (issue 31),
 #   paid per release by every rank although the producer rarely waits. So the producer announces
 #   its wait: it stores the waited consumer's index + 1 in its own word PRODUCER_WAITS before it
-#   sleeps (0 after), and a consumer wakes only if that word names it, read with
-#   `store_then_load` right after its release store. No lost wake-up: the producer's store is
+#   sleeps (0 after), and a consumer, having read that word with `store_then_load` right after
+#   its release store, wakes the word it names only if every consumer has now released the slot
+#   the producer waits for (min RELEASED > PUBLISHED - num_slots: a waiting producer has
+#   published everything before that slot), so TP consumers wake it once per slot, not once
+#   each (issue 31: a wake cost a look-ahead reorganizer ~130 us of CPU under transfer.py's
+#   load, ~2.5 wakes per micro-batch at TP2). No lost wake-up: the producer's store is
 #   visible before the kernel compares the word it sleeps on (FUTEX_WAIT's full barrier, (A) in
 #   kernel/futex), and the consumer's release store is visible before it loads PRODUCER_WAITS
 #   (the full barrier of `store_then_load`): of the two stores at least one side sees the
 #   other's, so either the producer finds the new count and does not sleep, or the consumer
-#   finds the producer waiting and wakes it.
+#   finds the producer waiting; the last consumer to release the slot sees every release before
+#   its own and wakes it. A consumer that releases while another still holds the slot leaves
+#   the producer asleep (its word changed, but the kernel compared it before the sleep).
 # - The same handshake the other way for publications: a consumer about to sleep on NOTIFY for
 #   a micro-batch stores 1 in its own word CONSUMER_WAITS[c] (0 after), and the producer, right
 #   after it stores NOTIFY + 1 for a publication, reads those words (`store_then_any`, the full

@@ -435,11 +435,12 @@ class SlotRing:
         return self._atomic.load_acquire(_RELEASED_W + consumer)
 
     def set_released(self, consumer: int, count: int) -> None:
-        """Consumer: release store of its count, then wake the producer if it sleeps on it (a
-        syscall only then: NOTE [ Futex waits ] in atomic_words.py)."""
-        word = _RELEASED_W + consumer
-        if self._atomic.store_then_load(word, count, _PRODUCER_WAITS_W) == consumer + 1:
-            self._atomic.wake(word)
+        """Consumer: release store of its count, then wake the producer if it sleeps and every
+        consumer has now released the slot it waits for (a syscall only then, one per slot:
+        NOTE [ Futex waits ] in atomic_words.py)."""
+        waits = self._atomic.store_then_load(_RELEASED_W + consumer, count, _PRODUCER_WAITS_W)
+        if waits and self.min_released() > self.published - self._num_slots:
+            self._atomic.wake(_RELEASED_W + waits - 1)  # the word it sleeps on
             self.release_wakes += 1
 
     def wait_released(self, consumer: int, seen: int, timeout_s: float) -> None:
