@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from knitkit.encoder_dedup import RankRoute, route_minibatch
+from knitkit.encoder_dedup import RankRoute, route_rank
 from knitkit.integration.megatron.device import collective_device
 from knitkit.integration.megatron.pipeline import stage_group
 from knitkit.storage import EncoderTopology, MiniBatchPlan, Topology
@@ -114,5 +114,6 @@ class MegatronLayout:
                 f"over {len(members)}; plan it with MegatronLayout.encoder_topology(tp_sharded=...)"
             )
         backbone = {index[r]: plan.consumer(*self.coords[r][:2]) for r in members}
-        routing = route_minibatch(backbone, encoder_plan.ranks, world_size=len(members))
-        return routing.for_rank(index[self.rank])
+        return route_rank(
+            backbone, encoder_plan.ranks, world_size=len(members), rank=index[self.rank]
+        )

@@ -9,12 +9,18 @@ from knitkit.encoder_dedup.assignment import (
     RowSlice,
     row_slices,
 )
-from knitkit.encoder_dedup.bridge import feature_slices, route_minibatch
+from knitkit.encoder_dedup.bridge import feature_slices, route_minibatch, route_rank
 from knitkit.encoder_dedup.dedup import DedupEncoder, EncodeFn, Folded, Phase
 from knitkit.encoder_dedup.grad_sync import sync_encoder_grads
 from knitkit.encoder_dedup.minibatch import BackboneStep, train_minibatch
 from knitkit.encoder_dedup.ordering import DeferredBackward, FinalizeWithDeferredBackward
-from knitkit.encoder_dedup.plan import Exchange, RankRoute, RoutingPlan, build_routing_plan
+from knitkit.encoder_dedup.plan import (
+    Exchange,
+    RankRoute,
+    RoutingPlan,
+    build_rank_route,
+    build_routing_plan,
+)
 from knitkit.encoder_dedup.testing import (
     Comparison,
     EquivalenceError,
@@ -49,10 +55,12 @@ __all__ = [
     "RowTransport",
     "Tolerance",
     "agree",
+    "build_rank_route",
     "build_routing_plan",
     "check_dedup_equivalence",
     "feature_slices",
     "route_minibatch",
+    "route_rank",
     "row_slices",
     "sync_encoder_grads",
     "tell_all",

@@ -17,7 +17,12 @@ from knitkit.encoder_dedup.assignment import (
     RowSlice,
     row_slices,
 )
-from knitkit.encoder_dedup.plan import RoutingPlan, build_routing_plan
+from knitkit.encoder_dedup.plan import (
+    RankRoute,
+    RoutingPlan,
+    build_rank_route,
+    build_routing_plan,
+)
 from knitkit.types import MultimodalRef, SeqRange, UnitKey
 
 
@@ -82,6 +87,31 @@ def route_minibatch(
     encoder DP rank ``e`` encodes on route rank ``encoder_ranks[e]`` (default: ``e``). Empty
     encoder micro-batches are dropped: a rank with nothing to encode gets no micro-batch at all.
     """
+    encoders, assignment = _assignments(backbone, encoder, world_size, encoder_ranks)
+    return build_routing_plan(encoders, assignment, world_size)
+
+
+def route_rank(
+    backbone: Mapping[int, ConsumerValues],
+    encoder: Sequence[EncoderRankValues],
+    *,
+    world_size: int,
+    rank: int,
+    encoder_ranks: Sequence[int] | None = None,
+) -> RankRoute:
+    """``route_minibatch(...).for_rank(rank)``, without building the other ranks' row indices
+    (``build_rank_route``): what a rank computes for itself each mini-batch."""
+    encoders, assignment = _assignments(backbone, encoder, world_size, encoder_ranks)
+    return build_rank_route(encoders, assignment, world_size, rank)
+
+
+def _assignments(
+    backbone: Mapping[int, ConsumerValues],
+    encoder: Sequence[EncoderRankValues],
+    world_size: int,
+    encoder_ranks: Sequence[int] | None,
+) -> tuple[EncoderAssignment, BackboneAssignment]:
+    """The encoder and backbone assignments of a mini-batch's storage plan (``route_minibatch``)."""
     placed = list(range(len(encoder))) if encoder_ranks is None else list(encoder_ranks)
     if len(placed) != len(encoder) or any(not 0 <= r < world_size for r in placed):
         raise ValueError(
@@ -100,5 +130,4 @@ def route_minibatch(
     encoders = EncoderAssignment(
         {placed[r.dp_rank]: [mb for mb in r.micro_batches if mb] for r in encoder}, num_rows
     )
-    assignment = BackboneAssignment(micro_batches, tuple(replicas.values()))
-    return build_routing_plan(encoders, assignment, world_size)
+    return encoders, BackboneAssignment(micro_batches, tuple(replicas.values()))

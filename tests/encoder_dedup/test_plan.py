@@ -8,7 +8,9 @@ import torch
 from knitkit.encoder_dedup import (
     BackboneAssignment,
     EncoderAssignment,
+    RankRoute,
     RowSlice,
+    build_rank_route,
     build_routing_plan,
     row_slices,
 )
@@ -67,6 +69,40 @@ def test_rows_reach_consumers_and_gradients_count_each_consumer_once() -> None:
     assert returned[1].tolist() == [0, 1, 1, 0, 0]
     owned = [plan.for_rank(r).backward.send_counts for r in (0, 1)]
     assert sum(map(sum, owned)) == 6 and all(sum(o) == 3 for o in owned)
+
+
+def _same_route(a: RankRoute, b: RankRoute) -> bool:
+    tensors = ("micro_batch_index",)
+    plain = [f for f in RankRoute.__slots__ if f not in (*tensors, "forward", "backward")]
+    return (
+        all(getattr(a, f) == getattr(b, f) for f in plain)
+        and len(a.micro_batch_index) == len(b.micro_batch_index)
+        and all(
+            torch.equal(x, y) for x, y in zip(a.micro_batch_index, b.micro_batch_index, strict=True)
+        )
+        and all(
+            getattr(a, d).send_counts == getattr(b, d).send_counts
+            and getattr(a, d).recv_counts == getattr(b, d).recv_counts
+            and torch.equal(getattr(a, d).send_index, getattr(b, d).send_index)
+            and torch.equal(getattr(a, d).recv_index, getattr(b, d).recv_index)
+            for d in ("forward", "backward")
+        )
+    )
+
+
+def test_one_rank_route_is_the_plan_route_of_that_rank() -> None:
+    """``build_rank_route`` (what a rank builds for itself each mini-batch, without the other
+    ranks' indices) gives exactly the plan's route of that rank, fingerprint included."""
+    encoder = EncoderAssignment({0: [[A, B]], 1: [[C]]}, ROWS)
+    mb_dp0 = [[RowSlice(A, 0, 4), RowSlice(C, 1, 3)], [RowSlice(A, 0, 4)]]
+    mb_dp1 = [[RowSlice(B, 0, 3), RowSlice(A, 2, 4)]]
+    backbone = BackboneAssignment({0: mb_dp0, 1: mb_dp0, 2: mb_dp1}, tp_groups=[[0, 1]])
+    plan = build_routing_plan(encoder, backbone, world_size=4)  # rank 3 idles
+    for rank in range(4):
+        route = build_rank_route(encoder, backbone, 4, rank)
+        assert _same_route(route, plan.for_rank(rank)), rank
+    with pytest.raises(ValueError, match="rank 4 outside the world of 4 ranks"):
+        build_rank_route(encoder, backbone, 4, 4)
 
 
 def test_row_slices_follow_sequence_ranges() -> None:
