@@ -212,11 +212,12 @@ class Phase:
         return self.regime != "eager"
 
 
-def schedule(with_tq: bool) -> list[Phase]:
-    """Every method's three regimes, with an oracle phase before the first method and after
-    each one, so the oracle's steps sample the machine's state around every method's."""
+def schedule(with_tq: bool, methods: tuple[str, ...] = METHODS) -> list[Phase]:
+    """Every method's three regimes (of ``methods``: ``--methods``), with an oracle phase before
+    the first method and after each one, so the oracle's steps sample the machine's state
+    around every method's."""
     phases = [Phase(ORACLE, "lookahead", 0)]
-    for method in METHODS if with_tq else METHODS[:-1]:
+    for method in (m for m in methods if with_tq or m != "transferqueue"):
         phases += [Phase(method, regime) for regime in REGIMES]
         phases.append(Phase(ORACLE, "lookahead", len(phases)))
     return phases
@@ -1017,12 +1018,15 @@ class _PhaseRecord:
     cpu: dict[str, float]
 
 
-def run_delivery(work: Workload, sizes: Sizes, with_tq: bool) -> dict[str, float]:
+def run_delivery(
+    work: Workload, sizes: Sizes, with_tq: bool, methods: tuple[str, ...] = METHODS
+) -> dict[str, float]:
     """Every phase of the schedule on one workload with real rank processes; figures by key."""
     plans = work.plans
     backbone_bytes, encoder_bytes, image_bytes = slot_bytes(work.store, plans)
     ctx = mp.get_context("spawn")
-    phases = schedule(with_tq)
+    phases = schedule(with_tq, methods)
+    with_tq = any(p.method == "transferqueue" for p in phases)
     barrier, results = ctx.Barrier(len(RANKS) + 1), ctx.Queue()
     tq_config = ctx.Queue() if with_tq else None
     rings = {r: RingSet.new(DEPTH[r], backbone_bytes, encoder_bytes) for r in REGIMES}
@@ -1112,7 +1116,8 @@ def run_delivery(work: Workload, sizes: Sizes, with_tq: bool) -> dict[str, float
         for channels in bcast.values():
             for channel in channels.values():
                 channel.unlink()
-    return figures_of(work, phases, records, got, knitkit.read, statistics.median(memcpy))
+    memcpy_bps = statistics.median(memcpy) if memcpy else 0.0  # measured in knitkit phases
+    return figures_of(work, phases, records, got, knitkit.read, memcpy_bps)
 
 
 def _run_phase(
@@ -1393,7 +1398,17 @@ def main() -> None:
     parser.add_argument(
         "--skip-engines", action="store_true", help="leave out the Ray and Mooncake sliced reads"
     )
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated methods to run (a development aid: a figure needs every method "
+        "it compares; default: all of them)",
+    )
     args = parser.parse_args()
+    methods = tuple(m for m in METHODS if m in args.methods.split(","))
+    unknown = set(args.methods.split(",")) - set(METHODS)
+    if unknown or not methods:
+        parser.error(f"--methods {args.methods!r}: pick from {','.join(METHODS)}")
     sizes = QUICK if args.quick else FULL
     figures: dict[str, float] = {"loadavg_1m_at_start": os.getloadavg()[0]}
     progress("planner (in a fresh process, before the other phases; process time)")
@@ -1401,7 +1416,7 @@ def main() -> None:
     work = build_workload(sizes)
     progress(f"stored {sizes.steps} steps of trajectories, planned each")
     try:
-        figures.update(run_delivery(work, sizes, with_tq=not args.skip_tq))
+        figures.update(run_delivery(work, sizes, not args.skip_tq, methods))
     finally:
         work.store.backend.close()
     figures["matmul_gflop_per_step"] = 2 * sizes.matmul**3 * sizes.matmuls_per_step / 1e9
@@ -1441,20 +1456,22 @@ def print_table(figures: dict[str, float]) -> None:
             f"{figures[f'{method}.cpu_s_per_step']:>12.3f}"
             f"{figures[f'{method}.bytes_read_ratio']:>15.2f}"
         )
-    knitkit = figures["knitkit.cpu_s_per_step"]
+    knitkit = figures.get("knitkit.cpu_s_per_step")
     for method in METHODS[1:]:
-        if f"{method}.cpu_s_per_step" in figures:
+        if knitkit and f"{method}.cpu_s_per_step" in figures:
             eager = figures[f"eager.{method}.exposed_s_per_step"]
             eager /= max(figures["eager.knitkit.exposed_s_per_step"], 1e-9)
             print(
                 f"{method} / knitkit: eager exposed {eager:.1f}x, CPU per step "
                 f"{figures[f'{method}.cpu_s_per_step'] / knitkit:.1f}x"
             )
-    print(
-        f"knitkit delivery: {figures['knitkit.delivered_gbps']:.2f} GB per CPU second of every "
-        f"knitkit process, {figures['knitkit.delivered_fraction_of_memcpy']:.2f} of memcpy "
-        f"({figures['memcpy_gbps']:.1f} GB/s)"
-    )
+    if knitkit:
+        print(
+            f"knitkit delivery: {figures['knitkit.delivered_gbps']:.2f} GB per CPU second of "
+            f"every knitkit process, {figures['knitkit.delivered_fraction_of_memcpy']:.2f} of "
+            f"memcpy ({figures['memcpy_gbps']:.1f} GB/s; reorganizers alone "
+            f"{figures['knitkit.delivered_fraction_of_memcpy.reorganizers']:.2f})"
+        )
     print(f"{'sliced read':<15}{'fraction of ceiling':>22}")
     for name in ("memory", "shm", "disk", "disk_cold", *ENGINES):
         if f"sliced_read.{name}.fraction_of_ceiling" in figures:

@@ -1,12 +1,21 @@
 """Unit backends: put / replace / ranged read and write / delete over memory, /dev/shm and safetensors (README step 3).
 
-The face for backend authors: the ``UnitBackend`` Protocol (``check_backend``), the shared read
-and write bodies (``ReadCounter``, ``check_write``), the validators every backend runs before it
+The face for backend authors: the ``UnitBackend`` Protocol (``check_backend``), the optional
+``UnitBytes`` capability (units as bytes this process maps, read in place by a reorganizer's copy
+lists; ``check_need`` is its check), the shared read and write bodies (``ReadCounter``,
+``check_write``), the validators every backend runs before it
 changes state, ``UnitsLostError`` for units a backend can no longer read, and the owner-only
 finalizer for clean-ups of shared resources.
 """
 
-from knitkit.storage.backends.backend import UnitBackend, UnitSpec, check_backend
+from knitkit.storage.backends.backend import (
+    WHOLE,
+    UnitBackend,
+    UnitBytes,
+    UnitNeed,
+    UnitSpec,
+    check_backend,
+)
 from knitkit.storage.backends.disk import SafetensorsBackend
 from knitkit.storage.backends.lost import UnitsLostError, lost_units_in
 from knitkit.storage.backends.memory import MemoryBackend
@@ -14,6 +23,7 @@ from knitkit.storage.backends.owner import OwnerFinalizer
 from knitkit.storage.backends.ranges import (
     ReadCounter,
     check_columns,
+    check_need,
     check_ranges,
     check_replacement,
     check_write,
@@ -31,6 +41,7 @@ from knitkit.storage.backends.validate import SUPPORTED_DTYPES, check_unit
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "WHOLE",
     "CorruptShardError",
     "MemoryBackend",
     "OwnerFinalizer",
@@ -38,10 +49,13 @@ __all__ = [
     "SafetensorsBackend",
     "SharedMemoryBackend",
     "UnitBackend",
+    "UnitBytes",
+    "UnitNeed",
     "UnitSpec",
     "UnitsLostError",
     "check_backend",
     "check_columns",
+    "check_need",
     "check_ranges",
     "check_replacement",
     "check_unit",
