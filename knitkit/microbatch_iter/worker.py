@@ -100,6 +100,19 @@ from knitkit.types import MicroBatchLayout, PackedMicroBatch
 #   hand-out 383 us (wait 125, decode 90, per-phase first mapping 74, size checks 25), views
 #   152, release 84 (the page map read at 282 of 720 releases, a wake at 299), the loop's
 #   next() 70: cache misses after compute and contention, not one dominant step.
+# - Why the hand-out stays on the prefetch thread (issue 31, measured, then left out): taking an
+#   already published lease on the loop's own thread inside next() (no credit, no wake, no
+#   hand-over between threads; the thread only for the warm start and for leases not published
+#   yet) costs the same CPU and exposes the work. RANK's scratch driver at 62f8166 (one rank
+#   process over a real ring fed by a producer process: transfer.py-like 9 fields, ~2.4 MiB, a
+#   new layout per micro-batch; its compute, 256 x 256 matmuls with out= and a read of every
+#   byte, 5 micro-batches a step; rank CPU outside compute per hand-out, 2-core dev box at load
+#   10-19): look-ahead 1 and 2 took 512-614 us on this thread and 519-631 us on the loop's,
+#   eager 160-179 and 147-185 us, while the loop's median wall in next() went from 66 us to
+#   1,035-1,061 us (the thread's work, and at look-ahead 1 its wait for the publication, overlap
+#   the compute). The look-ahead cost is cold caches after compute, not the hand-over: each step
+#   of a hand-out takes ~3x its eager time on either thread (decode 33 -> 92 us, views 45 -> 114,
+#   release 14 -> 154 of which the producer's wake 5 -> 56).
 # - The Staged record carries the lease's release. The consumer's next next() (or close())
 #   retires the held record into ``retired`` (release_held); only retired records are released,
 #   so no slot goes back to the producer while the consumer may still read it.
