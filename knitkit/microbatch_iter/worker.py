@@ -107,12 +107,13 @@ from knitkit.types import MicroBatchLayout, PackedMicroBatch
 #   process over a real ring fed by a producer process: transfer.py-like 9 fields, ~2.4 MiB, a
 #   new layout per micro-batch; its compute, 256 x 256 matmuls with out= and a read of every
 #   byte, 5 micro-batches a step; rank CPU outside compute per hand-out, 2-core dev box at load
-#   10-19): look-ahead 1 and 2 took 512-614 us on this thread and 519-631 us on the loop's,
-#   eager 160-179 and 147-185 us, while the loop's median wall in next() went from 66 us to
-#   1,035-1,061 us (the thread's work, and at look-ahead 1 its wait for the publication, overlap
-#   the compute). The look-ahead cost is cold caches after compute, not the hand-over: each step
-#   of a hand-out takes ~3x its eager time on either thread (decode 33 -> 92 us, views 45 -> 114,
-#   release 14 -> 154 of which the producer's wake 5 -> 56).
+#   10-19): look-ahead 1 and 2 took 512-614 us on this thread and 519-611 us on the loop's,
+#   eager 160-179 and 147-163 us (one run at load 19: 418), while the loop's median wall in
+#   next() went from 66 us to 1,035-1,061 us (the thread's work, and at look-ahead 1 its wait for
+#   the publication, overlap the compute). The look-ahead cost is cold caches after compute, not
+#   the hand-over: each step of a hand-out takes ~3x its eager time (on the loop's thread: decode
+#   33 -> 92 us, views 45 -> 114, release 14 -> 154 of which the producer's wake 5 -> 56; the
+#   prefetch thread's whole share alike, 131-135 -> 445-539 us).
 # - The Staged record carries the lease's release. The consumer's next next() (or close())
 #   retires the held record into ``retired`` (release_held); only retired records are released,
 #   so no slot goes back to the producer while the consumer may still read it.
