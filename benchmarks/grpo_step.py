@@ -222,6 +222,8 @@ def packed_batches(
     import torch
     from grpo.loss import token_weights
 
+    from knitkit.encoder_dedup import segment_ids
+
     groups: list[list[Any]] = []
     for sample in samples:
         if not groups or sum(len(s.tokens) for s in groups[-1]) + len(sample.tokens) > budget:
@@ -230,8 +232,8 @@ def packed_batches(
     out = []
     for group in groups:
         lengths = torch.tensor([len(s.tokens) for s in group])
-        owner = torch.repeat_interleave(torch.arange(len(group)), lengths)
         total = int(lengths.sum())
+        owner = segment_ids(lengths, total)
         mask = torch.ones(total, total, dtype=torch.bool).triu(1) | (owner[:, None] != owner[None])
         loss_mask = torch.from_numpy(np.concatenate([s.loss_mask for s in group]))
 

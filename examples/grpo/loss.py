@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from knitkit.encoder_dedup import segment_ids
+
 Batch = Mapping[str, Any]
 """One micro-batch as the forward step takes it (both data paths build the same keys):
 ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ``[b, s]``, ``attention_mask`` (or
@@ -36,10 +38,10 @@ def token_weights(loss_mask: torch.Tensor, lengths: torch.Tensor, sequences: int
     number of sequences (``sequences``), so the weights of the whole mini-batch sum to 1.
     """
     device = loss_mask.device
-    owner = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths.to(device))
+    owner = segment_ids(lengths.to(device), loss_mask.shape[0])
     counts = torch.zeros(len(lengths), dtype=loss_mask.dtype, device=device)
     counts.index_add_(0, owner, loss_mask)
-    return loss_mask / (counts.clamp(min=1)[owner] * sequences)
+    return loss_mask / (counts.clamp(min=1).index_select(0, owner) * sequences)
 
 
 def forward(model: torch.nn.Module, batch: Batch) -> torch.Tensor:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from knitkit.encoder_dedup import segment_ids
 from knitkit.microbatch_iter import MicroBatch
 
 if TYPE_CHECKING:
@@ -56,13 +57,25 @@ def block_causal_mask(local_lengths: torch.Tensor, total: int | None = None) -> 
     equivalent to THD attention over the same packed sequences, at ``T^2`` memory. ``total``
     (``T``, the sum of ``local_lengths``) spares a device-to-host sync when the caller knows it.
     """
-    device = local_lengths.device
-    owner = torch.repeat_interleave(
-        torch.arange(len(local_lengths), device=device), local_lengths.long(), output_size=total
-    )
+    owner = segment_ids(local_lengths, total)
     total = owner.numel()
-    causal = torch.ones(total, total, dtype=torch.bool, device=device).triu(diagonal=1)
+    causal = torch.ones(total, total, dtype=torch.bool, device=owner.device).triu(diagonal=1)
     return (causal | (owner[:, None] != owner[None, :]))[None, None]
+
+
+def token_sequence_ids(micro_batch: MicroBatch, cp_size: int = 1) -> torch.Tensor:
+    """Each of this rank's tokens' sequence in a packed micro-batch, ``[T]`` int64 (padding
+    included; under CP a rank holds ``1/cp_size`` of every sequence), off torch's intra-op pool
+    (NOTE [ Segment ids off the intra-op pool ] in knitkit/encoder_dedup/segments.py) and with
+    no device-to-host sync when the layout carries its host ``cu_seqlens_padded``."""
+    padded = micro_batch["cu_seqlens_padded"]
+    host = micro_batch.layout.cu_seqlens_padded
+    total = (
+        sum((b - a) // cp_size for a, b in itertools.pairwise(host))
+        if len(host) == padded.shape[0]
+        else None
+    )
+    return segment_ids((padded[1:] - padded[:-1]) // cp_size, total)
 
 
 def megatron_batch(

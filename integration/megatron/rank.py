@@ -11,7 +11,11 @@ import torch
 import torch.distributed as dist
 
 from knitkit.encoder_dedup import RankRoute
-from knitkit.integration.megatron.batch import megatron_batch, megatron_batches
+from knitkit.integration.megatron.batch import (
+    megatron_batch,
+    megatron_batches,
+    token_sequence_ids,
+)
 from knitkit.integration.megatron.device import current_device
 from knitkit.integration.megatron.mrope import MROPE_FIELD
 from knitkit.integration.megatron.routing import ROUTING_FIELD
@@ -154,14 +158,16 @@ class _PassBatch:
         scalars = (
             set(work.consumer.micro_batches[0].scalar_fields) if work.num_micro_batches else set()
         )
+        owner: torch.Tensor | None = None  # each local token's sequence, built once
         for name in work.pass_.reads:
             if name in batch or name in _CONSUMED:
                 continue
             value = micro_batch[name]
             if name in scalars:
-                padded = micro_batch["cu_seqlens_padded"]
-                local = (padded[1:] - padded[:-1]) // self.layout.topology.cp
-                value = value.repeat_interleave(local.long(), dim=0)
+                if owner is None:
+                    owner = token_sequence_ids(micro_batch, self.layout.topology.cp)
+                    owner = owner.to(value.device)
+                value = value.index_select(0, owner)
             batch[name] = (value.clone() if clone else value)[None]
         return batch
 

@@ -20,6 +20,7 @@ from knitkit.encoder_dedup import (
     RoutingPlan,
     route_minibatch,
     row_slices,
+    segment_ids,
 )
 from knitkit.job import Output, Pass, PassWork, RankCoords, RankHandle, RankSpec
 from knitkit.microbatch_iter import MicroBatch
@@ -219,8 +220,8 @@ class DemoRank:
         total = 0.0
         for index, mb in enumerate(work.micro_batches()):
             logp, sequence_ids = self._log_probs(work, index, mb, dedup)
-            advantage = mb["advantage"].repeat_interleave(
-                torch.from_numpy(np.bincount(sequence_ids))
+            advantage = mb["advantage"].index_select(
+                0, segment_ids(torch.from_numpy(np.bincount(sequence_ids)))
             )
             ratio = torch.exp(logp - mb["old_logprobs"])
             loss = -(ratio * advantage * mb["loss_mask"]).sum() / norm

@@ -21,6 +21,7 @@ from knitkit.encoder_dedup.plan import (
     build_rank_route,
     build_routing_plan,
 )
+from knitkit.encoder_dedup.segments import segment_ids
 from knitkit.encoder_dedup.testing import (
     Comparison,
     EquivalenceError,
@@ -62,6 +63,7 @@ __all__ = [
     "route_minibatch",
     "route_rank",
     "row_slices",
+    "segment_ids",
     "sync_encoder_grads",
     "tell_all",
     "train_minibatch",

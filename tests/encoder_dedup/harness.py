@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -185,3 +187,37 @@ class WatchedTransport:
     ) -> torch.Tensor:
         self.before(send.is_floating_point())
         return self.inner.exchange(send, send_counts, recv_counts, timeout_s=timeout_s)
+
+
+@contextmanager
+def pool_idioms() -> Iterator[list[str]]:
+    """Records each call of the two idioms that enter torch's intra-op pool on few-element
+    tensors (NOTE [ Segment ids off the intra-op pool ]): ``repeat_interleave`` and a gather by
+    an integer tensor index, ``x[ids]``."""
+    calls: list[str] = []
+    originals: dict[tuple[Any, str], Callable[..., Any]] = {
+        (torch, "repeat_interleave"): torch.repeat_interleave,
+        (torch.Tensor, "repeat_interleave"): torch.Tensor.repeat_interleave,
+        (torch.Tensor, "__getitem__"): torch.Tensor.__getitem__,
+    }
+
+    def counted(owner: Any, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            keys = args[1] if name == "__getitem__" and len(args) > 1 else None
+            keys = keys if isinstance(keys, tuple) else (keys,)
+            if name != "__getitem__" or any(
+                isinstance(k, torch.Tensor) and not k.is_floating_point() and k.dtype != torch.bool
+                for k in keys
+            ):
+                calls.append(name)
+            return original(*args, **kwargs)
+
+        return call
+
+    for (owner, name), original in originals.items():
+        setattr(owner, name, counted(owner, name, original))
+    try:
+        yield calls
+    finally:
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)

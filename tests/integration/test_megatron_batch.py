@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -22,6 +25,8 @@ from knitkit.storage import (
     pack,
     plan_minibatch,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 LENGTHS = {"a": 5, "b": 3, "c": 4}
 
@@ -120,3 +125,39 @@ def test_megatron_batches_converts_every_micro_batch() -> None:
         torch.equal(b["tokens"][0], m["tokens"])
         for b, m in zip(batches, micro_batches, strict=True)
     )  # type: ignore[index]
+
+
+def test_per_micro_batch_conversions_stay_off_the_intra_op_pool() -> None:
+    """What the prefetch thread builds per micro-batch (the block-causal mask, each token's
+    sequence for scalar fields, GRPO's per-token weights) is repeat_interleave's answer, built
+    with neither repeat_interleave nor an ``x[ids]`` gather (NOTE [ Segment ids off the
+    intra-op pool ]: milliseconds per call with two intra-op threads on a loaded host)."""
+    from encoder_dedup.harness import pool_idioms
+    from grpo.loss import token_weights
+
+    (micro_batch,) = _micro_batches(Topology(dp=1))
+    (cp_share,) = _micro_batches(Topology(dp=1, cp=2), fields=("tokens", "labels"))
+    expected = []
+    for mb, cp in ((micro_batch, 1), (cp_share, 2)):
+        padded = mb["cu_seqlens_padded"]
+        lengths = ((padded[1:] - padded[:-1]) // cp).long()
+        expected.append(torch.repeat_interleave(torch.arange(len(lengths)), lengths))
+    loss_mask = micro_batch["tokens"].remainder(3).ne(0).float()
+    owner = expected[0]
+    counts = torch.zeros(int(owner.max()) + 1).index_add_(0, owner, loss_mask)
+    weights_expected = loss_mask / (counts.clamp(min=1)[owner] * 4)
+    with pool_idioms() as calls:
+        batch = megatron_batch(micro_batch, attention_mask=True)
+        padded = micro_batch["cu_seqlens_padded"]
+        weights = token_weights(loss_mask, padded[1:] - padded[:-1], 4)
+    assert not calls, calls
+    from knitkit.integration.megatron.batch import token_sequence_ids  # MegatronRank.batch's
+
+    with pool_idioms() as calls:
+        owners = [token_sequence_ids(micro_batch), token_sequence_ids(cp_share, 2)]
+    assert not calls, calls
+    assert all(torch.equal(o, e) for o, e in zip(owners, expected, strict=True))
+    assert torch.equal(weights, weights_expected)
+    mask = batch["attention_mask"][0, 0]  # type: ignore[index]
+    causal = torch.ones(mask.shape, dtype=torch.bool).triu(1)
+    assert torch.equal(mask, causal | (owner[:, None] != owner[None, :]))
