@@ -34,29 +34,31 @@ from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan, MicroBa
 from knitkit.types import MicroBatchLayout, UnitKey, UnitRead
 
 # NOTE [ Copy lists ]: where the backend's units are bytes this process maps (``UnitBytes``:
-# shared memory, memory), a reorganizer compiles each assignment once, when it arrives, into one
-# copy list per micro-batch: its layout and encoded record, the units it reads with what each
-# must be (dtype, row shape, rows read), and ``(source, offset, slot offset, bytes)`` copies
-# that write every byte of the slot (unit rows; position ids, a generated loss mask, the
-# sequence bounds and every padding or alignment byte from constant sources). Per micro-batch
-# it then takes a slot, resolves the units in ONE backend call (``unit_bytes``: the reader's
-# journal followed, each slab's size checked, each unit checked against its need, with
-# ``read``'s errors), runs the copies in one loop of slice assignments between memoryviews and
-# publishes once. No per-field Python is left on that path: per unit only the key's lookup in
-# the reader's index; the copies themselves are memmoves (transfer.py's 2.4 MiB micro-batches
-# take ~22). Sources are units, not slab offsets: a unit deleted after its assignment was
-# compiled (its extent perhaps reused) fails its lookup per micro-batch, as a read does, so
-# compiling ahead weakens no guarantee. Compiled here, not in the driver: the compile reads
-# only the plan and the schema, but the driver is one process for every group of the job and
-# plans on the eager path, while reorganizers compile in parallel, each for its own group (at
-# DP32 x CP2 the driver would pay 64 groups' compiles per mini-batch, about as much as the
-# planner itself). Stage columns (strided rows) and backends that cannot expose bytes (disk,
-# Ray) keep the template path (NOTE [ Pack templates ]), which the copy lists match byte for
-# byte (tests/storage/test_reorg_copy_lists.py). Measured (transfer.py's micro-batches, one
-# process, thread time, passes alternating, load ~10): 341 -> 316 us per micro-batch with
-# ~185 us of memcpy; Python calls per micro-batch outside the compile 196 -> 59 (2 fields),
-# 359 -> 92 (8 fields). What is left under transfer.py's load is the copies (memory-bound,
-# slower than the quiet memcpy the figure divides by), the compile, and the waits for a slot.
+# shared memory, memory), a reorganizer compiles each micro-batch of an assignment once into a
+# copy list: its layout and encoded record, the units it reads with what each must be (dtype,
+# row shape, rows read), and ``(source, offset, slot offset, bytes)`` copies that write every
+# byte of the slot (unit rows; position ids, a generated loss mask, the sequence bounds and
+# every padding or alignment byte from constant sources). It compiles before it waits for the
+# micro-batch's slot, so the compile overlaps the consumers' hold of the slot and the first
+# micro-batch of an eager step waits for one compile, not the assignment's. Then it takes the
+# slot, resolves the units in ONE backend call (``unit_bytes``: the reader's journal followed,
+# each slab's size checked, each unit checked against its need, with ``read``'s errors), runs
+# the copies in one loop of slice assignments between memoryviews (each a memmove; ~22 for
+# transfer.py's 2.4 MiB micro-batches) and publishes once. No per-field Python is left on that
+# path: per unit only the key's lookup in the reader's index. Sources are units, not slab
+# offsets: a unit deleted after its micro-batch was compiled (its extent perhaps reused) fails
+# its lookup, as a read does, so compiling ahead weakens no guarantee. Compiled here, not in
+# the driver: the compile reads only the plan and the schema, but the driver is one process
+# for every group of the job and plans on the eager path, while reorganizers compile in
+# parallel, each for its own group (at DP32 x CP2 the driver would pay 64 groups' compiles per
+# mini-batch, about as much as the planner itself). Stage columns (strided rows) and backends
+# that cannot expose bytes (disk, Ray) keep the template path (NOTE [ Pack templates ]), which
+# the copy lists match byte for byte (tests/storage/test_reorg_copy_lists.py). Measured
+# (transfer.py's micro-batches, one process, thread time, passes alternating, load ~10): 341 ->
+# 316 us per micro-batch, ~185 us of it memcpy; Python calls per micro-batch outside the
+# compile 196 -> 59 (2 fields), 359 -> 92 (8 fields). What is left under transfer.py's load is
+# the copies (memory-bound, slower than the quiet memcpy its figure divides by), the compile,
+# and the waits for a slot (one wake per slot: NOTE [ Futex waits ] in atomic_words.py).
 
 
 class Reorganizer:
@@ -88,10 +90,12 @@ class Reorganizer:
             {"minibatch_id": minibatch_id, "micro_batch": index, "num_micro_batches": count}
             for index in range(count)
         ]
-        compiled = self._compile(plan, extras)  # NOTE [ Copy lists ]
+        copies = self._unit_bytes is not None and (  # NOTE [ Copy lists ]
+            isinstance(plan, EncoderRankPlan) or not any(mb.columns for mb in plan.micro_batches)
+        )
         for index in range(count):
-            if compiled is not None:
-                self._publish_copies(compiled[index])
+            if copies:
+                self._publish_copies(self._compile(plan, index, extras[index]))
             elif isinstance(plan, ConsumerPlan):
                 self._publish_backbone(plan.micro_batches[index], extras[index])
             else:
@@ -99,35 +103,25 @@ class Reorganizer:
         return count
 
     def _compile(
-        self, plan: ConsumerPlan | EncoderRankPlan, extras: list[dict[str, int | float | str]]
-    ) -> list[MicroBatchCopies] | None:
-        """Every micro-batch of ``plan`` as a copy list, or ``None`` where the backend's units
-        are not bytes this process maps, or the plan reads stage columns (NOTE [ Copy lists ])."""
-        if self._unit_bytes is None:
-            return None
+        self, plan: ConsumerPlan | EncoderRankPlan, index: int, extra: dict[str, int | float | str]
+    ) -> MicroBatchCopies:
+        """Micro-batch ``index`` of ``plan`` as a copy list (NOTE [ Copy lists ])."""
         if isinstance(plan, EncoderRankPlan):
-            pairs = zip(plan.micro_batches, extras, strict=True)
-            return [self._encoder_copies(units, extra) for units, extra in pairs]
-        if any(mb.columns for mb in plan.micro_batches):
-            return None
-        out = []
-        for micro_batch, extra in zip(plan.micro_batches, extras, strict=True):
-            template, record = self._packer(micro_batch)
-            shaped = template.shape(micro_batch, extra)
-            units, needs, copies, constants, moved = template.copy_list(micro_batch, shaped)
-            layout = shaped.layout
-            out.append(
-                MicroBatchCopies(
-                    layout,
-                    record.encode(layout, shaped.offsets, shaped.lead),
-                    tuple(units),
-                    tuple(needs),
-                    tuple(copies),
-                    constants,
-                    moved,
-                )
-            )
-        return out
+            return self._encoder_copies(plan.micro_batches[index], extra)
+        micro_batch = plan.micro_batches[index]
+        template, record = self._packer(micro_batch)
+        shaped = template.shape(micro_batch, extra)
+        units, needs, copies, constants, moved = template.copy_list(micro_batch, shaped)
+        layout = shaped.layout
+        return MicroBatchCopies(
+            layout,
+            record.encode(layout, shaped.offsets, shaped.lead),
+            tuple(units),
+            tuple(needs),
+            tuple(copies),
+            constants,
+            moved,
+        )
 
     def _encoder_copies(
         self, units: tuple[UnitKey, ...], extra: dict[str, int | float | str]
@@ -153,7 +147,9 @@ class Reorganizer:
         return MicroBatchCopies(layout, record, units, needs, tuple(copies), b"", moved)
 
     def _publish_copies(self, compiled: MicroBatchCopies) -> None:
-        """One compiled micro-batch: a slot, the units' bytes, the copies, one publication."""
+        """One compiled micro-batch (compiled before its slot is free, so the compile overlaps
+        the consumers' hold of the slot): a slot, the units' bytes, the copies, one
+        publication."""
         slot = self.publisher.acquire(compiled.layout.nbytes)
         assert self._unit_bytes is not None
         units = self._unit_bytes(compiled.units, compiled.needs, compiled.unit_bytes)
