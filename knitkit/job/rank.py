@@ -7,7 +7,7 @@ import functools
 import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -121,6 +121,9 @@ class RankHandle:
         self._convert = convert
         self.writer = coords.is_writer(spec)
         self._plans: dict[str, MiniBatchPlan] = {}
+        self._pass_plans: dict[str, MiniBatchPlan] = {}
+        """The next mini-batch's later passes' plans, restricted to their fields by the
+        look-ahead (NOTE [ One mini-batch ahead ]), by pass name."""
         self._current: PassWork | None = None
         self._last: tuple[str, int] | None = None
         """(mini-batch, pass index) of the last pass handed out."""
@@ -244,6 +247,7 @@ class RankHandle:
                     )
             if peeked is not None and peeked.opened is not None:
                 minibatch_id, self._plans[minibatch_id] = peeked.opened
+                self._pass_plans = peeked.pass_plans
             else:
                 try:
                     record = peeked.record if peeked is not None else self._schedule.next(timeout_s)
@@ -252,6 +256,7 @@ class RankHandle:
                 if record is None:
                     return None
                 minibatch_id, self._plans[minibatch_id] = self._open(record)
+                self._pass_plans = {}
             index = 0
         plan = self._plans[minibatch_id]
         if index + 1 == len(passes):
@@ -291,7 +296,9 @@ class RankHandle:
     # (NOTE [ Next pass per group ] in serving.py), long before the rank ends k's last pass
     # (train: its forward-backward). So when ``next_pass`` hands out a mini-batch's last pass,
     # it queues one more job on the pass-end thread, which then idles until that pass ends: wait
-    # for the next schedule record; with it, decode the plan, build the next first pass's work
+    # for the next schedule record; with it, decode the plan, restrict it to each pass's fields
+    # (``with_fields``: ~0.1 ms of the loop's "waiting for the next pass" per later pass, under
+    # cProfile in ``grpo_step.py``), build the next first pass's work
     # (its take gated on the last pass's ``drained``, as a later pass is), start its prefetch
     # and build its route (``_prepare``). The training thread takes the result in ``next_pass``.
     # - The wait never holds up the rank's own jobs: the loop's thread cancels it (an event the
@@ -350,8 +357,10 @@ class RankHandle:
             self._units_taken == here
         )  # the encoder ring's next units are the new mini-batch's
         with contextlib.suppress(Exception):  # the loop's own call raises it
-            minibatch_id, plan = peeked.opened = self._open(record)
-            first = self.spec.passes[0]
+            minibatch_id, plan = self._open(record)
+            first, *later = self.spec.passes
+            peeked.pass_plans = {p.name: plan.with_fields(p.reads) for p in later}
+            peeked.opened = minibatch_id, plan
             work = PassWork(
                 self, minibatch_id, first, plan.with_fields(first.reads), after=last.drained
             )
@@ -387,7 +396,8 @@ class RankHandle:
         """``pass_``'s work, its prefetch started on the pass-end thread; with ``after``, its
         take waits for that gate (the previous pass's leases all taken: NOTE [ One pass
         ahead ])."""
-        work = PassWork(self, minibatch_id, pass_, plan.with_fields(pass_.reads), after=after)
+        restricted = self._pass_plans.pop(pass_.name, None) or plan.with_fields(pass_.reads)
+        work = PassWork(self, minibatch_id, pass_, restricted, after=after)
         self._ends.post(
             f"starting the prefetch of pass {pass_.name!r} of {minibatch_id!r}",
             functools.partial(self._prepare, work),
@@ -787,6 +797,8 @@ class _Peeked:
 
     record: Record | None
     opened: tuple[str, MiniBatchPlan] | None = None
+    pass_plans: dict[str, MiniBatchPlan] = field(default_factory=dict)
+    """The later passes' plans, restricted to their fields (off the training thread)."""
     work: PassWork | None = None
 
 

@@ -175,3 +175,39 @@ def test_a_pass_ledger_says_served_to_any_group() -> None:
     """``PassLedger.served_to_any`` (one group suffices), unlike ``MiniBatchLedger.served``."""
     assert not PassLedger().served_to_any
     assert PassLedger(submitted={"backbone/dp1/cp0"}).served_to_any
+
+
+def test_a_held_pass_end_job_wakes_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job posted held (``now=False``: a pass's write-back records and iterator close) wakes
+    neither the pass-end thread nor a waiter: only a release that lets jobs run does, once, so
+    the training thread does not hand the GIL to a thread with nothing to do (NOTE
+    [ Asynchronous pass ends ]); the held jobs then run in order, once each."""
+    wakes: list[str] = []
+
+    class Counted(threading.Condition):
+        def notify(self, n: int = 1) -> None:  # notify_all calls it too
+            wakes.append("notify")
+            super().notify(n)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(threading, "Condition", Counted)
+        ends = PassEnds(0, depth=8, timeout_s=10, on_failure=lambda error: None)
+    ran: list[int] = []
+    try:
+        wakes.clear()
+        for i in range(3):
+            ends.post(f"values record {i}", lambda i=i: ran.append(i), now=False)
+        assert wakes == [], wakes
+        ends.release()
+        assert wakes == ["notify"], wakes
+        ends.release()  # nothing new to release
+        ends.wait(timeout_s=10)
+        assert ran == [0, 1, 2]
+        wakes.clear()
+        ends.post("done record", lambda: ran.append(3))
+        assert wakes == ["notify"], wakes
+        ends.wait(timeout_s=10)
+        assert ran == [0, 1, 2, 3]
+    finally:
+        ends.stop(10.0)
+        ends.join()
