@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 
 import numpy as np
@@ -83,6 +83,50 @@ class MicroBatch:
             ) from None
 
 
+# NOTE [ Hand-out objects without __init__ ]: a frozen dataclass's ``__init__`` sets each field
+# through ``object.__setattr__``: 5.3 us for a 9-field one against 0.8 us unfrozen (timeit, 2-core
+# dev box at load ~8, issue 31), paid per micro-batch for the iterator's ``MicroBatchStats`` and
+# ``MicroBatch`` (and a consumer's ``MicroBatchLayout``, layout_codec.py). These stay frozen for
+# their users and are built here by their slot setters (``build_stats``, ``build_micro_batch``):
+# the same objects, equal to the constructors' (tests/microbatch_iter/test_handout_calls.py).
+_STATS_SLOTS = tuple(getattr(MicroBatchStats, f.name).__set__ for f in fields(MicroBatchStats))
+_BATCH_SLOTS = tuple(getattr(MicroBatch, f.name).__set__ for f in fields(MicroBatch))
+
+
+def build_stats(
+    index: int, wait_s: float, fetch_s: float, stage_s: float, nbytes: int
+) -> MicroBatchStats:
+    """``MicroBatchStats(...)`` without its ``__init__`` (NOTE [ Hand-out objects without
+    __init__ ])."""
+    stats = object.__new__(MicroBatchStats)
+    set_index, set_wait, set_fetch, set_stage, set_nbytes = _STATS_SLOTS
+    set_index(stats, index)
+    set_wait(stats, wait_s)
+    set_fetch(stats, fetch_s)
+    set_stage(stats, stage_s)
+    set_nbytes(stats, nbytes)
+    return stats
+
+
+def build_micro_batch(
+    index: int,
+    layout: MicroBatchLayout,
+    flat: torch.Tensor,
+    tensors: Mapping[str, torch.Tensor],
+    stats: MicroBatchStats,
+) -> MicroBatch:
+    """``MicroBatch(...)`` without its ``__init__`` (NOTE [ Hand-out objects without
+    __init__ ])."""
+    batch = object.__new__(MicroBatch)
+    set_index, set_layout, set_flat, set_tensors, set_stats = _BATCH_SLOTS
+    set_index(batch, index)
+    set_layout(batch, layout)
+    set_flat(batch, flat)
+    set_tensors(batch, tensors)
+    set_stats(batch, stats)
+    return batch
+
+
 def field_tensors(
     flat: torch.Tensor,
     layout: MicroBatchLayout,
@@ -113,27 +157,50 @@ class _Typed(dict[torch.dtype, tuple[torch.Tensor, int, int]]):
     the flat tensor's first byte, item size)``, made once per dtype (and kept with a
     ``ViewCache`` for every layout built over the same buffer)."""
 
-    __slots__ = ("first", "flat")
+    __slots__ = ("address", "first", "flat", "numel", "views")
 
     def __init__(self, flat: torch.Tensor) -> None:
         super().__init__()
-        if flat.numel() % LAYOUT_ALIGNMENT:  # a view as a wider dtype needs whole items
-            flat = flat[: flat.numel() - flat.numel() % LAYOUT_ALIGNMENT]
+        self.address = flat.data_ptr()
+        self.numel = numel = flat.numel()
+        """The buffer's bytes (``flat`` may be shorter: whole items of the widest dtype)."""
+        if numel % LAYOUT_ALIGNMENT:  # a view as a wider dtype needs whole items
+            flat = flat[: numel - numel % LAYOUT_ALIGNMENT]
         self.flat = flat
         self.first = int(flat.storage_offset())
+        self.views: list[torch.Tensor] = []
 
     def touched(self) -> bool:
         """Whether autograd reached a dtype view (an in-place op on a field view with grad
         rebases its history onto the view it was cut from): views cut from it would require
         grad, so it is made again."""
-        return any(view.requires_grad for view, _, _ in self.values())
+        return any(map(_REQUIRES_GRAD, self.views))
 
     def __missing__(self, dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:
-        typed = self[dtype] = (self.flat.view(dtype), self.first // dtype.itemsize, dtype.itemsize)
+        view = self.flat.view(dtype)
+        self.views.append(view)
+        typed = self[dtype] = (view, self.first // dtype.itemsize, dtype.itemsize)
         return typed
 
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
 _UNIT_STRIDE = (1,)
+
+
+class _Strides(dict[tuple[int, ...], tuple[int, ...]]):
+    """Row-major strides (in items) of any shape, by its dimensions after the first (the first
+    varies per micro-batch, the others mostly do not): a subscript per field."""
+
+    def __missing__(self, trailing: tuple[int, ...]) -> tuple[int, ...]:
+        if len(self) >= 256:  # bounded: a source whose trailing dimensions keep changing
+            self.clear()
+        strides = self[trailing] = _contiguous((1, *trailing))
+        return strides
+
+
+_STRIDES = _Strides()
 
 
 def _views(
@@ -144,7 +211,7 @@ def _views(
     for view in layout.fields:
         dtype = overrides.get(view.name) if overrides else None
         if dtype is None:
-            dtype = _TORCH_DTYPES.get(view.dtype) or torch_dtype(view.dtype)
+            dtype = _TORCH_DTYPES[view.dtype]
         elif dtype.itemsize != _itemsize(view.dtype):
             raise ValueError(
                 f"field {view.name!r}: {dtype} is not as wide as its layout dtype {view.dtype}; "
@@ -152,7 +219,7 @@ def _views(
             )
         tensor, start, itemsize = typed[dtype]
         shape = view.shape
-        strides = _UNIT_STRIDE if len(shape) == 1 else _contiguous(shape)
+        strides = _STRIDES[shape[1:]] if shape else ()
         views[view.name] = tensor.as_strided(shape, strides, start + view.offset // itemsize)
     return views
 
@@ -233,7 +300,7 @@ class ViewCache:
             return None
         if self._built is None:
             assert self._typed is not None
-            self._built = _as_built(self._typed.flat.data_ptr(), layout)
+            self._built = _as_built(self._typed.address, layout)
         if _snapshot(self._viewed) != self._built:
             return None
         return self._flat, dict(self._tensors)
@@ -244,18 +311,19 @@ class ViewCache:
         """Build ``base[:layout.nbytes]`` and its field views, cache them, return them as ``get``.
         ``base`` views the same buffer at every call (a slot, or its ring slot's private view;
         it may be as long as the micro-batch only)."""
-        flat = base[: layout.nbytes]
+        nbytes, numel = layout.nbytes, base.numel()
         typed = self._typed
         if (
             typed is None
-            or base.data_ptr() != typed.flat.data_ptr()
-            or base.numel() > typed.flat.numel()
+            or base.data_ptr() != typed.address
+            or numel > typed.numel
             or typed.touched()
         ):
-            _check_flat(base, layout.nbytes)
+            _check_flat(base, nbytes)
             typed = self._typed = _Typed(base)
-        elif flat.numel() < layout.nbytes:
-            _check_flat(flat, layout.nbytes)
+        elif numel < nbytes:
+            _check_flat(base, nbytes)
+        flat = base[:nbytes]
         tensors = _views(typed, layout, overrides)
         self._fields, self._nbytes, self._overrides = layout.fields, layout.nbytes, dict(overrides)
         self._flat, self._tensors = flat, tensors
@@ -300,10 +368,16 @@ def _itemsize(numpy_name: str) -> int:
 @lru_cache(maxsize=64)
 def torch_dtype(numpy_name: str) -> torch.dtype:
     """The torch dtype with the layout of numpy dtype ``numpy_name``."""
-    dtype = _TORCH_DTYPES[numpy_name] = torch.from_numpy(np.empty(0, dtype=numpy_name)).dtype
-    return dtype
+    return torch.from_numpy(np.empty(0, dtype=numpy_name)).dtype
 
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {}
-"""``torch_dtype``'s answers as a plain dict: a lookup per field costs less than the cache's
-call."""
+class _DtypeNames(dict[str, torch.dtype]):
+    """``torch_dtype``'s answers as a dict filled on first use: a subscript per field costs less
+    than a call."""
+
+    def __missing__(self, numpy_name: str) -> torch.dtype:
+        dtype = self[numpy_name] = torch_dtype(numpy_name)
+        return dtype
+
+
+_TORCH_DTYPES = _DtypeNames()

@@ -14,7 +14,13 @@ from typing import Any, Generic, TypeVar, overload
 
 import torch
 
-from knitkit.microbatch_iter.batch import IterStats, MicroBatch, MicroBatchStats
+from knitkit.microbatch_iter.batch import (
+    IterStats,
+    MicroBatch,
+    MicroBatchStats,
+    build_micro_batch,
+    build_stats,
+)
 from knitkit.microbatch_iter.exit_guard import note_exit
 from knitkit.microbatch_iter.pool import StagingRing
 from knitkit.microbatch_iter.source import SourceItem, source_items
@@ -176,6 +182,8 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         self._launch_pending = False
         self._finished = False
         self._consumer: threading.Thread | None = None
+        self._consumer_ident: int | None = None
+        """``_consumer``'s ident: ``next()`` compares it with ``threading.get_ident()``."""
         self._claim = threading.Lock()
         self._finalizer = weakref.finalize(self, self._prefetcher.shutdown)
         self._finalizer.atexit = False
@@ -183,7 +191,7 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
 
     def __next__(self) -> B:
         start = time.perf_counter()
-        if self._consumer is not threading.current_thread():
+        if self._consumer_ident != threading.get_ident():
             self._check_consumer()
         if self._finished:
             raise StopIteration
@@ -212,7 +220,7 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
             self._launch_pending = True
         else:
             prefetcher.credits.put(None)  # launched(): the thread may stage one more
-        stats = MicroBatchStats(
+        stats = build_stats(
             record.index,
             time.perf_counter() - start,
             record.fetch_s,
@@ -224,9 +232,9 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
             if self._convert_here is None:
                 return record.converted  # type: ignore[return-value]
             return self._convert_here(
-                MicroBatch(record.index, record.layout, record.flat, record.tensors, stats)
+                build_micro_batch(record.index, record.layout, record.flat, record.tensors, stats)
             )
-        return MicroBatch(record.index, record.layout, record.flat, record.tensors, stats)  # type: ignore[return-value]
+        return build_micro_batch(record.index, record.layout, record.flat, record.tensors, stats)  # type: ignore[return-value]
 
     def _check_consumer(self) -> None:
         """One consumer thread per iterator: the first to call ``next()`` owns it until a
@@ -235,7 +243,7 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         if self._consumer is not me:
             with self._claim:
                 if self._consumer is None:
-                    self._consumer = me
+                    self._consumer, self._consumer_ident = me, me.ident
             if self._consumer is not me:
                 raise RuntimeError(
                     f"MicroBatchIterator is consumed by thread {self._consumer.name!r}; next() "
@@ -250,6 +258,7 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         compute stream the micro-batches are ordered before)."""
         with self._claim:
             self._consumer = threading.current_thread()
+            self._consumer_ident = self._consumer.ident
 
     def launched(self) -> None:
         """Tell the iterator the held micro-batch's first kernel is launched; staging may go on.

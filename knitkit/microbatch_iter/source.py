@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -139,14 +140,22 @@ _checked: tuple[FieldView, ...] = ()
 layout (often the same object), which then costs one identity test, not a call per field."""
 
 
+_stageable: set[str] = set()
+"""Dtype names of fields that passed ``check_layout``: a layout of these only costs one C call
+however many fields it has (a consumer decodes a new layout per micro-batch)."""
+_dtype_of = operator.attrgetter("dtype")
+
+
 def check_layout(layout: MicroBatchLayout) -> None:
     """``ValueError`` naming the first field whose dtype cannot be staged."""
     global _checked
     fields = layout.fields
     if fields is _checked:
         return
-    for view in fields:
-        _check_field(view.name, view.dtype)
+    if not _stageable.issuperset(map(_dtype_of, fields)):
+        for view in fields:
+            _check_field(view.name, view.dtype)
+        _stageable.update(map(_dtype_of, fields))
     _checked = fields
 
 

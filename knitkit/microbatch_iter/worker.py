@@ -135,6 +135,8 @@ from knitkit.types import MicroBatchLayout, PackedMicroBatch
 
 _NO_OVERRIDES: Mapping[str, torch.dtype] = MappingProxyType({})
 """A lease's fields keep their layout dtypes."""
+_NO_BYTES = torch.empty(0, dtype=torch.uint8)
+"""The flat tensor of an empty lease (``torch.frombuffer`` refuses an empty buffer)."""
 _PRIVATE_VIEW_SLOTS = 64
 """Private slot views whose field views are kept (a ring has a few slots; a source whose
 private views are fresh buffers each time would otherwise pin them all)."""
@@ -145,7 +147,9 @@ exits); the slice only bounds a missed one. Each slice that ends is a wake with 
 (~0.1-0.2 ms of CPU under load, issue 31): the consumer's polled every 0.1 s before."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(
+    slots=True
+)  # not frozen: built per micro-batch (NOTE [ Hand-out objects without __init__ ])
 class Staged:
     """A micro-batch staged into slot ``slot``, ready to hand over; ``slot`` is None when
     ``flat`` views the source's buffer (see NOTE [ Zero-copy hand-off ])."""
@@ -235,7 +239,8 @@ class Prefetcher:
                 self.in_source = True  # before draining: see NOTE [ Zero-copy hand-off ]
                 try:
                     self.release_retired()
-                    self.release_copied()  # the source may need these slots for the next item
+                    if self.copied:  # the source may need these slots for the next item
+                        self.release_copied()
                     start = time.perf_counter()
                     item = next(self.source)
                 except StopIteration:
@@ -249,7 +254,7 @@ class Prefetcher:
                         _release(plan_staging(item))
                         return
                     # Queued under ``lock``: teardown drains (and releases) every record.
-                    record = self._stage(index, item, fetch_s=fetched - start)
+                    record = self._stage(index, item, fetched, fetch_s=fetched - start)
                     if self.convert is not None:
                         record = self.convert(record)
                     self.ready.put(record)
@@ -278,8 +283,8 @@ class Prefetcher:
         self.stop.set()
         self.credits.put(None)
 
-    def _stage(self, index: int, item: SourceItem, *, fetch_s: float) -> Staged:
-        start = time.perf_counter()
+    def _stage(self, index: int, item: SourceItem, start: float, *, fetch_s: float) -> Staged:
+        """``item`` staged, from ``start`` (``perf_counter()`` when it was fetched)."""
         if (
             isinstance(item, PackedMicroBatch)
             and item.private is not None
@@ -291,11 +296,13 @@ class Prefetcher:
             # views ]); only its address picks the cached views.
             layout = item.layout
             check_layout(layout)
-            private = np.frombuffer(item.private(), np.uint8)
-            views = self._views_over(private)
+            private = item.private()
+            # one torch call over the buffer (np.frombuffer, its address and from_numpy: 4x that)
+            flat = torch.frombuffer(private, dtype=torch.uint8) if layout.nbytes else _NO_BYTES
+            views = self._views_over(flat.data_ptr())
             cached = views.get(layout, _NO_OVERRIDES)
             if cached is None:
-                cached = views.put(torch.from_numpy(private), layout, _NO_OVERRIDES)
+                cached = views.put(flat, layout, _NO_OVERRIDES)
             stage_s = time.perf_counter() - start
             return Staged(index, None, layout, *cached, fetch_s, stage_s, item.release)
         plan = plan_staging(item)
@@ -325,9 +332,8 @@ class Prefetcher:
         # The record keeps no reference to the source's buffer: its slot may be reused now.
         return Staged(index, slot.index, layout, *cached, fetch_s, stage_s)
 
-    def _views_over(self, private: np.ndarray) -> ViewCache:
-        """The view cache of the private slot view at ``private``'s address."""
-        address = private.__array_interface__["data"][0]
+    def _views_over(self, address: int) -> ViewCache:
+        """The view cache of the private slot view at ``address``."""
         views = self._private_views.get(address)
         if views is None:
             if len(self._private_views) >= _PRIVATE_VIEW_SLOTS:
@@ -384,12 +390,9 @@ class Prefetcher:
         """Hand every retired lease back to its producer (either thread)."""
         if self.retired.empty():  # the usual case on the staging path: no lock, no exception
             return
-        with self.release_lock:
-            while True:
-                try:
-                    record = self.retired.get_nowait()
-                except queue.Empty:
-                    return
+        with self.release_lock:  # the one drainer: what empty() denies, get_nowait() has
+            while not self.retired.empty():
+                record = self.retired.get_nowait()
                 assert record.release is not None
                 record.release()
 

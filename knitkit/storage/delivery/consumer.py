@@ -92,8 +92,9 @@ class _Releases:
         self._private: dict[int, int] = {}
         """seq -> bytes of the private views handed out (NOTE [ Zero-copy hand-off ])."""
 
-    def private(self, seq: int, nbytes: int) -> memoryview:
-        """Lease ``seq``'s bytes through this process's copy-on-write mapping."""
+    def private(self, seq: int, nbytes: int) -> tuple[memoryview, int]:
+        """Lease ``seq``'s bytes through this process's copy-on-write mapping: the view and the
+        address of its first byte."""
         with self._lock:
             if self._closed:
                 raise ConsumerClosedError(
@@ -101,7 +102,7 @@ class _Releases:
                     "micro-batches can no longer be read"
                 )
             self._private[seq] = nbytes
-            return self._ring.private_slot(seq, nbytes)
+            return self._ring.private_slot_at(seq, nbytes)
 
     def release(self, seq: int) -> None:
         with self._lock:
@@ -109,10 +110,13 @@ class _Releases:
                 return
             # private copies go first: the slot's next occupant must be read from shared pages
             self._ring.drop_private(seq, self._private.pop(seq, 0))
-            self._early.add(seq)
-            while self.count in self._early:
-                self._early.remove(self.count)
+            if seq == self.count and not self._early:  # in order, the usual case
                 self.count += 1
+            else:
+                self._early.add(seq)
+                while self.count in self._early:
+                    self._early.remove(self.count)
+                    self.count += 1
             self._ring.set_released(self._index, self.count)
 
     def release_all(self, upto: int) -> None:
@@ -123,6 +127,20 @@ class _Releases:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+
+
+# NOTE [ Lease in few calls ]: a rank hands out a lease per micro-batch right after its compute,
+# with cold caches, where every Python-level operation costs ~3x its warm time (NOTE [ Zero-copy
+# hand-off ] in knitkit/microbatch_iter/worker.py), so the lease path is kept to few calls and
+# objects: the slot's address comes with its private view (``SlotRing.private_slot_at``, the
+# mapping's address read once per ring) and the lease's array interface is written from it, with
+# no array made to learn it; the wait's clock runs only when there is a wait; an in-order release
+# moves the count without the early-release set; a release that comes second (the backstop after
+# ``release()``) returns without raising. What a rank's threads execute per hand-out, Python and
+# C calls counted by a profiler over a ring of transfer.py's 9 fields, a new layout each time
+# (tests/storage/test_handout_calls.py, which bounds it): 198-200 at 62f8166, 166-171 with these
+# and the iterator's cuts (NOTE [ Hand-out objects without __init__ ] in
+# knitkit/microbatch_iter/batch.py), of which ~60 are per field (its FieldView and its view).
 
 
 class _Release:
@@ -137,9 +155,12 @@ class _Release:
         self._seq = seq
 
     def __call__(self) -> None:
+        once = self._once
+        if not once:  # released already (the backstop after ``release()``): no exception
+            return
         try:
-            releases = self._once.pop()
-        except IndexError:
+            releases = once.pop()
+        except IndexError:  # another thread released it between the test and the pop
             return
         releases.release(self._seq)
 
@@ -164,12 +185,16 @@ class _SlotBytes:
 
     __slots__ = ("__array_interface__", "_release", "view")
 
-    def __init__(self, view: np.ndarray, release: _Release) -> None:
+    def __init__(self, view: memoryview, address: int, release: _Release) -> None:
+        """``view``'s ``nbytes`` bytes at ``address`` (``view`` keeps the mapping alive)."""
         self.view = view
         self._release = release
-        interface = dict(view.__array_interface__)
-        interface["data"] = (interface["data"][0], True)
-        self.__array_interface__ = interface
+        self.__array_interface__ = {
+            "data": (address, True),
+            "shape": (view.nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }
 
     def __del__(self) -> None:
         self._release()
@@ -304,23 +329,25 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
             timeout = self._wait_timeout_s if timeout_s is None else timeout_s
             seq = self._next
             ring = self._ring
-            start = time.perf_counter()
             if ring.published <= seq:  # the usual look-ahead case skips the wait's set-up
+                start = time.perf_counter()
                 self._wait_published(seq, timeout, cancel)
-            published = time.perf_counter()
+                published = time.perf_counter()
+                self._wait_s += published - start
+            else:
+                published = time.perf_counter()
             ring.check_size()  # a truncated segment would SIGBUS below
             layout = ring.read_meta(seq)
             releases = self._releases
             # every hand-out reads through this process's copy-on-write mapping (NOTE [ Zero-copy
             # hand-off ] in knitkit/microbatch_iter/worker.py): numpy views are read-only, but a
             # write through ``torch.from_numpy`` of one stays with this rank, never its TP peers
-            view = releases.private(seq, layout.nbytes)
+            view, address = releases.private(seq, layout.nbytes)
             release = _Release(releases, seq)  # runs once: NOTE [ Lease backstop ]
-            holder = _SlotBytes(np.frombuffer(view, np.uint8), release)
+            holder = _SlotBytes(view, address, release)
             # the lease's private() is this very view: booked once, mapped once per hand-out
             lease = PackedMicroBatch(layout, np.asarray(holder), release, seq, partial(_same, view))
             self._next = seq + 1
-            self._wait_s += published - start
             self._decode_s += time.perf_counter() - published
             self._handed_out += 1
             self._handed_out_bytes += layout.nbytes

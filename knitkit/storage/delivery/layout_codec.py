@@ -24,11 +24,12 @@ import math
 import operator
 import struct
 from dataclasses import dataclass
+from functools import reduce
 
 import numpy as np
 
 from knitkit.storage.backends.validate import SUPPORTED_DTYPES
-from knitkit.storage.planning.plan import field_views
+from knitkit.storage.planning.plan import field_views, slot_setters
 from knitkit.types import LAYOUT_ALIGNMENT, FieldView, MicroBatchLayout, UnitKey
 
 _MAGIC = b"KKL1"
@@ -176,10 +177,10 @@ def decode_layout(blob: bytes, capacity: int) -> MicroBatchLayout:
     fields = _fields(blob, strings, n_fields, nbytes, capacity)
     cu = struct.unpack_from(f"<{n_cu}q", blob, at)
     try:
-        units = tuple(map(UnitKey.parse, strings[n_fields + n_traj : names]))
+        units = tuple(map(UnitKey.parse, strings[n_fields + n_traj : names])) if n_units else ()
     except ValueError as exc:
         raise LayoutDecodeError(str(exc)) from None
-    extra = {}
+    extra: dict[str, int | float | str] = {}
     at += 8 * n_cu
     for i, (kind, number, real) in enumerate(_EXTRA.iter_unpack(blob[at:tables])):
         name = strings[names + i]
@@ -192,7 +193,17 @@ def decode_layout(blob: bytes, capacity: int) -> MicroBatchLayout:
         else:
             raise LayoutDecodeError(f"extra {name!r} has kind {kind} and value {number}")
     trajectory_ids = tuple(strings[n_fields : n_fields + n_traj])
-    return MicroBatchLayout(tuple(fields), nbytes, cu, trajectory_ids, units, extra)
+    # MicroBatchLayout(...) without its frozen __init__: NOTE [ Hand-out objects without
+    # __init__ ] in knitkit/microbatch_iter/batch.py
+    layout = object.__new__(MicroBatchLayout)
+    set_fields, set_nbytes, set_cu, set_ids, set_units, set_extra = slot_setters(MicroBatchLayout)
+    set_fields(layout, tuple(fields))
+    set_nbytes(layout, nbytes)
+    set_cu(layout, cu)
+    set_ids(layout, trajectory_ids)
+    set_units(layout, units)
+    set_extra(layout, extra)
+    return layout
 
 
 # NOTE [ Field sets decoded once ]: a consumer decodes a record per micro-batch right after it
@@ -246,7 +257,11 @@ def _fields(
     values = dynamic.unpack_from(blob, _HEADER.size)
     offsets, leads = values[0::2], values[1::2]
     known = _FIELD_SETS.get(key)
-    if known is not None and max(leads) <= capacity and not any(o & _ALIGN_UP for o in offsets):
+    if (
+        known is not None
+        and max(leads) <= capacity
+        and not reduce(operator.or_, offsets) & _ALIGN_UP
+    ):
         ends = [o + size * n for o, size, n in zip(offsets, known.row_bytes, leads, strict=True)]
         if ends[-1] <= nbytes and all(map(operator.le, ends, offsets[1:])):
             shapes = [(n, *rest) for n, rest in zip(leads, known.trailing, strict=True)]

@@ -186,6 +186,10 @@ class SlotRing:
         self._buf = memoryview(self._head)
         self._slots = memoryview(self._data)
         self._private: mmap.mmap | None = None
+        self._private_view = memoryview(b"")
+        """The private mapping as a memoryview (once mapped), sliced per hand-out."""
+        self._private_at = 0
+        """Address of the private mapping's first byte (once mapped)."""
         self._written: WrittenPages | None = None
         self._mapped: dict[int, int] = {}
         """Slot index -> leading bytes whose pages the private mapping has mapped (populated)."""
@@ -481,6 +485,12 @@ class SlotRing:
         of the data region, mapped once per ring, each slot's pages faulted in whole at its first
         use: reads see the shared pages, writes stay in this process (NOTE [ Zero-copy hand-off ]
         in knitkit/microbatch_iter/worker.py); ``drop_private`` before the release."""
+        return self.private_slot_at(seq, nbytes)[0]
+
+    def private_slot_at(self, seq: int, nbytes: int) -> tuple[memoryview, int]:
+        """``private_slot`` and the address of its first byte (a consumer builds its lease's
+        array interface from it: no array made to learn it, NOTE [ Lease in few calls ] in
+        consumer.py)."""
         if self._private is None:
             length = self._num_slots * self.spec.slot_bytes
             self._private = mmap.mmap(
@@ -491,6 +501,9 @@ class SlotRing:
                 offset=self.spec._data_offset,
             )
             self._written = WrittenPages(self._private)
+            self._private_view = memoryview(self._private)  # released by close()
+            # the array holds an export of the mapping only while this line runs
+            self._private_at = int(np.frombuffer(self._private, np.uint8, 1).ctypes.data)
         slot = seq % self._num_slots
         start = slot * self.spec.slot_bytes
         mapped = self._mapped.get(slot, 0)
@@ -504,7 +517,7 @@ class SlotRing:
                 except OSError:
                     self._populate = False  # kernel < 5.14: the first reads fault them in
             self._mapped[slot] = whole
-        return memoryview(self._private)[start : start + nbytes]
+        return self._private_view[start : start + nbytes], self._private_at + start
 
     def drop_private(self, seq: int, nbytes: int) -> None:
         """Drop this process's private copies of the pages of ``seq``'s first ``nbytes`` it wrote
@@ -585,7 +598,7 @@ class SlotRing:
         self._heartbeat = np.zeros(1, np.float64)
         if self._written is not None:
             self._written.close()
-        for view in (self._buf, self._slots):
+        for view in (self._buf, self._slots, self._private_view):
             with contextlib.suppress(BufferError):  # arrays over it are still alive
                 view.release()
         for mapped in (self._head, self._data, self._private):
