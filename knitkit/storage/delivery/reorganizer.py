@@ -55,10 +55,13 @@ from knitkit.types import MicroBatchLayout, UnitKey, UnitRead
 # that cannot expose bytes (disk, Ray) keep the template path (NOTE [ Pack templates ]), which
 # the copy lists match byte for byte (tests/storage/test_reorg_copy_lists.py). Measured
 # (transfer.py's micro-batches, one process, thread time, passes alternating, load ~10): 341 ->
-# 316 us per micro-batch, ~185 us of it memcpy; Python calls per micro-batch outside the
-# compile 196 -> 59 (2 fields), 359 -> 92 (8 fields). What is left under transfer.py's load is
-# the copies (memory-bound, slower than the quiet memcpy its figure divides by), the compile,
-# and the waits for a slot (one wake per slot: NOTE [ Futex waits ] in atomic_words.py).
+# 316 and 371 -> 340 us per micro-batch, ~185 us of it memcpy; Python calls per micro-batch
+# outside the compile 196 -> 59 (2 fields), 359 -> 92 (8 fields). Inside transfer.py's
+# look-ahead phases (a scratch run with thread clocks around each part, load 9-13), one backbone
+# reorganizer's step of 6.7 micro-batches (15.7 MiB): 4.5-5.1 ms, of which the copies 1.6-2.0 ms
+# (1.4-1.7x a quiet memcpy of those bytes: 8 ranks compute on the same 2 cores), the slot waits
+# 0.9-1.0 ms (one wake per micro-batch, ~140 us of CPU each, NOTE [ Futex waits ] in
+# atomic_words.py), unit lookups 0.6-1.0 ms, compiles 0.4-0.8 ms, publications 0.4 ms.
 
 
 class Reorganizer:
