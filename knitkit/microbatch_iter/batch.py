@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from functools import lru_cache
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from knitkit.types import LAYOUT_ALIGNMENT, FieldView, MicroBatchLayout
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,24 +91,25 @@ class MicroBatch:
 # dev box at load ~8, issue 31), paid per micro-batch for the iterator's ``MicroBatchStats`` and
 # ``MicroBatch`` (and a consumer's ``MicroBatchLayout``, layout_codec.py). These stay frozen for
 # their users and are built here by their slot setters (``build_stats``, ``build_micro_batch``):
-# the same objects, equal to the constructors' (tests/microbatch_iter/test_handout_calls.py).
+# the same objects, equal to the constructors' (tests/storage/test_handout_calls.py).
 _STATS_SLOTS = tuple(getattr(MicroBatchStats, f.name).__set__ for f in fields(MicroBatchStats))
 _BATCH_SLOTS = tuple(getattr(MicroBatch, f.name).__set__ for f in fields(MicroBatch))
+
+
+def _filled(cls: type[_T], setters: tuple[Callable[[Any, Any], None], ...], *values: Any) -> _T:
+    """An instance of the frozen ``cls`` with its slots set to ``values`` in field order, without
+    its ``__init__`` (NOTE [ Hand-out objects without __init__ ])."""
+    made = object.__new__(cls)
+    for set_slot, value in zip(setters, values, strict=True):
+        set_slot(made, value)
+    return made
 
 
 def build_stats(
     index: int, wait_s: float, fetch_s: float, stage_s: float, nbytes: int
 ) -> MicroBatchStats:
-    """``MicroBatchStats(...)`` without its ``__init__`` (NOTE [ Hand-out objects without
-    __init__ ])."""
-    stats = object.__new__(MicroBatchStats)
-    set_index, set_wait, set_fetch, set_stage, set_nbytes = _STATS_SLOTS
-    set_index(stats, index)
-    set_wait(stats, wait_s)
-    set_fetch(stats, fetch_s)
-    set_stage(stats, stage_s)
-    set_nbytes(stats, nbytes)
-    return stats
+    """``MicroBatchStats(...)`` without its ``__init__``."""
+    return _filled(MicroBatchStats, _STATS_SLOTS, index, wait_s, fetch_s, stage_s, nbytes)
 
 
 def build_micro_batch(
@@ -115,16 +119,8 @@ def build_micro_batch(
     tensors: Mapping[str, torch.Tensor],
     stats: MicroBatchStats,
 ) -> MicroBatch:
-    """``MicroBatch(...)`` without its ``__init__`` (NOTE [ Hand-out objects without
-    __init__ ])."""
-    batch = object.__new__(MicroBatch)
-    set_index, set_layout, set_flat, set_tensors, set_stats = _BATCH_SLOTS
-    set_index(batch, index)
-    set_layout(batch, layout)
-    set_flat(batch, flat)
-    set_tensors(batch, tensors)
-    set_stats(batch, stats)
-    return batch
+    """``MicroBatch(...)`` without its ``__init__``."""
+    return _filled(MicroBatch, _BATCH_SLOTS, index, layout, flat, tensors, stats)
 
 
 def field_tensors(
