@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from encoder_dedup.toy import Case, ItemView, ToyBackbone, ToyEncoder, item_view, unit_inputs
 from knitkit.encoder_dedup import (
@@ -191,33 +192,35 @@ class WatchedTransport:
 
 @contextmanager
 def pool_idioms() -> Iterator[list[str]]:
-    """Records each call of the two idioms that enter torch's intra-op pool on few-element
-    tensors (NOTE [ Segment ids off the intra-op pool ]): ``repeat_interleave`` and a gather by
-    an integer tensor index, ``x[ids]``."""
+    """Records each call, on this thread, of the two idioms that enter torch's intra-op pool on
+    few-element tensors (NOTE [ Segment ids off the intra-op pool ]): ``repeat_interleave`` and a
+    gather by an integer tensor index, ``x[ids]``. A torch function mode, not patched methods:
+    a ``Tensor.__getitem__`` set on the class, even set back, leaves the type a sequence for
+    the rest of the process (``torch.tensor`` of 0-d tensors then raises)."""
     calls: list[str] = []
-    originals: dict[tuple[Any, str], Callable[..., Any]] = {
-        (torch, "repeat_interleave"): torch.repeat_interleave,
-        (torch.Tensor, "repeat_interleave"): torch.Tensor.repeat_interleave,
-        (torch.Tensor, "__getitem__"): torch.Tensor.__getitem__,
-    }
+    with _PoolIdioms(calls):
+        yield calls
 
-    def counted(owner: Any, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            keys = args[1] if name == "__getitem__" and len(args) > 1 else None
-            keys = keys if isinstance(keys, tuple) else (keys,)
-            if name != "__getitem__" or any(
+
+class _PoolIdioms(TorchFunctionMode):
+    def __init__(self, calls: list[str]) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave):
+            self.calls.append("repeat_interleave")
+        elif func is torch.Tensor.__getitem__ and len(args) > 1:
+            keys = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(
                 isinstance(k, torch.Tensor) and not k.is_floating_point() and k.dtype != torch.bool
                 for k in keys
             ):
-                calls.append(name)
-            return original(*args, **kwargs)
-
-        return call
-
-    for (owner, name), original in originals.items():
-        setattr(owner, name, counted(owner, name, original))
-    try:
-        yield calls
-    finally:
-        for (owner, name), original in originals.items():
-            setattr(owner, name, original)
+                self.calls.append("__getitem__")
+        return func(*args, **(kwargs or {}))
