@@ -126,7 +126,11 @@ def test_a_durable_resume_after_a_kill_at_the_train_pass_serves_the_new_write_ba
         threads, seen_first = run_ranks(first.rank_spec(), grid(1, 1, 1, 1), hold=hold)
         assert hold.reached.wait(120), "the rank never reached the third mini-batch's train pass"
         state = json.loads(json.dumps(first.state_dict(trained=2, timeout_s=60)))
-        shutil.copytree(tmp_path / "units", killed)
+        # the directory as a kill at one instant leaves it: every method of the backend that
+        # writes (put, flush's shard and its rename, the journal) holds its state lock (NOTE
+        # [ Owner threads ]), and the driver's scheduler thread may flush during the copy
+        with store.backend._state_lock:  # type: ignore[attr-defined]
+            shutil.copytree(tmp_path / "units", killed)
     finally:
         first.close()
         hold.release.set()
