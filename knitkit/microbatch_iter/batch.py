@@ -151,7 +151,9 @@ def _check_flat(flat: torch.Tensor, nbytes: int) -> None:
 class _Typed(dict[torch.dtype, tuple[torch.Tensor, int, int]]):
     """A flat uint8 tensor viewed as items of each dtype asked for: ``(view, element offset of
     the flat tensor's first byte, item size)``, made once per dtype (and kept with a
-    ``ViewCache`` for every layout built over the same buffer)."""
+    ``ViewCache`` for every layout built over the same buffer). Made again once autograd
+    reached a dtype view (an in-place op on a field view with grad rebases its history onto the
+    view it was cut from): views cut from it would require grad."""
 
     __slots__ = ("address", "first", "flat", "numel", "views")
 
@@ -165,12 +167,6 @@ class _Typed(dict[torch.dtype, tuple[torch.Tensor, int, int]]):
         self.flat = flat
         self.first = int(flat.storage_offset())
         self.views: list[torch.Tensor] = []
-
-    def touched(self) -> bool:
-        """Whether autograd reached a dtype view (an in-place op on a field view with grad
-        rebases its history onto the view it was cut from): views cut from it would require
-        grad, so it is made again."""
-        return any(map(_REQUIRES_GRAD, self.views))
 
     def __missing__(self, dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:
         view = self.flat.view(dtype)
@@ -286,14 +282,19 @@ class ViewCache:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
         """The flat tensor and a fresh dict of the cached field views, or None if ``layout``
         (with ``overrides``) is not the one they were built for or the loop changed one."""
-        fields = layout.fields
         if (
             self._flat is None
             or layout.nbytes != self._nbytes  # first: it tells most new layouts apart at once
-            or (fields is not self._fields and fields != self._fields)
             or overrides != self._overrides
         ):
             return None
+        fields = layout.fields
+        if fields is not self._fields:
+            if fields != self._fields:
+                return None
+            # an equal tuple (decoded again): the next one is likely this very tuple (NOTE
+            # [ Shapes decoded once ] in knitkit/storage/delivery/layout_codec.py)
+            self._fields = fields
         if self._built is None:
             assert self._typed is not None
             self._built = _as_built(self._typed.address, layout)
@@ -313,7 +314,7 @@ class ViewCache:
             typed is None
             or base.data_ptr() != typed.address
             or numel > typed.numel
-            or typed.touched()
+            or any(map(_REQUIRES_GRAD, typed.views))  # touched by autograd: see ``_Typed``
         ):
             _check_flat(base, nbytes)
             typed = self._typed = _Typed(base)

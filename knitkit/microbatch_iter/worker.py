@@ -217,7 +217,9 @@ class Prefetcher:
         self._private_views: dict[int, ViewCache] = {}
         """Field views over the private views of a source's slots, by address (NOTE [ Reused
         field views ]); cleared at teardown, before the source is closed."""
-        self.stop = threading.Event()
+        self.stop = False
+        """Set once by ``request_stop`` (a plain flag, read per micro-batch without a call: an
+        Event's ``is_set`` is a Python frame, and nothing waits on it)."""
         self.lock = threading.Lock()
         self.in_source = False
         """True while the thread is inside next(source) (NOTE [ Zero-copy hand-off ])."""
@@ -250,7 +252,7 @@ class Prefetcher:
                     self.in_source = False
                 fetched = time.perf_counter()
                 with self.lock:
-                    if self.stop.is_set():
+                    if self.stop:
                         _release(plan_staging(item))
                         return
                     # Queued under ``lock``: teardown drains (and releases) every record.
@@ -268,19 +270,19 @@ class Prefetcher:
     def _acquire_credit(self) -> bool:
         if not self.credits.empty():
             self.credits.get_nowait()  # only this thread takes credits: one is there
-            return not self.stop.is_set()
+            return not self.stop
         self.release_copied()  # idle until the consumer moves on: hand copied slots back now
-        while not self.stop.is_set():
+        while not self.stop:
             try:
                 self.credits.get(timeout=_ANNOUNCED_WAIT_S)
             except queue.Empty:
                 continue
-            return not self.stop.is_set()
+            return not self.stop
         return False
 
     def request_stop(self) -> None:
         """Set ``stop`` and wake a thread waiting for a credit (NOTE [ Prefetch thread shutdown ])."""
-        self.stop.set()
+        self.stop = True
         self.credits.put(None)
 
     def _stage(self, index: int, item: SourceItem, start: float, *, fetch_s: float) -> Staged:
@@ -299,7 +301,12 @@ class Prefetcher:
             private = item.private()
             # one torch call over the buffer (np.frombuffer, its address and from_numpy: 4x that)
             flat = torch.frombuffer(private, dtype=torch.uint8) if layout.nbytes else _NO_BYTES
-            views = self._views_over(flat.data_ptr())
+            address = flat.data_ptr()
+            views = self._private_views.get(address)
+            if views is None:
+                if len(self._private_views) >= _PRIVATE_VIEW_SLOTS:
+                    self._private_views.clear()  # not a ring's few slots: bound what is held
+                views = self._private_views[address] = ViewCache()
             cached = views.get(layout, _NO_OVERRIDES)
             if cached is None:
                 cached = views.put(flat, layout, _NO_OVERRIDES)
@@ -331,15 +338,6 @@ class Prefetcher:
         stage_s = time.perf_counter() - start
         # The record keeps no reference to the source's buffer: its slot may be reused now.
         return Staged(index, slot.index, layout, *cached, fetch_s, stage_s)
-
-    def _views_over(self, address: int) -> ViewCache:
-        """The view cache of the private slot view at ``address``."""
-        views = self._private_views.get(address)
-        if views is None:
-            if len(self._private_views) >= _PRIVATE_VIEW_SLOTS:
-                self._private_views.clear()  # not a ring's few slots: bound what is held
-            views = self._private_views[address] = ViewCache()
-        return views
 
     def take(self, timeout_s: float) -> Staged | Failure | End:
         """Consumer side: the next record, in order; raises if the thread died without one, or

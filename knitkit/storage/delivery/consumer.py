@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
@@ -9,7 +10,6 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import partial
 from typing import Protocol
 
 import numpy as np
@@ -134,42 +134,27 @@ class _Releases:
 # hand-off ] in knitkit/microbatch_iter/worker.py), so the lease path is kept to few calls and
 # objects: the slot's address comes with its private view (``SlotRing.private_slot_at``, the
 # mapping's address read once per ring) and the lease's array interface is written from it, with
-# no array made to learn it; the wait's clock runs only when there is a wait; an in-order release
-# moves the count without the early-release set; a release that comes second (the backstop after
-# ``release()``) returns without raising. What a rank's threads execute per hand-out, Python and
-# C calls counted by a profiler over a ring of transfer.py's 9 fields, a new layout each time
-# (tests/storage/test_handout_calls.py, which bounds it): 198-200 at 62f8166, 166-171 with these
-# and the iterator's cuts (NOTE [ Hand-out objects without __init__ ] in
-# knitkit/microbatch_iter/batch.py), of which ~60 are per field (its FieldView and its view).
-
-
-class _Release:
-    """Releases one lease, once, whichever comes first: its holder's ``release()`` or the end of
-    its bytes' last reader (``_SlotBytes.__del__``). Thread-safe: the one-item list's ``pop`` is
-    atomic."""
-
-    __slots__ = ("_once", "_seq")
-
-    def __init__(self, releases: _Releases, seq: int) -> None:
-        self._once = [releases]
-        self._seq = seq
-
-    def __call__(self) -> None:
-        once = self._once
-        if not once:  # released already (the backstop after ``release()``): no exception
-            return
-        try:
-            releases = once.pop()
-        except IndexError:  # another thread released it between the test and the pop
-            return
-        releases.release(self._seq)
+# no array made to learn it; one object per lease is its bytes' holder, its ``on_release`` and
+# its backstop at once (``_SlotBytes``), and its ``private()`` is a C-level callable; flags read
+# per micro-batch are plain attributes, not Events (``is_set`` is a Python frame); the wait's
+# clock runs only when there is a wait; an in-order release moves the count without the
+# early-release set; a release that comes second (the backstop after ``release()``) returns
+# without raising. What a rank's threads execute per hand-out, Python and C calls counted by a
+# profiler over a 3-slot ring of transfer.py's 9 fields (tests/storage/test_handout_calls.py,
+# which bounds both): a new shape each time 146-151 (~50 Python frames) against 161-164 (~61) at
+# 1cebb89 and ~200 at 62f8166; a repeated shape 109-117 against 153-166 (NOTE [ Shapes decoded
+# once ] in layout_codec.py); with the iterator's cuts (NOTE [ Hand-out objects without
+# __init__ ] in knitkit/microbatch_iter/batch.py). Of a new shape's calls ~30 are per field
+# (its FieldView's and its view's).
 
 
 class _SlotBytes:
     """A slot's bytes under the array interface, read-only. numpy collapses a view's base to
     the first object that is not an array, so every array (and tensor) over a lease's buffer
     keeps this object alive: once nothing can read the slot any more, it releases a lease nobody
-    released (a backstop; ``release()`` is the contract).
+    released (a backstop; ``release()`` is the contract). It is also the lease's ``on_release``
+    (one object per lease, NOTE [ Lease in few calls ]): the lease keeps it alive no longer than
+    its ``buffer`` already does.
 
     NOTE [ Lease backstop ]: the backstop was a ``weakref.finalize`` per lease (~3 us, and an
     entry added to and removed from its class-wide registry per micro-batch). In a rank process
@@ -183,12 +168,14 @@ class _SlotBytes:
     returns at once.
     """
 
-    __slots__ = ("__array_interface__", "_release", "view")
+    __slots__ = ("__array_interface__", "_once", "_seq", "view")
 
-    def __init__(self, view: memoryview, address: int, release: _Release) -> None:
-        """``view``'s ``nbytes`` bytes at ``address`` (``view`` keeps the mapping alive)."""
+    def __init__(self, view: memoryview, address: int, releases: _Releases, seq: int) -> None:
+        """``view``'s ``nbytes`` bytes at ``address`` (``view`` keeps the mapping alive), the
+        bytes of lease ``seq`` of ``releases``."""
         self.view = view
-        self._release = release
+        self._once = [releases]
+        self._seq = seq
         self.__array_interface__ = {
             "data": (address, True),
             "shape": (view.nbytes,),
@@ -196,13 +183,23 @@ class _SlotBytes:
             "version": 3,
         }
 
+    def __call__(self) -> None:
+        """Release the lease, once, whichever comes first: its holder's ``release()`` (this is
+        the lease's ``on_release``) or the end of its bytes' last reader (``__del__``).
+        Thread-safe: the one-item list's ``pop`` is atomic; a second call (the backstop after
+        ``release()``) returns without raising."""
+        once = self._once
+        if not once:
+            return
+        try:
+            releases = once.pop()
+        except IndexError:  # another thread released it between the test and the pop
+            return
+        releases.release(self._seq)
+
     def __del__(self) -> None:
-        self._release()
-
-
-def _same(view: memoryview) -> memoryview:
-    """``view`` itself: a lease's ``private()`` (bound with ``partial``, no closure per lease)."""
-    return view
+        if self._once:  # the usual case: released already, no call
+            self()
 
 
 def _detach(ring: SlotRing, releases: _Releases, key: tuple[str, int]) -> None:
@@ -343,10 +340,12 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
             # hand-off ] in knitkit/microbatch_iter/worker.py): numpy views are read-only, but a
             # write through ``torch.from_numpy`` of one stays with this rank, never its TP peers
             view, address = releases.private(seq, layout.nbytes)
-            release = _Release(releases, seq)  # runs once: NOTE [ Lease backstop ]
-            holder = _SlotBytes(view, address, release)
-            # the lease's private() is this very view: booked once, mapped once per hand-out
-            lease = PackedMicroBatch(layout, np.asarray(holder), release, seq, partial(_same, view))
+            holder = _SlotBytes(view, address, releases, seq)  # NOTE [ Lease backstop ]
+            # the lease's private() is this very view (a C-level callable: no Python frame per
+            # call): booked once, mapped once per hand-out
+            lease = PackedMicroBatch(
+                layout, np.asarray(holder), holder, seq, itertools.repeat(view).__next__
+            )
             self._next = seq + 1
             self._decode_s += time.perf_counter() - published
             self._handed_out += 1
@@ -653,9 +652,11 @@ class Take(Iterator[PackedMicroBatch]):
         self.count = count
         self.taken = 0
         self._cancel = threading.Event()
+        self._ended = False
+        """``_cancel``'s flag as a plain attribute: read per micro-batch without a call."""
 
     def __next__(self) -> PackedMicroBatch:
-        if self.taken >= self.count or self._cancel.is_set():
+        if self.taken >= self.count or self._ended:
             raise StopIteration
         try:
             lease = self._consumer.next_micro_batch(cancel=self._cancel)
@@ -669,6 +670,7 @@ class Take(Iterator[PackedMicroBatch]):
 
     def interrupt(self) -> None:
         """Make a ``next()`` waiting in another thread raise ``InterruptedError`` at once."""
+        self._ended = True
         self._cancel.set()
         self._consumer.wake()
 

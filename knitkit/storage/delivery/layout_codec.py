@@ -23,7 +23,7 @@ import itertools
 import math
 import operator
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import reduce
 
 import numpy as np
@@ -197,7 +197,7 @@ def decode_layout(blob: bytes, capacity: int) -> MicroBatchLayout:
     # __init__ ] in knitkit/microbatch_iter/batch.py
     layout = object.__new__(MicroBatchLayout)
     set_fields, set_nbytes, set_cu, set_ids, set_units, set_extra = slot_setters(MicroBatchLayout)
-    set_fields(layout, tuple(fields))
+    set_fields(layout, fields)
     set_nbytes(layout, nbytes)
     set_cu(layout, cu)
     set_ids(layout, trajectory_ids)
@@ -224,17 +224,37 @@ def decode_layout(blob: bytes, capacity: int) -> MicroBatchLayout:
 @dataclass(frozen=True, slots=True)
 class _FieldSet:
     """The static part of a record's fields, checked: names, dtypes, the dimensions after the
-    first, and bytes per unit of the first dimension."""
+    first, and bytes per unit of the first dimension; and the fields of the shapes seen lately
+    (NOTE [ Shapes decoded once ])."""
 
     names: tuple[str, ...]
     dtypes: tuple[str, ...]
     trailing: tuple[tuple[int, ...], ...]
     row_bytes: tuple[int, ...]
+    shapes: dict[tuple[int, ...], tuple[tuple[FieldView, ...], int]] = field(default_factory=dict)
+    """Decoded fields and the end of the last one, by the record's dynamic columns (each
+    field's offset and first dimension, interleaved)."""
 
+
+# NOTE [ Shapes decoded once ]: where micro-batches repeat a shape (a fixed token budget padded
+# to its size, images of one size, a pass that re-reads the same micro-batches), the decoder
+# hands out the very tuple of ``FieldView``s it decoded last time for the same field set and
+# dynamic columns (offsets and first dimensions), after checking only that the record's
+# ``nbytes`` still covers its last field. A consumer's view cache recognises that tuple by
+# identity (NOTE [ Reused field views ] in knitkit/microbatch_iter/batch.py), so a repeated
+# shape costs no per-field work at all on the rank: no view objects, no comparisons, no torch
+# calls. The tuples are immutable and checked when first decoded. The cache holds a ring's worth
+# of shapes per field set, ``_MAX_SHAPES``, and is cleared when full: packed token counts that
+# vary per micro-batch (transfer.py's) make a new shape each time, which costs one lookup and one
+# insert, and a cache that kept growing would make the process take page faults as it grows,
+# each of which makes the next release read the page map (NOTE [ Written pages only after a
+# fault ] in slot_ring.py): with 64 shapes kept, a test ring's every release read it.
 
 _FIELD_SETS: dict[tuple[object, ...], _FieldSet] = {}
 _MAX_FIELD_SETS = 64
 """Field sets a process keeps (a job has a handful: one per pass and ring kind)."""
+_MAX_SHAPES = 8
+"""Shapes a field set keeps: a ring's slots, each repeating one (NOTE [ Shapes decoded once ])."""
 
 
 @functools.lru_cache(maxsize=_MAX_FIELD_SETS)
@@ -246,26 +266,31 @@ def _columns(count: int) -> tuple[struct.Struct, struct.Struct]:
 
 def _fields(
     blob: bytes, strings: list[str], count: int, nbytes: int, capacity: int
-) -> list[FieldView]:
+) -> tuple[FieldView, ...]:
     """The record's ``count`` field views, checked against the layout's ``nbytes`` and the slot's
-    ``capacity`` (NOTE [ Field sets decoded once ])."""
+    ``capacity`` (NOTE [ Field sets decoded once ], NOTE [ Shapes decoded once ])."""
     if not count:
-        return []
+        return ()
     static, dynamic = _columns(count)
     names = tuple(strings[:count])
     key = (capacity, static.unpack_from(blob, _HEADER.size), names)
     values = dynamic.unpack_from(blob, _HEADER.size)
-    offsets, leads = values[0::2], values[1::2]
     known = _FIELD_SETS.get(key)
-    if (
-        known is not None
-        and max(leads) <= capacity
-        and not reduce(operator.or_, offsets) & _ALIGN_UP
-    ):
-        ends = [o + size * n for o, size, n in zip(offsets, known.row_bytes, leads, strict=True)]
-        if ends[-1] <= nbytes and all(map(operator.le, ends, offsets[1:])):
-            shapes = [(n, *rest) for n, rest in zip(leads, known.trailing, strict=True)]
-            return field_views(names, known.dtypes, shapes, offsets)
+    if known is not None:
+        seen = known.shapes.get(values)
+        if seen is not None and seen[1] <= nbytes:
+            return seen[0]
+        offsets, leads = values[0::2], values[1::2]
+        if max(leads) <= capacity and not reduce(operator.or_, offsets) & _ALIGN_UP:
+            # C-level maps: no Python bytecode per field
+            ends = list(map(operator.add, offsets, map(operator.mul, known.row_bytes, leads)))
+            if ends[-1] <= nbytes and all(map(operator.le, ends, offsets[1:])):
+                shapes = map(operator.add, zip(leads), known.trailing)  # (lead, *trailing)
+                fields = tuple(field_views(names, known.dtypes, shapes, offsets))
+                if len(known.shapes) >= _MAX_SHAPES:
+                    known.shapes.clear()
+                known.shapes[values] = (fields, ends[-1])
+                return fields
     fields = _checked_fields(blob, strings, count, nbytes, capacity)
     if all(view.shape for view in fields):  # a field of no dimension takes the full check
         if len(_FIELD_SETS) >= _MAX_FIELD_SETS:
@@ -281,7 +306,7 @@ def _fields(
 
 def _checked_fields(
     blob: bytes, strings: list[str], count: int, nbytes: int, capacity: int
-) -> list[FieldView]:
+) -> tuple[FieldView, ...]:
     """Every field of the record checked one by one; ``LayoutDecodeError`` naming the first
     field that cannot be viewed inside the layout, or two that overlap or share a name."""
     rows = list(_FIELD.iter_unpack(blob[_HEADER.size : _HEADER.size + count * _FIELD.size]))
@@ -311,7 +336,7 @@ def _checked_fields(
         if end > offset:
             spans.append((offset, end, name))
     _check_disjoint(strings[:count], spans)
-    return field_views(strings[:count], dtypes, shapes, offsets)
+    return tuple(field_views(strings[:count], dtypes, shapes, offsets))
 
 
 def _check_disjoint(names: list[str], spans: list[tuple[int, int, str]]) -> None:

@@ -322,9 +322,20 @@ class SlotRing:
 
     def check_size(self) -> None:
         """Raise ``RingTruncatedError`` if the segment file shrank under this mapping (reading a
-        page past its end would kill the process with SIGBUS); one fstat."""
-        if self._fd is not None:
-            _check_size(self.spec, self._fd, self._segment_bytes)
+        page past its end would kill the process with SIGBUS); one fstat, paid per hand-out
+        (``_segment_bytes`` is ``spec.segment_bytes`` computed once: a chain of properties that
+        cost more than the ``fstat``)."""
+        fd = self._fd
+        if fd is None:
+            return
+        size = os.fstat(fd).st_size
+        if size < self._segment_bytes:
+            raise RingTruncatedError(
+                f"slot ring {self.spec.name!r} (/dev/shm/{self.spec.name}) is {size} bytes, "
+                f"shorter than the ring's {self._segment_bytes}: a process of this user "
+                "truncated it under its consumers; restart its reorganizer (and keep other "
+                "jobs out of this /dev/shm)"
+            )
 
     # -- control words (each has a single writer; see NOTE [ Micro-batch publication protocol ]) --
     @property
@@ -528,7 +539,10 @@ class SlotRing:
         if self._private is None or self._written is None or not nbytes:
             return
         slot = seq % self._num_slots
-        faults = _page_faults()  # before the page map is read: a later write faults again
+        # this process's page faults so far, every thread (NOTE [ Written pages only after a
+        # fault ]); read before the page map is: a later write faults again
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        faults = usage.ru_minflt + usage.ru_majflt
         if self._clean_at.get(slot) == faults:
             return
         start = slot * self.spec.slot_bytes
@@ -642,18 +656,6 @@ def _path(spec: RingSpec) -> str:
     return os.path.join(SHM_DIR, spec.name)
 
 
-def _check_size(spec: RingSpec, fd: int, segment_bytes: int) -> None:
-    """``segment_bytes`` is ``spec.segment_bytes``, computed once per ring (a chain of
-    properties that cost more than the ``fstat``, paid per hand-out)."""
-    size = os.fstat(fd).st_size
-    if size < segment_bytes:
-        raise RingTruncatedError(
-            f"slot ring {spec.name!r} (/dev/shm/{spec.name}) is {size} bytes, shorter than the "
-            f"ring's {segment_bytes}: a process of this user truncated it under its "
-            "consumers; restart its reorganizer (and keep other jobs out of this /dev/shm)"
-        )
-
-
 # NOTE [ Written pages only after a fault ]
 #
 # A release must find the pages of its lease this process wrote (private copy-on-write copies,
@@ -673,13 +675,6 @@ def _check_size(spec: RingSpec, fd: int, segment_bytes: int) -> None:
 # every slot read its page map as before: the check can only skip work, never a write.
 # Not seen: a write into this process's memory by ANOTHER process (process_vm_writev, ptrace),
 # whose faults are counted in that process; the lease contract's "no writes" covers those.
-
-
-def _page_faults() -> int:
-    """This process's page faults so far, every thread (NOTE [ Written pages only after a
-    fault ])."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_minflt + usage.ru_majflt
 
 
 def _pages(start: int, nbytes: int) -> tuple[int, int]:
