@@ -453,9 +453,14 @@ class SlotRing:
         """Consumer: release store of its count, then wake the producer if it sleeps and every
         consumer has now released the slot it waits for (a syscall only then, one per slot:
         NOTE [ Futex waits ] in atomic_words.py)."""
-        waits = self._atomic.store_then_load(_RELEASED_W + consumer, count, _PRODUCER_WAITS_W)
-        if waits and self.min_released() > self.published - self._num_slots:
-            self._atomic.wake(_RELEASED_W + waits - 1)  # the word it sleeps on
+        atomic = self._atomic
+        waits = atomic.store_then_load(_RELEASED_W + consumer, count, _PRODUCER_WAITS_W)
+        if not waits:
+            return
+        load = atomic.load_acquire  # ``min_released`` and ``published`` without their frames
+        least = min(map(load, range(_RELEASED_W, _RELEASED_W + self.spec.num_consumers)))
+        if least > load(_PUBLISHED_W) - self._num_slots:
+            atomic.wake(_RELEASED_W + waits - 1)  # the word it sleeps on
             self.release_wakes += 1
 
     def wait_released(self, consumer: int, seen: int, timeout_s: float) -> None:
