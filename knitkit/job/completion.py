@@ -35,7 +35,8 @@ JOIN_S = 5.0
 #   device copy time, ``h2d_s``, complete only once closed, when the thread closed it).
 # - What stays on the training thread: a pass whose loop left micro-batches unread (closed
 #   there, then it raises). Taking and releasing the encoder ring's copy of kept units stayed
-#   there too until the jobs were held back (below); it is a held job now (NOTE [ Encoder
+#   there too until the jobs were held back (below), then was a held job; now the driver
+#   serves the units once per mini-batch and there is no copy to release (NOTE [ Encoder
 #   inputs once per mini-batch ] in rank.py).
 # - When the thread runs. The thread and the training loop share one GIL: a job running
 #   beside the loop's Python delays it (CPython hands the GIL back after its switch interval,

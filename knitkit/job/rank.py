@@ -133,11 +133,6 @@ class RankHandle:
         NOTE [ Encoder inputs once per mini-batch ])."""
         self._units_taken: tuple[str, str] | None = None
         """The (mini-batch, pass) whose units were last taken from the encoder ring."""
-        self._peek_skips: tuple[str, str] | None = None
-        """The (mini-batch, pass) whose unread encoder units the look-ahead releases."""
-        self._skipping: int | None = None
-        """The last queued release of a pass's unread encoder units (a pass-end job): the
-        loop's thread waits for it before it takes from the encoder ring itself."""
         self._routes: dict[str, RankRoute] = {}
         """The dedup routes of the current mini-batch, shared by its passes (NOTE [ One pass
         ahead ]), and of the next one (NOTE [ One mini-batch ahead ])."""
@@ -155,6 +150,9 @@ class RankHandle:
         self._peek_cancel = threading.Event()
         self._peeked: _Peeked | None = None
         """What that job read: the record, and its opened plan and first pass if it got that far."""
+        self.first_encoding = next((p.name for p in spec.passes if p.encodes), None)
+        """The pass the driver serves a mini-batch's encoder units with (NOTE [ Encoder inputs
+        once per mini-batch ])."""
         self._last_encoding = next((p.name for p in reversed(spec.passes) if p.encodes), None)
         self._closed = False
         waits = {
@@ -311,40 +309,23 @@ class RankHandle:
     # - Failures stay the loop's: the look-ahead swallows every error (the record's read then
     #   happens again on the training thread and raises there, e.g. the driver's failure); one
     #   after the read keeps the record for ``next_pass``, which opens it and raises.
-    # - The encoder units of k + 1 are copied by the look-ahead too: the encoder ring holds k's
-    #   last pass's copy of the kept units first, so the job releases that copy before it waits
-    #   (published with the pass's serving, before its data), then copies k + 1's (the loop
-    #   copied them itself at ``next_pass`` before: 2.5-7.5 ms of "reading encoder inputs" on a
-    #   rank's worst steps at load ~12, ``benchmarks/grpo_step.py`` at 32dd9cf). The loop's own
-    #   takes from the encoder ring wait for the job (NOTE [ Encoder inputs once per
-    #   mini-batch ]); a loop that never asked for the kept inputs leaves the ring as it was.
+    # - The encoder units of k + 1 are copied by the look-ahead too, once the encoder ring's
+    #   next units are k + 1's (k's were taken, or k's last pass was not the one they were
+    #   served with: NOTE [ Encoder inputs once per mini-batch ]); the loop copied them itself
+    #   at ``next_pass`` before: 2.5-7.5 ms of "reading encoder inputs" on a rank's worst steps
+    #   at load ~12, ``benchmarks/grpo_step.py`` at 32dd9cf.
     def _start_peek(self, last: PassWork) -> None:
         """Queue the look-ahead for the mini-batch after ``last``'s (NOTE [ One mini-batch
-        ahead ]); it first releases ``last``'s copy of kept encoder units, if it has one."""
-        here = (last.minibatch_id, last.pass_.name)
-        kept = None
-        if (
-            last.pass_.encodes
-            and last.encoder_micro_batches()
-            and self._units is not None
-            and self._units_taken != here
-            and self._kept is not None
-            and self._kept[0] == last.minibatch_id
-        ):
-            kept = list(self._kept[1])
+        ahead ])."""
         self._peek_cancel.clear()
         self._peek = self._ends.post(
             f"waiting for the schedule after {last.minibatch_id!r}",
-            functools.partial(self._peek_next, last, kept),
+            functools.partial(self._peek_next, last),
         )
-        if kept is not None:  # the loop's own takes wait for it; its pass end skips nothing
-            self._skipping, self._peek_skips = self._peek, here
 
-    def _peek_next(self, last: PassWork, kept: list[UnitKey] | None) -> None:
-        """Pass-end thread: ``last``'s unread encoder units released (``kept``), the next
-        schedule record, opened, its first pass started and its encoder inputs copied."""
-        if kept is not None:
-            self._skip_encoder_units(last, kept)  # a mismatch fails the thread, as at a pass end
+    def _peek_next(self, last: PassWork) -> None:
+        """Pass-end thread: the next schedule record, opened, its first pass started and its
+        encoder inputs copied."""
         try:
             record = self._schedule.next(cancel=self._peek_cancel)
         except Exception:  # cancelled, or the loop's own read raises it again
@@ -353,7 +334,7 @@ class RankHandle:
         if record is None:
             return
         here = (last.minibatch_id, last.pass_.name)
-        free = not (last.pass_.encodes and last.encoder_micro_batches()) or (
+        free = not last.encoder_micro_batches() or (
             self._units_taken == here
         )  # the encoder ring's next units are the new mini-batch's
         with contextlib.suppress(Exception):  # the loop's own call raises it
@@ -553,44 +534,55 @@ class RankHandle:
     # to the later ones at once, instead of waiting each time for its encoder reorganizer to
     # read and publish them again after the pass is served (``benchmarks/grpo_step.py --quick``,
     # "reading encoder inputs", slowest rank: 9.1 ms per step before, nearly all of it in the
-    # train pass, 0.2 ms after; load ~7-10). The driver
-    # still serves the units with every encoding pass, so every ring keeps the schedule's order
-    # and a restarted reorganizer re-serves as before; a later pass's copy is taken and released
-    # unread once the pass ended, by the pass-end thread (a job held until ``pass_ended``, like
-    # the pass's other end jobs: 0.5-1.3 ms of "finishing passes" per GRPO step on the training
-    # thread before, ``benchmarks/grpo_step.py --quick`` at 4a12780), its unit keys checked
-    # against the kept ones. The tensors are shared by the passes: an in-place edit in
-    # one pass shows in the next (clone first). They are dropped after the last pass that
-    # encodes. The first encoding pass's copy to host memory is taken by the pass-end thread as
-    # a mini-batch's first pass is handed out (NOTE [ One pass ahead ]); the loop's thread moves
-    # them to the device when asked. Both threads take from the encoder ring in the schedule's
-    # order: the pass-end thread runs its takes (copies under ``_encoder``, releases) in the
-    # order queued, a copy only for a pass handed out now, whose units the driver serves with
-    # it; the loop's thread, before a take of its own, waits for the releases it queued.
+    # train pass, 0.2 ms after; load ~7-10). So the driver serves the units once per
+    # mini-batch, with its first encoding pass (``RankHandle.first_encoding``; ``Scheduler._step``
+    # in serving.py); a later encoding pass carries no encoder micro-batches. It served them with
+    # every encoding pass before, and each rank's pass-end thread took the later copies and
+    # released them unread, its keys checked against the kept ones: per GRPO step two wasted
+    # deliveries per encoder rank (an assignment through the submit thread, a compile, a
+    # publication, a slot wait) and two takes and releases per rank, for bytes nobody read
+    # (``benchmarks/grpo_step.py --quick`` at 1cebb89: 12 encoder deliveries per step, 4 after).
+    # The rings still get every assignment in the schedule's order (an encoder ring's order is
+    # the mini-batches'); a reorganizer restarted during a later pass has nothing of the
+    # mini-batch left to re-serve (its units were published and the ranks keep them); the
+    # store frees the units when the mini-batch is released, as before. The tensors are shared
+    # by the passes: an in-place edit in one pass shows in the next (clone first). The first
+    # encoding pass always takes them (its end reads them if the loop never asked), and they
+    # are dropped after the last pass that encodes. The first encoding pass's copy to host
+    # memory is taken by the pass-end thread as a mini-batch's first pass is handed out (NOTE
+    # [ One pass ahead ]); the loop's thread moves them to the device when asked. Both threads
+    # take from the encoder ring in the schedule's order, under ``_encoder``: the pass-end
+    # thread copies only for a pass handed out now, whose units the driver serves with it.
     def read_encoder_inputs(self, work: PassWork) -> dict[UnitKey, torch.Tensor]:
         """This rank's encoder units of ``work``: those kept from the mini-batch's first
         encoding pass, else copied out of its encoder ring (see NOTE [ Encoder inputs once per
         mini-batch ])."""
-        if work.encoder_micro_batches() == 0 or self._units is None:
+        if work.unit_micro_batches() == 0 or self._units is None:
             return {}
-        if self._kept is None or self._kept[0] != work.minibatch_id:  # set by this thread only
-            self._await_skips()  # a take follows
         with self._encoder:
             if self._kept is None or self._kept[0] != work.minibatch_id:
-                self.copy_encoder_inputs(work)
-                assert self._copied is not None
+                self.copy_encoder_inputs(work)  # served with the first encoding pass only
+                if self._copied is None or self._copied[0] != work.minibatch_id:
+                    raise RuntimeError(
+                        f"rank {self.coords.rank}: pass {work.pass_.name!r} of "
+                        f"{work.minibatch_id!r} asked for encoder inputs the rank no longer "
+                        f"holds (they come with pass {self.first_encoding!r} and are dropped "
+                        "after the last encoding pass); ask for them inside the pass"
+                    )
                 host, self._copied = self._copied[1], None
                 device = self.device or "cpu"
                 self._kept = (work.minibatch_id, {k: v.to(device) for k, v in host.items()})
             return dict(self._kept[1])
 
     def copy_encoder_inputs(self, work: PassWork) -> None:
-        """Copy ``work``'s encoder units out of the encoder ring into host memory, unless they
-        are kept or copied (the pass-end thread does it ahead for a mini-batch's first pass:
-        NOTE [ One pass ahead ]; the loop's thread moves them to the device)."""
+        """Copy ``work``'s encoder units out of the encoder ring into host memory, unless the
+        pass carries none or they were taken (the pass-end thread does it ahead for a
+        mini-batch's first pass: NOTE [ One pass ahead ]; the loop's thread moves them to the
+        device)."""
         count = work.encoder_micro_batches()
         with self._encoder:
-            if count == 0 or self._units is None or work.minibatch_id in self._inputs_of():
+            here = (work.minibatch_id, work.pass_.name)
+            if count == 0 or self._units is None or self._units_taken == here:
                 return
             out: dict[UnitKey, torch.Tensor] = {}
             for lease in self._take(self._units, count, work):
@@ -599,28 +591,6 @@ class RankHandle:
                         out[key] = torch.from_numpy(np.array(view))
             self._copied = (work.minibatch_id, out)
             self._units_taken = (work.minibatch_id, work.pass_.name)
-
-    def _inputs_of(self) -> set[str]:
-        """The mini-batches whose encoder inputs are kept or copied."""
-        return {held[0] for held in (self._kept, self._copied) if held is not None}
-
-    def _skip_encoder_units(self, work: PassWork, kept: list[UnitKey]) -> None:
-        """Take and release the encoder ring's copy of ``work``'s units unread (a later encoding
-        pass of a mini-batch whose inputs are kept), checking they are the ``kept`` ones."""
-        units = self._units
-        assert units is not None
-        served: list[UnitKey] = []
-        for lease in self._take(units, work.encoder_micro_batches(), work):
-            with lease:
-                served += lease.layout.units
-        self._units_taken = (work.minibatch_id, work.pass_.name)
-        if served != kept:
-            raise RuntimeError(
-                f"rank {self.coords.rank}: pass {work.pass_.name!r} of {work.minibatch_id!r} was "
-                f"served encoder units {[str(k) for k in served]}, not the "
-                f"{[str(k) for k in kept]} of the mini-batch's first encoding pass; "
-                "the driver and this rank disagree on the plan: restart the job"
-            )
 
     def end_pass(
         self, work: PassWork, iterator: MicroBatchIterator | None, take: Taken | None
@@ -635,7 +605,7 @@ class RankHandle:
             for name in _ITERATOR_FIGURES:
                 if name != _H2D:  # complete once the iterator is closed
                     self._totals[name] += figures[name]
-            self._end_encoder(work, queue=True)  # first: the thread starts with ``pass_ended``
+            self._end_encoder(work)
             self._ends.post(  # every lease is taken: closing releases the last one, joins
                 f"closing pass {work.pass_.name!r} of {work.minibatch_id!r}",
                 lambda: self._close_iterator(iterator),
@@ -674,40 +644,20 @@ class RankHandle:
         for name in figures:
             self._totals[name] += closed[name]
 
-    def _await_skips(self) -> None:
-        """Before the loop's thread takes from the encoder ring: the releases it queued run
-        first, in the ring's order (never called under ``_encoder``: the job is not)."""
-        skipping, self._skipping = self._skipping, None
-        if skipping is not None:
-            self._ends.wait(skipping)
-
-    def _end_encoder(self, work: PassWork, *, queue: bool = False) -> None:
-        """The encoder ring moves on (see NOTE [ Encoder inputs once per mini-batch ]): the
-        pass's copy of kept units is released unread, by the pass-end thread with ``queue``
-        (held until ``pass_ended``, like the pass's other jobs), else here."""
+    def _end_encoder(self, work: PassWork) -> None:
+        """The encoder ring moves on (see NOTE [ Encoder inputs once per mini-batch ]): the pass
+        its units came with reads and keeps them if the loop never asked; the last encoding
+        pass drops them."""
         if not work.pass_.encodes:
             return
         here = (work.minibatch_id, work.pass_.name)
-        if here == self._peek_skips:  # the look-ahead releases them (NOTE [ One mini-batch ahead ])
-            self._peek_skips = None
-        elif work.encoder_micro_batches() and self._units is not None and self._units_taken != here:
-            if self._kept is None or self._kept[0] != work.minibatch_id:
-                work.encoder_inputs()  # the first encoding pass never asked: read (and keep) them
-            else:
-                skip = functools.partial(self._skip_encoder_units, work, list(self._kept[1]))
-                if queue:
-                    self._skipping = self._ends.post(
-                        f"releasing the encoder units of pass {work.pass_.name!r} of "
-                        f"{work.minibatch_id!r}",
-                        skip,
-                        now=False,
-                    )
-                else:
-                    self._await_skips()
-                    skip()
+        if work.encoder_micro_batches() and self._units is not None and self._units_taken != here:
+            work.encoder_inputs()  # the first encoding pass never asked: read (and keep) them
         if work.pass_.name == self._last_encoding:
             with self._encoder:
                 self._kept = None
+                if self._copied is not None and self._copied[0] == work.minibatch_id:
+                    self._copied = None  # copied ahead, never asked for
 
     def _take(
         self,

@@ -37,9 +37,10 @@ IDLE_S = 0.2
 #   groups, so the write-backs of each group holding a piece of them must be in:
 #   ``MiniBatchLedger.lacking_for``), verified in the store for those trajectories (once per
 #   group and field; a gap is a ``WriteBackMissingError`` as before). Serving = queueing g's
-#   assignments (one per pipeline stage) on its reorganizers; an encoder rank's assignment of a
-#   pass is queued when the first group gets the pass (its units are rollout fields; its
-#   consumers may sit in several groups). The next mini-batch opens once every group got every
+#   assignments (one per pipeline stage) on its reorganizers; an encoder rank's assignment is
+#   queued once per mini-batch, when the first group gets its first encoding pass (its units
+#   are rollout fields; its consumers may sit in several groups; NOTE [ Encoder inputs once
+#   per mini-batch ] in rank.py). The next mini-batch opens once every group got every
 #   pass of the open one, so every ring still gets its assignments in the schedule's order,
 #   (mini-batch, pass) by (mini-batch, pass): the same order on every rank of the ring.
 # - No deadlock on a full schedule ring: the scheduler publishes a record (blocking while the
@@ -72,8 +73,9 @@ class _Open:
     ledger: MiniBatchLedger
     next: dict[str, int]
     since: dict[str, float]
-    encoded: set[str] = field(default_factory=set)
-    """Passes whose encoder-rank assignments are queued."""
+    encoded: bool = False
+    """Whether the encoder ranks' assignments are queued (with the mini-batch's first encoding
+    pass: NOTE [ Encoder inputs once per mini-batch ] in rank.py)."""
     plans: dict[str, MiniBatchPlan] = field(default_factory=dict)
     """Pass -> the plan restricted to its reads."""
 
@@ -227,8 +229,8 @@ class Scheduler:
         for group in groups:
             open_.next[group] += 1
             open_.since[group] = now
-        encoders = pass_.encodes and pass_.name not in open_.encoded
-        open_.encoded.add(pass_.name)
+        encoders = pass_.encodes and not open_.encoded
+        open_.encoded |= encoders
         plan = open_.plans.get(pass_.name)
         if plan is None:
             plan = open_.plans[pass_.name] = ledger.plan.with_fields(pass_.reads)
@@ -280,7 +282,7 @@ class Scheduler:
 
     def _serve(self, step: _Serve) -> None:
         """Queue the pass's assignments on its groups' reorganizers (one per pipeline stage) and,
-        with its first group, the encoder ranks'; then publish the mini-batch's schedule record
+        with the mini-batch's first encoding pass to its first group, the encoder ranks'; then publish the mini-batch's schedule record
         on its announcement (the plan travels with it; ranks restrict it themselves)."""
         core, ledger = self.core, step.ledger
         tag = pass_id(ledger.minibatch_id, step.pass_.name)

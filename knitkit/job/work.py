@@ -97,7 +97,16 @@ class PassWork:
         return self._inputs
 
     def encoder_micro_batches(self) -> int:
-        """How many encoder micro-batches this rank's encoder ring carries for this pass."""
+        """How many encoder micro-batches this rank's encoder ring carries for this pass: the
+        mini-batch's with its first encoding pass, none with a later one (NOTE [ Encoder inputs
+        once per mini-batch ] in rank.py)."""
+        if self.pass_.name != self._rank.first_encoding:
+            return 0
+        return self.unit_micro_batches()
+
+    def unit_micro_batches(self) -> int:
+        """How many encoder micro-batches of the mini-batch this rank encodes in this pass (0 if
+        the pass does not encode or the rank holds no encoder rank)."""
         coords = self._rank.coords
         if not self.pass_.encodes or coords.encoder_rank is None:
             return 0

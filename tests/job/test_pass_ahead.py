@@ -17,8 +17,11 @@ from knitkit.types import UnitKey
 HANDED_OUT = "knitkit/delivery/handed_out"
 
 
-def _run_job(rank: Callable[[RankSpec], None], **overrides: object) -> list[str]:
-    """One DP1 rank (``rank(spec)`` in a thread) over two mini-batches; drains."""
+def _run_job(
+    rank: Callable[[RankSpec], None], *, published: list[float] | None = None, **overrides: object
+) -> list[str]:
+    """One DP1 rank (``rank(spec)`` in a thread) over two mini-batches; drains; ``published``
+    gets the micro-batches its reorganizers published (data and encoder rings)."""
     data = trajectories(4, 2, seed=5)
     config = driver_config(1, 1, 1, 1, **overrides)
     with config.build(admission=controller(data, 2)) as driver:
@@ -31,6 +34,8 @@ def _run_job(rank: Callable[[RankSpec], None], **overrides: object) -> list[str]
         driver.drain(120)
         join([thread])
         wait_freed(driver.store)
+        if published is not None:
+            published.append(driver.metrics()["knitkit/delivery/reorganizer_published"])
     return served
 
 
@@ -232,14 +237,18 @@ def test_the_next_minibatch_opens_while_the_last_pass_runs() -> None:
     ]
 
 
-def test_a_later_pass_releases_its_encoder_units_off_the_loop() -> None:
-    """A later encoding pass's copy of the kept units (the train pass's) is taken and released
-    unread by the rank's pass-end thread once the pass ended, never by the loop's thread (NOTE
-    [ Encoder inputs once per mini-batch ] in knitkit/job/rank.py); every pass still gets its
-    own micro-batches and the train pass the old pass's very inputs."""
+def test_encoder_units_are_served_once_per_minibatch() -> None:
+    """The driver serves a mini-batch's encoder units once, with its first encoding pass (NOTE
+    [ Encoder inputs once per mini-batch ] in knitkit/job/rank.py): the encoder ring publishes
+    each encoder micro-batch once per mini-batch and the rank takes them once (the old pass's
+    tag), the train pass takes nothing from it and gets the old pass's very inputs, and the
+    job drains. On 1cebb89 the driver served them again with the train pass and the rank's
+    pass-end thread took and released that copy unread."""
     errors: list[BaseException] = []
-    takers: list[tuple[str, str]] = []
+    takes: list[str] = []
+    counts: dict[tuple[str, str], tuple[int, int]] = {}
     inputs: dict[tuple[str, str], dict[UnitKey, torch.Tensor]] = {}
+    published: list[float] = []
 
     def rank(spec: RankSpec) -> None:
         try:
@@ -248,13 +257,15 @@ def test_a_later_pass_releases_its_encoder_units_off_the_loop() -> None:
 
                 def watched(source: object, count: int, expect: str, **gates: object) -> object:
                     if source is handle._units:
-                        takers.append((expect, threading.current_thread().name))
+                        takes.extend([expect] * count)
                     return take(source, count, expect, **gates)  # type: ignore[arg-type]
 
                 handle._watch.take = watched  # type: ignore[method-assign]
                 for work in handle.passes():
                     with work:
-                        inputs[(work.minibatch_id, work.pass_.name)] = work.encoder_inputs()
+                        key = (work.minibatch_id, work.pass_.name)
+                        inputs[key] = work.encoder_inputs()
+                        counts[key] = (work.num_micro_batches, work.encoder_micro_batches())
                         for _ in work.micro_batches():
                             pass
                         if work.pass_.writes:
@@ -262,11 +273,13 @@ def test_a_later_pass_releases_its_encoder_units_off_the_loop() -> None:
         except BaseException as error:  # asserted below
             errors.append(error)
 
-    served = _run_job(rank)
+    served = _run_job(rank, published=published)
     assert not errors, errors[0]
-    train = [(expect, thread) for expect, thread in takers if "train" in expect]
-    assert len(train) == len(served) == 2, takers
-    assert all(thread == "knitkit-pass-end-0" for _, thread in train), takers
+    units = {mb: counts[(mb, "old")][1] for mb in served}
+    assert all(units.values()), units  # every mini-batch has encoder micro-batches
+    assert takes == [f"{mb}/old" for mb in served for _ in range(units[mb])], takes
+    data = sum(n for n, _ in counts.values())
+    assert published == [data + sum(units.values())], (published, data, units)
     for mb in served:
         old, later = inputs[(mb, "old")], inputs[(mb, "train")]
         assert old and all(later[key] is old[key] for key in old)

@@ -33,9 +33,10 @@ def test_every_token_reaches_one_consumer_once_per_pass(
     """Invariants, per mini-batch and per pass: every admitted token reaches exactly one (DP, CP)
     group once; TP peers get bit-identical micro-batches; every unique image reaches exactly one
     encoder rank once per pass that encodes, and the reorganizers read exactly what the passes
-    consume (each image once per encoding pass); the forward-only pass's outputs come back to
-    the next pass bit-identical at every real token; every unit is freed after the last pass.
-    Idle ranks (more DP ranks than trajectories) take part with empty micro-batches."""
+    consume (each image once per mini-batch, served with its first encoding pass); the
+    forward-only pass's outputs come back to the next pass bit-identical at every real token;
+    every unit is freed after the last pass. Idle ranks (more DP ranks than trajectories) take
+    part with empty micro-batches."""
     data = trajectories(samples, group, seed=dp * 10 + cp)
     by_id = {t.trajectory_id: t for t in data}
     config = driver_config(dp, cp, tp, encoder_dp)
@@ -72,12 +73,13 @@ def test_every_token_reaches_one_consumer_once_per_pass(
                 )
                 assert s.packed[key] == peer.packed[key], (key, s.coords)
     # bytes: tokens (int64) in both passes, old_lp (float32) and reward (float32, on every CP
-    # rank of its DP rank) in the second, each mini-batch's unique images once per pass (both
-    # passes encode; a GRPO group split over two mini-batches is encoded in each)
+    # rank of its DP rank) in the second, each mini-batch's unique images once (both passes
+    # encode, the units are served with the first; a GRPO group split over two mini-batches is
+    # encoded in each)
     tokens = sum(len(token_ids(t)) for t in data)
     image_bytes = sum(
         len({content_key("image", by_id[t].multimodal[0].data) for t in ids})
         * data[0].multimodal[0].data.nbytes
         for ids in admitted.values()
     )
-    assert read == 2 * 8 * tokens + 4 * tokens + 4 * cp * len(data) + 2 * image_bytes
+    assert read == 2 * 8 * tokens + 4 * tokens + 4 * cp * len(data) + image_bytes
