@@ -2,7 +2,7 @@
 
 The face for backend authors: the ``UnitBackend`` Protocol (``check_backend``), the optional
 ``UnitBytes`` capability (units as bytes this process maps, read in place by a reorganizer's copy
-lists; ``check_need`` is its check), the shared read and write bodies (``ReadCounter``,
+lists, a range of an assignment's units at a time: ``UnitViews``; ``check_need`` is its check), the shared read and write bodies (``ReadCounter``,
 ``check_write``), the validators every backend runs before it
 changes state, ``UnitsLostError`` for units a backend can no longer read, and the owner-only
 finalizer for clean-ups of shared resources.
@@ -14,6 +14,7 @@ from knitkit.storage.backends.backend import (
     UnitBytes,
     UnitNeed,
     UnitSpec,
+    UnitViews,
     check_backend,
 )
 from knitkit.storage.backends.disk import SafetensorsBackend
@@ -52,6 +53,7 @@ __all__ = [
     "UnitBytes",
     "UnitNeed",
     "UnitSpec",
+    "UnitViews",
     "UnitsLostError",
     "check_backend",
     "check_columns",

@@ -142,17 +142,29 @@ PROTOCOL_MEMBERS = (
 """Every member of ``UnitBackend`` (what ``check_backend`` looks for)."""
 
 
+class UnitViews(Protocol):
+    """Units a copy list reads, resolved ahead (``UnitBytes.map_units``), handed out a range at a
+    time as they are when asked."""
+
+    def views(self, start: int, stop: int, nbytes: int) -> list[memoryview]:
+        """Flat byte views of units ``start .. stop - 1`` as a read of them would find them
+        NOW: a unit deleted since it was mapped raises ``read``'s ``KeyError`` (never another
+        unit's bytes from its reused extent), one that does not meet its need ``check_need``'s
+        error, one on a segment that shrank ``UnitsLostError``; ``nbytes`` (the bytes the
+        caller copies out of them) is added to ``bytes_read``."""
+        ...
+
+
 @runtime_checkable
 class UnitBytes(Protocol):
     """A backend whose units are bytes this process has mapped (shared memory, memory): a copy
     list reads them in place (NOTE [ Copy lists ] in delivery/reorganizer.py)."""
 
-    def unit_bytes(
-        self, keys: Sequence[UnitKey], needs: Sequence[UnitNeed], nbytes: int
-    ) -> list[memoryview]:
-        """Flat byte views of the whole units ``keys``, each checked against its need
-        (``ranges.check_need``; ``read``'s ``KeyError`` for an unknown key), ``nbytes`` added
-        to ``bytes_read`` (the bytes the caller copies out of them)."""
+    def map_units(self, keys: Sequence[UnitKey], needs: Sequence[UnitNeed]) -> UnitViews:
+        """Units ``keys`` (each to meet its need, ``ranges.check_need``) for copy lists that
+        read them a range at a time: resolved here where the backend can (one lookup per unit
+        for a whole assignment), re-checked per range by ``views``. Raises nothing for a
+        unit that is missing or unfit now: ``views`` of its range raises, as a read would."""
         ...
 
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from knitkit.storage.backends.backend import UnitBackend, UnitNeed, UnitSpec
+from knitkit.storage.backends.backend import UnitBackend, UnitNeed, UnitSpec, UnitViews
 from knitkit.storage.backends.ranges import (
     ReadCounter,
     check_need,
@@ -60,7 +60,11 @@ class MemoryBackend(UnitBackend):
             stored = self._unit(unit.key)
             self._reads.bytes += copy_read(unit, spec_of(stored), stored, out).nbytes
 
-    def unit_bytes(
+    def map_units(self, keys: Sequence[UnitKey], needs: Sequence[UnitNeed]) -> UnitViews:
+        """Units resolved per range, when asked (a dict lookup each: nothing to gain ahead)."""
+        return _EachTime(self, keys, needs)
+
+    def _unit_bytes(
         self, keys: Sequence[UnitKey], needs: Sequence[UnitNeed], nbytes: int
     ) -> list[memoryview]:
         """Flat byte views of whole units for a copy list to read ``nbytes`` of (counted in
@@ -100,3 +104,17 @@ class MemoryBackend(UnitBackend):
             raise KeyError(
                 f"unknown unit {key}; it was never put or was already released"
             ) from None
+
+
+class _EachTime:
+    """``UnitViews`` of a ``MemoryBackend``: each range looked up when asked."""
+
+    __slots__ = ("_backend", "_keys", "_needs")
+
+    def __init__(
+        self, backend: MemoryBackend, keys: Sequence[UnitKey], needs: Sequence[UnitNeed]
+    ) -> None:
+        self._backend, self._keys, self._needs = backend, keys, needs
+
+    def views(self, start: int, stop: int, nbytes: int) -> list[memoryview]:
+        return self._backend._unit_bytes(self._keys[start:stop], self._needs[start:stop], nbytes)

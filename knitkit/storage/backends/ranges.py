@@ -52,29 +52,37 @@ def check_ranges(
     return tuple(out)
 
 
+def meets_need(spec: UnitSpec, need: tuple[str, tuple[int, ...], int]) -> bool:
+    """Whether ``spec`` is what a copy list reads it as (``planning.copy_list.UnitNeed``: dtype,
+    row shape, rows read up to, or the whole unit of that shape); ``check_need`` raises when not."""
+    dtype, row, rows = need
+    shape = spec.shape
+    if rows < 0:
+        return spec.dtype == dtype and shape == row
+    return spec.dtype == dtype and bool(shape) and shape[1:] == row and shape[0] >= rows
+
+
 def check_need(key: UnitKey, spec: UnitSpec, need: tuple[str, tuple[int, ...], int]) -> None:
-    """``spec`` is what a copy list reads it as (``planning.copy_list.UnitNeed``: dtype, row
-    shape, rows read up to, or the whole unit of that shape), else the error ``read`` would
-    raise for it: ``ValueError`` for a dtype or row shape the plan does not pack it as,
-    ``IndexError`` for rows past its end; both name the key."""
+    """``meets_need``, else the error ``read`` would raise for it: ``ValueError`` for a dtype or
+    row shape the plan does not pack it as, ``IndexError`` for rows past its end; both name the
+    key."""
+    if meets_need(spec, need):
+        return
     dtype, row, rows = need
     if rows < 0:
-        if spec.dtype != dtype or spec.shape != row:
-            raise ValueError(
-                f"unit {key} is {spec.dtype}{list(spec.shape)}; the plan reads it whole as "
-                f"{dtype}{list(row)}: register the plan with the store's schema"
-            )
-        return
+        raise ValueError(
+            f"unit {key} is {spec.dtype}{list(spec.shape)}; the plan reads it whole as "
+            f"{dtype}{list(row)}: register the plan with the store's schema"
+        )
     if spec.dtype != dtype or spec.shape[1:] != row or not spec.shape:
         raise ValueError(
             f"unit {key} is {spec.dtype}{list(spec.shape)}; the plan reads rows of {dtype}"
             f"{list(row)} from it: register the plan with the store's schema"
         )
-    if spec.shape[0] < rows:
-        raise IndexError(
-            f"rows up to {rows} are outside unit {key} of length {spec.shape[0]}; the plan's "
-            "lengths must match the stored units"
-        )
+    raise IndexError(
+        f"rows up to {rows} are outside unit {key} of length {spec.shape[0]}; the plan's "
+        "lengths must match the stored units"
+    )
 
 
 def check_columns(key: UnitKey, spec: UnitSpec, columns: SeqRange | None) -> SeqRange | None:

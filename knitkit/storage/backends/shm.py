@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, cast
 
 import numpy as np
 
-from knitkit.storage.backends.backend import UnitBackend, UnitNeed, UnitSpec
+from knitkit.storage.backends.backend import UnitBackend, UnitNeed, UnitSpec, UnitViews
 from knitkit.storage.backends.journal import RESET, Record, UnitJournal
 from knitkit.storage.backends.lost import UnitsLostError
 from knitkit.storage.backends.owner import OwnerFinalizer
@@ -22,6 +22,7 @@ from knitkit.storage.backends.ranges import (
     check_write,
     copy_read,
     destination,
+    meets_need,
     paste_ranges,
     spec_of,
 )
@@ -83,6 +84,8 @@ class SharedMemoryBackend(UnitBackend):
         self._live_bytes = 0
         """Journal bytes a snapshot of the live state takes (slab and put records)."""
         self._put_bytes: dict[UnitKey, int] = {}
+        self._deletes = 0
+        """Units this process saw deleted (or forgot) so far (NOTE [ Units mapped ahead ])."""
         self._finalizer = OwnerFinalizer(self, _unlink_all, self._paths, self._journal, lock)
 
     @property
@@ -166,7 +169,7 @@ class SharedMemoryBackend(UnitBackend):
             for unit, out in zip(reads, outs, strict=True):
                 slab_index, offset, spec = units.get(unit.key) or self._lookup(unit.key)
                 if slab_index not in sized:  # once per slab and call
-                    self._check_slab(slab_index, reads)
+                    self._check_slab(slab_index, (r.key for r in reads))
                     sized.add(slab_index)
                 if unit.columns is None:
                     moved += _copy_unit(unit, spec, slabs[slab_index].bytes, offset, out)
@@ -176,38 +179,37 @@ class SharedMemoryBackend(UnitBackend):
         finally:
             self._reads.bytes += moved
 
-    def unit_bytes(
-        self, keys: Sequence[UnitKey], needs: Sequence[UnitNeed], nbytes: int
-    ) -> list[memoryview]:
-        """Flat byte views of whole units over the shared pages, for a copy list to read
-        ``nbytes`` of (counted in ``bytes_read``): ``read_many``'s journal follow, slab checks
-        and errors, each unit checked to be what the copy list reads it as (``check_need``;
-        NOTE [ Copy lists ] in delivery/reorganizer.py)."""
+    def map_units(self, keys: Sequence[UnitKey], needs: Sequence[UnitNeed]) -> UnitViews:
+        """Every unit of ``keys`` resolved now, in one loop (NOTE [ Units mapped ahead ])."""
+        return _MappedUnits(self, keys, needs)
+
+    def _sync(self) -> None:
+        """This process's view of the store brought up to date: a forked owner becomes a reader,
+        a reader follows the journal, new pages are mapped."""
         self._check_fork()
         if not self._owner:
             self._follow_journal()
         self._populate()
-        units, out = self._units, []
-        views: dict[int, memoryview] = {}
+
+    def _unit_bytes(
+        self, keys: Sequence[UnitKey], needs: Sequence[UnitNeed]
+    ) -> tuple[list[memoryview], list[_Location]]:
+        """Flat byte views of whole units over the shared pages and their locations, with
+        ``read_many``'s slab checks and errors, each unit checked against its need
+        (``check_need``); the caller ``_sync``ed first."""
+        units, out, located = self._units, [], []
+        checked: set[int] = set()
         for key, need in zip(keys, needs, strict=True):
-            slab_index, offset, spec = units.get(key) or self._lookup(key)
-            slab = views.get(slab_index)
-            if slab is None:  # once per slab and call
-                try:
-                    self._slabs[slab_index].check_size()
-                except SegmentTruncatedError:
-                    self._check_slab(slab_index, [UnitRead(k) for k in keys])  # names them
-                slab = views[slab_index] = self._slabs[slab_index].bytes.data
-            dtype, row, rows = need
-            shape = spec.shape
-            if spec.dtype != dtype or (
-                shape != row if rows < 0 else shape[1:] != row or not shape or shape[0] < rows
-            ):
-                check_need(key, spec, need)  # raises
-            row_bytes = _ROW_LAYOUTS.get((spec.dtype, shape[1:])) or _row_layout(spec)
-            out.append(slab[offset : offset + row_bytes[1] * (shape[0] if shape else 1)])
-        self._reads.bytes += nbytes
-        return out
+            location = units.get(key) or self._lookup(key)
+            slab_index, offset, spec = location
+            if slab_index not in checked:  # once per slab and call
+                self._check_slab(slab_index, keys)
+                checked.add(slab_index)
+            check_need(key, spec, need)
+            size = _row_layout(spec)[1] * (spec.shape[0] if spec.shape else 1)
+            out.append(self._slabs[slab_index].bytes.data[offset : offset + size])
+            located.append(location)
+        return out, located
 
     def view(self, key: UnitKey) -> np.ndarray:
         """Zero-copy view of a whole unit over the shared pages (read-only in readers)."""
@@ -218,6 +220,7 @@ class SharedMemoryBackend(UnitBackend):
         slab_index, offset, _ = self._locate(key)
         self._slabs[slab_index].free(offset)
         del self._units[key]
+        self._deletes += 1
         self._live_bytes -= self._put_bytes.pop(key)
         self._journal.append(("delete", str(key)))
         self._maybe_compact()
@@ -272,6 +275,7 @@ class SharedMemoryBackend(UnitBackend):
         self._owner = False
         self._owner_pid = 0
         self._reads = ReadCounter()
+        self._deletes = 0
         self.slab_bytes = 0
         self.directory = os.path.dirname(state["journal"])
         self._prefix = os.path.basename(state["journal"]).removesuffix("-journal")
@@ -324,6 +328,7 @@ class SharedMemoryBackend(UnitBackend):
         self._journal.close()  # the child's copy of the owner's append descriptor
         self._owner, self._owner_pid = False, 0
         self._units.clear()
+        self._deletes += 1
         self._put_bytes.clear()
         self._journal = UnitJournal(stem, owner=False, generation=generation, offset=0)
 
@@ -343,6 +348,7 @@ class SharedMemoryBackend(UnitBackend):
             op = record[0]
             if op == RESET:
                 self._units.clear()
+                self._deletes += 1
                 slab_index = 0
             elif op == "slab":
                 self._attach_slab(record, slab_index)
@@ -353,6 +359,7 @@ class SharedMemoryBackend(UnitBackend):
                 self._slabs[location[0]].holds(location[1] + location[2].nbytes)
             elif op == "delete":
                 self._units.pop(UnitKey.parse(str(record[1])), None)
+                self._deletes += 1
             else:
                 raise ValueError(f"journal {self._journal.path}: unknown record {record!r}")
 
@@ -398,7 +405,7 @@ class SharedMemoryBackend(UnitBackend):
     def _view(self, key: UnitKey) -> np.ndarray:
         slab_index, offset, spec = self._locate(key)
         self._populate()
-        self._check_slab(slab_index, [UnitRead(key)])
+        self._check_slab(slab_index, (key,))
         return self._slabs[slab_index].array(offset, spec.dtype, spec.shape)
 
     def _populate(self) -> None:
@@ -409,15 +416,15 @@ class SharedMemoryBackend(UnitBackend):
             with contextlib.suppress(SegmentTruncatedError):
                 slab.populate()
 
-    def _check_slab(self, index: int, reads: Sequence[UnitRead]) -> None:
-        """Before ``reads`` touch slab ``index``: if another process shrank it, every unit it
-        holds is lost; raise ``UnitsLostError`` naming the ones these reads asked for (a
+    def _check_slab(self, index: int, keys: Iterable[UnitKey]) -> None:
+        """Before reads of ``keys`` touch slab ``index``: if another process shrank it, every
+        unit it holds is lost; raise ``UnitsLostError`` naming the ones of ``keys`` it held (a
         bounded list; the message names the segment) instead of dying of SIGBUS (see
-        NOTE [ Shrunk segments ] in ``slab.py``)."""
+        NOTE [ Shrunk segments ] in ``slab.py``). ``keys`` is only iterated then."""
         try:
             self._slabs[index].check_size()
         except SegmentTruncatedError as exc:
-            asked = dict.fromkeys(r.key for r in reads)
+            asked = dict.fromkeys(keys)
             lost = [k for k in asked if (loc := self._units.get(k)) and loc[0] == index]
             raise UnitsLostError(lost, self._slabs[index].path, str(exc)) from None
 
@@ -428,6 +435,80 @@ class SharedMemoryBackend(UnitBackend):
                 f"{op}() on an attached shared-memory reader (a pickled copy, or a forked "
                 "child's copy of the owner); write through the owner"
             )
+
+
+# NOTE [ Units mapped ahead ]: a reorganizer compiles a whole assignment into copy lists, then
+# publishes its micro-batches one slot at a time (NOTE [ Copy lists ] in
+# delivery/reorganizer.py). ``map_units`` resolves every unit of the assignment in ONE loop
+# (a key's lookup, its need, its view), right after the compile, while that code is hot;
+# ``views`` per micro-batch only brings the reader up to date (the journal followed: one fstat)
+# and checks each slab it reads (one fstat), so no Python runs per unit after a slot wait,
+# when the process's caches are cold (the same lookups cost 3-5x there: transfer.py, load ~10,
+# 39-78 us per micro-batch in the process against 10 us in a hot loop). Nothing a read
+# guarantees is lost: a unit deleted since it was mapped (its extent perhaps reused by another)
+# is found by its location no longer being the one the reader's index holds, checked for the
+# range's units only when this process saw a delete since the map (``_deletes``: the owner's
+# deletes, the journal's delete and reset records, a fork), and then read as ``read_many``
+# would, raising its ``KeyError``; a unit missing or unfit at map time raises when its range
+# is asked for, so the micro-batches before it still arrive.
+class _MappedUnits:
+    """``UnitViews`` of a ``SharedMemoryBackend`` (NOTE [ Units mapped ahead ])."""
+
+    __slots__ = ("_backend", "_deletes", "_keys", "_located", "_needs", "_views")
+
+    def __init__(
+        self, backend: SharedMemoryBackend, keys: Sequence[UnitKey], needs: Sequence[UnitNeed]
+    ) -> None:
+        backend._sync()
+        self._backend, self._keys, self._needs = backend, keys, needs
+        self._deletes = backend._deletes
+        units, slabs, rows = backend._units, backend._slabs, _ROW_LAYOUTS
+        mapped: dict[int, memoryview] = {}  # each slab's bytes, once per assignment
+        views: list[memoryview | None] = []
+        located: list[_Location | None] = []
+        for key, need in zip(keys, needs, strict=True):
+            location = units.get(key)
+            if location is not None:
+                slab_index, offset, spec = location
+                if meets_need(spec, need):
+                    shape = spec.shape
+                    size = (rows.get((spec.dtype, shape[1:])) or _row_layout(spec))[1]
+                    size *= shape[0] if shape else 1
+                    slab = mapped.get(slab_index)
+                    if slab is None:
+                        slab = mapped[slab_index] = slabs[slab_index].bytes.data
+                    views.append(slab[offset : offset + size])
+                    located.append(location)
+                    continue
+            views.append(None)  # missing or unfit: its range reads it strictly, and raises
+            located.append(None)
+        self._views, self._located = views, located
+
+    def views(self, start: int, stop: int, nbytes: int) -> list[memoryview]:
+        backend = self._backend
+        backend._check_fork()
+        if not backend._owner:
+            backend._follow_journal()
+        located = self._located[start:stop]
+        if None in located or (
+            backend._deletes != self._deletes
+            and any(
+                backend._units.get(k) is not at
+                for k, at in zip(self._keys[start:stop], located, strict=True)
+            )
+        ):
+            backend._populate()
+            views, now = backend._unit_bytes(self._keys[start:stop], self._needs[start:stop])
+            self._views[start:stop], self._located[start:stop] = views, now
+        else:
+            views = cast(list[memoryview], self._views[start:stop])
+            slab_index = -1
+            for at in cast(list[_Location], located):
+                if at[0] != slab_index:  # once per slab and range, as ``read_many``
+                    slab_index = at[0]
+                    backend._check_slab(slab_index, self._keys[start:stop])
+        backend._reads.bytes += nbytes
+        return views
 
 
 # NOTE [ Batched shared-memory reads ]: a reorganizer reads ~8 units per micro-batch, each a

@@ -10,6 +10,7 @@ from knitkit.storage.backends.backend import (
     UnitBackend,
     UnitBytes,
     UnitSpec,
+    UnitViews,
     check_backend,
 )
 from knitkit.storage.backends.lost import UnitsLostError
@@ -34,34 +35,34 @@ from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan, MicroBa
 from knitkit.types import MicroBatchLayout, UnitKey, UnitRead
 
 # NOTE [ Copy lists ]: where the backend's units are bytes this process maps (``UnitBytes``:
-# shared memory, memory), a reorganizer compiles each micro-batch of an assignment once into a
-# copy list: its layout and encoded record, the units it reads with what each must be (dtype,
-# row shape, rows read), and ``(source, offset, slot offset, bytes)`` copies that write every
-# byte of the slot (unit rows; position ids, a generated loss mask, the sequence bounds and
-# every padding or alignment byte from constant sources). It compiles before it waits for the
-# micro-batch's slot, so the compile overlaps the consumers' hold of the slot and the first
-# micro-batch of an eager step waits for one compile, not the assignment's. Then it takes the
-# slot, resolves the units in ONE backend call (``unit_bytes``: the reader's journal followed,
-# each slab's size checked, each unit checked against its need, with ``read``'s errors), runs
-# the copies in one loop of slice assignments between memoryviews (each a memmove; ~22 for
-# transfer.py's 2.4 MiB micro-batches) and publishes once. No per-field Python is left on that
-# path: per unit only the key's lookup in the reader's index. Sources are units, not slab
-# offsets: a unit deleted after its micro-batch was compiled (its extent perhaps reused) fails
-# its lookup, as a read does, so compiling ahead weakens no guarantee. Compiled here, not in
-# the driver: the compile reads only the plan and the schema, but the driver is one process
-# for every group of the job and plans on the eager path, while reorganizers compile in
-# parallel, each for its own group (at DP32 x CP2 the driver would pay 64 groups' compiles per
-# mini-batch, about as much as the planner itself). Stage columns (strided rows) and backends
-# that cannot expose bytes (disk, Ray) keep the template path (NOTE [ Pack templates ]), which
-# the copy lists match byte for byte (tests/storage/test_reorg_copy_lists.py). Measured
-# (transfer.py's micro-batches, one process, thread time, passes alternating, load ~10): 341 ->
-# 316 and 371 -> 340 us per micro-batch, ~185 us of it memcpy; Python calls per micro-batch
-# outside the compile 196 -> 59 (2 fields), 359 -> 92 (8 fields). Inside transfer.py's
-# look-ahead phases (a scratch run with thread clocks around each part, load 9-13), one backbone
-# reorganizer's step of 6.7 micro-batches (15.7 MiB): 4.5-5.1 ms, of which the copies 1.6-2.0 ms
-# (1.4-1.7x a quiet memcpy of those bytes: 8 ranks compute on the same 2 cores), the slot waits
-# 0.9-1.0 ms (one wake per micro-batch, ~140 us of CPU each, NOTE [ Futex waits ] in
-# atomic_words.py), unit lookups 0.6-1.0 ms, compiles 0.4-0.8 ms, publications 0.4 ms.
+# shared memory, memory), a reorganizer compiles each assignment, before its first slot, into
+# one copy list per micro-batch: its layout and encoded record, the units it reads with what
+# each must be (dtype, row shape, rows read), and ``(source, offset, slot offset, bytes)``
+# copies that write every byte of the slot (unit rows; position ids, a generated loss mask, the
+# sequence bounds and every padding or alignment byte from constant sources); then it maps
+# every unit of the assignment in one backend call (``map_units``: NOTE [ Units mapped ahead ]
+# in backends/shm.py). Per micro-batch what is left is the slot, the range of unit views
+# (``views``: the reader brought up to date, each slab's size checked; a unit deleted since
+# the map fails as a read does, and a unit missing at the map fails its own micro-batch, the
+# ones before it published), one loop of slice assignments between memoryviews (each a
+# memmove; ~31 for transfer.py's 2.4 MiB micro-batches) and one publication: no Python per
+# field or per unit after a slot wait. Compiling the whole assignment first, not each
+# micro-batch before its slot, is measured: after a slot wait the process's caches are cold
+# and the same Python costs 2-5x (transfer.py, one backbone reorganizer, load ~10: compile
+# 94-189 us and lookups 39-86 us per micro-batch compiled one at a time, against 31 and 10 us
+# in a hot loop); an eager step's first micro-batch now waits for its assignment's compile
+# (~0.2 ms at transfer.py's 6-7 micro-batches), a look-ahead step's compile runs a step ahead.
+# Sources are units, not slab offsets: the copy lists stay valid whatever the store does, and
+# the views are re-checked per micro-batch. Compiled here, not in the driver: the compile
+# reads only the plan and the schema, but the driver is one process for every group of the
+# job and plans on the eager path, while reorganizers compile in parallel, each for its own
+# group (at DP32 x CP2 the driver would pay 64 groups' compiles per mini-batch, about as much
+# as the planner itself). Stage columns (strided rows) and backends that cannot expose bytes
+# (disk, Ray) keep the template path (NOTE [ Pack templates ]), which the copy lists match
+# byte for byte (tests/storage/test_reorg_copy_lists.py). Measured in one process (transfer.py's
+# micro-batches, thread time, caches evicted before each slot as a slot wait leaves them,
+# medians of 8 passes, load ~10): 486 -> 394 us per micro-batch (~190 us of it memcpy), and
+# in transfer.py, back to back against 1cebb89: benchmarks/README.md (transfer).
 
 
 class Reorganizer:
@@ -78,7 +79,7 @@ class Reorganizer:
         self.backend = backend
         self.publisher = publisher
         self._schema: dict[str, RowSpec] = {}
-        self._unit_bytes = backend.unit_bytes if isinstance(backend, UnitBytes) else None
+        self._map_units = backend.map_units if isinstance(backend, UnitBytes) else None
         """Where units are bytes this process maps: their views (NOTE [ Copy lists ])."""
         self._packers: dict[object, tuple[PackTemplate, RecordTemplate]] = {}
         """Field sets -> their templates under the current schema, kept across assignments
@@ -93,38 +94,44 @@ class Reorganizer:
             {"minibatch_id": minibatch_id, "micro_batch": index, "num_micro_batches": count}
             for index in range(count)
         ]
-        copies = self._unit_bytes is not None and (  # NOTE [ Copy lists ]
+        if self._map_units is not None and (  # NOTE [ Copy lists ]
             isinstance(plan, EncoderRankPlan) or not any(mb.columns for mb in plan.micro_batches)
-        )
+        ):
+            self._publish_copies(*self._compile(plan, extras))
+            return count
         for index in range(count):
-            if copies:
-                self._publish_copies(self._compile(plan, index, extras[index]))
-            elif isinstance(plan, ConsumerPlan):
+            if isinstance(plan, ConsumerPlan):
                 self._publish_backbone(plan.micro_batches[index], extras[index])
             else:
                 self._publish_encoder(plan.micro_batches[index], extras[index])
         return count
 
     def _compile(
-        self, plan: ConsumerPlan | EncoderRankPlan, index: int, extra: dict[str, int | float | str]
-    ) -> MicroBatchCopies:
-        """Micro-batch ``index`` of ``plan`` as a copy list (NOTE [ Copy lists ])."""
+        self, plan: ConsumerPlan | EncoderRankPlan, extras: list[dict[str, int | float | str]]
+    ) -> tuple[list[MicroBatchCopies], UnitViews]:
+        """Every micro-batch of ``plan`` as a copy list, and every unit they read mapped, in
+        one pass before the first slot (NOTE [ Copy lists ])."""
         if isinstance(plan, EncoderRankPlan):
-            return self._encoder_copies(plan.micro_batches[index], extra)
-        micro_batch = plan.micro_batches[index]
+            pairs = zip(plan.micro_batches, extras, strict=True)
+            compiled = [self._encoder_copies(units, extra) for units, extra in pairs]
+        else:
+            pairs_ = zip(plan.micro_batches, extras, strict=True)
+            compiled = [self._backbone_copies(mb, extra) for mb, extra in pairs_]
+        assert self._map_units is not None
+        keys = [key for copies in compiled for key in copies.units]
+        needs = [need for copies in compiled for need in copies.needs]
+        return compiled, self._map_units(keys, needs)
+
+    def _backbone_copies(
+        self, micro_batch: MicroBatchPlan, extra: dict[str, int | float | str]
+    ) -> MicroBatchCopies:
+        """A backbone micro-batch as a copy list (its pack template's, NOTE [ Pack templates ])."""
         template, record = self._packer(micro_batch)
         shaped = template.shape(micro_batch, extra)
         units, needs, copies, constants, moved = template.copy_list(micro_batch, shaped)
         layout = shaped.layout
-        return MicroBatchCopies(
-            layout,
-            record.encode(layout, shaped.offsets, shaped.lead),
-            tuple(units),
-            tuple(needs),
-            tuple(copies),
-            constants,
-            moved,
-        )
+        record_bytes = record.encode(layout, shaped.offsets, shaped.lead)
+        return MicroBatchCopies(layout, record_bytes, units, needs, copies, constants, moved)
 
     def _encoder_copies(
         self, units: tuple[UnitKey, ...], extra: dict[str, int | float | str]
@@ -149,16 +156,21 @@ class Reorganizer:
         record = encode_layout(layout)
         return MicroBatchCopies(layout, record, units, needs, tuple(copies), b"", moved)
 
-    def _publish_copies(self, compiled: MicroBatchCopies) -> None:
-        """One compiled micro-batch (compiled before its slot is free, so the compile overlaps
-        the consumers' hold of the slot): a slot, the units' bytes, the copies, one
+    def _publish_copies(self, compiled: list[MicroBatchCopies], units: UnitViews) -> None:
+        """The compiled micro-batches in order: per micro-batch a slot, its units' views (as
+        they are now: NOTE [ Units mapped ahead ] in backends/shm.py), the copies, one
         publication."""
-        slot = self.publisher.acquire(compiled.layout.nbytes)
-        assert self._unit_bytes is not None
-        units = self._unit_bytes(compiled.units, compiled.needs, compiled.unit_bytes)
-        run_copies(compiled.copies, sources(units, compiled.constants), slot)
-        self.publisher.ring.add_bytes_read(compiled.unit_bytes)
-        self.publisher.publish(compiled.layout, compiled.record)
+        publisher = self.publisher
+        ring = publisher.ring
+        start = 0
+        for copies in compiled:
+            stop = start + len(copies.units)
+            slot = publisher.acquire(copies.layout.nbytes)
+            views = units.views(start, stop, copies.unit_bytes)
+            run_copies(copies.copies, sources(views, copies.constants), slot)
+            ring.add_bytes_read(copies.unit_bytes)
+            publisher.publish(copies.layout, copies.record)
+            start = stop
 
     def _packer(self, micro_batch: MicroBatchPlan) -> tuple[PackTemplate, RecordTemplate]:
         """The pack and record templates of ``micro_batch``'s field set (NOTE [ Pack templates ])."""

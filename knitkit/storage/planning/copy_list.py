@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +20,7 @@ mask's real rows), int64 ``0, 1, 2, ...`` (position ids), this micro-batch's own
 (its ``cu_seqlens`` and ``cu_seqlens_padded``)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class MicroBatchCopies:
     """One micro-batch, compiled: its layout and record, the units it reads and the byte copies
     that fill its slot completely (NOTE [ Copy lists ] in delivery/reorganizer.py)."""
@@ -27,10 +28,10 @@ class MicroBatchCopies:
     layout: MicroBatchLayout
     record: bytes
     """``layout``'s ``layout_codec`` record."""
-    units: tuple[UnitKey, ...]
-    needs: tuple[UnitNeed, ...]
+    units: Sequence[UnitKey]
+    needs: Sequence[UnitNeed]
     """What each of ``units`` must be (checked before its bytes are read)."""
-    copies: tuple[Copy, ...]
+    copies: Sequence[Copy]
     constants: bytes
     unit_bytes: int
     """Bytes the copies read from units (the read counters' figure)."""
@@ -39,12 +40,12 @@ class MicroBatchCopies:
 def sources(units: list[memoryview], constants: bytes) -> list[memoryview]:
     """The copy sources of a micro-batch: the bytes of its ``units`` (in order, extended in
     place) followed by the constant sources (``reserve``d long enough when it was compiled)."""
-    units.extend(_CONSTANTS.values())
+    units.extend(_CONSTANTS)
     units.append(memoryview(constants))
     return units
 
 
-def run_copies(copies: tuple[Copy, ...], sources: list[memoryview], slot: memoryview) -> None:
+def run_copies(copies: Iterable[Copy], sources: list[memoryview], slot: memoryview) -> None:
     """Every copy of a copy list, in order, between flat byte views (a slice assignment each:
     one memmove; a memoryview's slicing costs half a numpy array's)."""
     for source, at, to, size in copies:
@@ -54,20 +55,20 @@ def run_copies(copies: tuple[Copy, ...], sources: list[memoryview], slot: memory
 def reserve(source: int, nbytes: int) -> None:
     """Make constant source ``ZEROS``, ``ONES`` or ``RAMP`` at least ``nbytes`` long (a
     process-wide cache that only grows, so a copy list compiled earlier stays in bounds)."""
-    kind = ("zeros", "ones", "ramp")[source - ZEROS]
-    if len(_CONSTANTS[kind]) >= nbytes:
+    index = source - ZEROS
+    have = len(_CONSTANTS[index])
+    if have >= nbytes:
         return
-    size = max(nbytes, 2 * len(_CONSTANTS[kind]), 1 << 16)
-    array: np.ndarray = (
-        np.zeros(size, np.uint8)
-        if kind == "zeros"
-        else np.ones(-(-size // 4), np.float32)
-        if kind == "ones"
-        else np.arange(-(-size // 8), dtype=np.int64)
-    )
+    array = _MAKERS[index](max(nbytes, 2 * have, 1 << 16))
     array.flags.writeable = False
-    _CONSTANTS[kind] = array.data.cast("B")
+    _CONSTANTS[index] = array.data.cast("B")
 
 
-_CONSTANTS: dict[str, memoryview] = {k: memoryview(b"") for k in ("zeros", "ones", "ramp")}
+_MAKERS: tuple[Callable[[int], np.ndarray], ...] = (
+    lambda nbytes: np.zeros(nbytes, np.uint8),
+    lambda nbytes: np.ones(-(-nbytes // 4), np.float32),
+    lambda nbytes: np.arange(-(-nbytes // 8), dtype=np.int64),
+)
+"""Each constant source's bytes, at least ``nbytes`` long (in source order)."""
+_CONSTANTS: list[memoryview] = [memoryview(b"")] * 3
 """The constant sources in source order (``ZEROS``, ``ONES``, ``RAMP``)."""
