@@ -73,6 +73,35 @@ def test_an_idle_reorganizer_wakes_once_per_heartbeat_period() -> None:
         backend.close()
 
 
+def test_an_idle_paced_host_beats_once_per_liveness_eighth_without_the_full_ring_cap() -> None:
+    """Told its consumers' 30 s timeout, a host beats every 2 s while it waits on a full ring
+    (MAX_HEARTBEAT_S: a consumer that died holding a slot is seen within 2 s) but only every
+    3.75 s while idle, the period a ``ReorganizerProcess``'s child polls its assignment pipe
+    with (NOTE [ Heartbeat period ]): that wait sees its launcher's death and stop at once. On
+    1cebb89 the idle wait kept the 2 s cap (transfer.py's encoder reorganizers idle most of a
+    step)."""
+    from knitkit.storage.delivery.reorganizer import ReorganizerHost
+
+    spec = RingSpec.new(num_slots=1, slot_bytes=1 << 12, num_consumers=1)
+    backend = SharedMemoryBackend(slab_bytes=1 << 16)
+    try:
+        host = ReorganizerHost(
+            backend, spec, owns_ring=True, beat_thread=False, liveness_timeout_s=PACED_LIVENESS_S
+        )
+        try:
+            assert host.heartbeat_s == MAX_HEARTBEAT_S
+            assert host.idle_s == PACED_LIVENESS_S / 8 > MAX_HEARTBEAT_S
+        finally:
+            host.close()
+        host = ReorganizerHost(backend, spec, owns_ring=True, beat_thread=False)
+        try:
+            assert host.idle_s == host.heartbeat_s == HEARTBEAT_S  # not told: 4 beats a second
+        finally:
+            host.close()
+    finally:
+        backend.close()
+
+
 def test_a_paced_reorganizer_wakes_once_per_period_idle_and_on_a_full_ring() -> None:
     """Told its consumers' liveness timeout (30 s), a reorganizer process beats once per
     MAX_HEARTBEAT_S instead of 4 times a second: idle it wakes at most once per period, blocked

@@ -45,18 +45,31 @@ MAX_HEARTBEAT_S = 2.0
 # consumers' ``liveness_timeout_s``, as before: only the wakes in between are fewer (8x at 30 s).
 # transfer.py tells both ends 30 s: its reorganizers' CPU went 0.0286 -> 0.0206 s per step
 # (look-ahead 0.0378 -> 0.0228; `--quick --skip-tq --skip-engines` back to back against
-# 30f28cf, load 11-13; benchmarks/README.md, transfer).
+# 30f28cf, load 11-13; benchmarks/README.md, transfer). An idle wait that sees its owner's death
+# and stop at once needs no cap (``idle_period``: liveness_timeout_s / 8, 3.75 s at 30 s):
+# ReorganizerProcess's child waits on its assignment pipe, which ends with its launcher and
+# carries its stop, so its timed wakes only beat (and back up the STOP word and the owner's
+# role lock where a fork of the launcher holds the pipe open). An encoder reorganizer of
+# transfer.py idles most of a step (one micro-batch per step, ~0.1-0.2 ms of CPU per idle wake
+# under load): it wakes about half as often.
 
 
 def heartbeat_period(liveness_timeout_s: float | None) -> float:
     """A producer's heartbeat period for consumers that declare it dead after
     ``liveness_timeout_s`` of silence (``None``: not known, HEARTBEAT_S); see NOTE [ Heartbeat
     period ]."""
+    return min(MAX_HEARTBEAT_S, idle_period(liveness_timeout_s))
+
+
+def idle_period(liveness_timeout_s: float | None) -> float:
+    """How often an idle producer whose wait sees its owner's death and stop at once beats, for
+    consumers that declare it dead after ``liveness_timeout_s`` (``heartbeat_period`` without
+    its cap; NOTE [ Heartbeat period ])."""
     if liveness_timeout_s is None:
         return HEARTBEAT_S
     if liveness_timeout_s <= 0:
         raise ValueError(f"liveness_timeout_s={liveness_timeout_s}; pass a positive bound")
-    return min(MAX_HEARTBEAT_S, max(HEARTBEAT_S, liveness_timeout_s / 8))
+    return max(HEARTBEAT_S, liveness_timeout_s / 8)
 
 
 # NOTE [ Micro-batch publication protocol ]

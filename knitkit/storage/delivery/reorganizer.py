@@ -15,7 +15,7 @@ from knitkit.storage.backends.backend import (
 )
 from knitkit.storage.backends.lost import UnitsLostError
 from knitkit.storage.delivery.layout_codec import RecordTemplate, encode_layout
-from knitkit.storage.delivery.publication import Publisher, heartbeat_period
+from knitkit.storage.delivery.publication import Publisher, heartbeat_period, idle_period
 from knitkit.storage.delivery.slot_ring import (
     ConsumerDiedError,
     RingClosedError,
@@ -290,6 +290,9 @@ class ReorganizerHost:
             self.close()
             raise
         self._reorganizer = Reorganizer(backend, self._publisher)
+        self.idle_s = idle_period(liveness_timeout_s)
+        """How often a host whose idle wait sees its owner's death and stop at once (a
+        ``ReorganizerProcess``'s child) beats while idle (NOTE [ Heartbeat period ])."""
 
     @property
     def bytes_read(self) -> int:

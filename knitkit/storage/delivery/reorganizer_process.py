@@ -47,8 +47,9 @@ from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan
 # to beat and to check the STOP word and the owner's role lock (NOTE [ Ring role locks ] in
 # slot_ring.py; the backstop while a fork of the launcher keeps the pipe's end open). It exits
 # when STOP is set, the launcher is gone or the pipe ends, so it never outlives its owner for
-# long. The period is the heartbeat period (NOTE [ Heartbeat period ] in publication.py):
-# HEARTBEAT_S, or up to 2 s where the launcher passes its consumers' liveness timeout. Measured
+# long. The period is the idle period (``idle_period``, NOTE [ Heartbeat period ] in
+# publication.py): HEARTBEAT_S, or the consumers' liveness timeout / 8 where the launcher passes
+# it (3.75 s at 30 s; the 2 s cap of a wait on a full ring is not needed here). Measured
 # (an idle ReorganizerProcess's CPU clock over 6 s, the length of a transfer.py look-ahead step;
 # loaded 2-core machine): 5.7 ms with a 0.2 s ``Connection.poll`` (~0.1 ms a wake: it builds a
 # selector per call) and a heartbeat thread, 3.6 ms with one 0.25 s ``Connection.poll``,
@@ -314,7 +315,7 @@ def _serve(
     host = ReorganizerHost(backend, spec, beat_thread=False, liveness_timeout_s=liveness_timeout_s)
     pipe = select.poll()  # one poll object: Connection.poll builds a selector per call
     pipe.register(assignments.fileno(), select.POLLIN)
-    period_ms = round(host.heartbeat_s * 1000)
+    period_ms = round(host.idle_s * 1000)
     closed = f"ring {spec.name!r} closed by its owner"
     try:
         while True:
