@@ -44,7 +44,10 @@ slowest rank's wait of one kind: ``pass``, ``encoder_inputs``, ``batch``, ``writ
 ``done``; ``load`` for plain), ``<path>.step_s``, ``<path>.collectives_per_step`` (the busiest
 rank's), ``<path>.cpu_s_per_step``
 (every process), ``<path>.cpu_s_per_step.ranks``, ``.rank<r>``, ``.rank<r>.main_thread``,
-``knitkit.cpu_s_per_step.reorganizers``, ``.other_children``, ``<path>.bytes_read_per_step``,
+``<path>.cpu_s_per_step.threads.<kind>`` and ``<path>.wakes_per_step.threads.<kind>`` (every
+rank's threads by kind, summed; a wake is a voluntary context switch: a count load does not
+blur), ``knitkit.cpu_s_per_step.reorganizers``, ``.other_children`` (and their
+``wakes_per_step``), ``<path>.bytes_read_per_step``,
 ``<path>.images_encoded_per_step``, ``steps``, ``work``.
 """
 
@@ -53,10 +56,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -79,10 +84,23 @@ PATHS = ("knitkit", "plain", "plain_packed", "plain_dedup")
 
 
 # ----- inside torchrun: one rank --------------------------------------------------------------
+def _task_figures(task: Path) -> tuple[float, int]:
+    """One thread's CPU seconds (``schedstat``: nanoseconds, not the 10 ms ticks of ``stat``)
+    and its voluntary context switches (each a wake after it blocked: a futex, a poll, the GIL)."""
+    cpu = int((task / "schedstat").read_text().split()[0]) / 1e9
+    status = (task / "status").read_text()
+    return cpu, int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+
+
 def _children_cpu() -> dict[str, float]:
-    """CPU seconds of this process's descendants, by kind (reorganizers, others), from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {"reorganizers_cpu_s": 0.0, "other_children_cpu_s": 0.0}
+    """CPU seconds and wakes of this process's descendants, by kind (reorganizers, others),
+    summed over their threads, from /proc."""
+    out = {
+        "reorganizers_cpu_s": 0.0,
+        "other_children_cpu_s": 0.0,
+        "reorganizers_wakes": 0.0,
+        "other_children_wakes": 0.0,
+    }
     todo, seen = [os.getpid()], set()
     while todo:
         pid = todo.pop()
@@ -95,13 +113,44 @@ def _children_cpu() -> dict[str, float]:
             continue
         seen.add(pid)
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        cpu = (int(fields[11]) + int(fields[12])) / tick
-        kind = "reorganizers_cpu_s" if b"spawn_main" in cmdline else "other_children_cpu_s"
-        out[kind] += cpu
+        kind = "reorganizers" if b"spawn_main" in cmdline else "other_children"
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                cpu, wakes = _task_figures(task)
+            except OSError:  # exited meanwhile
+                continue
+            out[f"{kind}_cpu_s"] += cpu
+            out[f"{kind}_wakes"] += wakes
+    return out
+
+
+def _threads() -> dict[str, float]:
+    """This rank's CPU seconds and wakes by thread kind (``thread.<kind>.cpu_s`` / ``.wakes``):
+    a Python thread's name up to its first digit or ``/`` (``knitkit-pass-end``), a native
+    thread's ``comm`` (``native:gloo_tcp_loop``). Threads that exited (a pass's prefetch thread
+    ends with its pass) leave their CPU in ``thread.exited.cpu_s``: the process's CPU minus its
+    live threads'; a thread that exits within a step moves its earlier CPU there too."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    live = 0.0
+    for task in Path("/proc/self/task").iterdir():
+        name = names.get(int(task.name))
+        try:
+            cpu, wakes = _task_figures(task)
+            kind = (
+                re.split(r"[\d/]", name, maxsplit=1)[0].rstrip("-_")
+                if name
+                else f"native:{(task / 'comm').read_text().strip()}"
+            )
+        except OSError:  # exited meanwhile
+            continue
+        out[f"thread.{kind}.cpu_s"] = out.get(f"thread.{kind}.cpu_s", 0.0) + cpu
+        out[f"thread.{kind}.wakes"] = out.get(f"thread.{kind}.wakes", 0.0) + wakes
+        live += cpu
+    out["thread.exited.cpu_s"] = time.process_time() - live
     return out
 
 
@@ -162,7 +211,7 @@ def _worker(out_dir: Path, steps: int, work: float) -> None:
         collectives = _count_collectives()
 
         def probe() -> dict[str, float]:
-            return collectives() | (_children_cpu() if rank == 0 else {})
+            return collectives() | _threads() | (_children_cpu() if rank == 0 else {})
 
         say(f"knitkit path: {steps} steps")
         trainer = new_trainer(run)
@@ -313,7 +362,16 @@ def summarise(ranks: Ranks) -> dict[str, float]:
             children += value
             if path == "knitkit":
                 out[f"{path}.cpu_s_per_step.{kind}"] = value
+                out[f"{path}.wakes_per_step.{kind}"] = _median(
+                    [step[0] for step in _series(ranks, path, f"{kind}_wakes")]
+                )
         out[f"{path}.cpu_s_per_step"] = ranks_cpu + children
+        for key in (k for k in kinds if k.startswith("thread.")):
+            thread, _, figure = key.removeprefix("thread.").rpartition(".")
+            name = "cpu_s_per_step" if figure == "cpu_s" else "wakes_per_step"
+            out[f"{path}.{name}.threads.{thread}"] = _median(
+                [sum(step) for step in _series(ranks, path, key)]
+            )
         out[f"{path}.bytes_read_per_step"] = _median(
             [sum(step) for step in _series(ranks, path, "bytes_read")]
         )
@@ -359,6 +417,25 @@ def _table(figures: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def _thread_table(figures: dict[str, float]) -> str:
+    """Every thread kind's CPU (ms) and wakes per step, summed over the 4 ranks."""
+    threads = sorted(
+        {k.partition(".threads.")[2] for k in figures if ".threads." in k},
+        key=lambda t: -figures.get(f"knitkit.cpu_s_per_step.threads.{t}", 0.0),
+    )
+    header = "".join(f"{path:>14}" for path in PATHS)
+    lines = [f"{'threads, all ranks: CPU ms / wakes per step':<46}{header}"]
+    for thread in threads:
+        cells = []
+        for path in PATHS:
+            cpu = figures.get(f"{path}.cpu_s_per_step.threads.{thread}")
+            wakes = figures.get(f"{path}.wakes_per_step.threads.{thread}")
+            cell = "-" if cpu is None else f"{1000 * cpu:.1f}"
+            cells.append(cell if wakes is None else f"{cell} / {wakes:.0f}")
+        lines.append(f"  {thread:<44}" + "".join(f"{cell:>14}" for cell in cells))
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -393,6 +470,7 @@ def main() -> int:
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(WORLD)]
     figures = summarise(ranks) | {"steps": float(steps), "work": work}
     print(_table(figures))
+    print(_thread_table(figures))
     print(f"[grpo_step] {time.perf_counter() - start:.0f} s", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as out:

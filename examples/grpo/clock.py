@@ -28,24 +28,26 @@ class StepClock:
 
     def start(self) -> None:
         self.waits, self.bytes_read = {}, 0
-        self._start = self._figures()
+        probed = self._probe() if self._probe is not None else {}
+        self._start = self._clocks() | probed  # the probe's own time stays out of the step
 
     def stop(self) -> dict[str, float]:
         """The step's figures: data-path wait, wall time, this process's CPU (all threads; and
-        its main thread's alone), bytes read and the probe's, all as changes over the step."""
-        end = self._figures()
+        its main thread's alone), bytes read and the probe's, all as changes over the step
+        (the clocks are read after the start's probe and before the stop's)."""
+        end = self._clocks()
+        end |= self._probe() if self._probe is not None else {}
         out = {name: end[name] - self._start.get(name, 0.0) for name in end}
         waits = {f"data_wait_s.{kind}": s for kind, s in self.waits.items()}
         total = {"data_wait_s": sum(self.waits.values()), "bytes_read": float(self.bytes_read)}
         return total | waits | out
 
-    def _figures(self) -> dict[str, float]:
-        figures = {
+    def _clocks(self) -> dict[str, float]:
+        return {
             "wall_s": time.perf_counter(),
             "cpu_s": time.process_time(),
             "main_thread_cpu_s": time.thread_time(),
         }
-        return figures | (self._probe() if self._probe is not None else {})
 
     @contextlib.contextmanager
     def data(self, kind: str) -> Iterator[None]:
