@@ -122,8 +122,12 @@ def _assignments(
     replicas: dict[tuple[int, int], list[int]] = defaultdict(list)
     num_rows: dict[UnitKey, int] = {}
     for rank, consumer in backbone.items():
+        group = replicas[(consumer.dp_rank, consumer.cp_rank)]
+        group.append(rank)
+        if len(group) > 1:  # a TP replica: its group's one list (NOTE [ One rank's route ])
+            micro_batches[rank] = micro_batches[group[0]]
+            continue
         micro_batches[rank] = [feature_slices(mb) for mb in consumer.micro_batches]
-        replicas[(consumer.dp_rank, consumer.cp_rank)].append(rank)
         for mb in consumer.micro_batches:
             for seq in mb.sequences:
                 num_rows.update((ref.key, ref.num_tokens) for ref in seq.multimodal)

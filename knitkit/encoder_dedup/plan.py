@@ -7,10 +7,10 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from knitkit.encoder_dedup.assignment import BackboneAssignment, EncoderAssignment, RowSlice
-from knitkit.encoder_dedup.segments import segment_ids
 from knitkit.types import UnitKey
 
 
@@ -71,7 +71,7 @@ def build_routing_plan(
     encoder: EncoderAssignment, backbone: BackboneAssignment, world_size: int
 ) -> RoutingPlan:
     """Route every consumed row from its encoding rank and every owned gradient row back (pure)."""
-    routing = _Routing.of(encoder, backbone, world_size)
+    routing = _Routing.of(encoder, backbone, world_size, None)
     return RoutingPlan(tuple(routing.route(rank) for rank in range(world_size)))
 
 
@@ -82,7 +82,17 @@ def build_rank_route(
     the same checks, the same route: what a rank builds for itself each mini-batch)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside the world of {world_size} ranks")
-    return _Routing.of(encoder, backbone, world_size).route(rank)
+    return _Routing.of(encoder, backbone, world_size, rank).route(rank)
+
+
+# NOTE [ One rank's route ]: a rank builds its own route each mini-batch, on its pass-end
+# thread (``knitkit/job/rank.py``). Its exchanges pair it with every peer, so it still lays out
+# every consumer's cache (the rows it sends a consumer land at that consumer's cache offsets),
+# but TP replicas consume identical micro-batches (checked), so each TP group's cache is laid
+# out once and shared by its members, and only the runs this rank sends or receives are kept.
+# The plan fingerprint is a digest of one string of names and integers, not of dataclass
+# ``repr``s (which walked every key and slice through the recursive-repr guard: ~40% of a
+# route's CPU). ``build_routing_plan`` builds every pair, for every rank.
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,26 +110,32 @@ class _Routing:
 
     @classmethod
     def of(
-        cls, encoder: EncoderAssignment, backbone: BackboneAssignment, world_size: int
+        cls,
+        encoder: EncoderAssignment,
+        backbone: BackboneAssignment,
+        world_size: int,
+        rank: int | None,
     ) -> _Routing:
+        """The runs of every (sender, receiver) pair, or only ``rank``'s (NOTE [ One rank's route ])."""
         _check_backbone(backbone, world_size)
         owner, table_offset, encoder_rows = _encoder_layout(encoder, world_size)
         encoded_rows = {key: encoder.num_rows[key] for key in owner}
-        segments = {
-            r: _cache_segments(r, mbs, encoded_rows) for r, mbs in backbone.micro_batches.items()
-        }
+        segments = _group_segments(backbone, encoded_rows)
         owned = _tp_owned(backbone, segments)
         fwd: dict[tuple[int, int], tuple[list[Run], list[Run]]] = defaultdict(lambda: ([], []))
         bwd: dict[tuple[int, int], tuple[list[Run], list[Run]]] = defaultdict(lambda: ([], []))
         for consumer, segs in segments.items():
+            every = rank is None or consumer == rank
             for key, start, stop, cache_at in segs:
-                src, dst = fwd[(owner[key], consumer)]
-                src.append((table_offset[key] + start, stop - start))
-                dst.append((cache_at, stop - start))
+                if every or owner[key] == rank:
+                    src, dst = fwd[(owner[key], consumer)]
+                    src.append((table_offset[key] + start, stop - start))
+                    dst.append((cache_at, stop - start))
             for key, start, stop, cache_at in owned[consumer]:
-                src, dst = bwd[(consumer, owner[key])]
-                src.append((cache_at, stop - start))
-                dst.append((table_offset[key] + start, stop - start))
+                if every or owner[key] == rank:
+                    src, dst = bwd[(consumer, owner[key])]
+                    src.append((cache_at, stop - start))
+                    dst.append((table_offset[key] + start, stop - start))
         fingerprint = plan_fingerprint(encoder, backbone, world_size)
         return cls(encoder, backbone, world_size, encoder_rows, segments, fwd, bwd, fingerprint)
 
@@ -133,9 +149,7 @@ class _Routing:
             ),
             encoder_rows=self.encoder_rows[rank],
             cache_rows=sum(stop - start for _, start, stop, _ in segs),
-            micro_batch_index=tuple(
-                _gather_index(mb, segs) for mb in self.backbone.micro_batches.get(rank, ())
-            ),
+            micro_batch_index=_gather_indices(self.backbone.micro_batches.get(rank, ()), segs),
             forward=_exchange(rank, self.world_size, self.forward),
             backward=_exchange(rank, self.world_size, self.backward),
             plan_fingerprint=self.fingerprint,
@@ -145,17 +159,43 @@ class _Routing:
 def plan_fingerprint(
     encoder: EncoderAssignment, backbone: BackboneAssignment, world_size: int
 ) -> bytes:
-    """A 16-byte digest of everything a routing plan is built from (equal inputs, equal digest)."""
-    text = repr(
-        (
-            world_size,
-            sorted((r, [list(mb) for mb in mbs]) for r, mbs in encoder.micro_batches.items()),
-            sorted(encoder.num_rows.items()),
-            sorted((r, [list(mb) for mb in mbs]) for r, mbs in backbone.micro_batches.items()),
-            [list(group) for group in backbone.tp_groups],
-        )
-    )
-    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+    """A 16-byte digest of everything a routing plan is built from (equal inputs, equal digest;
+    NOTE [ One rank's route ])."""
+    parts = [f"world {world_size}"]
+    for rank in sorted(encoder.micro_batches):
+        parts.append(f"encoder {rank}")
+        for micro_batch in encoder.micro_batches[rank]:
+            parts.append("|")
+            parts += [f"{key.owner}/{key.field}" for key in micro_batch]
+    parts.append("rows")
+    parts += sorted(f"{key.owner}/{key.field}={n}" for key, n in encoder.num_rows.items())
+    texts: dict[int, str] = {}  # TP replicas handed one object are spelled once
+    for rank in sorted(backbone.micro_batches):
+        micro_batches = backbone.micro_batches[rank]
+        text = texts.get(id(micro_batches))
+        if text is None:
+            text = texts[id(micro_batches)] = "|".join(
+                ",".join(f"{s.key.owner}/{s.key.field}[{s.start}:{s.stop}]" for s in micro_batch)
+                for micro_batch in micro_batches
+            )
+        parts.append(f"backbone {rank}:{text}")
+    parts += [f"tp {list(group)}" for group in backbone.tp_groups]
+    return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=16).digest()
+
+
+def _group_segments(
+    backbone: BackboneAssignment, num_rows: Mapping[UnitKey, int]
+) -> dict[int, list[Segment]]:
+    """Every consumer's cache segments, laid out once per micro-batch list (TP replicas handed
+    one object share it; ``_tp_owned`` checks that replicas consume the same slices)."""
+    laid_out: dict[int, list[Segment]] = {}
+    segments = {}
+    for rank, micro_batches in backbone.micro_batches.items():
+        segs = laid_out.get(id(micro_batches))
+        if segs is None:
+            segs = laid_out[id(micro_batches)] = _cache_segments(rank, micro_batches, num_rows)
+        segments[rank] = segs
+    return segments
 
 
 def _check_backbone(backbone: BackboneAssignment, world_size: int) -> None:
@@ -277,18 +317,24 @@ def _cut(segments: list[Segment], lo: int, hi: int) -> list[Segment]:
     return out
 
 
-def _gather_index(micro_batch: Sequence[RowSlice], segments: list[Segment]) -> torch.Tensor:
+def _gather_indices(
+    micro_batches: Sequence[Sequence[RowSlice]], segments: list[Segment]
+) -> tuple[torch.Tensor, ...]:
+    """Cache rows of every backbone micro-batch, in feature order."""
     runs: dict[UnitKey, list[Segment]] = defaultdict(list)
     for segment in segments:
         runs[segment[0]].append(segment)
-    rows: list[Run] = []
-    for piece in micro_batch:
-        # A consumed slice lies inside exactly one merged run of its unit.
-        _, start, _, at = next(
-            s for s in runs[piece.key] if s[1] <= piece.start and piece.stop <= s[2]
-        )
-        rows.append((at + piece.start - start, piece.num_rows))
-    return _index(rows)
+    indices = []
+    for micro_batch in micro_batches:
+        rows: list[Run] = []
+        for piece in micro_batch:
+            # A consumed slice lies inside exactly one merged run of its unit.
+            _, start, _, at = next(
+                s for s in runs[piece.key] if s[1] <= piece.start and piece.stop <= s[2]
+            )
+            rows.append((at + piece.start - start, piece.stop - piece.start))
+        indices.append(_index(rows))
+    return tuple(indices)
 
 
 def _exchange(
@@ -309,8 +355,8 @@ def _index(runs: Sequence[Run]) -> torch.Tensor:
     pool (NOTE [ Segment ids off the intra-op pool ] in segments.py)."""
     if not runs:
         return torch.empty(0, dtype=torch.int64)
-    firsts = torch.tensor([first for first, _ in runs], dtype=torch.int64)
-    lengths = torch.tensor([n for _, n in runs], dtype=torch.int64)
-    total = sum(n for _, n in runs)
-    shift = firsts - (torch.cumsum(lengths, 0) - lengths)
-    return torch.arange(total) + shift.index_select(0, segment_ids(lengths, total))
+    firsts, lengths = np.array(runs, dtype=np.int64).T
+    shift = firsts - (np.cumsum(lengths) - lengths)
+    return torch.from_numpy(
+        np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(shift, lengths)
+    )

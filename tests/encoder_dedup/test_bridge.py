@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from knitkit.encoder_dedup import RoutingPlan, feature_slices, route_minibatch
+from encoder_dedup.test_plan import _same_route
+from knitkit.encoder_dedup import RoutingPlan, feature_slices, route_minibatch, route_rank
+from knitkit.encoder_dedup import plan as routing
+from knitkit.encoder_dedup.assignment import RowSlice
 from knitkit.storage import EncoderTopology, MiniBatchPlan, PlannerConfig, Topology, plan_minibatch
 from knitkit.types import MultimodalRef, TrajectoryMeta, UnitKey
 
@@ -117,3 +120,31 @@ def test_encoder_placement_is_checked():
             world_size=1,
             encoder_ranks=[0, 5],
         )
+
+
+def test_a_rank_route_lays_out_each_tp_group_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's own route (built each mini-batch on every rank, NOTE [ One rank's route ]) lays
+    out each (DP, CP) consumer's cache once for its TP replicas, digests the plan without a
+    dataclass ``repr`` per key and slice, and equals that rank's route of the whole plan."""
+    plan = _plan(Topology(2, 1, 2), encoder_dp=4)
+    coords = [(d, 0, t) for d in range(2) for t in range(2)]
+    backbone = {r: plan.consumer(d, c) for r, (d, c, _) in enumerate(coords)}
+    whole = route_minibatch(backbone, plan.encoder("vision").ranks, world_size=4)
+    laid_out = []
+
+    def counted(rank, micro_batches, num_rows):
+        laid_out.append(rank)
+        return cache_segments(rank, micro_batches, num_rows)
+
+    def no_repr(self: object) -> str:
+        raise AssertionError(f"repr of a {type(self).__name__} while routing")
+
+    cache_segments = routing._cache_segments
+    monkeypatch.setattr(routing, "_cache_segments", counted)
+    for cls in (UnitKey, RowSlice):
+        monkeypatch.setattr(cls, "__repr__", no_repr)
+    for rank in range(4):
+        laid_out.clear()
+        route = route_rank(backbone, plan.encoder("vision").ranks, world_size=4, rank=rank)
+        assert sorted(laid_out) == [0, 2], rank  # one per TP group, not one per rank
+        assert _same_route(route, whole.for_rank(rank)), rank
