@@ -82,6 +82,9 @@ class DedupVLMStep:
     last_encoded_units: int = field(default=0, init=False)
     """Unique units this rank encoded in the last ``run``."""
     _figures: dict[str, float] = field(default_factory=dict, init=False)
+    _found: _VisionModules | None = field(default=None, init=False)
+    """The vision modules and their parameters as the last ``run`` found them (NOTE [ The vision
+    path found once ])."""
 
     def run(
         self,
@@ -142,14 +145,15 @@ class DedupVLMStep:
         forward_only = bool(schedule_kwargs.get("forward_only"))
         vision: _VisionPath | None = None
         failure: Exception | None = None
+        stage = PipelineStage.current()
         try:  # see NOTE [ Every rank refuses together ]: nothing local raises before it
             problems = self._refusals(route, num_microbatches, data_iterator)
-            if PipelineStage.current().encodes and not problems:
+            if stage.encodes and not problems:
                 vision, problems = self._vision_path(route, forward_only)
         except Exception as error:
             failure, problems = error, [f"{type(error).__name__}: {error}"]
         facts = StepFacts(num_microbatches, forward_only, route.plan_fingerprint, tuple(problems))
-        folded = self._folded(facts) if self._one_handshake() else None
+        folded = self._folded(facts) if self._one_handshake(stage, vision) else None
         try:
             if folded is None:
                 agree_on_step(facts, timeout_s=self.handshake_timeout_s)
@@ -166,7 +170,7 @@ class DedupVLMStep:
             )
         config, dedup = vision.config, vision.dedup
         original = config.finalize_model_grads_func
-        named = [(n, p) for m in vision.modules for n, p in m.named_parameters() if p.requires_grad]
+        named = [(n, p) for _, n, p in vision.found.parameters if p.requires_grad]
         params = tuple(p for _, p in named)
         tp_sum = 1 if forward_only else self._replicas_to_sum()
         dedup.encode(encode_fn, keep_graph=not forward_only, folded=folded)
@@ -178,7 +182,7 @@ class DedupVLMStep:
             config.finalize_model_grads_func = hook
         try:
             with (
-                self._serving(_CachedFeatures(dedup, feed)) as restore,
+                self._serving(vision.found, _CachedFeatures(dedup, feed)) as restore,
                 averaged_over_tp(named if tp_sum > 1 else (), config),
             ):
                 if not forward_only:  # NOTE [ Finalize sees the vision path ]
@@ -222,21 +226,17 @@ class DedupVLMStep:
     # Under pipeline parallelism (later stages hold no encoder) or with a TP-sharded vision
     # path (its forward runs TP collectives, which must not start before the ranks agreed), the
     # step keeps its own all-gather first.
-    def _one_handshake(self) -> bool:
+    def _one_handshake(self, stage: PipelineStage, vision: _VisionPath | None) -> bool:
         """Whether the step's agreement rides in the encode handshake (NOTE [ One handshake per
         step ]): at PP=1, with a vision path that holds no TP-sharded parameter (the same answer
         on every rank: one model, one layout)."""
-        if PipelineStage.current().size > 1:
+        if stage.size > 1:
             return False
         try:
-            modules = [self._module_at(path) for path in (self.vision, *self.vision_extra)]
+            found = vision.found if vision is not None else self._vision_modules()
         except (AttributeError, TypeError):
             return True  # every rank refuses it alike, in the one handshake
-        return not any(
-            getattr(param, "tensor_model_parallel", False)
-            for module in modules
-            for param in module.parameters()
-        )
+        return not found.sharded
 
     def _folded(self, facts: StepFacts) -> Folded:
         """The step's facts as extra values of the encode handshake, and their verdict."""
@@ -310,12 +310,11 @@ class DedupVLMStep:
                 f"{self.tp_sharded_vision}) to match DedupVLMStep(tp_sharded_vision=...)"
             )
         try:
-            paths = (self.vision, *self.vision_extra)
-            modules = tuple(self._module_at(path) for path in paths)
+            found = self._vision_modules()
         except (AttributeError, TypeError) as error:
             return None, [*problems, str(error)]
         # see NOTE [ Declared and detected TP sharding ]
-        problems += self._sharding_refusals(dict(zip(paths, modules, strict=True)))
+        problems += self._sharding_refusals(found)
         if problems:
             return None, problems
         dedup = DedupEncoder(
@@ -326,9 +325,50 @@ class DedupVLMStep:
             device=current_device(),
             handshake_timeout_s=self.handshake_timeout_s,
         )
-        return _VisionPath(config, modules, dedup), []
+        return _VisionPath(config, found, dedup), []
 
-    def _sharding_refusals(self, modules: dict[str, torch.nn.Module]) -> list[str]:
+    # NOTE [ The vision path found once ]: each pass of a step (old, ref, and each train epoch)
+    # needs the vision modules (to swap the lookup in), their parameters (the TP sum and the
+    # deferred backward) and whether megatron marked any as TP-sharded (one handshake or two;
+    # the sharding check). Walking ``named_parameters`` for each of those and resolving the
+    # dotted paths per use cost ~0.25 ms of the training thread per pass (``grpo_step``). A run
+    # resolves the paths once (a few attribute reads) and walks the parameters only when a
+    # module it finds is not the one the last run found; which parameters require a gradient
+    # is read each run (a trainer may freeze the vision path between steps). A parameter added
+    # to or removed from a module it found earlier, in place, is not seen: replace the module.
+    def _vision_modules(self) -> _VisionModules:
+        """The vision path's parent, modules and parameters, walked only when a module changed."""
+        from megatron.core.utils import unwrap_model
+
+        root = unwrap_model(self._chunks()[0])
+        parent, name = self._vision_parent(self.vision, root)
+        modules = (
+            self._checked(self.vision, getattr(parent, name)),
+            *(self._module_at(path, root) for path in self.vision_extra),
+        )
+        found = self._found
+        if (
+            found is not None
+            and found.parent is parent
+            and len(found.modules) == len(modules)
+            and all(a is b for a, b in zip(found.modules, modules, strict=True))
+        ):
+            return found
+        paths = (self.vision, *self.vision_extra)
+        parameters = tuple(
+            (path, n, p)
+            for path, module in zip(paths, modules, strict=True)
+            for n, p in module.named_parameters()
+        )
+        sharded = tuple(
+            (f"{path}.{n}", p)
+            for path, n, p in parameters
+            if getattr(p, "tensor_model_parallel", False)
+        )
+        self._found = _VisionModules(parent, name, modules, parameters, sharded)
+        return self._found
+
+    def _sharding_refusals(self, found: _VisionModules) -> list[str]:
         """The declared ``tp_sharded_vision`` against megatron's marks on the vision parameters.
 
         NOTE [ Declared and detected TP sharding ]: megatron's (and TE's) tensor-parallel layers
@@ -344,12 +384,7 @@ class DedupVLMStep:
 
         if parallel_state.get_tensor_model_parallel_world_size() == 1:
             return []
-        sharded = [
-            (f"{path}.{name}", param)
-            for path, module in modules.items()
-            for name, param in module.named_parameters()
-            if getattr(param, "tensor_model_parallel", False)
-        ]
+        sharded = found.sharded
         if sharded and not self.tp_sharded_vision:
             name, param = sharded[0]
             return [
@@ -362,7 +397,7 @@ class DedupVLMStep:
         if not sharded and self.tp_sharded_vision:
             return [
                 f"DedupVLMStep(tp_sharded_vision=True) but no parameter of the vision path "
-                f"{sorted(modules)} is TP-sharded (none carries tensor_model_parallel=True), so "
+                f"{sorted((self.vision, *self.vision_extra))} is TP-sharded (none carries tensor_model_parallel=True), so "
                 "every TP rank would encode every unit; pass tp_sharded_vision=False and plan with "
                 "MegatronLayout.encoder_topology() (if the path is sharded by layers megatron does "
                 "not mark, mark them with tensor_parallel.set_tensor_model_parallel_attributes)"
@@ -403,19 +438,21 @@ class DedupVLMStep:
         feed = CountingIterator(iter(first))  # type: ignore[call-overload]
         return [feed, *rest], feed
 
-    def _module_at(self, dotted: str) -> torch.nn.Module:
-        parent, name = self._vision_parent(dotted)
-        module = getattr(parent, name)
+    def _module_at(self, dotted: str, root: torch.nn.Module) -> torch.nn.Module:
+        parent, name = self._vision_parent(dotted, root)
+        return self._checked(dotted, getattr(parent, name))
+
+    @staticmethod
+    def _checked(dotted: str, module: object) -> torch.nn.Module:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"model attribute {dotted!r} is {type(module).__name__}, not a module")
         return module
 
-    def _vision_parent(self, dotted: str | None = None) -> tuple[torch.nn.Module, str]:
-        from megatron.core.utils import unwrap_model
-
-        dotted = self.vision if dotted is None else dotted
+    @staticmethod
+    def _vision_parent(dotted: str, root: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+        """The module holding the attribute ``dotted`` of the unwrapped model ``root``, and its name."""
         *path, name = dotted.split(".")
-        parent = unwrap_model(self._chunks()[0])
+        parent = root
         for part in path:
             parent = getattr(parent, part)
         if not hasattr(parent, name):
@@ -426,7 +463,9 @@ class DedupVLMStep:
         return parent, name
 
     @contextlib.contextmanager
-    def _serving(self, lookup: torch.nn.Module) -> Iterator[Callable[[], None]]:
+    def _serving(
+        self, found: _VisionModules, lookup: torch.nn.Module
+    ) -> Iterator[Callable[[], None]]:
         """Swap the lookup in for the vision path; yields ``restore`` (idempotent) for finalize.
 
         NOTE [ Finalize sees the vision path ]: the lookup serves the backbone's forward only.
@@ -436,8 +475,7 @@ class DedupVLMStep:
         every vision parameter. The finalize hook therefore restores the real vision path
         after the last backward, before finalize runs.
         """
-        parent, name = self._vision_parent()
-        original = getattr(parent, name)
+        parent, name, original = found.parent, found.name, found.modules[0]
         setattr(parent, name, lookup)
 
         def restore() -> None:
@@ -467,11 +505,26 @@ class DedupVLMStep:
 
 
 @dataclass(frozen=True, slots=True)
+class _VisionModules:
+    """The vision path's modules as found in the model (NOTE [ The vision path found once ])."""
+
+    parent: torch.nn.Module
+    name: str
+    """``getattr(parent, name)`` is ``modules[0]``, the path ``run`` swaps for its lookup."""
+    modules: tuple[torch.nn.Module, ...]
+    """``vision``, then every ``vision_extra`` module."""
+    parameters: tuple[tuple[str, str, torch.nn.Parameter], ...]
+    """(module path, name in the module, parameter) of every module's ``named_parameters``."""
+    sharded: tuple[tuple[str, torch.nn.Parameter], ...]
+    """(dotted name, parameter) of those megatron marked ``tensor_model_parallel``."""
+
+
+@dataclass(frozen=True, slots=True)
 class _VisionPath:
     """The first stage's vision path for one run: its config, modules and dedup encoder."""
 
     config: TransformerConfig
-    modules: tuple[torch.nn.Module, ...]
+    found: _VisionModules
     dedup: DedupEncoder
 
 

@@ -96,6 +96,63 @@ def _step(rank: int, forward_only: bool, fail_on: int | None) -> tuple[str, str,
         megatron_cpu.destroy_model_parallel()
 
 
+def _walks(rank: int) -> tuple[int, int]:
+    """A forward-only pass, then a train pass, then a train pass with the vision path frozen,
+    on one TP=2 ``DedupVLMStep``: (walks of the vision path's parameters, vision gradient set
+    by the first train pass and untouched by the frozen one)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from knitkit.integration.megatron import DedupVLMStep
+
+    megatron_cpu.initialize_model_parallel(tensor_parallel=2)
+    megatron_cpu.install_schedule_shim()
+    try:
+        inner = _model("replicated", finalize=True)
+        model = DistributedDataParallel(inner.config, DistributedDataParallelConfig(), inner)
+        step = DedupVLMStep(model, handshake_timeout_s=NEVER_S)
+        vision = inner.vision
+        walks = 0
+        walk = vision.named_parameters
+
+        def counted(*args: object, **kwargs: object) -> Iterator[tuple[str, torch.nn.Parameter]]:
+            nonlocal walks
+            walks += 1
+            return walk(*args, **kwargs)  # type: ignore[arg-type]
+
+        vision.named_parameters = counted  # type: ignore[method-assign]
+
+        def forward_step(data: Iterator[object], chunk: torch.nn.Module) -> tuple[object, object]:
+            next(data)
+            features = inner.vision()
+            return features.square().mean().view(1), lambda out: (out.sum(), {"loss": out})
+
+        def run(forward_only: bool) -> None:
+            step.run(
+                forward_step_func=forward_step,
+                data_iterator=iter(range(2)),
+                route=_route(rank, 2, 2),
+                encode_fn=lambda keys: vision(torch.ones(2 * len(keys), PIXELS)),
+                num_microbatches=2,
+                seq_length=8,
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
+
+        run(True)
+        run(False)
+        weight = vision.weight
+        trained = weight.main_grad.clone() if hasattr(weight, "main_grad") else weight.grad
+        model.zero_grad_buffer()
+        for param in walk():
+            param[1].requires_grad_(False)
+        run(False)
+        frozen = weight.main_grad if hasattr(weight, "main_grad") else weight.grad
+        untouched = frozen is None or not frozen.abs().sum().item()
+        return walks, int(trained is not None and bool(trained.abs().sum().item()) and untouched)
+    finally:
+        megatron_cpu.destroy_model_parallel()
+
+
 @pytest.fixture(scope="module")
 def world2() -> Iterator[World]:
     with World(2, timeout_s=100.0) as world:
@@ -121,3 +178,13 @@ def test_encoder_failure_still_names_the_failing_rank(world2: World) -> None:
     assert kind0 == "PeerFailed", message0
     assert "rank 1 failed: RuntimeError: vision path failed on rank 1" in message0, message0
     assert max(took0, took1) < NEVER_S / 2, (took0, took1)
+
+
+def test_vision_parameters_walked_once_per_step_object(world2: World) -> None:
+    """NOTE [ The vision path found once ]: three passes on one ``DedupVLMStep`` walk the
+    vision path's parameters once (3 walks per pass before: the handshake choice, the TP
+    sharding check, the TP sum), and a vision path frozen between passes is still seen as
+    frozen (which parameters require a gradient is read each pass)."""
+    for walks, trained_then_frozen in world2.run(_walks):
+        assert walks == 1, walks
+        assert trained_then_frozen == 1
