@@ -351,8 +351,9 @@ def _exchange(
 
 
 def _index(runs: Sequence[Run]) -> torch.Tensor:
-    """Concatenated row indices of ``runs``, without a Python int per row nor torch's intra-op
-    pool (NOTE [ Segment ids off the intra-op pool ] in segments.py)."""
+    """Concatenated row indices of ``runs``, in numpy (no Python int per row, no torch op on a
+    few elements, nor torch's intra-op pool: NOTE [ Segment ids off the intra-op pool ] in
+    segments.py)."""
     if not runs:
         return torch.empty(0, dtype=torch.int64)
     firsts, lengths = np.array(runs, dtype=np.int64).T

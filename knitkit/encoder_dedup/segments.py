@@ -16,7 +16,8 @@ import torch
 # ``repeat_interleave`` 11 us of CPU with one intra-op thread, 1,300 us with two; ``x[ids]``
 # 8,000 us with two; ``np.repeat`` 6 us and ``x.index_select(0, ids)`` 3 us either way. So every
 # such site builds its ids with ``segment_ids`` (``np.repeat`` on the host, one kernel on an
-# accelerator, no sync when the caller passes ``total``) and gathers with ``index_select``.
+# accelerator, no sync when the caller passes ``total``) and gathers with ``index_select``; the
+# dedup route's row indices, host-only, are built in numpy end to end (``_index`` in plan.py).
 # tests/encoder_dedup/test_segments.py and tests/integration/test_megatron_batch.py check that the
 # hot paths call neither idiom.
 
