@@ -24,10 +24,10 @@ from knitkit.types import MicroBatchLayout
 
 CALLS_PER_HAND_OUT = 156
 """Python and C calls a rank's threads make per hand-out of a new shape (the loop's ``next()``,
-the prefetch thread's wait, decode, lease, views and release): 146-151 now (of which ~50 Python
+the prefetch thread's wait, decode, lease, views and release): 140-151 now (of which ~48 Python
 frames), 161-164 at 1cebb89 (~61 Python frames), ~200 at 62f8166."""
 CALLS_PER_REPEATED_SHAPE = 125
-"""The same, where each slot's micro-batches repeat one shape: 109-117 now, 153-166 at 1cebb89
+"""The same, where each slot's micro-batches repeat one shape: 101-117 now, 153-166 at 1cebb89
 (a new ``FieldView`` per field decoded, then compared with the cached views' field by field)."""
 _RUNS = itertools.count()
 """Distinct token counts per run: the decoder keeps the shapes it saw (NOTE [ Shapes decoded

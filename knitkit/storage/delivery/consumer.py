@@ -141,11 +141,15 @@ class _Releases:
 # early-release set; a release that comes second (the backstop after ``release()``) returns
 # without raising. What a rank's threads execute per hand-out, Python and C calls counted by a
 # profiler over a 3-slot ring of transfer.py's 9 fields (tests/storage/test_handout_calls.py,
-# which bounds both): a new shape each time 146-151 (~50 Python frames) against 161-164 (~61) at
-# 1cebb89 and ~200 at 62f8166; a repeated shape 109-117 against 153-166 (NOTE [ Shapes decoded
+# which bounds both): a new shape each time 140-151 (~48 Python frames) against 161-164 (~61) at
+# 1cebb89 and ~200 at 62f8166; a repeated shape 101-117 against 153-166 (NOTE [ Shapes decoded
 # once ] in layout_codec.py); with the iterator's cuts (NOTE [ Hand-out objects without
 # __init__ ] in knitkit/microbatch_iter/batch.py). Of a new shape's calls ~30 are per field
-# (its FieldView's and its view's).
+# (its FieldView's and its view's). Measured at 3500aa2 against 1cebb89, 3 back-to-back pairs at
+# load 8-21 (issue 31, wave 8): prefetch.py's loop-thread CPU in next() 43 -> 35 us per
+# micro-batch (medians); transfer.py --quick's ranks 0.0312 -> 0.0307 CPU s/step (medians; the
+# ~12 fewer Python frames are ~1 ms of the ranks' ~17 ms data-path CPU per step, inside that
+# machine's run-to-run spread of 2-4 ms).
 
 
 class _SlotBytes:
