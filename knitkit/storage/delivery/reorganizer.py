@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections import deque
+from itertools import accumulate
 
 from knitkit.storage.backends.backend import (
     WHOLE,
@@ -35,34 +37,37 @@ from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan, MicroBa
 from knitkit.types import MicroBatchLayout, UnitKey, UnitRead
 
 # NOTE [ Copy lists ]: where the backend's units are bytes this process maps (``UnitBytes``:
-# shared memory, memory), a reorganizer compiles each assignment, before its first slot, into
-# one copy list per micro-batch: its layout and encoded record, the units it reads with what
-# each must be (dtype, row shape, rows read), and ``(source, offset, slot offset, bytes)``
-# copies that write every byte of the slot (unit rows; position ids, a generated loss mask, the
-# sequence bounds and every padding or alignment byte from constant sources); then it maps
-# every unit of the assignment in one backend call (``map_units``: NOTE [ Units mapped ahead ]
-# in backends/shm.py). Per micro-batch what is left is the slot, the range of unit views
+# shared memory, memory), a reorganizer compiles each micro-batch of an assignment into a copy
+# list: its layout and encoded record, the units it reads with what each must be (dtype, row
+# shape, rows read), and ``(source, offset, slot offset, bytes)`` copies that write every byte
+# of the slot (unit rows; position ids, a generated loss mask, the sequence bounds and every
+# padding or alignment byte from constant sources); the units of the micro-batches compiled
+# together are mapped in one backend call (``map_units``: NOTE [ Units mapped ahead ] in
+# backends/shm.py). Per micro-batch what is left is the slot, the range of unit views
 # (``views``: the reader brought up to date, each slab's size checked; a unit deleted since
 # the map fails as a read does, and a unit missing at the map fails its own micro-batch, the
 # ones before it published), one loop of slice assignments between memoryviews (each a
-# memmove; ~31 for transfer.py's 2.4 MiB micro-batches) and one publication: no Python per
-# field or per unit after a slot wait. Compiling the whole assignment first, not each
-# micro-batch before its slot, is measured: after a slot wait the process's caches are cold
+# memmove; ~25 for transfer.py's 2.4 MiB micro-batches) and one publication: no Python per
+# field or per unit. When to compile is measured. While the next slot is free (an eager step:
+# consumers drain the ring) it compiles one micro-batch and publishes it, so consumers start
+# at once and the next compile overlaps their hold of the slot. Once the next slot is still
+# held (the producer would sleep for it: a look-ahead step, or consumers slower than it) it
+# compiles the rest of the assignment at once: after a slot wait the process's caches are cold
 # and the same Python costs 2-5x (transfer.py, one backbone reorganizer, load ~10: compile
-# 94-189 us and lookups 39-86 us per micro-batch compiled one at a time, against 31 and 10 us
-# in a hot loop); an eager step's first micro-batch now waits for its assignment's compile
-# (~0.2 ms at transfer.py's 6-7 micro-batches), a look-ahead step's compile runs a step ahead.
-# Sources are units, not slab offsets: the copy lists stay valid whatever the store does, and
-# the views are re-checked per micro-batch. Compiled here, not in the driver: the compile
-# reads only the plan and the schema, but the driver is one process for every group of the
-# job and plans on the eager path, while reorganizers compile in parallel, each for its own
-# group (at DP32 x CP2 the driver would pay 64 groups' compiles per mini-batch, about as much
-# as the planner itself). Stage columns (strided rows) and backends that cannot expose bytes
-# (disk, Ray) keep the template path (NOTE [ Pack templates ]), which the copy lists match
-# byte for byte (tests/storage/test_reorg_copy_lists.py). Measured in one process (transfer.py's
-# micro-batches, thread time, caches evicted before each slot as a slot wait leaves them,
-# medians of 8 passes, load ~10): 486 -> 394 us per micro-batch (~190 us of it memcpy), and
-# in transfer.py, back to back against 1cebb89: benchmarks/README.md (transfer).
+# 94-189 us and lookups 39-86 us per micro-batch compiled one at a time after a wait, against
+# 31 and 10 us in a hot loop). Compiling the whole assignment before the first slot whatever
+# the slots was tried: look-ahead reorganizers gained as much, but an eager one then went from
+# each publication straight to a slot its consumers still held, and slept where it had
+# compiled (eager reorganizer CPU 0.0122 -> 0.0139 and 0.0136 -> 0.0179 s per step in two
+# transfer.py pairs). Sources are units, not slab offsets: the copy lists stay valid whatever
+# the store does, and the views are re-checked per micro-batch. Compiled here, not in the
+# driver: the compile reads only the plan and the schema, but the driver is one process for
+# every group of the job and plans on the eager path, while reorganizers compile in parallel,
+# each for its own group (at DP32 x CP2 the driver would pay 64 groups' compiles per
+# mini-batch, about as much as the planner itself). Stage columns (strided rows) and backends
+# that cannot expose bytes (disk, Ray) keep the template path (NOTE [ Pack templates ]), which
+# the copy lists match byte for byte (tests/storage/test_reorg_copy_lists.py). transfer.py's
+# figures, back to back against 1cebb89: benchmarks/README.md (transfer).
 
 
 class Reorganizer:
@@ -97,7 +102,7 @@ class Reorganizer:
         if self._map_units is not None and (  # NOTE [ Copy lists ]
             isinstance(plan, EncoderRankPlan) or not any(mb.columns for mb in plan.micro_batches)
         ):
-            self._publish_copies(*self._compile(plan, extras))
+            self._publish_copies(plan, extras)
             return count
         for index in range(count):
             if isinstance(plan, ConsumerPlan):
@@ -106,21 +111,52 @@ class Reorganizer:
                 self._publish_encoder(plan.micro_batches[index], extras[index])
         return count
 
-    def _compile(
+    def _publish_copies(
         self, plan: ConsumerPlan | EncoderRankPlan, extras: list[dict[str, int | float | str]]
-    ) -> tuple[list[MicroBatchCopies], UnitViews]:
-        """Every micro-batch of ``plan`` as a copy list, and every unit they read mapped, in
-        one pass before the first slot (NOTE [ Copy lists ])."""
+    ) -> None:
+        """Every micro-batch of ``plan`` in order: per micro-batch a slot, its units' views (as
+        they are now: NOTE [ Units mapped ahead ] in backends/shm.py), the copies, one
+        publication; compiled one at a time while slots are free, the rest at once when the
+        next slot is held (NOTE [ Copy lists ])."""
+        publisher = self.publisher
+        ring = publisher.ring
+        count = len(extras)
+        compiled: deque[tuple[MicroBatchCopies, UnitViews, int]] = deque()
+        next_compile = 0
+        while compiled or next_compile < count:
+            if next_compile < count and (not compiled or not publisher.ready()):
+                stop = next_compile + 1 if not compiled and publisher.ready() else count
+                compiled.extend(self._compile(plan, extras, next_compile, stop))
+                next_compile = stop
+                continue
+            copies, units, start = compiled.popleft()
+            slot = publisher.acquire(copies.layout.nbytes)
+            views = units.views(start, start + len(copies.units), copies.unit_bytes)
+            run_copies(copies.copies, sources(views, copies.constants), slot)
+            ring.add_bytes_read(copies.unit_bytes)
+            publisher.publish(copies.layout, copies.record)
+
+    def _compile(
+        self,
+        plan: ConsumerPlan | EncoderRankPlan,
+        extras: list[dict[str, int | float | str]],
+        start: int,
+        stop: int,
+    ) -> list[tuple[MicroBatchCopies, UnitViews, int]]:
+        """Micro-batches ``start .. stop - 1`` of ``plan`` as copy lists, with the units they
+        read mapped in one call and where each one's units start in that map."""
         if isinstance(plan, EncoderRankPlan):
-            pairs = zip(plan.micro_batches, extras, strict=True)
-            compiled = [self._encoder_copies(units, extra) for units, extra in pairs]
+            pairs = zip(plan.micro_batches[start:stop], extras[start:stop], strict=True)
+            batch = [self._encoder_copies(units, extra) for units, extra in pairs]
         else:
-            pairs_ = zip(plan.micro_batches, extras, strict=True)
-            compiled = [self._backbone_copies(mb, extra) for mb, extra in pairs_]
+            pairs_ = zip(plan.micro_batches[start:stop], extras[start:stop], strict=True)
+            batch = [self._backbone_copies(mb, extra) for mb, extra in pairs_]
         assert self._map_units is not None
-        keys = [key for copies in compiled for key in copies.units]
-        needs = [need for copies in compiled for need in copies.needs]
-        return compiled, self._map_units(keys, needs)
+        keys = [key for copies in batch for key in copies.units]
+        needs = [need for copies in batch for need in copies.needs]
+        units = self._map_units(keys, needs)
+        firsts = accumulate((len(copies.units) for copies in batch), initial=0)
+        return [(copies, units, first) for copies, first in zip(batch, firsts, strict=False)]
 
     def _backbone_copies(
         self, micro_batch: MicroBatchPlan, extra: dict[str, int | float | str]
@@ -155,22 +191,6 @@ class Reorganizer:
         moved = sum(c[3] for c in copies if c[0] >= 0)
         record = encode_layout(layout)
         return MicroBatchCopies(layout, record, units, needs, tuple(copies), b"", moved)
-
-    def _publish_copies(self, compiled: list[MicroBatchCopies], units: UnitViews) -> None:
-        """The compiled micro-batches in order: per micro-batch a slot, its units' views (as
-        they are now: NOTE [ Units mapped ahead ] in backends/shm.py), the copies, one
-        publication."""
-        publisher = self.publisher
-        ring = publisher.ring
-        start = 0
-        for copies in compiled:
-            stop = start + len(copies.units)
-            slot = publisher.acquire(copies.layout.nbytes)
-            views = units.views(start, stop, copies.unit_bytes)
-            run_copies(copies.copies, sources(views, copies.constants), slot)
-            ring.add_bytes_read(copies.unit_bytes)
-            publisher.publish(copies.layout, copies.record)
-            start = stop
 
     def _packer(self, micro_batch: MicroBatchPlan) -> tuple[PackTemplate, RecordTemplate]:
         """The pack and record templates of ``micro_batch``'s field set (NOTE [ Pack templates ])."""
