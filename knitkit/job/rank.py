@@ -24,7 +24,7 @@ from knitkit.job.spec import RankCoords, RankSpec, encoder_rank_name, group_name
 from knitkit.job.watch import DRIVER, DriverWatch, Gate, PassTake, driver_error
 from knitkit.job.work import PassWork, Route
 from knitkit.metrics import merge, sum_over
-from knitkit.microbatch_iter import MicroBatch, MicroBatchIterator
+from knitkit.microbatch_iter import MicroBatch, MicroBatchIterator, PrefetchThreads
 from knitkit.storage import (
     MiniBatchPlan,
     ReorganizerDiedError,
@@ -119,6 +119,9 @@ class RankHandle:
         self.device = device
         self._route = route
         self._convert = convert
+        self._threads = PrefetchThreads()
+        """Every pass's prefetch thread (NOTE [ One prefetch thread per rank ] in
+        knitkit/microbatch_iter/worker.py)."""
         self.writer = coords.is_writer(spec)
         self._plans: dict[str, MiniBatchPlan] = {}
         self._pass_plans: dict[str, MiniBatchPlan] = {}
@@ -449,6 +452,7 @@ class RankHandle:
                 consumer.close()
         self._watch.close()
         self._schedule.close()
+        self._threads.close()
         if failure is not None:
             raise failure
 
@@ -525,7 +529,8 @@ class RankHandle:
             next_timeout_s=self.config.next_timeout_s,
         )
         convert = functools.partial(self._convert, work) if self._convert is not None else None
-        return config.build(take, device=self.device, convert=convert), take
+        iterator = config.build(take, device=self.device, convert=convert, threads=self._threads)
+        return iterator, take
 
     # NOTE [ Encoder inputs once per mini-batch ]: every encoding pass of a mini-batch (old
     # log-probs, reference, train) encodes the same unique units: the plan is one per mini-batch

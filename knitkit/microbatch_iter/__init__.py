@@ -5,6 +5,7 @@ from knitkit.microbatch_iter.iterator import MicroBatchIterator
 from knitkit.microbatch_iter.pool import StagingRing, StagingSlot
 from knitkit.microbatch_iter.source import SourceItem, plan_staging
 from knitkit.microbatch_iter.transport import CpuTransport, CudaTransport, Transport, make_transport
+from knitkit.microbatch_iter.worker import PrefetchThreads
 from knitkit.types import PackedMicroBatch
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "MicroBatchIterator",
     "MicroBatchStats",
     "PackedMicroBatch",
+    "PrefetchThreads",
     "SourceItem",
     "StagingRing",
     "StagingSlot",

@@ -25,7 +25,7 @@ from knitkit.microbatch_iter.exit_guard import note_exit
 from knitkit.microbatch_iter.pool import StagingRing
 from knitkit.microbatch_iter.source import SourceItem, source_items
 from knitkit.microbatch_iter.transport import make_transport
-from knitkit.microbatch_iter.worker import Failure, Prefetcher, Staged
+from knitkit.microbatch_iter.worker import Failure, Prefetcher, PrefetchThreads, Staged
 
 B = TypeVar("B")
 """What the iterator yields: ``MicroBatch``, or what its ``convert`` makes of one."""
@@ -108,6 +108,7 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
             *,
             device: torch.device | str | None = None,
             convert: None = None,
+            threads: PrefetchThreads | None = None,
         ) -> MicroBatchIterator[MicroBatch]: ...
         @overload
         def build(
@@ -116,6 +117,7 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
             *,
             device: torch.device | str | None = None,
             convert: Callable[[MicroBatch], B],
+            threads: PrefetchThreads | None = None,
         ) -> MicroBatchIterator[B]: ...
         def build(
             self,
@@ -123,8 +125,9 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
             *,
             device: torch.device | str | None = None,
             convert: Callable[[MicroBatch], Any] | None = None,
+            threads: PrefetchThreads | None = None,
         ) -> MicroBatchIterator[Any]:
-            return MicroBatchIterator(source, self, device=device, convert=convert)
+            return MicroBatchIterator(source, self, device=device, convert=convert, threads=threads)
 
     @overload
     def __init__(
@@ -134,6 +137,7 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         *,
         device: torch.device | str | None = None,
         convert: None = None,
+        threads: PrefetchThreads | None = None,
     ) -> None: ...
     @overload
     def __init__(
@@ -143,6 +147,7 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         *,
         device: torch.device | str | None = None,
         convert: Callable[[MicroBatch], B],
+        threads: PrefetchThreads | None = None,
     ) -> None: ...
     def __init__(
         self,
@@ -151,9 +156,11 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         *,
         device: torch.device | str | None = None,
         convert: Callable[[MicroBatch], B] | None = None,
+        threads: PrefetchThreads | None = None,
     ) -> None:
         """``convert`` turns each micro-batch into what ``next()`` returns (NOTE [ Conversion
-        on the prefetch thread ])."""
+        on the prefetch thread ]); with ``threads`` the prefetch runs on a thread of that set
+        instead of a thread of its own (NOTE [ One prefetch thread per rank ] in worker.py)."""
         self.config = config = config or MicroBatchIterator.Config()
         if config.depth < 1:
             raise ValueError(f"depth={config.depth}; prefetch needs depth >= 1")
@@ -175,6 +182,7 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
             join_timeout_s=config.join_timeout_s,
             exit_on_stuck_source=config.exit_on_stuck_source,
             convert=_converting(convert) if ahead and convert is not None else None,
+            threads=threads,
         )
         self._stats = IterStats()
         self._events = transport.copies_to_device
@@ -187,7 +195,7 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         self._claim = threading.Lock()
         self._finalizer = weakref.finalize(self, self._prefetcher.shutdown)
         self._finalizer.atexit = False
-        self._prefetcher.thread.start()
+        self._prefetcher.start()
 
     def __next__(self) -> B:
         start = time.perf_counter()

@@ -26,7 +26,8 @@ from knitkit.types import MicroBatchLayout, PackedMicroBatch
 
 # NOTE [ Prefetch thread shutdown ]
 # Lifecycle table: docs/lifecycle.md.
-# One daemon thread per iterator, the rank's only prefetch mechanism: it pulls the source (for a
+# One daemon thread per iterator (or a reused one: NOTE [ One prefetch thread per rank ]), the
+# rank's only prefetch mechanism: it pulls the source (for a
 # MicroBatchConsumer: waits for the publication, decodes the layout, maps the slot) and stages
 # what it pulled, during the training loop's compute. It shares only this Prefetcher with the
 # consumer, never the iterator itself, so dropping the last reference to the iterator runs its
@@ -182,8 +183,6 @@ class End:
 class Prefetcher:
     """State shared by the consumer and the prefetch thread; see NOTE [ Prefetch thread shutdown ]."""
 
-    _ids = itertools.count()
-
     def __init__(
         self,
         source: Iterator[SourceItem],
@@ -194,6 +193,7 @@ class Prefetcher:
         join_timeout_s: float,
         exit_on_stuck_source: bool = False,
         convert: Callable[[Staged], Staged] | None = None,
+        threads: PrefetchThreads | None = None,
     ) -> None:
         self.source = source
         self.convert = convert
@@ -228,11 +228,32 @@ class Prefetcher:
         self._closed = False
         self._torn_down = False
         self._teardown_in_worker = False
-        name = f"knitkit-microbatch-prefetch-{next(self._ids)}"
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._threads = threads
+        self.done = threading.Event()
+        """Set when ``_run`` returned: the prefetch has ended, whether its thread lives on
+        (``PrefetchThreads``) or not."""
+        self.thread = threading.Thread(target=self._run, name=_thread_name(), daemon=True)
+        """The thread that runs (or will run) ``_run``: a reused one once ``start()`` took
+        one from ``threads``."""
         _LIVE.add(self)
 
+    def start(self) -> None:
+        """Run the prefetch on a thread of ``threads`` (NOTE [ One prefetch thread per rank ]),
+        else on this Prefetcher's own."""
+        if self._threads is None or not self._threads.run(self):
+            self.thread.start()
+
+    def alive(self) -> bool:
+        """Whether the prefetch is running (started and ``_run`` not returned)."""
+        return self.thread.is_alive() and not self.done.is_set()
+
     def _run(self) -> None:
+        try:
+            self._prefetch()
+        finally:
+            self.done.set()
+
+    def _prefetch(self) -> None:
         try:
             self.transport.enter_worker()
             for index in itertools.count():
@@ -352,7 +373,7 @@ class Prefetcher:
             try:
                 return self.ready.get(timeout=max(0.0, min(_ANNOUNCED_WAIT_S, left)))
             except queue.Empty:
-                if not self.thread.is_alive() and self.ready.empty():
+                if not self.alive() and self.ready.empty():
                     raise RuntimeError("the prefetch thread exited without a result") from None
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
@@ -408,17 +429,17 @@ class Prefetcher:
         if self._closed:
             return
         self._closed = True
-        if threading.current_thread() is self.thread:
+        if threading.current_thread() is self.thread and not self.done.is_set():
             # GC ran the finalizer inside the thread, which may hold ``lock``: let it tear down.
             self._teardown_in_worker = True
             self.request_stop()
             return
         self.request_stop()
         self.interrupt_source()
-        if self.thread.is_alive():
-            self.thread.join(self.join_timeout_s)
+        if self.thread.ident is not None:  # started
+            self.done.wait(self.join_timeout_s)
         self._teardown()
-        if self.thread.is_alive():
+        if self.thread.ident is not None and not self.done.is_set():
             warnings.warn(
                 f"{self.thread.name} is still inside next(source) {self.join_timeout_s}s after "
                 "close(); it is a daemon thread and exits with the process; make the source's "
@@ -474,6 +495,107 @@ def _release(plan: StagingPlan) -> None:
         plan.release()
 
 
+# NOTE [ One prefetch thread per rank ]
+# Lifecycle table: docs/lifecycle.md.
+# A rank of a job runs one iterator per pass (three per
+# GRPO step), and each started, then ended, its own thread. A start costs more than the clone:
+# ``benchmarks/grpo_step.py --quick`` (4 ranks, 2 micro-batches per pass, load ~10, RANK2's
+# scratch per-thread CPU at 98e1fff) measured 2.4 ms of prefetch-thread CPU per pass, of which
+# only 1.9 ms ran inside the prefetch itself (fetch 0.6, staging 0.3, conversion 0.9): ~0.5 ms per
+# thread went to its start and end (bootstrap, a fresh stack and malloc arena faulted in), and the
+# iterator's constructor took 0.26 ms of the loop's thread to start it. ``PrefetchThreads`` keeps
+# the threads: an iterator built with one runs its prefetch on an idle thread of the set, or on a
+# new one that joins it, and the thread waits for the next iterator when the prefetch ends. Each
+# prefetch behaves as on its own thread: it ends (``Prefetcher.done``) on close, end of data or
+# error, exactly as the thread did, and close() joins that end, not the thread. A thread whose
+# prefetch is still inside an uninterruptible source after close() is not idle, so it is never
+# handed a second prefetch: the next iterator gets another thread. The set's ``close()`` ends its
+# idle threads at once and the busy ones when their prefetch ends (a ``RankHandle`` closes its set
+# when it closes); interpreter exit closes every set. An iterator built without one (the default)
+# starts and ends its own thread, as before. Measured (``grpo_step.py --quick``, medians of 3
+# back-to-back pairs against 98e1fff, load 10-13): 12 -> 0 thread starts per step once warm, the
+# prefetch threads' CPU (every rank, ``threads.exited`` + ``threads.knitkit-microbatch-prefetch``)
+# 22.7 -> 19.7 ms per step; what is left is the prefetch itself, mostly the conversion.
+
+
+def _thread_name() -> str:
+    return f"knitkit-microbatch-prefetch-{next(_THREAD_IDS)}"
+
+
+_THREAD_IDS = itertools.count()
+
+
+class PrefetchThreads:
+    """Prefetch threads reused by the iterators built with it, one iterator per thread at a time
+    (NOTE [ One prefetch thread per rank ]); ``close()`` ends them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[_ReusedThread] = []
+        self._closed = False
+        self.started = 0
+        """Threads this set started (for tests and figures)."""
+        _POOLS.add(self)
+
+    def run(self, prefetcher: Prefetcher) -> bool:
+        """Run ``prefetcher`` on an idle thread, or a new one; False once closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            if self._idle:
+                reused = self._idle.pop()
+            else:
+                reused = _ReusedThread(self)
+                self.started += 1
+                reused.thread.start()
+        prefetcher.thread = reused.thread
+        reused.jobs.put(prefetcher)
+        return True
+
+    def idle(self, reused: _ReusedThread) -> bool:
+        """``reused`` waits for the next prefetch; False (it ends) once closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._idle.append(reused)
+            return True
+
+    def close(self) -> None:
+        """End the idle threads now and the busy ones when their prefetch ends; idempotent."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for reused in idle:
+            reused.jobs.put(None)
+
+
+class _ReusedThread:
+    """One thread of a ``PrefetchThreads``: runs the prefetches it is handed, one at a time."""
+
+    __slots__ = ("jobs", "owner", "thread")
+
+    def __init__(self, owner: PrefetchThreads) -> None:
+        self.owner = owner
+        self.jobs: queue.SimpleQueue[Prefetcher | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=_thread_name(), daemon=True)
+
+    def _loop(self) -> None:
+        while True:
+            try:  # announced (run() or close() puts one); the slice bounds a missed one
+                job = self.jobs.get(timeout=_ANNOUNCED_WAIT_S)
+            except queue.Empty:
+                if self.owner._closed:
+                    return
+                continue
+            if job is None:
+                return
+            job._run()
+            del job  # no reference to a finished iterator's state while idle
+            if not self.owner.idle(self):
+                return
+
+
+_POOLS: weakref.WeakSet[PrefetchThreads] = weakref.WeakSet()
 _LIVE: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
 
 
@@ -481,12 +603,14 @@ _LIVE: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
 def _stop_live_threads() -> None:
     """Stop every prefetch thread before interpreter finalization (see NOTE [ Prefetch thread
     shutdown ])."""
-    live = [prefetcher for prefetcher in list(_LIVE) if prefetcher.thread.is_alive()]
+    for threads in list(_POOLS):
+        threads.close()  # idle threads end; busy ones once their prefetch below has stopped
+    live = [prefetcher for prefetcher in list(_LIVE) if prefetcher.alive()]
     for prefetcher in live:
         prefetcher.request_stop()
         if not prefetcher.interrupt_source() and prefetcher.in_source:
             abandon(prefetcher.thread)
     for prefetcher in live:
-        prefetcher.thread.join(prefetcher.join_timeout_s)
-    if any(p.thread.is_alive() and p.exit_on_stuck_source for p in live):
+        prefetcher.done.wait(prefetcher.join_timeout_s)
+    if any(p.alive() and p.exit_on_stuck_source for p in live):
         exit_now()

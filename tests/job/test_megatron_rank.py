@@ -58,7 +58,7 @@ def _logprob_step(
 
 def _job(rank: int, spec_json: str) -> dict[str, Any]:
     """One rank of the job: every pass the driver serves, through ``DedupVLMStep``; also the
-    threads its batches were converted on (``"threads"``)."""
+    threads its batches were converted on (``"threads"``) and its passes (``"passes"``)."""
     megatron_cpu.initialize_model_parallel(tensor_parallel=2)
     megatron_cpu.install_schedule_shim()
     try:
@@ -74,6 +74,7 @@ def _job(rank: int, spec_json: str) -> dict[str, Any]:
         seen: dict[str, Any] = {"old": {}, "train": {}}
         step = DedupVLMStep(model, vision="vision")
         received: list[list[float]] = []
+        passes = 0
 
         def train_step(data_iterator: Any, model: Any) -> Any:
             """The example's training forward step, noting the old log-probs it was given."""
@@ -83,6 +84,7 @@ def _job(rank: int, spec_json: str) -> dict[str, Any]:
 
         with MegatronRank.from_parallel_state(spec, to_batch=to_batch) as mrank:
             for work in mrank.passes():
+                passes += 1
                 received.clear()
                 with work:
                     model.zero_grad_buffer()
@@ -103,7 +105,7 @@ def _job(rank: int, spec_json: str) -> dict[str, Any]:
                     else:
                         for i, values in enumerate(received):
                             seen["train"][(work.minibatch_id, i)] = values
-        return seen | {"threads": sorted(threads)}
+        return seen | {"threads": sorted(threads), "passes": passes}
     finally:
         megatron_cpu.destroy_model_parallel()
 
@@ -113,7 +115,8 @@ def test_megatron_rank_writes_back_log_probs_the_train_pass_reads_bit_identical(
     and the train pass receives them bit-identical on both TP ranks of each group; every
     admitted micro-batch is trained; the mini-batches are released after their last pass. Every
     batch is converted (``to_batch``) on a pass's prefetch thread, never on the training thread
-    (NOTE [ Conversion on the prefetch thread ])."""
+    (NOTE [ Conversion on the prefetch thread ]), and the passes reuse their prefetch threads: a
+    rank starts fewer than one per pass (NOTE [ One prefetch thread per rank ])."""
     data = [dataclasses.replace(t, source="s") for t in user.grpo_trajectories(seed=3)]
     controller = build_controller(
         "streaming", train_batch_size=len(data), num_minibatches=2, sources=["s"]
@@ -140,6 +143,7 @@ def test_megatron_rank_writes_back_log_probs_the_train_pass_reads_bit_identical(
         assert all(name.startswith("knitkit-microbatch-prefetch") for name in rank["threads"]), (
             rank["threads"]
         )
+        assert len(rank["threads"]) < rank["passes"] == 4, rank["threads"]  # one per pass before
     # ranks 0, 1 are TP peers of DP rank 0 (megatron's order: TP fastest), 2, 3 of DP rank 1
     for writer, peer in ((0, 1), (2, 3)):
         old = seen[writer]["old"]
