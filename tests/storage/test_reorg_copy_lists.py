@@ -202,8 +202,9 @@ def _calls_per_micro_batch(token_fields: tuple[str, ...], *, held: bool) -> tupl
 
 
 def test_a_micro_batch_runs_no_python_per_unit_after_a_held_slot() -> None:
-    """When the next slot is still held (the reorganizer would sleep for it), it compiles the
-    rest of the assignment and maps its units first, so from its first slot on its Python calls
+    """While the next slot is still held (the reorganizer would sleep for it), it compiles the
+    following micro-batches and maps their units, one after another, so from its first slot
+    on (here every slot is held: the whole assignment is compiled first) its Python calls
     per micro-batch do not grow with its unit reads: a micro-batch is a slot, its units' views
     (NOTE [ Units mapped ahead ] in backends/shm.py), one loop of copies and a publication
     (NOTE [ Copy lists ]). While slots are free it compiles one micro-batch at a time (the

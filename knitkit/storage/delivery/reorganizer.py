@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import traceback
 from collections import deque
-from itertools import accumulate
 
 from knitkit.storage.backends.backend import (
     WHOLE,
@@ -41,25 +40,27 @@ from knitkit.types import MicroBatchLayout, UnitKey, UnitRead
 # list: its layout and encoded record, the units it reads with what each must be (dtype, row
 # shape, rows read), and ``(source, offset, slot offset, bytes)`` copies that write every byte
 # of the slot (unit rows; position ids, a generated loss mask, the sequence bounds and every
-# padding or alignment byte from constant sources); the units of the micro-batches compiled
-# together are mapped in one backend call (``map_units``: NOTE [ Units mapped ahead ] in
-# backends/shm.py). Per micro-batch what is left is the slot, the range of unit views
+# padding or alignment byte from constant sources); its units are mapped in the same step,
+# in one backend call (``map_units``: NOTE [ Units mapped ahead ] in backends/shm.py). Per micro-batch what is left is the slot, the range of unit views
 # (``views``: the reader brought up to date, each slab's size checked; a unit deleted since
 # the map fails as a read does, and a unit missing at the map fails its own micro-batch, the
 # ones before it published), one loop of slice assignments between memoryviews (each a
 # memmove; ~25 for transfer.py's 2.4 MiB micro-batches) and one publication: no Python per
-# field or per unit. When to compile is measured. While the next slot is free (an eager step:
-# consumers drain the ring) it compiles one micro-batch and publishes it, so consumers start
-# at once and the next compile overlaps their hold of the slot. Once the next slot is still
-# held (the producer would sleep for it: a look-ahead step, or consumers slower than it) it
-# compiles the rest of the assignment at once: after a slot wait the process's caches are cold
+# field or per unit. When to compile is measured. Each micro-batch is compiled before its slot,
+# and while the next slot is still held the following ones are too, one after another, instead
+# of sleeping: in an eager step (consumers drain the ring) the producer goes from a publication
+# to the next compile and finds its slot released meanwhile, as the consumers start at once;
+# in a look-ahead step (the slot is held through a rank's compute) it compiles the rest of
+# the assignment back to back, hot, then sleeps, and after each wake only the slot, the views,
+# the copies and the publication are left: after a slot wait the process's caches are cold
 # and the same Python costs 2-5x (transfer.py, one backbone reorganizer, load ~10: compile
-# 94-189 us and lookups 39-86 us per micro-batch compiled one at a time after a wait, against
-# 31 and 10 us in a hot loop). Compiling the whole assignment before the first slot whatever
-# the slots was tried: look-ahead reorganizers gained as much, but an eager one then went from
-# each publication straight to a slot its consumers still held, and slept where it had
-# compiled (eager reorganizer CPU 0.0122 -> 0.0139 and 0.0136 -> 0.0179 s per step in two
-# transfer.py pairs). Sources are units, not slab offsets: the copy lists stay valid whatever
+# 94-189 us and lookups 39-86 us per micro-batch when each came after a wait, against 31 and
+# 10 us in a hot loop). Tried and dropped: compiling the whole assignment before its first
+# slot whatever the slots (look-ahead reorganizers gained as much, but an eager one then went
+# from each publication straight to a slot its consumers still held and slept where it had
+# compiled: eager reorganizer CPU up in 3 of 6 transfer.py pairs, 0.0136 -> 0.0179 s per step
+# in one), and compiling the rest at once when a slot is held (eager likewise: 0.0135 ->
+# 0.0162 in a pair). Sources are units, not slab offsets: the copy lists stay valid whatever
 # the store does, and the views are re-checked per micro-batch. Compiled here, not in the
 # driver: the compile reads only the plan and the schema, but the driver is one process for
 # every group of the job and plans on the eager path, while reorganizers compile in parallel,
@@ -116,22 +117,23 @@ class Reorganizer:
     ) -> None:
         """Every micro-batch of ``plan`` in order: per micro-batch a slot, its units' views (as
         they are now: NOTE [ Units mapped ahead ] in backends/shm.py), the copies, one
-        publication; compiled one at a time while slots are free, the rest at once when the
-        next slot is held (NOTE [ Copy lists ])."""
+        publication; each compiled before its slot, and while the next slot is still held the
+        following ones too, one after another (NOTE [ Copy lists ])."""
         publisher = self.publisher
         ring = publisher.ring
         count = len(extras)
-        compiled: deque[tuple[MicroBatchCopies, UnitViews, int]] = deque()
+        compiled: deque[tuple[MicroBatchCopies, UnitViews]] = deque()
         next_compile = 0
         while compiled or next_compile < count:
-            if next_compile < count and (not compiled or not publisher.ready()):
-                stop = next_compile + 1 if not compiled and publisher.ready() else count
-                compiled.extend(self._compile(plan, extras, next_compile, stop))
-                next_compile = stop
-                continue
-            copies, units, start = compiled.popleft()
+            if not compiled:
+                compiled.append(self._compile(plan, extras, next_compile))
+                next_compile += 1
+            while next_compile < count and not publisher.ready():  # compile, not sleep
+                compiled.append(self._compile(plan, extras, next_compile))
+                next_compile += 1
+            copies, units = compiled.popleft()
             slot = publisher.acquire(copies.layout.nbytes)
-            views = units.views(start, start + len(copies.units), copies.unit_bytes)
+            views = units.views(0, len(copies.units), copies.unit_bytes)
             run_copies(copies.copies, sources(views, copies.constants), slot)
             ring.add_bytes_read(copies.unit_bytes)
             publisher.publish(copies.layout, copies.record)
@@ -140,23 +142,15 @@ class Reorganizer:
         self,
         plan: ConsumerPlan | EncoderRankPlan,
         extras: list[dict[str, int | float | str]],
-        start: int,
-        stop: int,
-    ) -> list[tuple[MicroBatchCopies, UnitViews, int]]:
-        """Micro-batches ``start .. stop - 1`` of ``plan`` as copy lists, with the units they
-        read mapped in one call and where each one's units start in that map."""
+        index: int,
+    ) -> tuple[MicroBatchCopies, UnitViews]:
+        """Micro-batch ``index`` of ``plan`` as a copy list, with the units it reads mapped."""
         if isinstance(plan, EncoderRankPlan):
-            pairs = zip(plan.micro_batches[start:stop], extras[start:stop], strict=True)
-            batch = [self._encoder_copies(units, extra) for units, extra in pairs]
+            copies = self._encoder_copies(plan.micro_batches[index], extras[index])
         else:
-            pairs_ = zip(plan.micro_batches[start:stop], extras[start:stop], strict=True)
-            batch = [self._backbone_copies(mb, extra) for mb, extra in pairs_]
+            copies = self._backbone_copies(plan.micro_batches[index], extras[index])
         assert self._map_units is not None
-        keys = [key for copies in batch for key in copies.units]
-        needs = [need for copies in batch for need in copies.needs]
-        units = self._map_units(keys, needs)
-        firsts = accumulate((len(copies.units) for copies in batch), initial=0)
-        return [(copies, units, first) for copies, first in zip(batch, firsts, strict=False)]
+        return copies, self._map_units(copies.units, copies.needs)
 
     def _backbone_copies(
         self, micro_batch: MicroBatchPlan, extra: dict[str, int | float | str]
