@@ -192,10 +192,6 @@ class Publisher:
         if not self._busy:
             self.ring.beat()
 
-    def ready(self) -> bool:
-        """Whether ``acquire`` would return at once: every consumer released the next slot."""
-        return self.ring.lagging()[1] > self._next - self.ring.spec.num_slots
-
     def acquire(self, nbytes: int) -> memoryview:
         """Wait until the next slot is released by every consumer; return its first ``nbytes``."""
         spec = self.ring.spec

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import traceback
-from collections import deque
 
 from knitkit.storage.backends.backend import (
     WHOLE,
@@ -36,39 +35,42 @@ from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan, MicroBa
 from knitkit.types import MicroBatchLayout, UnitKey, UnitRead
 
 # NOTE [ Copy lists ]: where the backend's units are bytes this process maps (``UnitBytes``:
-# shared memory, memory), a reorganizer compiles each micro-batch of an assignment into a copy
-# list: its layout and encoded record, the units it reads with what each must be (dtype, row
-# shape, rows read), and ``(source, offset, slot offset, bytes)`` copies that write every byte
-# of the slot (unit rows; position ids, a generated loss mask, the sequence bounds and every
-# padding or alignment byte from constant sources); its units are mapped in the same step,
-# in one backend call (``map_units``: NOTE [ Units mapped ahead ] in backends/shm.py). Per micro-batch what is left is the slot, the range of unit views
+# shared memory, memory), a reorganizer compiles each assignment, before its first slot, into
+# one copy list per micro-batch: its layout and encoded record, the units it reads with what
+# each must be (dtype, row shape, rows read), and ``(source, offset, slot offset, bytes)``
+# copies that write every byte of the slot (unit rows; position ids, a generated loss mask, the
+# sequence bounds and every padding or alignment byte from constant sources); then it maps
+# every unit of the assignment in one backend call (``map_units``: NOTE [ Units mapped ahead ]
+# in backends/shm.py). Per micro-batch what is left is the slot, the range of unit views
 # (``views``: the reader brought up to date, each slab's size checked; a unit deleted since
 # the map fails as a read does, and a unit missing at the map fails its own micro-batch, the
 # ones before it published), one loop of slice assignments between memoryviews (each a
 # memmove; ~25 for transfer.py's 2.4 MiB micro-batches) and one publication: no Python per
-# field or per unit. When to compile is measured. Each micro-batch is compiled before its slot,
-# and while the next slot is still held the following ones are too, one after another, instead
-# of sleeping: in an eager step (consumers drain the ring) the producer goes from a publication
-# to the next compile and finds its slot released meanwhile, as the consumers start at once;
-# in a look-ahead step (the slot is held through a rank's compute) it compiles the rest of
-# the assignment back to back, hot, then sleeps, and after each wake only the slot, the views,
-# the copies and the publication are left: after a slot wait the process's caches are cold
+# field or per unit after a slot wait. Compiling the whole assignment first, not each
+# micro-batch before its slot, is measured: after a slot wait the process's caches are cold
 # and the same Python costs 2-5x (transfer.py, one backbone reorganizer, load ~10: compile
-# 94-189 us and lookups 39-86 us per micro-batch when each came after a wait, against 31 and
-# 10 us in a hot loop). Tried and dropped: compiling the whole assignment before its first
-# slot whatever the slots (look-ahead reorganizers gained as much, but an eager one then went
-# from each publication straight to a slot its consumers still held and slept where it had
-# compiled: eager reorganizer CPU up in 3 of 6 transfer.py pairs, 0.0136 -> 0.0179 s per step
-# in one), and compiling the rest at once when a slot is held (eager likewise: 0.0135 ->
-# 0.0162 in a pair). Sources are units, not slab offsets: the copy lists stay valid whatever
-# the store does, and the views are re-checked per micro-batch. Compiled here, not in the
-# driver: the compile reads only the plan and the schema, but the driver is one process for
-# every group of the job and plans on the eager path, while reorganizers compile in parallel,
-# each for its own group (at DP32 x CP2 the driver would pay 64 groups' compiles per
-# mini-batch, about as much as the planner itself). Stage columns (strided rows) and backends
-# that cannot expose bytes (disk, Ray) keep the template path (NOTE [ Pack templates ]), which
-# the copy lists match byte for byte (tests/storage/test_reorg_copy_lists.py). transfer.py's
-# figures, back to back against 1cebb89: benchmarks/README.md (transfer).
+# 94-189 us and lookups 39-86 us per micro-batch compiled one at a time, against 31 and 10 us
+# in a hot loop); an eager step's first micro-batch now waits for its assignment's compile
+# (~0.2-0.5 ms at transfer.py's 6-7 micro-batches), a look-ahead step's compile runs a step
+# ahead. transfer.py, back to back against 1cebb89 (4 pairs, load 5-18): reorganizers 0.0199 ->
+# 0.0166, 0.0184 -> 0.0169, 0.0179 -> 0.0158 CPU s per step (a fourth pair's old run was an
+# outlier), look-ahead -15 to -25%; eager within noise (0.0155 -> 0.0152, 0.0136 -> 0.0179,
+# 0.0147 -> 0.0142). Tried and dropped (4 more pairs): compiling one micro-batch before each
+# slot while slots are free and the rest when the next slot is held, or one after another
+# while it is held (so an eager producer compiles instead of sleeping): the look-ahead gain
+# shrank or vanished and eager did not improve (reorganizers 0.0163 -> 0.0173 and 0.0163 ->
+# 0.0176, eager 0.0130 -> 0.0158 and 0.0122 -> 0.0153).
+# Sources are units, not slab offsets: the copy lists stay valid whatever the store does, and
+# the views are re-checked per micro-batch. Compiled here, not in the driver: the compile
+# reads only the plan and the schema, but the driver is one process for every group of the
+# job and plans on the eager path, while reorganizers compile in parallel, each for its own
+# group (at DP32 x CP2 the driver would pay 64 groups' compiles per mini-batch, about as much
+# as the planner itself). Stage columns (strided rows) and backends that cannot expose bytes
+# (disk, Ray) keep the template path (NOTE [ Pack templates ]), which the copy lists match
+# byte for byte (tests/storage/test_reorg_copy_lists.py). Measured in one process (transfer.py's
+# micro-batches, thread time, caches evicted before each slot as a slot wait leaves them,
+# medians of 8 passes, load ~10): 486 -> 394 us per micro-batch (~190 us of it memcpy), and
+# in transfer.py, back to back against 1cebb89: benchmarks/README.md (transfer).
 
 
 class Reorganizer:
@@ -103,7 +105,7 @@ class Reorganizer:
         if self._map_units is not None and (  # NOTE [ Copy lists ]
             isinstance(plan, EncoderRankPlan) or not any(mb.columns for mb in plan.micro_batches)
         ):
-            self._publish_copies(plan, extras)
+            self._publish_copies(*self._compile(plan, extras))
             return count
         for index in range(count):
             if isinstance(plan, ConsumerPlan):
@@ -112,45 +114,21 @@ class Reorganizer:
                 self._publish_encoder(plan.micro_batches[index], extras[index])
         return count
 
-    def _publish_copies(
-        self, plan: ConsumerPlan | EncoderRankPlan, extras: list[dict[str, int | float | str]]
-    ) -> None:
-        """Every micro-batch of ``plan`` in order: per micro-batch a slot, its units' views (as
-        they are now: NOTE [ Units mapped ahead ] in backends/shm.py), the copies, one
-        publication; each compiled before its slot, and while the next slot is still held the
-        following ones too, one after another (NOTE [ Copy lists ])."""
-        publisher = self.publisher
-        ring = publisher.ring
-        count = len(extras)
-        compiled: deque[tuple[MicroBatchCopies, UnitViews]] = deque()
-        next_compile = 0
-        while compiled or next_compile < count:
-            if not compiled:
-                compiled.append(self._compile(plan, extras, next_compile))
-                next_compile += 1
-            while next_compile < count and not publisher.ready():  # compile, not sleep
-                compiled.append(self._compile(plan, extras, next_compile))
-                next_compile += 1
-            copies, units = compiled.popleft()
-            slot = publisher.acquire(copies.layout.nbytes)
-            views = units.views(0, len(copies.units), copies.unit_bytes)
-            run_copies(copies.copies, sources(views, copies.constants), slot)
-            ring.add_bytes_read(copies.unit_bytes)
-            publisher.publish(copies.layout, copies.record)
-
     def _compile(
-        self,
-        plan: ConsumerPlan | EncoderRankPlan,
-        extras: list[dict[str, int | float | str]],
-        index: int,
-    ) -> tuple[MicroBatchCopies, UnitViews]:
-        """Micro-batch ``index`` of ``plan`` as a copy list, with the units it reads mapped."""
+        self, plan: ConsumerPlan | EncoderRankPlan, extras: list[dict[str, int | float | str]]
+    ) -> tuple[list[MicroBatchCopies], UnitViews]:
+        """Every micro-batch of ``plan`` as a copy list, and every unit they read mapped, in
+        one pass before the first slot (NOTE [ Copy lists ])."""
         if isinstance(plan, EncoderRankPlan):
-            copies = self._encoder_copies(plan.micro_batches[index], extras[index])
+            pairs = zip(plan.micro_batches, extras, strict=True)
+            compiled = [self._encoder_copies(units, extra) for units, extra in pairs]
         else:
-            copies = self._backbone_copies(plan.micro_batches[index], extras[index])
+            pairs_ = zip(plan.micro_batches, extras, strict=True)
+            compiled = [self._backbone_copies(mb, extra) for mb, extra in pairs_]
         assert self._map_units is not None
-        return copies, self._map_units(copies.units, copies.needs)
+        keys = [key for copies in compiled for key in copies.units]
+        needs = [need for copies in compiled for need in copies.needs]
+        return compiled, self._map_units(keys, needs)
 
     def _backbone_copies(
         self, micro_batch: MicroBatchPlan, extra: dict[str, int | float | str]
@@ -185,6 +163,22 @@ class Reorganizer:
         moved = sum(c[3] for c in copies if c[0] >= 0)
         record = encode_layout(layout)
         return MicroBatchCopies(layout, record, units, needs, tuple(copies), b"", moved)
+
+    def _publish_copies(self, compiled: list[MicroBatchCopies], units: UnitViews) -> None:
+        """The compiled micro-batches in order: per micro-batch a slot, its units' views (as
+        they are now: NOTE [ Units mapped ahead ] in backends/shm.py), the copies, one
+        publication."""
+        publisher = self.publisher
+        ring = publisher.ring
+        start = 0
+        for copies in compiled:
+            stop = start + len(copies.units)
+            slot = publisher.acquire(copies.layout.nbytes)
+            views = units.views(start, stop, copies.unit_bytes)
+            run_copies(copies.copies, sources(views, copies.constants), slot)
+            ring.add_bytes_read(copies.unit_bytes)
+            publisher.publish(copies.layout, copies.record)
+            start = stop
 
     def _packer(self, micro_batch: MicroBatchPlan) -> tuple[PackTemplate, RecordTemplate]:
         """The pack and record templates of ``micro_batch``'s field set (NOTE [ Pack templates ])."""
