@@ -592,9 +592,13 @@ class _ReusedThread:
                 continue
             if job is None:
                 return
-            job._run()
+            try:
+                job._prefetch()
+            finally:  # idle before the prefetch's end is seen: the next iterator finds it
+                idle = self.owner.idle(self)
+                job.done.set()
             del job  # no reference to a finished iterator's state while idle
-            if not self.owner.idle(self):
+            if not idle:
                 return
 
 
