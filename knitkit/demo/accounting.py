@@ -28,9 +28,10 @@ class BytesMoved:
 def account(
     moved: BytesMoved, store: TrajectoryStore, plan: MiniBatchPlan, passes: Sequence[Pass]
 ) -> None:
-    """Add one admitted mini-batch's bytes, pass by pass (each pass reads its fields again, and
-    the images when it encodes). Written-back fields count with their declared dtype: when the
-    mini-batch is admitted they are not written yet."""
+    """Add one admitted mini-batch's bytes, pass by pass (each pass reads its fields again; the
+    ranks get the images once, with the first pass that encodes, where a sample-level loader
+    reads them again for every pass that encodes). Written-back fields count with their declared
+    dtype: when the mini-batch is admitted they are not written yet."""
     if not plan.consumers:
         return
     row_bytes = {
@@ -53,6 +54,7 @@ def account(
             return tokens[key.owner] * row_bytes[key.field]
         return store.backend.spec(key).nbytes  # a multimodal input
 
+    encoded = False
     for p in passes:
         mine = plan.with_fields(p.reads)
         for consumer in mine.consumers:
@@ -68,6 +70,9 @@ def account(
             if not p.encodes:
                 keys = [k for k in keys if k.field in row_bytes]
             moved.sample_level += sum(nbytes(k) for k in keys)
-        if p.encodes:
+        if p.encodes and not encoded:
+            # kept by the ranks for later passes:
+            # NOTE [ Encoder inputs once per mini-batch ] in knitkit/job/rank.py
+            encoded = True
             for rank in mine.encoders[0].ranks:
                 moved.consumed += sum(store.backend.spec(k).nbytes for k in rank.units)
