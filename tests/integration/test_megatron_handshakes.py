@@ -11,8 +11,10 @@ there and ``PeerFailed`` naming it on the peer, within seconds.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -51,8 +53,10 @@ def _counted(run: Callable[[], object]) -> dict[str, int]:
     return counts
 
 
-def _step(rank: int, forward_only: bool, fail_on: int | None) -> tuple[str, str, float, dict]:
-    """One TP=2 step: (error type, message, seconds, knitkit collectives counted)."""
+@contextlib.contextmanager
+def _tp2_step() -> Iterator[tuple[Any, Any, Any]]:
+    """A TP=2 world's replicated-vision model, it under Megatron's DDP, and a ``DedupVLMStep``
+    over that; the model-parallel state torn down after."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from knitkit.integration.megatron import DedupVLMStep
@@ -62,7 +66,14 @@ def _step(rank: int, forward_only: bool, fail_on: int | None) -> tuple[str, str,
     try:
         inner = _model("replicated", finalize=True)
         model = DistributedDataParallel(inner.config, DistributedDataParallelConfig(), inner)
-        step = DedupVLMStep(model, handshake_timeout_s=NEVER_S)
+        yield inner, model, DedupVLMStep(model, handshake_timeout_s=NEVER_S)
+    finally:
+        megatron_cpu.destroy_model_parallel()
+
+
+def _step(rank: int, forward_only: bool, fail_on: int | None) -> tuple[str, str, float, dict]:
+    """One TP=2 step: (error type, message, seconds, knitkit collectives counted)."""
+    with _tp2_step() as (inner, _, step):
 
         def encode(keys: Sequence[UnitKey]) -> torch.Tensor:
             if rank == fail_on:
@@ -92,24 +103,13 @@ def _step(rank: int, forward_only: bool, fail_on: int | None) -> tuple[str, str,
         except Exception as error:
             return type(error).__name__, str(error), time.monotonic() - started, {}
         return "", "", time.monotonic() - started, counts
-    finally:
-        megatron_cpu.destroy_model_parallel()
 
 
 def _walks(rank: int) -> tuple[int, int]:
     """A forward-only pass, then a train pass, then a train pass with the vision path frozen,
     on one TP=2 ``DedupVLMStep``: (walks of the vision path's parameters, vision gradient set
     by the first train pass and untouched by the frozen one)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    from knitkit.integration.megatron import DedupVLMStep
-
-    megatron_cpu.initialize_model_parallel(tensor_parallel=2)
-    megatron_cpu.install_schedule_shim()
-    try:
-        inner = _model("replicated", finalize=True)
-        model = DistributedDataParallel(inner.config, DistributedDataParallelConfig(), inner)
-        step = DedupVLMStep(model, handshake_timeout_s=NEVER_S)
+    with _tp2_step() as (inner, model, step):
         vision = inner.vision
         walks = 0
         walk = vision.named_parameters
@@ -149,8 +149,6 @@ def _walks(rank: int) -> tuple[int, int]:
         frozen = weight.main_grad if hasattr(weight, "main_grad") else weight.grad
         untouched = frozen is None or not frozen.abs().sum().item()
         return walks, int(trained is not None and bool(trained.abs().sum().item()) and untouched)
-    finally:
-        megatron_cpu.destroy_model_parallel()
 
 
 @pytest.fixture(scope="module")
