@@ -159,10 +159,7 @@ class SharedMemoryBackend(UnitBackend):
         range (see NOTE [ Batched shared-memory reads ])."""
         if len(reads) != len(outs):
             raise ValueError(f"read_many got {len(reads)} reads but {len(outs)} outs; pair them")
-        self._check_fork()
-        if not self._owner:
-            self._follow_journal()
-        self._populate()
+        self._sync()
         slabs, units, moved = self._slabs, self._units, 0
         sized: set[int] = set()
         try:
@@ -184,12 +181,17 @@ class SharedMemoryBackend(UnitBackend):
         return _MappedUnits(self, keys, needs)
 
     def _sync(self) -> None:
-        """This process's view of the store brought up to date: a forked owner becomes a reader,
-        a reader follows the journal, new pages are mapped."""
+        """This process's view of the store brought up to date: ``_follow``, then new pages
+        mapped."""
+        self._follow()
+        self._populate()
+
+    def _follow(self) -> None:
+        """This process's index brought up to date: a forked owner becomes a reader, a reader
+        follows the journal."""
         self._check_fork()
         if not self._owner:
             self._follow_journal()
-        self._populate()
 
     def _unit_bytes(
         self, keys: Sequence[UnitKey], needs: Sequence[UnitNeed]
@@ -206,7 +208,7 @@ class SharedMemoryBackend(UnitBackend):
                 self._check_slab(slab_index, keys)
                 checked.add(slab_index)
             check_need(key, spec, need)
-            size = _row_layout(spec)[1] * (spec.shape[0] if spec.shape else 1)
+            size = _unit_nbytes(spec)
             out.append(self._slabs[slab_index].bytes.data[offset : offset + size])
             located.append(location)
         return out, located
@@ -226,9 +228,7 @@ class SharedMemoryBackend(UnitBackend):
         self._maybe_compact()
 
     def keys(self) -> Iterator[UnitKey]:
-        self._check_fork()
-        if not self._owner:
-            self._follow_journal()
+        self._follow()
         return iter(list(self._units))
 
     @property
@@ -313,9 +313,7 @@ class SharedMemoryBackend(UnitBackend):
         self._live_bytes = self._journal.size
 
     def _locate(self, key: UnitKey) -> _Location:
-        self._check_fork()
-        if not self._owner:
-            self._follow_journal()
+        self._follow()
         return self._lookup(key)
 
     def _check_fork(self) -> None:
@@ -462,7 +460,7 @@ class _MappedUnits:
         backend._sync()
         self._backend, self._keys, self._needs = backend, keys, needs
         self._deletes = backend._deletes
-        units, slabs, rows = backend._units, backend._slabs, _ROW_LAYOUTS
+        units, slabs = backend._units, backend._slabs
         mapped: dict[int, memoryview] = {}  # each slab's bytes, once per assignment
         views: list[memoryview | None] = []
         located: list[_Location | None] = []
@@ -471,9 +469,7 @@ class _MappedUnits:
             if location is not None:
                 slab_index, offset, spec = location
                 if meets_need(spec, need):
-                    shape = spec.shape
-                    size = (rows.get((spec.dtype, shape[1:])) or _row_layout(spec))[1]
-                    size *= shape[0] if shape else 1
+                    size = _unit_nbytes(spec)
                     slab = mapped.get(slab_index)
                     if slab is None:
                         slab = mapped[slab_index] = slabs[slab_index].bytes.data
@@ -486,9 +482,7 @@ class _MappedUnits:
 
     def views(self, start: int, stop: int, nbytes: int) -> list[memoryview]:
         backend = self._backend
-        backend._check_fork()
-        if not backend._owner:
-            backend._follow_journal()
+        backend._follow()
         located = self._located[start:stop]
         if None in located or (
             backend._deletes != self._deletes
@@ -557,6 +551,11 @@ def _row_layout(spec: UnitSpec) -> tuple[np.dtype[Any], int]:
     if layout is None:
         layout = _ROW_LAYOUTS[key] = (np.dtype(spec.dtype), spec.row_nbytes)
     return layout
+
+
+def _unit_nbytes(spec: UnitSpec) -> int:
+    """Bytes of a whole unit like ``spec`` (``spec.nbytes`` through the row-layout cache)."""
+    return _row_layout(spec)[1] * (spec.shape[0] if spec.shape else 1)
 
 
 _ROW_LAYOUTS: dict[tuple[str, tuple[int, ...]], tuple[np.dtype[Any], int]] = {}
