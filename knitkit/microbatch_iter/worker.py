@@ -519,6 +519,11 @@ def _release(plan: StagingPlan) -> None:
 # per-pair cut 4.1); the constructor's share of the loop's thread 0.26 -> 0.22 ms per pass. What
 # is left, ~2 ms per pass, is the prefetch itself: per micro-batch the conversion ~0.45 ms, the
 # hand-out ~0.35 ms, staging ~0.14 ms.
+# A reused thread starts each prefetch with torch's grad mode on, as a new thread does, so a
+# ``convert`` that turned it off without a context manager does not change the next pass's
+# conversion. Other thread-local state a ``convert`` leaves behind (a ``threading.local``, an
+# autocast or inference mode entered and never exited) carries over: enter it per call, in a
+# ``with``.
 
 
 def _thread_name() -> str:
@@ -592,6 +597,8 @@ class _ReusedThread:
                 continue
             if job is None:
                 return
+            # Grad mode on, as on a new thread (NOTE [ One prefetch thread per rank ]).
+            torch.set_grad_enabled(True)
             try:
                 job._prefetch()
             finally:  # idle before the prefetch's end is seen: the next iterator finds it

@@ -337,6 +337,33 @@ def test_passes_one_after_another_run_on_one_thread_and_close_ends_it():
     assert wait_until(lambda: prefetch_threads() == before, timeout=30)
 
 
+def test_a_reused_thread_starts_each_prefetch_with_grad_mode_on_as_a_new_thread_does():
+    """A conversion that turns grad mode off without a context manager leaves it off on its
+    thread; the next iterator's conversion, on that same thread, still sees it on."""
+    threads = PrefetchThreads()
+    config = MicroBatchIterator.Config(depth=1)
+
+    def switch_off(_batch: object) -> tuple[int, bool]:
+        seen = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        return threading.get_ident(), seen
+
+    def observe(_batch: object) -> tuple[int, bool]:
+        return threading.get_ident(), torch.is_grad_enabled()
+
+    try:
+        seen = []
+        for convert in (switch_off, observe):
+            with MicroBatchIterator(
+                _items(1), config, device="cpu", threads=threads, convert=convert
+            ) as it:
+                seen.extend(it)
+        assert threads.started == 1 and seen[0][0] == seen[1][0]
+        assert [on for _, on in seen] == [True, True]
+    finally:
+        threads.close()
+
+
 def test_overlapping_passes_get_their_own_threads_and_a_stuck_one_is_not_reused():
     """Two open iterators run on two threads; a thread left inside an uninterruptible source
     after close() is not handed the next iterator, and ends once the source returns."""
