@@ -43,6 +43,23 @@ PASSES = (
 """GRPO's step: old log-probs and reference log-probs (forward-only, written back), then train."""
 WRITES = {"old": "old_logprobs", "ref": "ref_logprobs"}
 """The field each forward-only pass writes, from the ``logprobs`` its loss dicts hold."""
+DEPTH = 2
+"""Micro-batches each rank's prefetch stages ahead of the one its loop holds."""
+DATA_RING_SLOTS = DEPTH + 2
+"""Slots of each data ring (NOTE [ Ring slots past a pass's end ])."""
+
+# NOTE [ Ring slots past a pass's end ]: a rank gives its pass's last two leases back only when
+# its pass-end thread closes the pass's iterator (the last one the loop held; the one before
+# was retired after the prefetch thread had ended, so nothing released it), after the pass's
+# write-back records (NOTE [ Asynchronous pass ends ] in knitkit/job/completion.py). With the
+# driver's default of 2 slots per data ring, the reorganizer could publish nothing of the
+# next pass (reference after old, train, the next mini-batch's old) until then, and that
+# thread shares 2 cores and the GIL with the loop, which is encoding meanwhile: traced in
+# ``benchmarks/grpo_step.py --quick`` at b870bfe (load 17-21), the close ran 1-69 ms after the
+# pass's end and a later pass's first micro-batch waited for it (up to 88 ms on a step). With
+# ``DEPTH + 2`` slots the next pass's first ``DEPTH`` micro-batches are published while the
+# finished pass still holds its two (``DATA_RING_SLOTS``; a ring's memory is ``num_slots x
+# slot_bytes``: 4 MiB here).
 
 
 @dataclass(slots=True)
@@ -87,6 +104,7 @@ def build_driver(run: GRPOConfig, layout: MegatronLayout, **runtime: Any) -> Dri
         planner=PlannerConfig(max_tokens_per_micro_batch=run.max_tokens_per_micro_batch),
         max_minibatches=run.steps,
         slot_bytes=1 << 20,
+        num_slots=DATA_RING_SLOTS,
         write_back_slot_bytes=1 << 20,
         schedule_slot_bytes=1 << 20,
     ).build(admission=admission, **runtime)
@@ -144,7 +162,7 @@ def knitkit_loop(
         handle = MegatronRank.from_parallel_state(
             spec,
             to_batch=functools.partial(grpo_batch, sequences=run.minibatch_size),
-            config=RankHandle.Config(depth=2),
+            config=RankHandle.Config(depth=DEPTH),
         )
         try:
             history = _steps(

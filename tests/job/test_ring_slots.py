@@ -1,0 +1,76 @@
+"""The GRPO example's data rings leave room past a pass's end (NOTE [ Ring slots past a pass's
+end ] in examples/grpo/knit.py)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+from job_harness import controller, driver_config, join, trajectories, wait_for, wait_freed
+
+from knitkit.job import Pass, PassWork, RankCoords, RankHandle, RankSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from grpo.knit import DATA_RING_SLOTS, DEPTH
+
+PASSES = (
+    Pass("old", reads=("tokens",), forward_only=True),
+    Pass("ref", reads=("tokens",), forward_only=True),
+)
+"""Two passes over rollout fields only: the second is served as soon as the first is."""
+
+
+def test_the_next_pass_arrives_while_the_pass_end_thread_has_not_closed_the_last() -> None:
+    """With the example's prefetch depth and ring slots, a rank whose pass-end thread has not
+    yet closed a finished pass's iterator (which still holds that pass's last two leases) gets
+    the next pass's first micro-batch all the same (with 2 slots it waits for that thread)."""
+    data = trajectories(8, 2, seed=11)
+    config = driver_config(1, 1, 1, 1, passes=PASSES, num_slots=DATA_RING_SLOTS)
+    released, errors, firsts = threading.Event(), [], []
+
+    def rank(spec: RankSpec) -> None:
+        settings = RankHandle.Config(depth=DEPTH, next_timeout_s=20.0)
+        try:
+            with RankHandle(spec, RankCoords(0, 0, 0, 0, encoder_rank=0), settings) as handle:
+                for work in handle.passes():
+                    with work:
+                        if work.pass_.name == "ref":  # old's end is stalled (below)
+                            batches = work.micro_batches()
+                            firsts.append(next(batches))
+                            released.set()
+                            for _ in range(work.num_micro_batches - 1):
+                                next(batches)
+                            continue
+                        _take_all_holding_two(work)
+                        # the pass-end thread runs nothing after this until ref's first is in
+                        handle._ends.post("stalled", lambda: released.wait(60.0) or None)
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            released.set()
+
+    with config.build(admission=controller(data, 1)) as driver:
+        thread = threading.Thread(target=rank, args=(driver.rank_spec(),), daemon=True)
+        thread.start()
+        for trajectory in data:
+            driver.write(trajectory)
+        driver.finish()
+        driver.drain(120)
+        join([thread])
+        wait_freed(driver.store)
+    assert not errors, errors
+    assert len(firsts) == 1
+
+
+def _take_all_holding_two(work: PassWork) -> None:
+    """Every micro-batch, as megatron's schedule takes them (no extra ``next()``, which would
+    close the iterator here), the prefetch thread ended before the last: so the pass's last two
+    leases are both still held when the loop is done (the last, and the retired one before)."""
+    batches = work.micro_batches()
+    assert work.num_micro_batches >= 2
+    for _ in range(work.num_micro_batches - 1):
+        next(batches)
+    prefetch = batches._prefetcher
+    wait_for(lambda: not prefetch.alive(), 60, "the prefetch thread ended")
+    next(batches)
