@@ -127,31 +127,50 @@ def _children_cpu() -> dict[str, float]:
     return out
 
 
-def _threads() -> dict[str, float]:
+Seen = dict[int, tuple[str, float, int]]
+"""Every thread of a rank one path's probes saw, by id: its kind, CPU seconds and wakes when
+last read (a thread that ended keeps its last figures in its kind)."""
+
+
+def _threads(seen: Seen) -> dict[str, float]:
     """This rank's CPU seconds and wakes by thread kind (``thread.<kind>.cpu_s`` / ``.wakes``):
     a Python thread's name up to its first digit or ``/`` (``knitkit-pass-end``), a native
-    thread's ``comm`` (``native:gloo_tcp_loop``). Threads that exited (a pass's prefetch thread
-    ends with its pass) leave their CPU in ``thread.exited.cpu_s``: the process's CPU minus its
-    live threads'; a thread that exits within a step moves its earlier CPU there too."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    out: dict[str, float] = {}
-    live = 0.0
+    thread's ``comm`` (``native:gloo_tcp_loop``); a thread that ended keeps what the last probe
+    read of it. ``thread.exited.cpu_s``: the process's CPU minus every thread's so read, that is
+    what threads did after the last probe that saw them (a tail before they ended, or a thread
+    that started and ended between two probes); the threads are read in one short pass before
+    the process's CPU, so little of what other threads run meanwhile lands there. ``threads_
+    started`` / ``threads_ended``: threads seen for the first time / gone since, cumulative."""
+    read: dict[int, tuple[float, int]] = {}
     for task in Path("/proc/self/task").iterdir():
-        name = names.get(int(task.name))
         try:
-            cpu, wakes = _task_figures(task)
-            kind = (
-                re.split(r"[\d/]", name, maxsplit=1)[0].rstrip("-_")
-                if name
-                else f"native:{(task / 'comm').read_text().strip()}"
-            )
+            read[int(task.name)] = _task_figures(task)
         except OSError:  # exited meanwhile
             continue
+    total = time.process_time()
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    for tid, (cpu, wakes) in read.items():
+        kind = seen[tid][0] if tid in seen else _kind(tid, names.get(tid))
+        seen[tid] = (kind, cpu, wakes)
+    out: dict[str, float] = {"threads_started": float(len(seen))}
+    out["threads_ended"] = float(len(seen) - len(read))
+    counted = 0.0
+    for kind, cpu, wakes in seen.values():
         out[f"thread.{kind}.cpu_s"] = out.get(f"thread.{kind}.cpu_s", 0.0) + cpu
         out[f"thread.{kind}.wakes"] = out.get(f"thread.{kind}.wakes", 0.0) + wakes
-        live += cpu
-    out["thread.exited.cpu_s"] = time.process_time() - live
+        counted += cpu
+    out["thread.exited.cpu_s"] = total - counted
     return out
+
+
+def _kind(tid: int, name: str | None) -> str:
+    """A thread's kind (see ``_threads``)."""
+    if name:
+        return re.split(r"[\d/]", name, maxsplit=1)[0].rstrip("-_")
+    try:
+        return f"native:{Path(f'/proc/self/task/{tid}/comm').read_text().strip()}"
+    except OSError:
+        return "native:?"
 
 
 COUNTED = (
@@ -210,13 +229,15 @@ def _worker(out_dir: Path, steps: int, work: float) -> None:
         rank = dist.get_rank()
         collectives = _count_collectives()
 
-        def probe() -> dict[str, float]:
-            return collectives() | _threads() | (_children_cpu() if rank == 0 else {})
+        def probe() -> Callable[[], dict[str, float]]:
+            """One path's probe (its own record of the threads it saw)."""
+            seen: Seen = {}
+            return lambda: collectives() | _threads(seen) | (_children_cpu() if rank == 0 else {})
 
         say(f"knitkit path: {steps} steps")
         trainer = new_trainer(run)
         trainer.work_per_token = work
-        knit = knitkit_loop(run, trainer, clock=StepClock(probe), feed_ahead=True)
+        knit = knitkit_loop(run, trainer, clock=StepClock(probe()), feed_ahead=True)
         say("plain loop: the same mini-batches")
         for record in knit:  # the rollout's outputs exist before the plain loop reads them
             for tid in record.trajectory_ids:
@@ -224,7 +245,7 @@ def _worker(out_dir: Path, steps: int, work: float) -> None:
         plain_trainer = new_trainer(run)
         plain_trainer.work_per_token = work
         minibatches = [record.trajectory_ids for record in knit]
-        plain = plain_loop(run, plain_trainer, minibatches, clock=StepClock(probe))
+        plain = plain_loop(run, plain_trainer, minibatches, clock=StepClock(probe()))
         say("packed plain loop: the same mini-batches")
         packed_trainer = new_trainer(run)
         packed_trainer.work_per_token = work
@@ -233,7 +254,7 @@ def _worker(out_dir: Path, steps: int, work: float) -> None:
             run,
             packed_trainer,
             minibatches,
-            clock=StepClock(probe),
+            clock=StepClock(probe()),
             batches_of=lambda samples, sequences, device: packed_batches(
                 samples, sequences, device, budget
             ),
@@ -245,7 +266,7 @@ def _worker(out_dir: Path, steps: int, work: float) -> None:
             run,
             dedup_trainer,
             minibatches,
-            clock=StepClock(probe),
+            clock=StepClock(probe()),
             dedup=PlainDedup(run.rollout),
         )
         histories = {
@@ -372,6 +393,10 @@ def summarise(ranks: Ranks) -> dict[str, float]:
             out[f"{path}.{name}.threads.{thread}"] = _median(
                 [sum(step) for step in _series(ranks, path, key)]
             )
+        for figure in ("threads_started", "threads_ended"):
+            out[f"{path}.{figure}_per_step"] = _median(
+                [sum(step) for step in _series(ranks, path, figure)]
+            )
         out[f"{path}.bytes_read_per_step"] = _median(
             [sum(step) for step in _series(ranks, path, "bytes_read")]
         )
@@ -395,6 +420,8 @@ def _table(figures: dict[str, float]) -> str:
         ),
         ("step wall time (s)", "step_s", "{:.3f}"),
         ("collective calls per step, busiest rank", "collectives_per_step", "{:.0f}"),
+        ("threads started per step, all ranks", "threads_started_per_step", "{:.0f}"),
+        ("threads ended per step, all ranks", "threads_ended_per_step", "{:.0f}"),
         ("CPU s per step, every process", "cpu_s_per_step", "{:.3f}"),
         ("  the 4 ranks (rank 0 with the driver)", "cpu_s_per_step.ranks", "{:.3f}"),
         *(
