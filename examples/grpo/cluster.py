@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from grpo.config import GRPOConfig
-from grpo.knit import _Feed, build_driver
+from grpo.knit import DATA_RING_SLOTS, _Feed, build_driver
 from knitkit.integration.megatron import MegatronLayout
 from knitkit.job import RankSpec
 from knitkit.job.spec import encoder_rank_name, group_name
@@ -52,7 +52,7 @@ def serve(
             layout.topology,
             encoders=(layout.encoder_topology(),),
             placement=groups,
-            ring=RingConfig(num_slots=2, slot_bytes=1 << 20),
+            ring=RingConfig(num_slots=DATA_RING_SLOTS, slot_bytes=1 << 20),  # as build_driver
             liveness_timeout_s=30.0,  # the ranks' bound: Driver.Config's default
         )
         control = RayControl(placement)
