@@ -23,7 +23,7 @@ from knitkit.microbatch_iter.batch import (
 )
 from knitkit.microbatch_iter.exit_guard import note_exit
 from knitkit.microbatch_iter.pool import StagingRing
-from knitkit.microbatch_iter.source import SourceItem, source_items
+from knitkit.microbatch_iter.source import SourceItem, inline_leases, source_items
 from knitkit.microbatch_iter.transport import make_transport
 from knitkit.microbatch_iter.worker import Failure, Prefetcher, PrefetchThreads, Staged
 
@@ -95,6 +95,11 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         page-locking its ring in place once (cudaHostRegister; NOTE [ Registered source rings ]);
         False, or a ring that cannot be registered, copies each micro-batch into a pinned
         staging slot first."""
+        hand_out_inline: bool = True
+        """CPU: a source that hands out zero-copy leases inline (``MicroBatchConsumer`` and its
+        ``take()``) is pulled on the training loop's thread inside ``next()``, with no prefetch
+        thread: its producer's ring holds the look-ahead (NOTE [ Inline hand-out ] in
+        worker.py). False runs the prefetch thread for it as for every other source."""
         exit_on_stuck_source: bool = False
         """At interpreter exit, if the prefetch thread is still inside ONE call of the source
         longer than ``join_timeout_s``: False finalizes normally (every atexit handler runs),
@@ -170,12 +175,16 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
             self.device, slots, time_h2d=config.time_h2d, register_host=config.register_host
         )
         ring = StagingRing(slots, transport, config.slot_nbytes)
+        items = source_items(source)
+        inline = convert is None and not transport.copies_to_device and config.hand_out_inline
+        self._inline = inline_leases(items) if inline else None
+        """The source, pulled inside ``next()`` (NOTE [ Inline hand-out ] in worker.py)."""
         ahead = convert is not None and not transport.copies_to_device
         self._convert_here = None if ahead else convert
         """A conversion run at hand-over (CUDA: NOTE [ Conversion on the prefetch thread ])."""
         self._converted = convert is not None
         self._prefetcher = Prefetcher(
-            source_items(source),
+            items,
             ring,
             transport,
             depth=config.depth,
@@ -195,7 +204,8 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         self._claim = threading.Lock()
         self._finalizer = weakref.finalize(self, self._prefetcher.shutdown)
         self._finalizer.atexit = False
-        self._prefetcher.start()
+        if self._inline is None:
+            self._prefetcher.start()
 
     def __next__(self) -> B:
         start = time.perf_counter()
@@ -203,6 +213,8 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
             self._check_consumer()
         if self._finished:
             raise StopIteration
+        if self._inline is not None:
+            return self._next_inline(start)
         prefetcher = self._prefetcher
         held = prefetcher.held
         if held is not None:
@@ -228,6 +240,40 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
             self._launch_pending = True
         else:
             prefetcher.credits.put(None)  # launched(): the thread may stage one more
+        stats = self._count(record, start)
+        if self._converted:
+            if self._convert_here is None:
+                return record.converted  # type: ignore[return-value]
+            return self._convert_here(
+                build_micro_batch(record.index, record.layout, record.flat, record.tensors, stats)
+            )
+        return build_micro_batch(record.index, record.layout, record.flat, record.tensors, stats)  # type: ignore[return-value]
+
+    def _next_inline(self, start: float) -> B:
+        """``next()`` taking the source's next lease on this thread (NOTE [ Inline hand-out ] in
+        worker.py): its errors are raised as the thread's would be; a timeout leaves the
+        iterator open, as ``Prefetcher.take``'s does."""
+        assert self._inline is not None
+        timeout_s = self.config.next_timeout_s
+        try:
+            record = self._prefetcher.hand_out(self._stats.count, self._inline, timeout_s)
+        except TimeoutError as error:
+            raise TimeoutError(
+                f"{error} (next_timeout_s={timeout_s} s); raise "
+                "MicroBatchIterator.Config.next_timeout_s for a slower source"
+            ) from error
+        except BaseException:
+            self.close()
+            raise
+        if record is None:
+            self.close()
+            raise StopIteration
+        stats = self._count(record, start)
+        return build_micro_batch(record.index, record.layout, record.flat, record.tensors, stats)  # type: ignore[return-value]
+
+    def _count(self, record: Staged, start: float) -> MicroBatchStats:
+        """``record``'s stats, handed over now after a ``next()`` that began at ``start``, added
+        to the totals."""
         stats = build_stats(
             record.index,
             time.perf_counter() - start,
@@ -236,13 +282,7 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
             record.layout.nbytes,
         )
         self._stats.add(stats)
-        if self._converted:
-            if self._convert_here is None:
-                return record.converted  # type: ignore[return-value]
-            return self._convert_here(
-                build_micro_batch(record.index, record.layout, record.flat, record.tensors, stats)
-            )
-        return build_micro_batch(record.index, record.layout, record.flat, record.tensors, stats)  # type: ignore[return-value]
+        return stats
 
     def _check_consumer(self) -> None:
         """One consumer thread per iterator: the first to call ``next()`` owns it until a

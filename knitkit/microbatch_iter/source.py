@@ -6,7 +6,7 @@ import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TypeAlias
+from typing import Protocol, TypeAlias
 
 import numpy as np
 import torch
@@ -25,6 +25,22 @@ def source_items(source: Iterable[SourceItem]) -> Iterator[SourceItem]:
     (``MicroBatchConsumer`` and its ``take()`` do).
     """
     return iter(source)
+
+
+class LeasesInline(Protocol):
+    """A source iterator whose leases a CPU iterator takes on the training loop's thread, inside
+    ``next()``, with no prefetch thread (``MicroBatchConsumer`` and its ``take()``): its
+    look-ahead is its producer's, who packs ahead into a ring (NOTE [ Inline hand-out ] in
+    worker.py)."""
+
+    def next_lease(self, timeout_s: float) -> PackedMicroBatch:
+        """``next()``, waiting at most ``timeout_s`` (then ``TimeoutError``)."""
+        ...
+
+
+def inline_leases(source: Iterator[SourceItem]) -> LeasesInline | None:
+    """``source`` if it hands out leases inline (``next_lease``), else None."""
+    return source if callable(getattr(source, "next_lease", None)) else None  # type: ignore[return-value]
 
 
 FieldArray: TypeAlias = np.ndarray | torch.Tensor

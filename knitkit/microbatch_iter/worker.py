@@ -20,7 +20,13 @@ import torch
 from knitkit.microbatch_iter.batch import ViewCache
 from knitkit.microbatch_iter.exit_guard import abandon, exit_now
 from knitkit.microbatch_iter.pool import StagingRing
-from knitkit.microbatch_iter.source import SourceItem, StagingPlan, check_layout, plan_staging
+from knitkit.microbatch_iter.source import (
+    LeasesInline,
+    SourceItem,
+    StagingPlan,
+    check_layout,
+    plan_staging,
+)
 from knitkit.microbatch_iter.transport import Transport
 from knitkit.types import MicroBatchLayout, PackedMicroBatch
 
@@ -101,20 +107,8 @@ from knitkit.types import MicroBatchLayout, PackedMicroBatch
 #   hand-out 383 us (wait 125, decode 90, per-phase first mapping 74, size checks 25), views
 #   152, release 84 (the page map read at 282 of 720 releases, a wake at 299), the loop's
 #   next() 70: cache misses after compute and contention, not one dominant step.
-# - Why the hand-out stays on the prefetch thread (issue 31, measured, then left out): taking an
-#   already published lease on the loop's own thread inside next() (no credit, no wake, no
-#   hand-over between threads; the thread only for the warm start and for leases not published
-#   yet) costs the same CPU and exposes the work. RANK's scratch driver at 62f8166 (one rank
-#   process over a real ring fed by a producer process: transfer.py-like 9 fields, ~2.4 MiB, a
-#   new layout per micro-batch; its compute, 256 x 256 matmuls with out= and a read of every
-#   byte, 5 micro-batches a step; rank CPU outside compute per hand-out, 2-core dev box at load
-#   10-19): look-ahead 1 and 2 took 512-614 us on this thread and 519-611 us on the loop's,
-#   eager 160-179 and 147-163 us (one run at load 19: 418), while the loop's median wall in
-#   next() went from 66 us to 1,035-1,061 us (the thread's work, and at look-ahead 1 its wait for
-#   the publication, overlap the compute). The look-ahead cost is cold caches after compute, not
-#   the hand-over: each step of a hand-out takes ~3x its eager time (on the loop's thread: decode
-#   33 -> 92 us, views 45 -> 114, release 14 -> 154 of which the producer's wake 5 -> 56; the
-#   prefetch thread's whole share alike, 131-135 -> 445-539 us).
+# - Where the hand-out runs: on the loop's thread, inside next(), for a source that hands out
+#   leases inline (NOTE [ Inline hand-out ]); on the prefetch thread for every other source.
 # - The Staged record carries the lease's release. The consumer's next next() (or close())
 #   retires the held record into ``retired`` (release_held); only retired records are released,
 #   so no slot goes back to the producer while the consumer may still read it.
@@ -133,6 +127,33 @@ from knitkit.types import MicroBatchLayout, PackedMicroBatch
 # copied to the device straight from the slot and handed back once that copy has finished (NOTE
 # [ Registered source rings ], NOTE [ Stream/event hand-off ]); the prefetch thread waits for it
 # while it is idle for a credit, or at the latest before its next pull.
+
+# NOTE [ Inline hand-out ]
+# On CPU, a source that hands out zero-copy leases from a ring its producer packs ahead
+# (``LeasesInline``: a MicroBatchConsumer and its take(); not a take that overrides __next__,
+# such as a job's checked one) gets no prefetch thread: next() releases the held lease and takes
+# the next one on the loop's own thread (Prefetcher.hand_out), waiting on the ring's futex only
+# if it is not published yet. The look-ahead is the ring's: the producer packs as many slots ahead
+# as the ring has free, at least the iterator's depth + 1 minus the one the loop holds. A
+# prefetch thread added per micro-batch a credit wait and a publication wait (two sleeps and
+# wakes, each ~50-110 us of CPU on a loaded machine), two queue hand-overs and GIL hand-offs with
+# the loop, for work (decode ~85 us, views ~130, release ~80) that costs the same on either
+# thread: both run it right after the loop's compute, with cold caches. What it costs: that
+# work now runs inside next(), on the loop's critical path, so ``exposed_s_per_step`` rises by it
+# while the CPU falls (where a rank's cores are shared with compute, the CPU is what the step
+# waits for). Leases, release order, close()/interrupt from another thread, the exit hook, errors
+# and next_timeout_s behave as with the thread (tests/microbatch_iter/test_leases.py).
+# Measured (issue 31, transfer.py --quick, knitkit phases, 8 ranks on the 2-core dev box, load
+# 7-16; per-thread schedstat of each rank, compute excluded, per micro-batch; b870bfe -> this):
+# look-ahead 1 824 -> 519 us (prefetch thread 590 + loop 234 -> loop 519), look-ahead 2 800 ->
+# 525, eager 493 -> 405; sleeps of the rank's threads 3.1 -> 0.5 (look-ahead), 3.5 -> 1.3
+# (eager); thread starts 1 -> 0 per iterator; calls per hand-out 144-146 -> 130-131
+# (tests/storage/test_handout_calls.py); the figure, old then new back to back (load 9-25):
+# ``knitkit.cpu_s_per_step.ranks`` 0.0332 -> 0.0280, 0.0333 -> 0.0244 (0.0388 -> 0.0258
+# instrumented), while the look-ahead exposed waits swung with the load (0.006-0.032 ->
+# 0.010-0.060 s per step). ``Config(hand_out_inline=False)`` keeps the thread.
+# (At 62f8166, before the futex waits and the cuts in decode and views, a scratch driver had
+# found the same CPU on either thread.)
 
 _NO_OVERRIDES: Mapping[str, torch.dtype] = MappingProxyType({})
 """A lease's fields keep their layout dtypes."""
@@ -359,6 +380,34 @@ class Prefetcher:
         stage_s = time.perf_counter() - start
         # The record keeps no reference to the source's buffer: its slot may be reused now.
         return Staged(index, slot.index, layout, *cached, fetch_s, stage_s)
+
+    def hand_out(self, index: int, source: LeasesInline, timeout_s: float) -> Staged | None:
+        """Consumer side, with no prefetch thread (NOTE [ Inline hand-out ]): release the held
+        micro-batch, take the next lease on this thread (waiting at most ``timeout_s``) and stage
+        it as the held one; None at the end of the source or once stopped."""
+        with self.lock:
+            held, self.held = self.held, None
+            if held is not None and held.release is not None:
+                held.release()
+        self.in_source = True  # the exit hook interrupts a wait (NOTE [ Prefetch thread shutdown ])
+        start = time.perf_counter()
+        try:
+            item = source.next_lease(timeout_s)
+        except StopIteration:
+            return None
+        except InterruptedError:
+            if self.stop:  # close() from another thread interrupted the wait
+                return None
+            raise
+        finally:
+            self.in_source = False
+        fetched = time.perf_counter()
+        with self.lock:
+            if self.stop:
+                _release(plan_staging(item))
+                return None
+            self.held = record = self._stage(index, item, fetched, fetch_s=fetched - start)
+        return record
 
     def take(self, timeout_s: float) -> Staged | Failure | End:
         """Consumer side: the next record, in order; raises if the thread died without one, or
@@ -619,7 +668,12 @@ def _stop_live_threads() -> None:
     shutdown ])."""
     for threads in list(_POOLS):
         threads.close()  # idle threads end; busy ones once their prefetch below has stopped
-    live = [prefetcher for prefetcher in list(_LIVE) if prefetcher.alive()]
+    everyone = list(_LIVE)
+    for prefetcher in everyone:  # a loop's thread inside an inline hand-out (daemon or not)
+        if prefetcher.in_source and not prefetcher.alive():
+            prefetcher.request_stop()
+            prefetcher.interrupt_source()
+    live = [prefetcher for prefetcher in everyone if prefetcher.alive()]
     for prefetcher in live:
         prefetcher.request_stop()
         if not prefetcher.interrupt_source() and prefetcher.in_source:

@@ -3,6 +3,7 @@ one prefetch thread; bounded takes; private views; clear errors when the consume
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 import warnings
@@ -12,7 +13,12 @@ import numpy as np
 import pytest
 
 from knitkit.microbatch_iter import MicroBatchIterator
-from knitkit.storage.delivery.consumer import ConsumerClosedError, MicroBatchConsumer
+from knitkit.storage.delivery.consumer import (
+    ConsumerClosedError,
+    MicroBatchConsumer,
+    ReorganizerError,
+    Take,
+)
 from knitkit.storage.delivery.publication import Publisher
 from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing
 from knitkit.types import MicroBatchLayout
@@ -298,3 +304,91 @@ def test_a_lease_released_late_never_sees_its_slot_overwritten(make_ring):
             assert np.array_equal(lease.fields["x"], expected(2))
     producer.join(BOUND_S)
     late.close()
+
+
+def _prefetch_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("knitkit-microbatch-")]
+
+
+def test_a_cpu_take_is_handed_out_inline_with_no_thread_and_no_sleep(make_ring):
+    """Over a consumer's take on CPU, next() takes each published lease on the loop's thread
+    (NOTE [ Inline hand-out ]): no prefetch thread starts, and 32 micro-batches published ahead
+    cost no sleep of any thread of the process (on b870bfe: a prefetch thread, 33-55 voluntary
+    context switches, one or more per micro-batch); every lease is released once, in order."""
+    ring = make_ring(num_slots=40)
+    ring.produce(32).join(BOUND_S)
+    consumer = MicroBatchConsumer(ring.spec, 0, liveness_timeout_s=BOUND_S)
+    threads = _prefetch_threads()
+    config = MicroBatchIterator.Config(depth=2, next_timeout_s=BOUND_S)
+    sleeps = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw  # every thread, exited ones too
+    with MicroBatchIterator(consumer.take(32), config, device="cpu") as it:
+        assert _prefetch_threads() == threads
+        seen = [(mb.layout.extra["value"], int(mb["x"][1])) for mb in it]
+    sleeps = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - sleeps
+    assert seen == [(v, 1000 * v + 1) for v in range(32)]
+    assert sleeps <= 2, sleeps
+    assert ring.owner.released(0) == 32
+    consumer.close()
+
+
+def test_an_inline_hand_out_keeps_the_timeout_close_and_error_contracts(make_ring):
+    """Inline, next() still times out after next_timeout_s (naming it) and stays usable; a
+    close() from another thread ends a waiting next() at once with StopIteration; a producer's
+    failure is raised once, then StopIteration."""
+    ring = make_ring(num_slots=2)
+    consumer = MicroBatchConsumer(ring.spec, 0, liveness_timeout_s=BOUND_S)
+    config = MicroBatchIterator.Config(depth=1, next_timeout_s=0.5)
+    with MicroBatchIterator(consumer.take(3), config, device="cpu") as it:
+        with pytest.raises(TimeoutError, match=r"next_timeout_s=0\.5"):
+            next(it)
+        ring.publish(0)
+        assert next(it).layout.extra["value"] == 0
+
+        def close_once_waiting() -> None:
+            deadline = time.monotonic() + BOUND_S
+            while not ring.owner.consumer_waits(0) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            it.close()
+
+        closer = threading.Thread(target=close_once_waiting)
+        closer.start()
+        start = time.monotonic()
+        it.config.next_timeout_s = BOUND_S
+        with pytest.raises(StopIteration):
+            next(it)
+        assert time.monotonic() - start < BOUND_S / 3
+        closer.join(BOUND_S)
+    assert ring.owner.released(0) == 1
+    with MicroBatchIterator(consumer.take(1), config, device="cpu") as it:
+        ring.publisher.fail("disk on fire")
+        with pytest.raises(ReorganizerError, match="disk on fire"):
+            next(it)
+        with pytest.raises(StopIteration):
+            next(it)
+    consumer.close()
+
+
+def test_a_take_that_checks_its_leases_keeps_the_prefetch_thread(make_ring):
+    """A ``Take`` subclass that overrides ``__next__`` (a job's checked take) has no inline
+    hand-out: the prefetch thread pulls it through its own ``__next__``, checks included; so
+    does ``hand_out_inline=False`` for a consumer's take."""
+    ring = make_ring(num_slots=4)
+    ring.produce(4).join(BOUND_S)
+    consumer = MicroBatchConsumer(ring.spec, 0, liveness_timeout_s=BOUND_S)
+    checked: list[int] = []
+
+    class Checked(Take):
+        def __next__(self):
+            lease = super().__next__()
+            checked.append(lease.layout.extra["value"])
+            return lease
+
+    config = MicroBatchIterator.Config(depth=1, next_timeout_s=BOUND_S)
+    with MicroBatchIterator(Checked(consumer, 2), config, device="cpu") as it:
+        assert [mb.layout.extra["value"] for mb in it] == [0, 1] == checked
+    threaded = MicroBatchIterator.Config(depth=1, next_timeout_s=BOUND_S, hand_out_inline=False)
+    threads = _prefetch_threads()
+    with MicroBatchIterator(consumer.take(2), threaded, device="cpu") as it:
+        assert len(_prefetch_threads()) == len(threads) + 1
+        assert [mb.layout.extra["value"] for mb in it] == [2, 3]
+    consumer.close()

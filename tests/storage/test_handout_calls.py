@@ -22,13 +22,15 @@ from knitkit.storage.delivery.layout_codec import LayoutDecodeError, decode_layo
 from knitkit.storage.delivery.slot_ring import RingSpec
 from knitkit.types import MicroBatchLayout
 
-CALLS_PER_HAND_OUT = 156
-"""Python and C calls a rank's threads make per hand-out of a new shape (the loop's ``next()``,
-the prefetch thread's wait, decode, lease, views and release): 140-151 now (of which ~48 Python
-frames), 161-164 at 1cebb89 (~61 Python frames), ~200 at 62f8166."""
-CALLS_PER_REPEATED_SHAPE = 125
-"""The same, where each slot's micro-batches repeat one shape: 101-117 now, 153-166 at 1cebb89
-(a new ``FieldView`` per field decoded, then compared with the cached views' field by field)."""
+CALLS_PER_HAND_OUT = 138
+"""Python and C calls a rank's threads make per hand-out of a new shape (the loop's ``next()``
+with its inline hand-out: decode, lease, views and release; NOTE [ Inline hand-out ] in
+knitkit/microbatch_iter/worker.py): 130-131 now, 144-146 at b870bfe (a prefetch thread's
+credit, queue and wake on top), 161-164 at 1cebb89 (~61 Python frames), ~200 at 62f8166."""
+CALLS_PER_REPEATED_SHAPE = 101
+"""The same, where each slot's micro-batches repeat one shape: 93-94 now, 105-111 at b870bfe,
+153-166 at 1cebb89 (a new ``FieldView`` per field decoded, then compared with the cached views'
+field by field)."""
 _RUNS = itertools.count()
 """Distinct token counts per run: the decoder keeps the shapes it saw (NOTE [ Shapes decoded
 once ]), so a run that must see new shapes does not reuse an earlier run's."""
@@ -56,8 +58,8 @@ def _layout(i: int, run: int = 0) -> MicroBatchLayout:
 
 
 def _calls_in_rank_threads(count: int, shapes: int = 0) -> int:
-    """Calls (Python and C) made by the loop's thread and the iterator's prefetch thread while
-    ``count`` micro-batches are handed out, each checked for its bytes; the producer thread,
+    """Calls (Python and C) made by the loop's thread and the iterator's prefetch thread (if
+    any) while ``count`` micro-batches are handed out, each checked for its bytes; the producer thread,
     started before the profiler, is not counted. Each micro-batch has a new shape, or with
     ``shapes`` one of that many, cycling (the ring's slot count: each slot repeats one)."""
     run = next(_RUNS)
@@ -120,7 +122,7 @@ def _calls_per_hand_out(shapes: int = 0) -> float:
 
 def test_a_hand_out_makes_a_bounded_number_of_calls() -> None:
     """Over a real ring of 3 slots fed by a producer thread, with a new layout per micro-batch,
-    the calls per hand-out stay under the bound (on 1cebb89: 161-164, above it)."""
+    the calls per hand-out stay under the bound (on b870bfe: 144-146, above it)."""
     per_hand_out = _calls_per_hand_out()
     assert per_hand_out <= CALLS_PER_HAND_OUT, per_hand_out
 
@@ -129,7 +131,7 @@ def test_a_repeated_shape_makes_no_per_field_calls() -> None:
     """Where each slot's micro-batches repeat one shape, a hand-out makes far fewer calls than
     one of a new shape: the decoder hands out the tuple of views it decoded before and the view
     cache recognises it by identity, so no view object, comparison or torch call is made per
-    field (on 1cebb89: 153-166, above the bound)."""
+    field (on b870bfe: 105-111, above the bound)."""
     per_hand_out = _calls_per_hand_out(shapes=3)
     assert per_hand_out <= CALLS_PER_REPEATED_SHAPE, per_hand_out
 
