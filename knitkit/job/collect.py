@@ -57,24 +57,57 @@ class Collector:
         try:
             if not self._attach():
                 return
-            while True:
-                try:
-                    record = self.source.next(math.inf)
-                except ConsumerClosedError:
-                    return
-                except (ReorganizerDiedError, ReorganizerError) as error:
-                    if core.stopping.is_set():
-                        return
-                    raise RankFailedError(
-                        f"the writer rank of {self.group} stopped: {error}; restart the job's ranks"
-                    ) from error
-                if record is None:
-                    return
-                with core.lock:
-                    self._apply(record)
+            while self._collect():
+                pass
         except BaseException as error:
             if not core.stopping.is_set():
                 core.part_failed(error)
+
+    # NOTE [ A pass's records in one wake ]: a writer rank's pass-end thread publishes a pass's
+    # ``values`` records back to back (held until the pass ends: NOTE [ Asynchronous pass ends ]
+    # in completion.py), and the group's next pass is served only once the last of them is
+    # applied (NOTE [ Next pass per group ] in serving.py). Applied one per wake, each record cost
+    # a lock hold and a ``notify_all`` waking the scheduler to find the group not ready yet, on
+    # rank 0's GIL. So the collector waits for one record, takes every record already published
+    # after it without waiting (``next(0)``), and applies them in order under one lock hold with
+    # one ``notify_all``. Order, exactly-once and the checks are as before; records taken before
+    # the source fails (the rank's error or death) are applied before that is raised.
+    # Measured (``benchmarks/grpo_step.py --quick``, 11 back-to-back pairs, load 12-31): the
+    # scheduler thread's wakes per step 32 -> 22.5 (medians); the latency from a group's first
+    # reference record to its train pass served did not move (traced, ~3.9 ms both), nor did the
+    # exposed wait: the path's larger part is the reorganizer's (serve to first lease, 2-28 ms).
+
+    def _collect(self) -> bool:
+        """Wait for the next record, take the ones published after it, apply them (see NOTE
+        [ A pass's records in one wake ]); False once the writer finished or the source closed."""
+        records: list[Record] = []
+        try:
+            while (record := self._next(0.0 if records else math.inf)) is not None:
+                records.append(record)
+            return False
+        except TimeoutError:
+            return True
+        except ConsumerClosedError:
+            return False
+        finally:
+            if records:
+                with self.core.lock:
+                    self.core.ledger.counts["write_back_wakes"] += 1
+                    for taken in records:
+                        self._apply(taken)
+                    self.core.lock.notify_all()
+
+    def _next(self, timeout_s: float) -> Record | None:
+        """The source's next record (``None`` once the writer finished, or once the driver
+        stops and the source fails with it); ``RankFailedError`` naming the writer rank."""
+        try:
+            return self.source.next(timeout_s)
+        except (ReorganizerDiedError, ReorganizerError) as error:
+            if self.core.stopping.is_set():
+                return None
+            raise RankFailedError(
+                f"the writer rank of {self.group} stopped: {error}; restart the job's ranks"
+            ) from error
 
     def _attach(self) -> bool:
         """The writer rank creates its ring when it starts: wait for it (until stopped), at most
@@ -109,7 +142,7 @@ class Collector:
         )
 
     def _apply(self, record: Record) -> None:
-        """One record from the group's writer rank (under the lock)."""
+        """One record from the group's writer rank (under the lock; the caller notifies)."""
         core, header = self.core, record.header
         kind = header.get("kind")
         if kind == "error":
@@ -132,7 +165,6 @@ class Collector:
             self._done(ledger, pass_, {k: float(v[0]) for k, v in record.arrays.items()})
         else:
             raise RankFailedError(f"{self.group} sent a record of unknown kind {kind!r}")
-        core.lock.notify_all()
 
     def _store(
         self, ledger: MiniBatchLedger, pass_: Pass, index: int, arrays: Mapping[str, np.ndarray]

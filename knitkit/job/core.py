@@ -108,6 +108,7 @@ class JobCore:
             "knitkit/job/passes_served": float(counts["passes_served"]),
             "knitkit/job/passes_consumed": float(counts["passes_consumed"]),
             "knitkit/job/write_back_records": float(counts["write_back_records"]),
+            "knitkit/job/write_back_wakes": float(counts["write_back_wakes"]),
             "knitkit/job/write_back_bytes": float(counts["write_back_bytes"]),
             "knitkit/job/pass_wait_s": self.ledger.wait_s,
             "knitkit/job/trajectories_waiting": float(len(self.ledger.waiting)),

@@ -549,6 +549,8 @@ class Driver:
         - ``minibatches_admitted``, ``minibatches_released``: mini-batches so far;
         - ``passes_served``, ``passes_consumed``: (mini-batch, pass) pairs so far;
         - ``write_back_records``, ``write_back_bytes``: outputs received from writer ranks;
+        - ``write_back_wakes``: collector wakes that applied records (one lock hold each, all the
+          records already published: NOTE [ A pass's records in one wake ] in collect.py);
         - ``pass_wait_s``: seconds the scheduler waited for passes' reads to be produced;
         - ``trajectories_waiting``: stored trajectories in no admitted mini-batch (now).
         """

@@ -123,7 +123,8 @@ class JobLedger:
     to_observe: deque[dict[str, float]] = field(default_factory=deque)
     """Figures of released mini-batches waiting for the observer (pushed by the scheduler)."""
     counts: Counter[str] = field(default_factory=Counter)
-    """``passes_served``, ``passes_consumed``, ``write_back_records``, ``write_back_bytes``."""
+    """``passes_served``, ``passes_consumed``, ``write_back_records``, ``write_back_wakes``,
+    ``write_back_bytes``."""
     wait_s: float = 0.0
     """Seconds the scheduler waited for passes' reads to be produced."""
     waiting: set[str] = field(default_factory=set)
