@@ -21,7 +21,7 @@ from knitkit.job.passes import Pass, check_passes
 from knitkit.job.pool import ProcessPool, ReorganizerPool
 from knitkit.job.recovery import RESTARTS_KEY, RestartingPool
 from knitkit.job.serving import IDLE_S, Scheduler
-from knitkit.job.spec import RankSpec, data_rings, encoder_rank_name, group_name
+from knitkit.job.spec import PREFETCH_DEPTH, RankSpec, data_rings, encoder_rank_name, group_name
 from knitkit.metrics import MetricsObserver, merge
 from knitkit.storage import (
     EncoderTopology,
@@ -65,6 +65,19 @@ _T = TypeVar("_T")
 # on every node that hosts ranks.
 
 
+# NOTE [ Data ring slots ]: a rank gives a pass's last two leases back only when its pass-end
+# thread closes the pass's iterator (the one its loop held last, and the one before, retired
+# after the prefetch thread ended), after the pass's write-back records (NOTE [ Asynchronous
+# pass ends ] in completion.py). With 2 slots per data ring a reorganizer could publish
+# nothing of the next pass until then, and that thread shares the cores and the GIL with the
+# loop: traced in ``benchmarks/grpo_step.py --quick`` at b870bfe (load 17-21), the close ran
+# 1-69 ms after a pass's end and the next pass's first micro-batch waited for it (NOTE [ Ring
+# slots past a pass's end ] in examples/grpo/knit.py). So ``num_slots`` defaults to the ranks'
+# default prefetch depth + 2 (``PREFETCH_DEPTH``): the next pass's first ``depth`` micro-batches
+# are published while the finished pass still holds its two. A ring's memory is ``num_slots x
+# slot_bytes`` of shared memory (touched only as far as micro-batches fill each slot).
+
+
 class Driver:
     """Owns the store, admission, the planner and the reorganizers of one job; serves its ranks.
 
@@ -105,8 +118,9 @@ class Driver:
         released at close); ``None``: admit as long as trajectories come."""
         slot_bytes: int = 64 << 20
         """Data rings: the largest packed micro-batch (or encoder micro-batch) must fit."""
-        num_slots: int = 2
-        """Data rings: micro-batches a reorganizer may publish ahead of its ranks."""
+        num_slots: int = PREFETCH_DEPTH + 2
+        """Data rings: micro-batches a reorganizer may publish ahead of its ranks; at least the
+        ranks' prefetch depth + 2 (NOTE [ Data ring slots ])."""
         schedule_slot_bytes: int = 4 << 20
         """Schedule ring: the largest mini-batch plan (JSON) must fit."""
         schedule_slots: int = 4

@@ -20,7 +20,7 @@ from knitkit.job.passes import Pass
 from knitkit.job.pool import pass_id
 from knitkit.job.records import Record, RecordReader, RecordWriter
 from knitkit.job.recovery import FollowingConsumer, restarts_of
-from knitkit.job.spec import RankCoords, RankSpec, encoder_rank_name, group_name
+from knitkit.job.spec import PREFETCH_DEPTH, RankCoords, RankSpec, encoder_rank_name, group_name
 from knitkit.job.watch import DRIVER, DriverWatch, Gate, PassTake, driver_error
 from knitkit.job.work import PassWork, Route
 from knitkit.metrics import merge, sum_over
@@ -84,8 +84,10 @@ class RankHandle:
     class Config:
         """Prefetch settings of every pass's iterator; the device is a runtime argument."""
 
-        depth: int = 2
-        """Micro-batches staged ahead of the one the training loop holds."""
+        depth: int = PREFETCH_DEPTH
+        """Micro-batches staged ahead of the one the training loop holds (a deeper prefetch
+        wants ``Driver.Config.num_slots`` of at least ``depth + 2``: NOTE [ Data ring slots ]
+        in driver.py)."""
         slot_nbytes: int = 0
         """Bytes each staging slot gets at start-up (size it to the token budget)."""
         next_timeout_s: float = 600.0

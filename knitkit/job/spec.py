@@ -10,6 +10,11 @@ from typing import Any
 from knitkit.job.passes import Output, Pass
 from knitkit.storage import EncoderTopology, RingSpec, Topology
 
+PREFETCH_DEPTH = 2
+"""Micro-batches a rank's prefetch stages ahead of the one its loop holds, by default
+(``RankHandle.Config.depth``; the driver's data rings are sized from it: ``Driver.Config``'s
+``num_slots``)."""
+
 
 def group_name(dp: int, cp: int) -> str:
     """A backbone (DP, CP) consumer group's name (``ConsumerPlan.name``)."""

@@ -1,15 +1,18 @@
-"""The GRPO example's data rings leave room past a pass's end (NOTE [ Ring slots past a pass's
-end ] in examples/grpo/knit.py)."""
+"""The driver's default data rings, and the GRPO example's, leave room past a pass's end (NOTE
+[ Data ring slots ] in knitkit/job/driver.py, NOTE [ Ring slots past a pass's end ] in
+examples/grpo/knit.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 from pathlib import Path
 
+import pytest
 from job_harness import controller, driver_config, join, trajectories, wait_for, wait_freed
 
-from knitkit.job import Pass, PassWork, RankCoords, RankHandle, RankSpec
+from knitkit.job import Driver, Pass, PassWork, RankCoords, RankHandle, RankSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from grpo.knit import DATA_RING_SLOTS, DEPTH
@@ -21,18 +24,33 @@ PASSES = (
 """Two passes over rollout fields only: the second is served as soon as the first is."""
 
 
-def test_the_next_pass_arrives_while_the_pass_end_thread_has_not_closed_the_last() -> None:
-    """With the example's prefetch depth and ring slots, a rank whose pass-end thread has not
-    yet closed a finished pass's iterator (which still holds that pass's last two leases) gets
-    the next pass's first micro-batch all the same (with 2 slots it waits for that thread)."""
+def _default(config: type, name: str) -> int:
+    return next(f.default for f in dataclasses.fields(config) if f.name == name)
+
+
+SETTINGS = {
+    "example": (DEPTH, DATA_RING_SLOTS),
+    "defaults": (_default(RankHandle.Config, "depth"), _default(Driver.Config, "num_slots")),
+}
+"""(prefetch depth, data ring slots): the example's, and the rank's and the driver's defaults."""
+
+
+@pytest.mark.parametrize("settings", SETTINGS.values(), ids=SETTINGS.keys())
+def test_the_next_pass_arrives_while_the_pass_end_thread_has_not_closed_the_last(
+    settings: tuple[int, int],
+) -> None:
+    """With these prefetch depth and ring slots, a rank whose pass-end thread has not yet closed
+    a finished pass's iterator (which still holds that pass's last two leases) gets the next
+    pass's first micro-batch all the same (with 2 slots it waits for that thread)."""
+    depth, slots = settings
     data = trajectories(8, 2, seed=11)
-    config = driver_config(1, 1, 1, 1, passes=PASSES, num_slots=DATA_RING_SLOTS)
+    config = driver_config(1, 1, 1, 1, passes=PASSES, num_slots=slots)
     released, errors, firsts = threading.Event(), [], []
 
     def rank(spec: RankSpec) -> None:
-        settings = RankHandle.Config(depth=DEPTH, next_timeout_s=20.0)
+        prefetch = RankHandle.Config(depth=depth, next_timeout_s=20.0)
         try:
-            with RankHandle(spec, RankCoords(0, 0, 0, 0, encoder_rank=0), settings) as handle:
+            with RankHandle(spec, RankCoords(0, 0, 0, 0, encoder_rank=0), prefetch) as handle:
                 for work in handle.passes():
                     with work:
                         if work.pass_.name == "ref":  # old's end is stalled (below)
