@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -40,3 +41,11 @@ def published_ring(spec: RingSpec) -> Iterator[RingParts]:
         publisher.close()
         owner.close()
         owner.unlink()
+
+
+def until_producer_waits(ring: SlotRing, bound_s: float = BOUND_S) -> None:
+    """Poll until ``ring``'s producer sleeps for a slot (a consumer holds the one it needs)."""
+    deadline = time.monotonic() + bound_s
+    while ring.producer_waits_on is None:
+        assert time.monotonic() < deadline, "the producer never waited for a slot"
+        time.sleep(0.01)

@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 from delivery_payloads import fill_backend, make_metas, plan_for
+from ring_parts import until_producer_waits
 
 from knitkit.storage.backends.shm import SharedMemoryBackend
 from knitkit.storage.delivery.consumer import MicroBatchConsumer
@@ -130,10 +131,7 @@ def test_a_paced_reorganizer_wakes_once_per_period_idle_and_on_a_full_ring() -> 
                 idle, idle_s = _wakes(pid) - before, time.monotonic() - start
                 reorganizer.submit("mb0", group)
                 held = consumer.next_micro_batch(timeout_s=WAIT_S)  # the ring's only slot
-                deadline = time.monotonic() + WAIT_S
-                while reorganizer.ring.producer_waits_on is None:  # blocked on the full ring
-                    assert time.monotonic() < deadline, "the producer never waited for a slot"
-                    time.sleep(0.01)
+                until_producer_waits(reorganizer.ring, WAIT_S)  # blocked on the full ring
                 before, start = _wakes(pid), time.monotonic()
                 time.sleep(window_s)  # the producer waits for the held slot all along
                 full, full_s = _wakes(pid) - before, time.monotonic() - start
