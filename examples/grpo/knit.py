@@ -46,20 +46,9 @@ WRITES = {"old": "old_logprobs", "ref": "ref_logprobs"}
 DEPTH = 2
 """Micro-batches each rank's prefetch stages ahead of the one its loop holds."""
 DATA_RING_SLOTS = DEPTH + 2
-"""Slots of each data ring (NOTE [ Ring slots past a pass's end ])."""
-
-# NOTE [ Ring slots past a pass's end ]: a rank gives its pass's last two leases back only when
-# its pass-end thread closes the pass's iterator (the last one the loop held; the one before
-# was retired after the prefetch thread had ended, so nothing released it), after the pass's
-# write-back records (NOTE [ Asynchronous pass ends ] in knitkit/job/completion.py). With the
-# driver's default of 2 slots per data ring, the reorganizer could publish nothing of the
-# next pass (reference after old, train, the next mini-batch's old) until then, and that
-# thread shares 2 cores and the GIL with the loop, which is encoding meanwhile: traced in
-# ``benchmarks/grpo_step.py --quick`` at b870bfe (load 17-21), the close ran 1-69 ms after the
-# pass's end and a later pass's first micro-batch waited for it (up to 88 ms on a step). With
-# ``DEPTH + 2`` slots the next pass's first ``DEPTH`` micro-batches are published while the
-# finished pass still holds its two (``DATA_RING_SLOTS``; a ring's memory is ``num_slots x
-# slot_bytes``: 4 MiB here).
+"""Slots of each data ring: room for the next pass's first ``DEPTH`` micro-batches while the
+finished pass still holds its last two leases (NOTE [ Data ring slots ] in
+knitkit/job/driver.py; 4 MiB of shared memory per ring here)."""
 
 
 @dataclass(slots=True)

@@ -71,11 +71,11 @@ _T = TypeVar("_T")
 # pass ends ] in completion.py). With 2 slots per data ring a reorganizer could publish
 # nothing of the next pass until then, and that thread shares the cores and the GIL with the
 # loop: traced in ``benchmarks/grpo_step.py --quick`` at b870bfe (load 17-21), the close ran
-# 1-69 ms after a pass's end and the next pass's first micro-batch waited for it (NOTE [ Ring
-# slots past a pass's end ] in examples/grpo/knit.py). So ``num_slots`` defaults to the ranks'
-# default prefetch depth + 2 (``PREFETCH_DEPTH``): the next pass's first ``depth`` micro-batches
-# are published while the finished pass still holds its two. A ring's memory is ``num_slots x
-# slot_bytes`` of shared memory (touched only as far as micro-batches fill each slot).
+# 1-69 ms after a pass's end and the next pass's first micro-batch waited for it (up to 88 ms
+# on a step). So ``num_slots`` defaults to the ranks' default prefetch depth + 2
+# (``PREFETCH_DEPTH``): the next pass's first ``depth`` micro-batches are published while the
+# finished pass still holds its two. A ring's memory is ``num_slots x slot_bytes`` of shared
+# memory (touched only as far as micro-batches fill each slot).
 
 
 class Driver:

@@ -1,6 +1,5 @@
 """The driver's default data rings, and the GRPO example's, leave room past a pass's end (NOTE
-[ Data ring slots ] in knitkit/job/driver.py, NOTE [ Ring slots past a pass's end ] in
-examples/grpo/knit.py)."""
+[ Data ring slots ] in knitkit/job/driver.py)."""
 
 from __future__ import annotations
 
