@@ -294,11 +294,10 @@ class Prefetcher:
                     self.in_source = False
                 fetched = time.perf_counter()
                 with self.lock:
-                    if self.stop:
-                        _release(plan_staging(item))
+                    record = self._stage_unless_stopped(index, item, start, fetched)
+                    if record is None:
                         return
                     # Queued under ``lock``: teardown drains (and releases) every record.
-                    record = self._stage(index, item, fetched, fetch_s=fetched - start)
                     if self.convert is not None:
                         record = self.convert(record)
                     self.ready.put(record)
@@ -403,11 +402,18 @@ class Prefetcher:
             self.in_source = False
         fetched = time.perf_counter()
         with self.lock:
-            if self.stop:
-                _release(plan_staging(item))
-                return None
-            self.held = record = self._stage(index, item, fetched, fetch_s=fetched - start)
+            self.held = record = self._stage_unless_stopped(index, item, start, fetched)
         return record
+
+    def _stage_unless_stopped(
+        self, index: int, item: SourceItem, start: float, fetched: float
+    ) -> Staged | None:
+        """Under ``lock``: ``item``, pulled from ``start`` to ``fetched``, staged as micro-batch
+        ``index``; or released, and None, once stopped (the teardown may already have run)."""
+        if self.stop:
+            _release(plan_staging(item))
+            return None
+        return self._stage(index, item, fetched, fetch_s=fetched - start)
 
     def take(self, timeout_s: float) -> Staged | Failure | End:
         """Consumer side: the next record, in order; raises if the thread died without one, or
