@@ -75,7 +75,9 @@ _T = TypeVar("_T")
 # on a step). So ``num_slots`` defaults to the ranks' default prefetch depth + 2
 # (``PREFETCH_DEPTH``): the next pass's first ``depth`` micro-batches are published while the
 # finished pass still holds its two. A ring's memory is ``num_slots x slot_bytes`` of shared
-# memory (touched only as far as micro-batches fill each slot).
+# memory (touched only as far as micro-batches fill each slot). A rank whose passes run
+# inline (CPU, no ``convert``: NOTE [ Passes inline ] in rank.py) gives its one last lease back
+# at ``done``.
 
 
 class Driver:

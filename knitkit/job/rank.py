@@ -123,7 +123,11 @@ class RankHandle:
         self._convert = convert
         self._threads = PrefetchThreads()
         """Every pass's prefetch thread (NOTE [ One prefetch thread per rank ] in
-        knitkit/microbatch_iter/worker.py)."""
+        knitkit/microbatch_iter/worker.py), where a pass's iterator has one."""
+        self._inline = convert is None and _cuda_device(device) is None
+        """Whether each pass's iterator hands out on the loop's thread, with no prefetch thread
+        (CPU, no ``convert``: NOTE [ Inline hand-out ] in knitkit/microbatch_iter/worker.py):
+        closing it then only releases the lease the loop holds (NOTE [ Passes inline ])."""
         self.writer = coords.is_writer(spec)
         self._plans: dict[str, MiniBatchPlan] = {}
         self._pass_plans: dict[str, MiniBatchPlan] = {}
@@ -520,6 +524,25 @@ class RankHandle:
     #   per mini-batch ]), instead of the loop waiting for them when it asks. A pass started
     #   ahead does not: its units may not be served before the current pass's write-backs are
     #   in, which the same thread publishes.
+    # NOTE [ Passes inline ]: on CPU, a rank without ``convert`` iterates each pass inline
+    # (NOTE [ Inline hand-out ] in knitkit/microbatch_iter/worker.py): ``PassTake`` has
+    # ``next_lease``, which runs its checks (the lease's pass, the gate ``after``, the driver's
+    # failure or death, ``drained``) with the ring's wait bounded by the iterator's
+    # ``next_timeout_s``, so ``next()`` takes the lease on the loop's thread and no prefetch
+    # thread starts. The look-ahead is the ring's: the reorganizer publishes the next pass's
+    # first micro-batches into free slots as soon as the pass is served (NOTE [ Data ring
+    # slots ] in driver.py); nothing takes them before the loop asks. A pass's iterator then
+    # holds one lease, the loop's last, and ``done`` closes it at once on the loop's thread
+    # (releasing that lease, no thread to join) instead of queueing the close on the pass-end
+    # thread behind the pass's write-backs. The pass-end thread keeps what overlaps the loop:
+    # write-back and ``done`` records, routes, encoder inputs, the schedule's next record.
+    # A rank with ``convert`` keeps the prefetch thread, which converts ahead of the loop
+    # (``MegatronRank``): moved onto the loop's thread (inline, converted in
+    # ``data_iterator``), GRPO's conversion (~0.34 ms) and hand-out (~0.26 ms) per micro-batch
+    # land in the loop's wait: ``benchmarks/grpo_step.py --quick``, 3 pairs against 058d322
+    # (load 4.5-15): exposed wait, slowest rank, 3.1 -> 8.5, 2.8 -> 11.2, 13.1 -> 13.5 ms (mean
+    # rank 1.7 -> 6.6, 1.5 -> 8.1, 5.5 -> 9.2) for ~200 fewer thread wakes per step, its CPU
+    # within the noise.
     def iterate(self, work: PassWork) -> tuple[MicroBatchIterator, Taken]:
         """A prefetch iterator over exactly ``work``'s micro-batches of the data ring."""
         take = self._take(
@@ -613,6 +636,9 @@ class RankHandle:
                 if name != _H2D:  # complete once the iterator is closed
                     self._totals[name] += figures[name]
             self._end_encoder(work)
+            if self._inline:  # its last lease back now (NOTE [ Passes inline ])
+                self._close_iterator(iterator)
+                return
             self._ends.post(  # every lease is taken: closing releases the last one, joins
                 f"closing pass {work.pass_.name!r} of {work.minibatch_id!r}",
                 lambda: self._close_iterator(iterator),

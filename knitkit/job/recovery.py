@@ -180,12 +180,16 @@ class FollowingConsumer:
             raise ValueError(f"take({count}): the count must be >= 0")
         return Take(self, count)
 
-    def next_micro_batch(self, *, cancel: threading.Event) -> PackedMicroBatch:
+    def next_micro_batch(
+        self, timeout_s: float | None = None, *, cancel: threading.Event
+    ) -> PackedMicroBatch:
         """The next micro-batch not handed out before; moves to the successor ring when the
-        reorganizer died (``StopIteration`` when the producer is done)."""
+        reorganizer died (``StopIteration`` when the producer is done). With ``timeout_s``, a
+        ring that publishes nothing new for that long raises ``TimeoutError`` (default: the
+        consumer's ``wait_timeout_s``)."""
         while True:
             try:
-                lease = self.consumer.next_micro_batch(cancel=cancel)
+                lease = self.consumer.next_micro_batch(timeout_s, cancel=cancel)
             except ReorganizerDiedError as died:
                 if self.generation >= self.restarts:
                     raise

@@ -7,6 +7,7 @@ import math
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from knitkit.job.errors import DriverDiedError, DriverFailedError, JobError
 from knitkit.job.pool import untagged
@@ -55,7 +56,7 @@ class DriverWatch:
 
     def take(
         self,
-        source: LeaseSource,
+        source: TimedLeaseSource,
         count: int,
         expect: str,
         *,
@@ -151,15 +152,26 @@ class Gate:
             self._cond.notify_all()
 
 
+class TimedLeaseSource(LeaseSource, Protocol):
+    """A ``LeaseSource`` whose wait takes a bound (``FollowingConsumer``, ``MicroBatchConsumer``)."""
+
+    def next_micro_batch(
+        self, timeout_s: float | None = None, *, cancel: threading.Event
+    ) -> PackedMicroBatch: ...
+
+
 class PassTake(Take):
     """Exactly ``count`` leases of one submitted assignment from a rank's ring: each checked to
     carry its ``pass_id``; the driver's failure or death raised as the rank's named error. With
     ``after``, nothing is taken before that gate opens (the previous pass's leases are all
-    taken); ``drained`` opens once the last lease is taken."""
+    taken); ``drained`` opens once the last lease is taken. ``next_lease`` runs the same checks
+    with a bound on the ring's wait: a CPU iterator over it hands out on the training loop's
+    thread, with no prefetch thread (NOTE [ Inline hand-out ] in
+    knitkit/microbatch_iter/worker.py)."""
 
     def __init__(
         self,
-        source: LeaseSource,
+        source: TimedLeaseSource,
         count: int,
         *,
         expect: str,
@@ -182,6 +194,18 @@ class PassTake(Take):
             self._after.wake()
 
     def __next__(self) -> PackedMicroBatch:
+        return self._checked(None)
+
+    def next_lease(self, timeout_s: float) -> PackedMicroBatch:
+        """``next()``, the ring's wait bounded by ``timeout_s`` (then ``TimeoutError``)."""
+        return self._checked(timeout_s)
+
+    def _lease(self, timeout_s: float | None) -> PackedMicroBatch:
+        return self._source.next_micro_batch(timeout_s, cancel=self._cancel)
+
+    def _checked(self, timeout_s: float | None) -> PackedMicroBatch:
+        """The next lease, checked to be the pass's (``timeout_s``: the ring's wait, default
+        the consumer's ``wait_timeout_s``)."""
         if self.taken < self.count:
             self._watch.raise_failure()
             if self._after is not None and not self._after.wait(lambda: self._stopped):
@@ -189,7 +213,7 @@ class PassTake(Take):
                 raise StopIteration
         try:
             with self._watch.gated(self.taken == 0):
-                lease = super().__next__()
+                lease = self._next(timeout_s)
         except (StopIteration, InterruptedError):
             if self.taken < self.count:  # interrupted by the watch, or by its owner
                 self._watch.raise_failure()
