@@ -87,7 +87,8 @@ class RankHandle:
         depth: int = PREFETCH_DEPTH
         """Micro-batches staged ahead of the one the training loop holds (a deeper prefetch
         wants ``Driver.Config.num_slots`` of at least ``depth + 2``: NOTE [ Data ring slots ]
-        in driver.py)."""
+        in driver.py); a pass handed out inline reads ahead only as far as its ring (NOTE
+        [ Passes inline ])."""
         slot_nbytes: int = 0
         """Bytes each staging slot gets at start-up (size it to the token budget)."""
         next_timeout_s: float = 600.0
