@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from grpo.clock import StepClock
 from grpo.config import GRPOConfig
-from grpo.loss import token_weights
+from grpo.loss import sequence_weights
 from grpo.resume import Checkpointing
 from grpo.rollout import Group, RolloutStandIn, generate_group, parse_trajectory_id
 from grpo.train import Dedup, StepRecord, Trainer, figure_names
@@ -20,6 +20,7 @@ from knitkit.integration.megatron import (
     DedupVLMStep,
     MegatronLayout,
     MegatronRank,
+    PackedShapes,
     megatron_batch,
 )
 from knitkit.integration.sglang import PayloadConfig, RolloutWriter
@@ -99,13 +100,18 @@ def build_driver(run: GRPOConfig, layout: MegatronLayout, **runtime: Any) -> Dri
     ).build(admission=admission, **runtime)
 
 
-def grpo_batch(micro_batch: MicroBatch, *, sequences: int) -> dict[str, object]:
+def grpo_batch(
+    micro_batch: MicroBatch, *, sequences: int, shapes: PackedShapes | None = None
+) -> dict[str, object]:
     """``megatron_batch`` (block-causal mask: megatron's local attention, CP = 1) plus GRPO's
-    per-token ``weights`` for a mini-batch of ``sequences`` trajectories."""
-    batch = megatron_batch(micro_batch, attention_mask=True)
-    padded = micro_batch["cu_seqlens_padded"].long()
+    per-token ``weights`` for a mini-batch of ``sequences`` trajectories; ``shapes``: the rank's
+    cache of micro-batch layouts (NOTE [ Conversion by layout ])."""
+    shapes = shapes or PackedShapes()
+    batch = megatron_batch(micro_batch, attention_mask=True, shapes=shapes)
+    shape = shapes.get(micro_batch, attention_mask=True)
     loss_mask = batch["loss_mask"][0]
-    batch["weights"] = token_weights(loss_mask, padded[1:] - padded[:-1], sequences)[None]
+    weights = sequence_weights(loss_mask, shape.owner, shape.num_sequences, sequences)
+    batch["weights"] = weights.unsqueeze(0)
     return batch
 
 
@@ -148,10 +154,12 @@ def knitkit_loop(
     try:
         if spec is None:
             spec = broadcast_rank_spec(driver.rank_spec() if driver else None, src=0)
+        shapes = PackedShapes()  # one cache for grpo_batch and the rank's scalar fields
         handle = MegatronRank.from_parallel_state(
             spec,
-            to_batch=functools.partial(grpo_batch, sequences=run.minibatch_size),
+            to_batch=functools.partial(grpo_batch, sequences=run.minibatch_size, shapes=shapes),
             config=RankHandle.Config(depth=DEPTH),
+            shapes=shapes,
         )
         try:
             history = _steps(

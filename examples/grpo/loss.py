@@ -37,9 +37,16 @@ def token_weights(loss_mask: torch.Tensor, lengths: torch.Tensor, sequences: int
     included); ``|o_i|`` is sequence i's count of trained tokens and ``G`` the mini-batch's
     number of sequences (``sequences``), so the weights of the whole mini-batch sum to 1.
     """
-    device = loss_mask.device
-    owner = segment_ids(lengths.to(device), loss_mask.shape[0])
-    counts = torch.zeros(len(lengths), dtype=loss_mask.dtype, device=device)
+    owner = segment_ids(lengths.to(loss_mask.device), loss_mask.shape[0])
+    return sequence_weights(loss_mask, owner, len(lengths), sequences)
+
+
+def sequence_weights(
+    loss_mask: torch.Tensor, owner: torch.Tensor, num_sequences: int, sequences: int
+) -> torch.Tensor:
+    """``token_weights`` of tokens whose sequences (``0 .. num_sequences - 1``) are ``owner``
+    (``[T]``, e.g. a packed micro-batch's cached ``PackedShape.owner``)."""
+    counts = torch.zeros(num_sequences, dtype=loss_mask.dtype, device=loss_mask.device)
     counts.index_add_(0, owner, loss_mask)
     return loss_mask / (counts.clamp(min=1).index_select(0, owner) * sequences)
 

@@ -3,6 +3,8 @@
 from knitkit.encoder_dedup import feature_slices
 from knitkit.integration.megatron.batch import (
     Batch,
+    PackedShape,
+    PackedShapes,
     block_causal_mask,
     megatron_batch,
     megatron_batches,
@@ -53,6 +55,8 @@ __all__ = [
     "MegatronLayout",
     "MegatronPass",
     "MegatronRank",
+    "PackedShape",
+    "PackedShapes",
     "PipelineStage",
     "RoutingReplay",
     "StepRefused",

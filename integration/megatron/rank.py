@@ -11,11 +11,7 @@ import torch
 import torch.distributed as dist
 
 from knitkit.encoder_dedup import RankRoute
-from knitkit.integration.megatron.batch import (
-    megatron_batch,
-    megatron_batches,
-    token_sequence_ids,
-)
+from knitkit.integration.megatron.batch import PackedShapes, megatron_batch, megatron_batches
 from knitkit.integration.megatron.device import current_device
 from knitkit.integration.megatron.mrope import MROPE_FIELD
 from knitkit.integration.megatron.routing import ROUTING_FIELD
@@ -48,12 +44,13 @@ class MegatronRank:
         layout: MegatronLayout,
         to_batch: ToBatch,
         routing: RoutingReplay | None = None,
+        shapes: PackedShapes | None = None,
     ) -> None:
         self.handle = handle
         self.layout = layout
         self.routing = routing
         """MoE routing replay of the policy model, if any (``MegatronPass.forward_step``)."""
-        self._to_batch = to_batch
+        self._convert = _PassBatch(to_batch, layout, handle.spec.pipeline, shapes or PackedShapes())
 
     @classmethod
     def from_parallel_state(
@@ -64,6 +61,7 @@ class MegatronRank:
         config: RankHandle.Config | None = None,
         sequence_parallel: bool = False,
         routing: RoutingReplay | None = None,
+        shapes: PackedShapes | None = None,
     ) -> MegatronRank:
         """Attach this rank to the job (a collective: every rank of the world calls it).
 
@@ -73,7 +71,9 @@ class MegatronRank:
         (TP-sharded when ``spec.encoders[0].tp > 1``). ``to_batch`` defaults to
         ``megatron_batch`` at the layout's CP size. ``ValueError`` names any mismatch between
         the driver's spec and megatron's layout. ``routing`` replays MoE routing in every pass
-        (``MegatronPass.forward_step``).
+        (``MegatronPass.forward_step``). ``shapes``: the cache of micro-batch layouts the
+        rank's conversion keeps (NOTE [ Conversion by layout ]); give the one ``to_batch`` uses
+        to share it.
         """
         from megatron.core import parallel_state as ps
 
@@ -107,12 +107,14 @@ class MegatronRank:
         route = None
         if spec.encoders:
             route = functools.partial(layout.route, encoder=spec.encoders[0].name)
-        batch = to_batch or functools.partial(megatron_batch, cp_size=layout.topology.cp)
-        convert = _PassBatch(batch, layout, spec.pipeline)  # on the prefetch thread
+        shapes = shapes or PackedShapes()
+        cp = layout.topology.cp
+        batch = to_batch or functools.partial(megatron_batch, cp_size=cp, shapes=shapes)
+        convert = _PassBatch(batch, layout, spec.pipeline, shapes)  # on the prefetch thread
         handle = RankHandle(
             spec, coords, config, device=current_device(), route=route, convert=convert
         )
-        return cls(handle, layout, batch, routing)
+        return cls(handle, layout, batch, routing, shapes)
 
     def passes(self) -> Iterator[MegatronPass]:
         """Every pass the driver serves, in order, until it finishes."""
@@ -140,7 +142,7 @@ class MegatronRank:
         """``to_batch(micro_batch)`` plus every other field the pass reads: per-token fields
         ``[1, T, ...]`` under their own names, scalar fields spread over each sequence's local
         tokens (padding included) as ``[1, T, ...]``."""
-        return _PassBatch(self._to_batch, self.layout, self.handle.spec.pipeline)(work, micro_batch)
+        return self._convert(work, micro_batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +153,7 @@ class _PassBatch:
     to_batch: ToBatch
     layout: MegatronLayout
     pipeline: int
+    shapes: PackedShapes
 
     def __call__(self, work: PassWork, micro_batch: MicroBatch) -> Mapping[str, object]:
         batch = dict(self.to_batch(micro_batch))
@@ -158,15 +161,14 @@ class _PassBatch:
         scalars = (
             set(work.consumer.micro_batches[0].scalar_fields) if work.num_micro_batches else set()
         )
-        owner: torch.Tensor | None = None  # each local token's sequence, built once
+        owner: torch.Tensor | None = None  # each local token's sequence, built once per layout
         for name in work.pass_.reads:
             if name in batch or name in _CONSUMED:
                 continue
             value = micro_batch[name]
             if name in scalars:
                 if owner is None:
-                    owner = token_sequence_ids(micro_batch, self.layout.topology.cp)
-                    owner = owner.to(value.device)
+                    owner = self.shapes.get(micro_batch, self.layout.topology.cp).owner
                 value = value.index_select(0, owner)
             batch[name] = (value.clone() if clone else value)[None]
         return batch

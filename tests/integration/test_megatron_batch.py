@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from knitkit.integration.megatron import (
+    PackedShapes,
     block_causal_mask,
     megatron_batch,
     megatron_batches,
@@ -31,18 +33,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 LENGTHS = {"a": 5, "b": 3, "c": 4}
 
 
-def _micro_batches(topology: Topology, fields: tuple[str, ...] = ("tokens",)) -> list[MicroBatch]:
+def _micro_batches(
+    topology: Topology,
+    fields: tuple[str, ...] = ("tokens",),
+    lengths: dict[str, int] = LENGTHS,
+) -> list[MicroBatch]:
     store = TrajectoryStore(MemoryBackend())
-    for name, length in LENGTHS.items():
+    for name, length in lengths.items():
         tokens = np.arange(10, 10 + length, dtype=np.int64)
         per_token = {"tokens": tokens, "labels": tokens + 100}
         store.write(Trajectory(name, name, {f: per_token[f] for f in ("tokens", "labels")}))
     plan = plan_minibatch(
-        store.metas(list(LENGTHS)), topology, PlannerConfig(token_fields=fields, scalar_fields=())
+        store.metas(list(lengths)), topology, PlannerConfig(token_fields=fields, scalar_fields=())
     )
     consumer = plan.consumer(0, 0)
     packed = [
-        PackedMicroBatch(*pack(mb, store.schema("a"), store.read_into))
+        PackedMicroBatch(*pack(mb, store.schema(next(iter(lengths))), store.read_into))
         for mb in consumer.micro_batches
     ]
     with MicroBatchIterator(packed) as iterator:
@@ -161,3 +167,81 @@ def test_per_micro_batch_conversions_stay_off_the_intra_op_pool() -> None:
     mask = batch["attention_mask"][0, 0]  # type: ignore[index]
     causal = torch.ones(mask.shape, dtype=torch.bool).triu(1)
     assert torch.equal(mask, causal | (owner[:, None] != owner[None, :]))
+
+
+def _python_calls(run: Callable[[], object]) -> int:
+    """Python frames entered (generator resumptions included) while ``run`` runs."""
+    calls = 0
+
+    def count(frame: object, event: str, arg: object) -> None:
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_conversion_runs_no_python_per_sequence() -> None:
+    """``megatron_batch`` enters as many Python frames for a micro-batch of 12 sequences as for
+    one of 3: what it takes from the layout is built vectorised from the padded lengths (NOTE
+    [ Conversion by layout ])."""
+    (few,) = _micro_batches(Topology(dp=1), ("tokens", "labels"))
+    many_lengths = {f"s{i}": 2 + i % 5 for i in range(12)}
+    (many,) = _micro_batches(Topology(dp=1), ("tokens", "labels"), many_lengths)
+    assert len(many.layout.cu_seqlens_padded) == 13
+    megatron_batch(few, attention_mask=True)  # imports megatron's PackedSeqParams
+    calls = [
+        _python_calls(lambda mb=mb: megatron_batch(mb, attention_mask=True)) for mb in (few, many)
+    ]
+    assert calls[0] == calls[1], calls
+
+
+def test_a_repeated_layout_is_converted_from_its_cached_shape() -> None:
+    """A micro-batch whose layout the rank converted before builds nothing of the layout again
+    (no op over ``T x T`` elements, ``PackedShapes.built`` stays 1, fewer torch ops) and
+    converts to what an uncached conversion gives."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    (micro_batch,) = _micro_batches(Topology(dp=1), ("tokens", "labels"))
+    total = micro_batch["tokens"].shape[0]
+    shapes = PackedShapes()
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sizes: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            self.sizes.append(out.numel() if isinstance(out, torch.Tensor) else 0)
+            return out
+
+    runs = []
+    for _ in range(2):
+        with Ops() as ops:
+            batch = megatron_batch(micro_batch, attention_mask=True, shapes=shapes)
+        runs.append(ops.sizes)
+    assert max(runs[0]) == total * total and max(runs[1]) < total * total, runs
+    assert len(runs[1]) < len(runs[0]) and shapes.built == 1, (runs, shapes.built)
+    fresh = megatron_batch(micro_batch, attention_mask=True)
+    assert batch.keys() == fresh.keys()
+    for key, value in fresh.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(batch[key], value), key  # type: ignore[arg-type]
+    assert batch["packed_seq_params"] == fresh["packed_seq_params"]
+
+
+def test_packed_shapes_keep_at_most_max_bytes() -> None:
+    """``PackedShapes`` drops its oldest layouts past ``max_bytes``: converting the first layout
+    again after a second that did not fit beside it builds it again."""
+    (first,) = _micro_batches(Topology(dp=1), ("tokens", "labels"))
+    (second,) = _micro_batches(Topology(dp=1), ("tokens", "labels"), {"x": 7, "y": 2})
+    one = PackedShapes().get(first, attention_mask=True).nbytes()
+    shapes = PackedShapes(max_bytes=one)
+    for micro_batch in (first, first, second, first):
+        shapes.get(micro_batch, attention_mask=True)
+    assert shapes.built == 3
