@@ -543,7 +543,11 @@ class RankHandle:
     # land in the loop's wait: ``benchmarks/grpo_step.py --quick``, 3 pairs against 058d322
     # (load 4.5-15): exposed wait, slowest rank, 3.1 -> 8.5, 2.8 -> 11.2, 13.1 -> 13.5 ms (mean
     # rank 1.7 -> 6.6, 1.5 -> 8.1, 5.5 -> 9.2) for ~200 fewer thread wakes per step, its CPU
-    # within the noise.
+    # within the noise. Re-decided with the conversion cut to 21 torch ops for a layout seen
+    # before (NOTE [ Conversion by layout ] in integration/megatron/batch.py): thread against
+    # inline, 6 back-to-back pairs (load 20-30), medians: mean rank's exposed wait 4.0 -> 6.8 ms
+    # (higher inline in 5 of 6 pairs), ``batch`` 3.3 -> 6.5 ms, slowest rank 11.1 -> 11.3 ms,
+    # CPU 0.590 -> 0.579 s per step: inline still raises the wait, so the thread stays.
     def iterate(self, work: PassWork) -> tuple[MicroBatchIterator, Taken]:
         """A prefetch iterator over exactly ``work``'s micro-batches of the data ring."""
         take = self._take(
