@@ -965,15 +965,18 @@ class _Knitkit:
         return {name: r.pid or 0 for name, r in self.reorganizers.items()}
 
     def submit(self, phase: Phase, step: int) -> None:
+        """Plan ``step`` and queue it, in the order the ranks consume it: the encoder ranks'
+        micro-batches first (TP0/CP0 takes its encoder rank's before any backbone one, and its
+        group's ring stalls its TP peer until it does), then every group's."""
         if step >= len(self.work.plans):
             return
         plan = self.work.plan(step, f"{phase.name}.{step}")
+        for rank_plan in plan.encoder(ENCODER.name).ranks:
+            self.reorganizers[f"vision{rank_plan.dp_rank}"].submit(plan.minibatch_id, rank_plan)
         for consumer in plan.consumers:
             self.reorganizers[f"dp{consumer.dp_rank}cp{consumer.cp_rank}"].submit(
                 plan.minibatch_id, consumer
             )
-        for rank_plan in plan.encoder(ENCODER.name).ranks:
-            self.reorganizers[f"vision{rank_plan.dp_rank}"].submit(plan.minibatch_id, rank_plan)
 
     def close(self) -> None:
         for name, reorganizer in self.reorganizers.items():
