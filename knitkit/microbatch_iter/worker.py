@@ -155,6 +155,17 @@ from knitkit.types import MicroBatchLayout, PackedMicroBatch
 # (At 62f8166, before the futex waits and the cuts in decode and views, a scratch driver had
 # found the same CPU on either thread.)
 
+# NOTE [ Slot tensors kept ]
+# An inline hand-out (NOTE [ Inline hand-out ]) takes leases whose private view is the first
+# bytes of its slot's own exporter (``LeasesInline``; NOTE [ One exporter per slot ] in
+# knitkit/storage/delivery/consumer.py), so the slot is known by that object: its first hand-out
+# makes one flat tensor over the whole slot, and its ``ViewCache`` keeps that tensor's dtype views
+# for every later occupant, whatever its size. Each hand-out then cuts the micro-batch's flat
+# tensor and field views from them, with no ``torch.frombuffer`` and no dtype views made again
+# when a micro-batch is larger than the slot's last one (packed token counts vary: every other
+# one of transfer.py's was). Right after compute, the first torch call of a hand-out costs
+# ~30 us and each later one ~5 (thread time, 2-core dev box, issue 31).
+
 _NO_OVERRIDES: Mapping[str, torch.dtype] = MappingProxyType({})
 """A lease's fields keep their layout dtypes."""
 _NO_BYTES = torch.empty(0, dtype=torch.uint8)
@@ -238,6 +249,9 @@ class Prefetcher:
         self._private_views: dict[int, ViewCache] = {}
         """Field views over the private views of a source's slots, by address (NOTE [ Reused
         field views ]); cleared at teardown, before the source is closed."""
+        self._slots: dict[int, tuple[object, torch.Tensor, ViewCache]] = {}
+        """id of a slot's exporter -> it, a flat tensor over it, its views (NOTE [ Slot tensors
+        kept ]); cleared at teardown, before the source is closed."""
         self.stop = False
         """Set once by ``request_stop`` (a plain flag, read per micro-batch without a call: an
         Event's ``is_set`` is a Python frame, and nothing waits on it)."""
@@ -326,8 +340,11 @@ class Prefetcher:
         self.stop = True
         self.credits.put(None)
 
-    def _stage(self, index: int, item: SourceItem, start: float, *, fetch_s: float) -> Staged:
-        """``item`` staged, from ``start`` (``perf_counter()`` when it was fetched)."""
+    def _stage(
+        self, index: int, item: SourceItem, start: float, *, fetch_s: float, slots: bool = False
+    ) -> Staged:
+        """``item`` staged, from ``start`` (``perf_counter()`` when it was fetched); ``slots``:
+        its private view starts at its exporter's first byte (NOTE [ Slot tensors kept ])."""
         if (
             isinstance(item, PackedMicroBatch)
             and item.private is not None
@@ -336,21 +353,19 @@ class Prefetcher:
             # See NOTE [ Zero-copy hand-off ]: no copy, the record releases the lease later.
             # private() is the lease's own view (a source may book it for the release's drop
             # of written pages): ask every lease, cached views or not (NOTE [ Reused field
-            # views ]); only its address picks the cached views.
+            # views ]); only its address (or its slot's exporter) picks the cached views.
             layout = item.layout
             check_layout(layout)
             private = item.private()
-            # one torch call over the buffer (np.frombuffer, its address and from_numpy: 4x that)
-            flat = torch.frombuffer(private, dtype=torch.uint8) if layout.nbytes else _NO_BYTES
-            address = flat.data_ptr()
-            views = self._private_views.get(address)
-            if views is None:
-                if len(self._private_views) >= _PRIVATE_VIEW_SLOTS:
-                    self._private_views.clear()  # not a ring's few slots: bound what is held
-                views = self._private_views[address] = ViewCache()
+            if slots and layout.nbytes:
+                base, views = self._slot_tensors(private)  # type: ignore[arg-type]
+            else:
+                # one torch call over the buffer (np.frombuffer, its address and from_numpy: 4x)
+                base = torch.frombuffer(private, dtype=torch.uint8) if layout.nbytes else _NO_BYTES
+                views = self._views_at(base.data_ptr())
             cached = views.get(layout, _NO_OVERRIDES)
             if cached is None:
-                cached = views.put(flat, layout, _NO_OVERRIDES)
+                cached = views.put(base, layout, _NO_OVERRIDES)
             stage_s = time.perf_counter() - start
             return Staged(index, None, layout, *cached, fetch_s, stage_s, item.release)
         plan = plan_staging(item)
@@ -380,6 +395,27 @@ class Prefetcher:
         # The record keeps no reference to the source's buffer: its slot may be reused now.
         return Staged(index, slot.index, layout, *cached, fetch_s, stage_s)
 
+    def _views_at(self, address: int) -> ViewCache:
+        """The cached views of the private view at ``address`` (NOTE [ Reused field views ])."""
+        views = self._private_views.get(address)
+        if views is None:
+            if len(self._private_views) >= _PRIVATE_VIEW_SLOTS:
+                self._private_views.clear()  # not a ring's few slots: bound what is held
+            views = self._private_views[address] = ViewCache()
+        return views
+
+    def _slot_tensors(self, private: memoryview) -> tuple[torch.Tensor, ViewCache]:
+        """The flat tensor over the whole slot ``private`` starts (its exporter) and the slot's
+        cached views, made at the slot's first hand-out (NOTE [ Slot tensors kept ])."""
+        exporter = private.obj
+        kept = self._slots.get(id(exporter))
+        if kept is None or kept[0] is not exporter:
+            if len(self._slots) >= _PRIVATE_VIEW_SLOTS:
+                self._slots.clear()  # not a ring's few slots: bound what is held
+            whole = torch.frombuffer(exporter, dtype=torch.uint8)
+            kept = self._slots[id(exporter)] = (exporter, whole, ViewCache())
+        return kept[1], kept[2]
+
     def hand_out(self, index: int, source: LeasesInline, timeout_s: float) -> Staged | None:
         """Consumer side, with no prefetch thread (NOTE [ Inline hand-out ]): release the held
         micro-batch, take the next lease on this thread (waiting at most ``timeout_s``) and stage
@@ -402,18 +438,19 @@ class Prefetcher:
             self.in_source = False
         fetched = time.perf_counter()
         with self.lock:
-            self.held = record = self._stage_unless_stopped(index, item, start, fetched)
+            self.held = record = self._stage_unless_stopped(index, item, start, fetched, slots=True)
         return record
 
     def _stage_unless_stopped(
-        self, index: int, item: SourceItem, start: float, fetched: float
+        self, index: int, item: SourceItem, start: float, fetched: float, *, slots: bool = False
     ) -> Staged | None:
         """Under ``lock``: ``item``, pulled from ``start`` to ``fetched``, staged as micro-batch
-        ``index``; or released, and None, once stopped (the teardown may already have run)."""
+        ``index`` (``slots``: as ``_stage``); or released, and None, once stopped (the teardown
+        may already have run)."""
         if self.stop:
             _release(plan_staging(item))
             return None
-        return self._stage(index, item, fetched, fetch_s=fetched - start)
+        return self._stage(index, item, fetched, fetch_s=fetched - start, slots=slots)
 
     def take(self, timeout_s: float) -> Staged | Failure | End:
         """Consumer side: the next record, in order; raises if the thread died without one, or
@@ -518,6 +555,7 @@ class Prefetcher:
             self.transport.close()
             self.ring.clear()
             self._private_views.clear()
+            self._slots.clear()
             while not self.ready.empty():  # staged records hold views of the slots
                 record = self.ready.get_nowait()
                 if isinstance(record, Staged) and record.release is not None:

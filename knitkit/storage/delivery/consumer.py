@@ -91,10 +91,14 @@ class _Releases:
         self._early: set[int] = set()
         self._private: dict[int, int] = {}
         """seq -> bytes of the private views handed out (NOTE [ Zero-copy hand-off ])."""
+        self._slots: dict[int, tuple[memoryview, int]] = {}
+        """Slot index -> its whole private view, over an exporter of its own, and the address of
+        its first byte (NOTE [ One exporter per slot ])."""
 
     def private(self, seq: int, nbytes: int) -> tuple[memoryview, int]:
-        """Lease ``seq``'s bytes through this process's copy-on-write mapping: the view and the
-        address of its first byte."""
+        """Lease ``seq``'s bytes through this process's copy-on-write mapping: the view (the first
+        ``nbytes`` of its slot's exporter, NOTE [ One exporter per slot ]) and the address of its
+        first byte."""
         with self._lock:
             if self._closed:
                 raise ConsumerClosedError(
@@ -102,7 +106,12 @@ class _Releases:
                     "micro-batches can no longer be read"
                 )
             self._private[seq] = nbytes
-            return self._ring.private_slot_at(seq, nbytes)
+            slot = seq % self._ring.spec.num_slots
+            whole = self._slots.get(slot)
+            if whole is None:
+                view, address = self._ring.private_slot_at(seq, self._ring.spec.slot_bytes)
+                whole = self._slots[slot] = (np.frombuffer(view, np.uint8).data, address)
+            return whole[0][:nbytes], whole[1]
 
     def release(self, seq: int) -> None:
         with self._lock:
@@ -127,6 +136,7 @@ class _Releases:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            self._slots.clear()  # the mapping closes once no view handed out is left
 
 
 # NOTE [ Lease in few calls ]: a rank hands out a lease per micro-batch right after its compute,
@@ -150,6 +160,18 @@ class _Releases:
 # micro-batch (medians); transfer.py --quick's ranks 0.0312 -> 0.0307 CPU s/step (medians; the
 # ~12 fewer Python frames are ~1 ms of the ranks' ~17 ms data-path CPU per step, inside that
 # machine's run-to-run spread of 2-4 ms).
+
+
+# NOTE [ One exporter per slot ]: a lease's private view is the first ``nbytes`` of a view of its
+# whole slot whose exporter (``view.obj``, a numpy array over the slot's pages of the private
+# mapping) is made once per slot and consumer, so a CPU ``MicroBatchIterator`` taking leases
+# inline recognises the slot by that object and keeps one flat tensor over the whole slot, with
+# its dtype views, for the consumer's life: per hand-out it makes no tensor over the buffer
+# (``torch.frombuffer``, ~30 us right after compute), and a micro-batch larger than the slot's
+# last one does not make its dtype views again (NOTE [ Slot tensors kept ] in
+# knitkit/microbatch_iter/worker.py). Pages a loop wrote are still dropped at the release; the
+# next reads fault them back from the shared pages (the slot is populated once, at its first
+# use).
 
 
 class _SlotBytes:
