@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from call_count import python_calls
 
 from knitkit.integration.megatron import (
     PackedShapes,
@@ -169,22 +169,6 @@ def test_per_micro_batch_conversions_stay_off_the_intra_op_pool() -> None:
     assert torch.equal(mask, causal | (owner[:, None] != owner[None, :]))
 
 
-def _python_calls(run: Callable[[], object]) -> int:
-    """Python frames entered (generator resumptions included) while ``run`` runs."""
-    calls = 0
-
-    def count(frame: object, event: str, arg: object) -> None:
-        nonlocal calls
-        calls += event == "call"
-
-    sys.setprofile(count)
-    try:
-        run()
-    finally:
-        sys.setprofile(None)
-    return calls
-
-
 def test_conversion_runs_no_python_per_sequence() -> None:
     """``megatron_batch`` enters as many Python frames for a micro-batch of 12 sequences as for
     one of 3: what it takes from the layout is built vectorised from the padded lengths (NOTE
@@ -195,7 +179,7 @@ def test_conversion_runs_no_python_per_sequence() -> None:
     assert len(many.layout.cu_seqlens_padded) == 13
     megatron_batch(few, attention_mask=True)  # imports megatron's PackedSeqParams
     calls = [
-        _python_calls(lambda mb=mb: megatron_batch(mb, attention_mask=True)) for mb in (few, many)
+        python_calls(lambda mb=mb: megatron_batch(mb, attention_mask=True)) for mb in (few, many)
     ]
     assert calls[0] == calls[1], calls
 

@@ -4,11 +4,9 @@ calls that does not grow with the plan (NOTE [ Plans pickled as columns ])."""
 from __future__ import annotations
 
 import pickle
-import sys
-from types import FrameType
-from typing import Any
 
 import pytest
+from call_count import python_calls
 
 from knitkit.storage.planning.plan import (
     ConsumerPlan,
@@ -68,22 +66,6 @@ def test_assignments_come_back_equal(trajectories: int) -> None:
     assert pickle.loads(pickle.dumps(plan)) == plan
 
 
-def _python_calls(blob: bytes) -> int:
-    """Python frames entered while unpickling ``blob``."""
-    calls = 0
-
-    def count(frame: FrameType, event: str, arg: Any) -> None:
-        nonlocal calls
-        calls += event == "call"
-
-    sys.setprofile(count)
-    try:
-        pickle.loads(blob)
-    finally:
-        sys.setprofile(None)
-    return calls
-
-
 def test_unpickling_an_assignment_runs_no_python_per_object() -> None:
     """A reorganizer unpickles each assignment before its first copy: the Python frames it runs
     do not grow with the plan's sequences, references and micro-batches (dataclasses' pickling
@@ -97,7 +79,7 @@ def test_unpickling_an_assignment_runs_no_python_per_object() -> None:
     ranks = [pickle.dumps(p.encoder("vision").ranks[0]) for p in (small, large)]
     for blob in (*blobs, *ranks):  # first loads fill caches (imports, slot setters)
         pickle.loads(blob)
-    calls = [_python_calls(blob) for blob in blobs]
+    calls = [python_calls(lambda blob=blob: pickle.loads(blob)) for blob in blobs]
     assert calls[0] == calls[1] and calls[1] <= 20, calls
-    calls = [_python_calls(blob) for blob in ranks]
+    calls = [python_calls(lambda blob=blob: pickle.loads(blob)) for blob in ranks]
     assert calls[0] == calls[1] and calls[1] <= 10, calls
