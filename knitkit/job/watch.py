@@ -7,7 +7,6 @@ import math
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Protocol
 
 from knitkit.job.errors import DriverDiedError, DriverFailedError, JobError
 from knitkit.job.pool import untagged
@@ -56,7 +55,7 @@ class DriverWatch:
 
     def take(
         self,
-        source: TimedLeaseSource,
+        source: LeaseSource,
         count: int,
         expect: str,
         *,
@@ -152,14 +151,6 @@ class Gate:
             self._cond.notify_all()
 
 
-class TimedLeaseSource(LeaseSource, Protocol):
-    """A ``LeaseSource`` whose wait takes a bound (``FollowingConsumer``, ``MicroBatchConsumer``)."""
-
-    def next_micro_batch(
-        self, timeout_s: float | None = None, *, cancel: threading.Event
-    ) -> PackedMicroBatch: ...
-
-
 class PassTake(Take):
     """Exactly ``count`` leases of one submitted assignment from a rank's ring: each checked to
     carry its ``pass_id``; the driver's failure or death raised as the rank's named error. With
@@ -171,7 +162,7 @@ class PassTake(Take):
 
     def __init__(
         self,
-        source: TimedLeaseSource,
+        source: LeaseSource,
         count: int,
         *,
         expect: str,
@@ -199,9 +190,6 @@ class PassTake(Take):
     def next_lease(self, timeout_s: float) -> PackedMicroBatch:
         """``next()``, the ring's wait bounded by ``timeout_s`` (then ``TimeoutError``)."""
         return self._checked(timeout_s)
-
-    def _lease(self, timeout_s: float | None) -> PackedMicroBatch:
-        return self._source.next_micro_batch(timeout_s, cancel=self._cancel)
 
     def _checked(self, timeout_s: float | None) -> PackedMicroBatch:
         """The next lease, checked to be the pass's (``timeout_s``: the ring's wait, default

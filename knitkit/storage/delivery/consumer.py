@@ -670,7 +670,12 @@ class LeaseSource(Protocol):
     @property
     def name(self) -> str: ...
 
-    def next_micro_batch(self, *, cancel: threading.Event) -> PackedMicroBatch: ...
+    def next_micro_batch(
+        self, timeout_s: float | None = None, *, cancel: threading.Event
+    ) -> PackedMicroBatch:
+        """The next lease; a wait longer than ``timeout_s`` (default: the source's own bound)
+        raises ``TimeoutError``."""
+        ...
 
     def wake(self) -> None:
         """Make a ``next_micro_batch`` waiting in another thread look at its cancel event."""
@@ -707,8 +712,7 @@ class Take(Iterator[PackedMicroBatch]):
         return lease
 
     def _lease(self, timeout_s: float | None) -> PackedMicroBatch:
-        """A ``LeaseSource`` bounds its own waits."""
-        return self._consumer.next_micro_batch(cancel=self._cancel)
+        return self._consumer.next_micro_batch(timeout_s, cancel=self._cancel)
 
     def interrupt(self) -> None:
         """Make a ``next()`` waiting in another thread raise ``InterruptedError`` at once."""
@@ -727,13 +731,6 @@ class ConsumerTake(Take):
     hand-out ] in knitkit/microbatch_iter/worker.py). A subclass of ``Take`` that overrides
     ``__next__`` (a job's checked take) gets no ``next_lease``, so its checks always run."""
 
-    def __init__(self, consumer: MicroBatchConsumer, count: int) -> None:
-        super().__init__(consumer, count)
-        self._timed = consumer
-
     def next_lease(self, timeout_s: float) -> PackedMicroBatch:
         """``next()`` waiting at most ``timeout_s`` (then ``TimeoutError``)."""
         return self._next(timeout_s)
-
-    def _lease(self, timeout_s: float | None) -> PackedMicroBatch:
-        return self._timed.next_micro_batch(timeout_s, cancel=self._cancel)
