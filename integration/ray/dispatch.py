@@ -11,7 +11,7 @@ import ray
 from ray.actor import ActorHandle
 
 from knitkit.job.pool import ReorganizerDied, numbering, successor_ring, tagged, untagged
-from knitkit.job.spec import data_rings, group_name
+from knitkit.job.spec import PREFETCH_DEPTH, data_rings, group_name
 from knitkit.metrics import sum_over
 from knitkit.storage import (
     ConsumerPlan,
@@ -32,8 +32,10 @@ from .reorganizer import ReorganizerActor
 class RingConfig:
     """Size of every reorganizer's slot ring."""
 
-    num_slots: int = 2
-    """Look-ahead: micro-batches a reorganizer may publish before its consumers release them."""
+    num_slots: int = PREFETCH_DEPTH + 2
+    """Look-ahead: micro-batches a reorganizer may publish before its consumers release them;
+    as ``Driver.Config.num_slots``, at least the ranks' prefetch depth + 2 for a job's pool
+    (NOTE [ Data ring slots ] in knitkit/job/driver.py)."""
     slot_bytes: int = 64 << 20
     """Capacity of one slot: the largest packed micro-batch must fit."""
 

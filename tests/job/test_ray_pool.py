@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import fields
 
 import pytest
 from job_harness import (
@@ -17,7 +18,7 @@ from job_harness import (
     wait_freed,
 )
 
-from knitkit.job import ReorganizerFailedError
+from knitkit.job import Driver, ReorganizerFailedError
 from knitkit.storage import EncoderTopology, Topology, TrajectoryStore
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'knitkit[ray]')")
@@ -41,8 +42,17 @@ def _pool(backend: RayBackend) -> RayDispatcher:
         backend,
         Topology(dp=2),
         encoders=(EncoderTopology("vision", dp=1),),
-        ring=RingConfig(num_slots=2, slot_bytes=1 << 20),
+        ring=RingConfig(slot_bytes=1 << 20),  # the default slots, as a user's pool gets them
     )
+
+
+def test_ray_rings_default_to_the_slots_of_the_drivers_own_pool() -> None:
+    """A ``RayDispatcher`` pool built with ``RingConfig``'s defaults gives each ring as many slots
+    as the driver's own pool (the ranks' prefetch depth + 2): with fewer, a reorganizer
+    publishes nothing of the next pass while the finished pass still holds its last leases
+    (NOTE [ Data ring slots ] in knitkit/job/driver.py)."""
+    driver_default = {f.name: f.default for f in fields(Driver.Config)}["num_slots"]
+    assert RingConfig().num_slots == driver_default
 
 
 def test_ray_actors_serve_the_driver_like_processes(cluster: None) -> None:
