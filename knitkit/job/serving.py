@@ -281,18 +281,24 @@ class Scheduler:
         return "; ".join(parts)
 
     def _serve(self, step: _Serve) -> None:
-        """Queue the pass's assignments on its groups' reorganizers (one per pipeline stage) and,
-        with the mini-batch's first encoding pass to its first group, the encoder ranks'; then publish the mini-batch's schedule record
-        on its announcement (the plan travels with it; ranks restrict it themselves)."""
+        """Queue the pass's assignments: with the mini-batch's first encoding pass to its first
+        group, the encoder ranks' first, then its groups' (a reorganizer per pipeline stage);
+        then publish the mini-batch's schedule record on its announcement (the plan travels with
+        it; ranks restrict it themselves).
+
+        Encoders first because a rank takes its encoder inputs before its first backbone
+        micro-batch (the encoder forward feeds them): submitted last, the encoder reorganizers
+        woke behind the groups' compiling and copying on shared cores (benchmarks/transfer.py,
+        issue 31: the encoder micro-batch reached TP0/CP0 4-6 ms sooner in 3 of 3 pairs)."""
         core, ledger = self.core, step.ledger
         tag = pass_id(ledger.minibatch_id, step.pass_.name)
-        for consumer in step.plan.stage_consumers(core.pipeline):  # a ring per (DP, CP, stage)
-            if group_name(consumer.dp_rank, consumer.cp_rank) in step.groups:
-                core.pool.submit(consumer.name, tag, consumer)
         if step.encoders:
             for encoder in step.plan.encoders:
                 for rank in encoder.ranks:
                     core.pool.submit(rank.name, tag, rank)
+        for consumer in step.plan.stage_consumers(core.pipeline):  # a ring per (DP, CP, stage)
+            if group_name(consumer.dp_rank, consumer.cp_rank) in step.groups:
+                core.pool.submit(consumer.name, tag, consumer)
         if step.announce:
             plan = np.frombuffer(ledger.plan.to_json().encode(), np.uint8)
             core.schedule.send({"mb": ledger.minibatch_id, "pass": step.pass_.name}, {"plan": plan})

@@ -10,21 +10,35 @@ import torch
 from job_harness import controller, driver_config, join, trajectories, wait_for, wait_freed
 
 from knitkit.encoder_dedup import RankRoute, route_minibatch
-from knitkit.job import Pass, PassWork, RankCoords, RankHandle, RankSpec
-from knitkit.storage import MiniBatchPlan
+from knitkit.job import (
+    Pass,
+    PassWork,
+    ProcessPool,
+    RankCoords,
+    RankHandle,
+    RankSpec,
+    ReorganizerPool,
+)
+from knitkit.job.spec import encoder_rank_name, group_name
+from knitkit.storage import MiniBatchPlan, SharedMemoryBackend, TrajectoryStore
 from knitkit.types import UnitKey
 
 HANDED_OUT = "knitkit/delivery/handed_out"
 
 
 def _run_job(
-    rank: Callable[[RankSpec], None], *, published: list[float] | None = None, **overrides: object
+    rank: Callable[[RankSpec], None],
+    *,
+    published: list[float] | None = None,
+    pool: ReorganizerPool | None = None,
+    store: TrajectoryStore | None = None,
+    **overrides: object,
 ) -> list[str]:
     """One DP1 rank (``rank(spec)`` in a thread) over two mini-batches; drains; ``published``
     gets the micro-batches its reorganizers published (data and encoder rings)."""
     data = trajectories(4, 2, seed=5)
     config = driver_config(1, 1, 1, 1, **overrides)
-    with config.build(admission=controller(data, 2)) as driver:
+    with config.build(admission=controller(data, 2), store=store, pool=pool) as driver:
         thread = threading.Thread(target=rank, args=(driver.rank_spec(),), daemon=True)
         thread.start()
         for trajectory in data:
@@ -334,3 +348,49 @@ def test_encoder_units_are_served_once_per_minibatch() -> None:
     for mb in served:
         old, later = inputs[(mb, "old")], inputs[(mb, "train")]
         assert old and all(later[key] is old[key] for key in old)
+
+
+class _SubmitOrder:
+    """The job's real ``ProcessPool``, recording the order of the driver's submissions."""
+
+    def __init__(self, pool: ProcessPool) -> None:
+        self.pool = pool
+        self.order: list[tuple[str, str]] = []
+        """(pass id, group) in submission order."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.pool, name)
+
+    def submit(self, name: str, minibatch_id: str, assignment: object) -> None:
+        self.order.append((minibatch_id, name))
+        self.pool.submit(name, minibatch_id, assignment)  # type: ignore[arg-type]
+
+
+def test_encoder_inputs_are_submitted_before_the_backbone_micro_batches() -> None:
+    """A mini-batch's first encoding pass queues the encoder ranks' assignments before its
+    groups' (a rank takes its encoder inputs first: NOTE in ``Scheduler._serve``), so the
+    encoder reorganizers do not wake behind the backbone ones; every pass is still submitted
+    once per group."""
+    backbone, vision = group_name(0, 0), encoder_rank_name("vision", 0)
+    store = TrajectoryStore(SharedMemoryBackend())
+    pool = _SubmitOrder(ProcessPool(store.backend, {backbone: 1, vision: 1}, slot_bytes=1 << 20))
+
+    def rank(spec: RankSpec) -> None:
+        with RankHandle(spec, RankCoords(0, 0, 0, 0, encoder_rank=0), device="cpu") as handle:
+            for work in handle.passes():
+                with work:
+                    work.encoder_inputs()
+                    for _ in work.micro_batches():
+                        pass
+                    if work.pass_.name == "old":
+                        _write_back(work)
+
+    try:
+        served = _run_job(rank, pool=pool, store=store)
+    finally:
+        store.close()
+    expected = []
+    for minibatch_id in served:
+        expected += [(f"{minibatch_id}/old", vision), (f"{minibatch_id}/old", backbone)]
+        expected += [(f"{minibatch_id}/train", backbone)]
+    assert pool.order == expected
