@@ -206,18 +206,35 @@ ray.shutdown()
 """
 
 
+@pytest.fixture(scope="module", autouse=True)
+def starts_probe() -> Iterator[subprocess.Popen[str]]:
+    """The ``_STARTS`` process, started with the module: its own Ray runtimes (``start_ray``
+    starts a new local one) run beside the module's TQ, so its ~25 s of starts and waits overlap
+    the other tests instead of following them."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", _STARTS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+
+
 @pytest.fixture(scope="module")
-def start_outcomes() -> list[str]:
+def start_outcomes(starts_probe: subprocess.Popen[str]) -> list[str]:
     """Two starts that must not succeed, in one fresh process (Ray and TQ imported once): 2
     logical CPUs in all, then 3 with one held by another actor; stdout, a line per outcome."""
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", _STARTS], capture_output=True, text=True, timeout=400
-        )
+        stdout, stderr = starts_probe.communicate(timeout=400)
     except subprocess.TimeoutExpired:
         pytest.fail("start_transfer_queue did not return within 400 s (two starts)")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.splitlines()
+    assert starts_probe.returncode == 0, stderr[-3000:]
+    return stdout.splitlines()
 
 
 def test_too_few_cpus_for_transfer_queue_is_refused_at_once(start_outcomes: list[str]) -> None:
