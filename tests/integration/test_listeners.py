@@ -2,17 +2,20 @@
 
 Each test starts one adapter's default runtime in a fresh Python process and lists the listening
 TCP sockets of that process and all its descendants (psutil), so runtimes left by other tests
-cannot hide or add a listener.
+cannot hide or add a listener (nor can the Ray and TransferQueue probes, which run at once).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
+import re
 import socket
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import pytest
 
@@ -42,15 +45,71 @@ def _listeners():
 """
 
 
-def _listeners_of(body: str, timeout_s: float = PROBE_TIMEOUT_S) -> list[tuple[str, str, int]]:
-    """Run ``body`` (which calls ``_listeners()`` while its runtime is up) in a fresh process."""
+def _start_probe(body: str) -> subprocess.Popen[str]:
+    """Start ``body`` (which calls ``_listeners()`` while its runtime is up) in a fresh process."""
     script = _LISTENERS + textwrap.dedent(body)
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout_s
+    return subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("LISTENERS ")]
-    assert done.returncode == 0 and lines, f"probe failed:\n{done.stdout}\n{done.stderr[-4000:]}"
+
+
+def _listeners_in(
+    probe: subprocess.Popen[str], timeout_s: float = PROBE_TIMEOUT_S
+) -> list[tuple[str, str, int]]:
+    """The listeners a started probe reports, once it has ended."""
+    try:
+        stdout, stderr = probe.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        probe.kill()
+        stdout, stderr = probe.communicate()
+        raise AssertionError(
+            f"probe still running after {timeout_s:g} s:\n{stdout}\n{stderr}"
+        ) from None
+    lines = [line for line in stdout.splitlines() if line.startswith("LISTENERS ")]
+    assert probe.returncode == 0 and lines, f"probe failed:\n{stdout}\n{stderr[-4000:]}"
     return [tuple(entry) for entry in json.loads(lines[-1].removeprefix("LISTENERS "))]
+
+
+def _listeners_of(body: str, timeout_s: float = PROBE_TIMEOUT_S) -> list[tuple[str, str, int]]:
+    """Run ``body`` in a fresh process (``_start_probe``) and return its listeners."""
+    return _listeners_in(_start_probe(body), timeout_s)
+
+
+_RAY_PROBE = """
+import ray
+from knitkit.integration.ray import start_ray
+start_ray(num_cpus=1, logging_level="ERROR")
+assert ray.get(ray.remote(lambda: 7).remote()) == 7
+_listeners()
+ray.shutdown()
+"""
+
+_TRANSFER_QUEUE_PROBE = """
+from knitkit.integration.transferqueue import start_transfer_queue, stop_transfer_queue
+start_transfer_queue()
+_listeners()
+stop_transfer_queue()
+"""
+
+
+@pytest.fixture(scope="module")
+def runtime_probes() -> Iterator[dict[str, subprocess.Popen[str]]]:
+    """The Ray and TransferQueue probes, started together (each lists only its own process
+    tree, and ``start_ray`` starts a new local runtime in each), so one's start overlaps the
+    other's: the two tests wait for their own; a probe whose package is missing is not started."""
+    bodies = {"ray": _RAY_PROBE, "transfer_queue": _TRANSFER_QUEUE_PROBE}
+    probes = {
+        name: _start_probe(body)
+        for name, body in bodies.items()
+        if importlib.util.find_spec(name) is not None
+    }
+    try:
+        yield probes
+    finally:
+        for probe in probes.values():
+            if probe.poll() is None:
+                probe.kill()
+            probe.communicate()
 
 
 def _off_loopback(listeners: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
@@ -65,7 +124,7 @@ def test_every_probe_bound_fits_under_its_test_timeout() -> None:
         for name, fn in globals().items()
         if name.startswith("test_")
         and name != test_every_probe_bound_fits_under_its_test_timeout.__name__
-        and "_listeners_of(" in inspect.getsource(fn)
+        and re.search(r"_listeners_(of|in)\(", inspect.getsource(fn))
     }
     assert probing
     for name, fn in probing.items():
@@ -75,38 +134,26 @@ def test_every_probe_bound_fits_under_its_test_timeout() -> None:
 
 @pytest.mark.slow
 @probe_timeout
-def test_default_ray_runtime_listens_on_loopback_only() -> None:
+def test_default_ray_runtime_listens_on_loopback_only(
+    runtime_probes: dict[str, subprocess.Popen[str]],
+) -> None:
     """Every listener of a Ray runtime started by ``start_ray()`` (gcs, raylet, workers,
     dashboard and runtime-env agents) is bound to loopback, and a task still runs on it."""
     pytest.importorskip("ray")
-    listeners = _listeners_of(
-        """
-        import ray
-        from knitkit.integration.ray import start_ray
-        start_ray(num_cpus=1, logging_level="ERROR")
-        assert ray.get(ray.remote(lambda: 7).remote()) == 7
-        _listeners()
-        ray.shutdown()
-        """
-    )
+    listeners = _listeners_in(runtime_probes["ray"])
     assert len(listeners) >= 4, listeners  # gcs, raylet, driver, a worker at least
     assert _off_loopback(listeners) == []
 
 
 @pytest.mark.slow
 @probe_timeout
-def test_default_transfer_queue_listens_on_loopback_only() -> None:
+def test_default_transfer_queue_listens_on_loopback_only(
+    runtime_probes: dict[str, subprocess.Popen[str]],
+) -> None:
     """TransferQueue unpickles network payloads: its controller and storage units, and the Ray
     runtime ``start_transfer_queue()`` starts under them, listen on loopback only."""
     pytest.importorskip("transfer_queue")
-    listeners = _listeners_of(
-        """
-        from knitkit.integration.transferqueue import start_transfer_queue, stop_transfer_queue
-        start_transfer_queue()
-        _listeners()
-        stop_transfer_queue()
-        """
-    )
+    listeners = _listeners_in(runtime_probes["transfer_queue"])
     assert len(listeners) >= 6, listeners
     assert _off_loopback(listeners) == []
 
