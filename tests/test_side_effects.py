@@ -41,10 +41,29 @@ def state():
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     """Run ``script`` with ``python -c`` (spawned children do not re-run it) and ``args``."""
+    return _finish(_start(script, *args))
+
+
+def _start(script: str, *args: str) -> subprocess.Popen[str]:
+    """Start ``script`` as ``_run`` runs it, to overlap another scenario (``_finish`` it)."""
     code = _STATE + textwrap.dedent(script)
-    return subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=RUN_S
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
+
+
+def _finish(process: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    """Wait (``RUN_S``) for a started scenario; past the bound it is killed and that raised."""
+    try:
+        stdout, stderr = process.communicate(timeout=RUN_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def _report(done: subprocess.CompletedProcess[str], tag: str = "REPORT") -> Any:
@@ -147,6 +166,7 @@ def test_every_part_leaves_the_process_as_it_found_it(ray):
     atexit handler runs and the status is 0."""
     if ray == "ray":
         pytest.importorskip("ray")
+        bare_ray = _start(_BARE_RAY)  # its own local runtime, beside the scenario's
     done = _run(_EVERY_PART, ray)
     report = _report(done)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -161,7 +181,7 @@ def test_every_part_leaves_the_process_as_it_found_it(ray):
         return
     flag_before, flag_after = report["cluster_flag"]
     assert flag_after == flag_before
-    bare = _report(_run(_BARE_RAY))
+    bare = _report(_finish(bare_ray))
     assert _delta(before, after) == _delta(bare["before"], bare["after"])
 
 
