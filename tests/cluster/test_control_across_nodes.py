@@ -115,13 +115,13 @@ def test_ranks_on_nodes_with_their_own_dev_shm_run_the_job_as_on_one_node(
     pass) as in the same job on one node; the driver's counts agree too. On bf68f6a there is no
     control plane that reaches another node (ranks there raise ``DriverNotFoundError``); on
     2cc1a5d the write-backs reach the driver, which puts them from node 0."""
-    reference, reference_figures = _one_node()
     driver, spec = _driver(cluster)
     nodes = json.loads(spec)["nodes"]
     assert len(set(nodes)) == 2 and nodes[0] == nodes[1] != nodes[2] == nodes[3]
     spec_file = tmp_path / "spec.json"  # /tmp is every node's
     spec_file.write_text(spec)
     ranks = [_ranks(cluster, node, spec_file) for node in (1, 2)]  # they train together
+    reference, reference_figures = _one_node()  # on the host, while the nodes' ranks run
     got = [s for process in ranks for s in _seen(process)]
     assert [s["error"] for s in got if s["error"]] == [], [s["error"][-2000:] for s in got]
     assert driver.stdout is not None and driver.stdin is not None
