@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import fields
 
 import pytest
@@ -23,18 +22,7 @@ from knitkit.storage import EncoderTopology, Topology, TrajectoryStore
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'knitkit[ray]')")
 
-from knitkit.integration.ray import RayBackend, RayDispatcher, RingConfig, start_ray  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    if ray.is_initialized():
-        ray.shutdown()
-    start_ray(num_cpus=2, logging_level="ERROR")
-    try:
-        yield
-    finally:
-        ray.shutdown()
+from knitkit.integration.ray import RayBackend, RayDispatcher, RingConfig  # noqa: E402
 
 
 def _pool(backend: RayBackend) -> RayDispatcher:
@@ -55,7 +43,7 @@ def test_ray_rings_default_to_the_slots_of_the_drivers_own_pool() -> None:
     assert RingConfig().num_slots == driver_default
 
 
-def test_ray_actors_serve_the_driver_like_processes(cluster: None) -> None:
+def test_ray_actors_serve_the_driver_like_processes(local_ray: None) -> None:
     """Ray actors as the pool, a RayBackend as the store: every token once per pass, the
     forward-only outputs read back bit-identical, every unit freed; an actor killed mid-job
     fails the driver with ``ReorganizerFailedError`` naming its group."""

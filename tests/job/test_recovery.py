@@ -243,7 +243,9 @@ def test_a_death_past_the_restart_budget_fails_the_job_naming_it() -> None:
         _job(1, twice)
 
 
-def test_a_killed_ray_reorganizer_actor_is_restarted_and_re_served_exactly_once() -> None:
+def test_a_killed_ray_reorganizer_actor_is_restarted_and_re_served_exactly_once(
+    local_ray: None,
+) -> None:
     """The same job on a real local Ray cluster (``RayDispatcher`` pool, ``RayBackend`` store):
     ``ray.kill`` of the group's reorganizer actor mid-pass, and again in a second job when a
     rank got the last micro-batch of a pass (held until the restart and the pass end); the
@@ -255,12 +257,9 @@ def test_a_killed_ray_reorganizer_actor_is_restarted_and_re_served_exactly_once(
     node (on 2cc1a5d it restarted it there while Ray still listed the node: a lost node's fresh
     actor never starts, 120 s)."""
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'knitkit[ray]')")
-    from knitkit.integration.ray import RayBackend, RayDispatcher, RingConfig, start_ray
+    from knitkit.integration.ray import RayBackend, RayDispatcher, RingConfig
     from knitkit.storage.delivery import unlink_ring
 
-    if ray.is_initialized():
-        ray.shutdown()
-    start_ray(num_cpus=2, logging_level="ERROR")
     backend = RayBackend()
     started = time.monotonic()
 
@@ -313,7 +312,6 @@ def test_a_killed_ray_reorganizer_actor_is_restarted_and_re_served_exactly_once(
             assert unlink_ring(spec.name), spec.name  # one machine: the "lost" node's outlive it
     finally:
         backend.close()
-        ray.shutdown()
     print(f"three Ray jobs in {time.monotonic() - started:.1f} s")
 
 
