@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 import pytest
+from background import in_background, selected
 from example_checks import EXAMPLES, EXPECTED, ROOT, check_output, command, with_tensorboard
 
 RUN_ELSEWHERE = {"grpo_megatron.py": "test_grpo_example.py"}
@@ -16,9 +18,6 @@ with ``check_output``: one torchrun launch less."""
 
 
 RUN = [p for p in EXAMPLES if p.name not in RUN_ELSEWHERE]
-PARALLEL = 2
-"""Examples run at once, on the 2 cores the suite is sized for: one run's waits (process starts,
-imports, rendezvous) overlap the other's work."""
 
 
 def _run(path: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -34,30 +33,23 @@ def _run(path: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def runs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, tuple[Future[subprocess.CompletedProcess[str]], Path]]]:
-    """The selected examples' runs, ``PARALLEL`` at a time from the module's first test on,
-    each with its own folder; each test waits for its own."""
-    selected = {
-        item.callspec.params["path"]
-        for item in request.session.items
-        if getattr(item, "originalname", None) == test_example_runs.__name__
+) -> Iterator[dict[Path, tuple[Future[subprocess.CompletedProcess[str]], Path]]]:
+    """The selected examples' runs, in the background from the module's first test on
+    (``in_background``), each with its own folder; each test waits for its own."""
+    folders = {
+        p: tmp_path_factory.mktemp(p.stem) for p in selected(request, test_example_runs, "path")
     }
-    with ThreadPoolExecutor(PARALLEL, thread_name_prefix="example") as pool:
-        made = {}
-        for path in (p for p in RUN if p in selected):
-            folder = tmp_path_factory.mktemp(path.stem)
-            made[path.name] = (pool.submit(_run, path, folder), folder)
-        yield made
-        for future, _ in made.values():
-            future.cancel()
+    calls = {p: partial(_run, p, folder) for p, folder in folders.items()}
+    with in_background(calls) as futures:
+        yield {p: (futures[p], folders[p]) for p in folders}
 
 
 @pytest.mark.parametrize("path", RUN, ids=[p.name for p in RUN])
 def test_example_runs(
-    path: Path, runs: dict[str, tuple[Future[subprocess.CompletedProcess[str]], Path]]
+    path: Path, runs: dict[Path, tuple[Future[subprocess.CompletedProcess[str]], Path]]
 ) -> None:
     """The example exits 0 and prints what ``example_checks.check_output`` expects."""
-    future, folder = runs[path.name]
+    future, folder = runs[path]
     done = future.result()
     assert done.returncode == 0, f"{path.name} failed:\n{done.stdout}\n{done.stderr[-3000:]}"
     check_output(path, done.stdout, done.stderr, folder)

@@ -21,11 +21,14 @@ import symtable
 import sys
 import typing
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from background import in_background, selected
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {"node_modules", "build", "dist"}
@@ -408,22 +411,41 @@ SNIPPET_TIMEOUT_S = 90
 RUNNABLE = [s for s in SNIPPETS if _self_contained(s) and (s.readme, s.index) not in NOT_RUN]
 
 
+def _run(snippet: Snippet, folder: Path) -> subprocess.CompletedProcess[str]:
+    """``snippet`` saved to ``folder`` and run there as a script in a fresh interpreter."""
+    script = folder / "snippet.py"
+    script.write_text(snippet.code)
+    return subprocess.run(
+        [sys.executable, str(script)],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=SNIPPET_TIMEOUT_S,
+    )
+
+
+@pytest.fixture(scope="module")
+def snippet_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[Snippet, Future[subprocess.CompletedProcess[str]]]]:
+    """The selected runnable snippets' runs, in the background from the first one's test on
+    (``in_background``), each in its own folder; each test waits for its own."""
+    chosen = selected(request, test_self_contained_snippet_runs, "snippet")
+    calls = {s: partial(_run, s, tmp_path_factory.mktemp("snippet")) for s in chosen}
+    with in_background(calls) as futures:
+        yield futures
+
+
 @pytest.mark.parametrize("snippet", [_case(s) for s in RUNNABLE])
-def test_self_contained_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
+def test_self_contained_snippet_runs(
+    snippet: Snippet, snippet_runs: dict[Snippet, Future[subprocess.CompletedProcess[str]]]
+) -> None:
     """A snippet that defines everything it uses, saved to a file and run as a script in a fresh
     interpreter (as a reader runs it: processes it spawns re-import that file, so one without a
     ``__main__`` guard around them fails there), finishes within a bound, exits 0 and prints
     no traceback."""
-    script = tmp_path / "snippet.py"
-    script.write_text(snippet.code)
     try:
-        done = subprocess.run(
-            [sys.executable, str(script)],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=SNIPPET_TIMEOUT_S,
-        )
+        done = snippet_runs[snippet].result()
     except subprocess.TimeoutExpired as expired:
         pytest.fail(f"{snippet.where} did not finish in {SNIPPET_TIMEOUT_S} s:\n{expired.stderr}")
     assert done.returncode == 0, f"{snippet.where} failed:\n{done.stderr[-3000:]}"
