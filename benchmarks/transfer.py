@@ -63,6 +63,7 @@ from knitkit.storage import (
     UnitBackend,
     plan_minibatch,
 )
+from knitkit.storage.backends.segments import pid_alive
 from knitkit.storage.baselines import (
     Arena,
     LocalTrajectories,
@@ -699,12 +700,29 @@ def _sample_level_batches(
 # device memory instead. So this variant is the strongest form of the habit on one machine.
 
 
+_BCAST = "/dev/shm/knitkit-bench-bcast-"
+"""Prefix of a broadcast channel's segment; ``<driver pid>-<hex>`` follows."""
+
+
+def remove_dead_channels() -> list[str]:
+    """Unlink the broadcast segments of runs whose driver is dead (a SIGKILLed run runs no
+    ``unlink``); returns their paths. The driver's pid in the name says whose it is."""
+    removed = []
+    for path in glob.glob(f"{_BCAST}*-*"):
+        pid = path[len(_BCAST) :].split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(path)
+    return removed
+
+
 class _Broadcast:
     """TP0 -> TP peers through ``slots`` shared-memory slots (NOTE [ Broadcast on one node ]);
     made by the driver (``create``, ``unlink``), handed to the rank processes pickled."""
 
     def __init__(self, ctx: Any, slots: int, slot_bytes: int, peers: int) -> None:
-        self.path = f"/dev/shm/knitkit-bench-bcast-{os.getpid()}-{id(self):x}"
+        self.path = f"{_BCAST}{os.getpid()}-{id(self):x}"
         self.slots, self.stride, self.peers = slots, slot_bytes + 64, peers
         self.free = ctx.Semaphore(slots * peers)
         self.filled = [ctx.Semaphore(0) for _ in range(peers)]
@@ -1050,6 +1068,8 @@ def run_delivery(
         for d in range(TOPOLOGY.dp)
         for c in range(TOPOLOGY.cp)
     }
+    if removed := remove_dead_channels():
+        progress(f"removed {len(removed)} broadcast segments of dead runs")
     for channels in bcast.values():
         for channel in channels.values():
             channel.create()
