@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from functools import lru_cache, partial
-from typing import Any, TypeVar
+from functools import lru_cache
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from knitkit.types import LAYOUT_ALIGNMENT, FieldView, MicroBatchLayout
-
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +26,15 @@ class MicroBatchStats:
     stage_s: float
     """Host copy into the staging slot plus issuing the device copy."""
     nbytes: int
+
+
+class Staged(Protocol):
+    """What ``IterStats.record`` reads of a staged micro-batch (``worker.Staged``)."""
+
+    index: int
+    layout: MicroBatchLayout
+    fetch_s: float
+    stage_s: float
 
 
 @dataclass(slots=True)
@@ -52,6 +59,16 @@ class IterStats:
         self.fetch_s += mb.fetch_s
         self.stage_s += mb.stage_s
         self.nbytes += mb.nbytes
+
+    def record(self, staged: Staged, wait_s: float) -> MicroBatchStats:
+        """``staged``'s stats, handed over after a wait of ``wait_s``, added to the totals and
+        returned (NOTE [ Hand-out objects without __init__ ])."""
+        stats = object.__new__(MicroBatchStats)
+        values = (staged.index, wait_s, staged.fetch_s, staged.stage_s, staged.layout.nbytes)
+        for set_slot, value in zip(_STATS_SLOTS, values, strict=True):
+            set_slot(stats, value)
+        self.add(stats)
+        return stats
 
     @property
     def steady_wait_s(self) -> float:
@@ -90,29 +107,26 @@ class MicroBatch:
 # through ``object.__setattr__``: 5.3 us for a 9-field one against 0.8 us unfrozen (timeit, 2-core
 # dev box at load ~8, issue 31), paid per micro-batch for the iterator's ``MicroBatchStats`` and
 # ``MicroBatch`` (and a consumer's ``MicroBatchLayout``, layout_codec.py). These stay frozen for
-# their users and are built here by their slot setters (``build_stats``, ``build_micro_batch``):
-# the same objects, equal to the constructors' (tests/storage/test_handout_calls.py).
+# their users and are built here by their slot setters (``IterStats.record``,
+# ``build_micro_batch``): the same objects, equal to the constructors'
+# (tests/storage/test_handout_calls.py).
 _STATS_SLOTS = tuple(getattr(MicroBatchStats, f.name).__set__ for f in fields(MicroBatchStats))
 _BATCH_SLOTS = tuple(getattr(MicroBatch, f.name).__set__ for f in fields(MicroBatch))
 
 
-def _filled(cls: type[_T], setters: tuple[Callable[[Any, Any], None], ...], *values: Any) -> _T:
-    """An instance of the frozen ``cls`` with its slots set to ``values`` in field order, without
-    its ``__init__`` (NOTE [ Hand-out objects without __init__ ])."""
-    made = object.__new__(cls)
-    for set_slot, value in zip(setters, values, strict=True):
-        set_slot(made, value)
-    return made
-
-
-# ``MicroBatchStats(...)`` and ``MicroBatch(...)`` without their ``__init__``: partials, a C-level
-# call each (no Python frame of their own on the loop's thread)
-build_stats: Callable[[int, float, float, float, int], MicroBatchStats] = partial(
-    _filled, MicroBatchStats, _STATS_SLOTS
-)
-build_micro_batch: Callable[
-    [int, MicroBatchLayout, torch.Tensor, Mapping[str, torch.Tensor], MicroBatchStats], MicroBatch
-] = partial(_filled, MicroBatch, _BATCH_SLOTS)
+def build_micro_batch(
+    index: int,
+    layout: MicroBatchLayout,
+    flat: torch.Tensor,
+    tensors: Mapping[str, torch.Tensor],
+    stats: MicroBatchStats,
+) -> MicroBatch:
+    """``MicroBatch(index, layout, flat, tensors, stats)`` without its ``__init__`` (NOTE
+    [ Hand-out objects without __init__ ])."""
+    batch = object.__new__(MicroBatch)
+    for set_slot, value in zip(_BATCH_SLOTS, (index, layout, flat, tensors, stats), strict=True):
+        set_slot(batch, value)
+    return batch
 
 
 def field_tensors(

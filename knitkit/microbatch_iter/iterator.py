@@ -19,7 +19,6 @@ from knitkit.microbatch_iter.batch import (
     MicroBatch,
     MicroBatchStats,
     build_micro_batch,
-    build_stats,
 )
 from knitkit.microbatch_iter.exit_guard import note_exit
 from knitkit.microbatch_iter.pool import StagingRing
@@ -240,7 +239,7 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
             self._launch_pending = True
         else:
             prefetcher.credits.put(None)  # launched(): the thread may stage one more
-        stats = self._count(record, start)
+        stats = self._stats.record(record, time.perf_counter() - start)
         if self._converted:
             if self._convert_here is None:
                 return record.converted  # type: ignore[return-value]
@@ -268,21 +267,8 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         if record is None:
             self.close()
             raise StopIteration
-        stats = self._count(record, start)
+        stats = self._stats.record(record, time.perf_counter() - start)
         return build_micro_batch(record.index, record.layout, record.flat, record.tensors, stats)  # type: ignore[return-value]
-
-    def _count(self, record: Staged, start: float) -> MicroBatchStats:
-        """``record``'s stats, handed over now after a ``next()`` that began at ``start``, added
-        to the totals."""
-        stats = build_stats(
-            record.index,
-            time.perf_counter() - start,
-            record.fetch_s,
-            record.stage_s,
-            record.layout.nbytes,
-        )
-        self._stats.add(stats)
-        return stats
 
     def _check_consumer(self) -> None:
         """One consumer thread per iterator: the first to call ``next()`` owns it until a

@@ -340,34 +340,14 @@ class Prefetcher:
         self.stop = True
         self.credits.put(None)
 
-    def _stage(
-        self, index: int, item: SourceItem, start: float, *, fetch_s: float, slots: bool = False
-    ) -> Staged:
-        """``item`` staged, from ``start`` (``perf_counter()`` when it was fetched); ``slots``:
-        its private view starts at its exporter's first byte (NOTE [ Slot tensors kept ])."""
+    def _stage(self, index: int, item: SourceItem, start: float, *, fetch_s: float) -> Staged:
+        """``item`` staged, from ``start`` (``perf_counter()`` when it was fetched)."""
         if (
             isinstance(item, PackedMicroBatch)
             and item.private is not None
             and not self.transport.copies_to_device
         ):
-            # See NOTE [ Zero-copy hand-off ]: no copy, the record releases the lease later.
-            # private() is the lease's own view (a source may book it for the release's drop
-            # of written pages): ask every lease, cached views or not (NOTE [ Reused field
-            # views ]); only its address (or its slot's exporter) picks the cached views.
-            layout = item.layout
-            check_layout(layout)
-            private = item.private()
-            if slots and layout.nbytes:
-                base, views = self._slot_tensors(private)  # type: ignore[arg-type]
-            else:
-                # one torch call over the buffer (np.frombuffer, its address and from_numpy: 4x)
-                base = torch.frombuffer(private, dtype=torch.uint8) if layout.nbytes else _NO_BYTES
-                views = self._views_at(base.data_ptr())
-            cached = views.get(layout, _NO_OVERRIDES)
-            if cached is None:
-                cached = views.put(base, layout, _NO_OVERRIDES)
-            stage_s = time.perf_counter() - start
-            return Staged(index, None, layout, *cached, fetch_s, stage_s, item.release)
+            return self._zero_copy(index, item, start, fetch_s, slots=False)
         plan = plan_staging(item)
         layout = plan.layout
         overrides = plan.torch_dtypes
@@ -394,6 +374,31 @@ class Prefetcher:
         stage_s = time.perf_counter() - start
         # The record keeps no reference to the source's buffer: its slot may be reused now.
         return Staged(index, slot.index, layout, *cached, fetch_s, stage_s)
+
+    def _zero_copy(
+        self, index: int, item: PackedMicroBatch, start: float, fetch_s: float, *, slots: bool
+    ) -> Staged:
+        """``item``, a lease with a private view, staged with no copy (NOTE [ Zero-copy
+        hand-off ]): the record releases the lease later; from ``start`` as ``_stage``'s;
+        ``slots``: its private view starts at its exporter's first byte (NOTE [ Slot tensors
+        kept ])."""
+        # private() is the lease's own view (a source may book it for the release's drop of
+        # written pages): ask every lease, cached views or not (NOTE [ Reused field views ]);
+        # only its address (or its slot's exporter) picks the cached views.
+        layout = item.layout
+        check_layout(layout)
+        private = item.private()  # type: ignore[misc]
+        if slots and layout.nbytes:
+            base, views = self._slot_tensors(private)  # type: ignore[arg-type]
+        else:
+            # one torch call over the buffer (np.frombuffer, its address and from_numpy: 4x)
+            base = torch.frombuffer(private, dtype=torch.uint8) if layout.nbytes else _NO_BYTES
+            views = self._views_at(base.data_ptr())
+        cached = views.get(layout, _NO_OVERRIDES)
+        if cached is None:
+            cached = views.put(base, layout, _NO_OVERRIDES)
+        stage_s = time.perf_counter() - start
+        return Staged(index, None, layout, *cached, fetch_s, stage_s, item.release)
 
     def _views_at(self, address: int) -> ViewCache:
         """The cached views of the private view at ``address`` (NOTE [ Reused field views ])."""
@@ -438,19 +443,25 @@ class Prefetcher:
             self.in_source = False
         fetched = time.perf_counter()
         with self.lock:
-            self.held = record = self._stage_unless_stopped(index, item, start, fetched, slots=True)
+            if self.stop:  # the teardown may already have run
+                item.release()
+                return None
+            if item.private is None:  # a lease to copy after all
+                record = self._stage(index, item, fetched, fetch_s=fetched - start)
+            else:  # the usual case, one frame (NOTE [ Lease in few calls ] in consumer.py)
+                record = self._zero_copy(index, item, fetched, fetched - start, slots=True)
+            self.held = record
         return record
 
     def _stage_unless_stopped(
-        self, index: int, item: SourceItem, start: float, fetched: float, *, slots: bool = False
+        self, index: int, item: SourceItem, start: float, fetched: float
     ) -> Staged | None:
         """Under ``lock``: ``item``, pulled from ``start`` to ``fetched``, staged as micro-batch
-        ``index`` (``slots``: as ``_stage``); or released, and None, once stopped (the teardown
-        may already have run)."""
+        ``index``; or released, and None, once stopped (the teardown may already have run)."""
         if self.stop:
             _release(plan_staging(item))
             return None
-        return self._stage(index, item, fetched, fetch_s=fetched - start, slots=slots)
+        return self._stage(index, item, fetched, fetch_s=fetched - start)
 
     def take(self, timeout_s: float) -> Staged | Failure | End:
         """Consumer side: the next record, in order; raises if the thread died without one, or

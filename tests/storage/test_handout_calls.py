@@ -6,11 +6,12 @@ __init__ ] in knitkit/microbatch_iter/batch.py); a repeated shape costs no per-f
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import statistics
 import sys
 import threading
-from collections.abc import Callable
-from types import FrameType
+from types import FrameType, SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,19 +21,28 @@ from knitkit.microbatch_iter import MicroBatchIterator
 from knitkit.microbatch_iter import batch as batches
 from knitkit.storage.delivery.layout_codec import LayoutDecodeError, decode_layout, encode_layout
 from knitkit.storage.delivery.slot_ring import RingSpec
-from knitkit.types import MicroBatchLayout
+from knitkit.storage.delivery.written_pages import WrittenPages
+from knitkit.types import MicroBatchLayout, PackedMicroBatch
 
-CALLS_PER_HAND_OUT = 138
-"""Python and C calls a rank's threads make per hand-out of a new shape (the loop's ``next()``
-with its inline hand-out: decode, lease, views and release; NOTE [ Inline hand-out ] in
-knitkit/microbatch_iter/worker.py): 130-131 now, 144-146 at b870bfe (a prefetch thread's
-credit, queue and wake on top), 161-164 at 1cebb89 (~61 Python frames), ~200 at 62f8166."""
-CALLS_PER_REPEATED_SHAPE = 125
-"""The same, where each slot's micro-batches repeat one shape: 101-112 now (the fewest of three
-runs still varies with how often the loop waits for the producer thread), 105-111 at b870bfe,
-153-166 at 1cebb89 (a new ``FieldView`` per field decoded, then compared with the cached views'
-field by field). The inline hand-out's cut is tested by its sleeps and threads
-(tests/microbatch_iter/test_leases.py), not here."""
+CALLS_PER_HAND_OUT = 116
+"""Python and C calls a rank's thread makes per hand-out of a new shape (the loop's ``next()``
+with its inline hand-out: release, decode, lease, views and stats; NOTE [ Inline hand-out ] in
+knitkit/microbatch_iter/worker.py), published before the loop asks for it: 113 now, 118 at
+8014ff5 (the take's and the staging's hops, the stats' builders, the lease's two ``__init__``,
+a ``getpid`` per release). With a producer thread racing the loop (this test before): 130-131
+at 8014ff5, 144-146 at b870bfe (a prefetch thread's credit, queue and wake on top), 161-164 at
+1cebb89, ~200 at 62f8166."""
+FRAMES_PER_HAND_OUT = 35
+"""Of those, the Python frames: 33 now, 38 at 8014ff5."""
+CALLS_PER_REPEATED_SHAPE = 78
+"""The same where each slot's micro-batches repeat one shape: 76 now, 81 at 8014ff5 (153-166 at
+1cebb89 with a producer thread: a new ``FieldView`` per field decoded, then compared with the
+cached views' field by field)."""
+_PAGE_MAP_READ = WrittenPages.span.__code__
+"""A release reads the page map only if the process took a page fault since the slot was last
+clean (NOTE [ Written pages only after a fault ] in slot_ring.py; bounded by
+tests/microbatch_iter/test_rank_faults.py): how often depends on what else the process did (the
+tests run before this one), so its calls are left out of these counts."""
 _RUNS = itertools.count()
 """Distinct token counts per run: the decoder keeps the shapes it saw (NOTE [ Shapes decoded
 once ]), so a run that must see new shapes does not reuse an earlier run's."""
@@ -59,83 +69,83 @@ def _layout(i: int, run: int = 0) -> MicroBatchLayout:
     )
 
 
-def _calls_in_rank_threads(count: int, shapes: int = 0) -> int:
-    """Calls (Python and C) made by the loop's thread and the iterator's prefetch thread (if
-    any) while ``count`` micro-batches are handed out, each checked for its bytes; the producer thread,
-    started before the profiler, is not counted. Each micro-batch has a new shape, or with
+def _calls_per_hand_out(shapes: int = 0, count: int = 30) -> tuple[float, float]:
+    """Calls (Python and C) and Python frames per ``next()``, medians over ``count`` hand-outs
+    after each slot's first, made by the loop's thread inside ``next()`` and by any thread
+    started meanwhile. Each micro-batch is published (on this thread, not counted) before the
+    loop asks for it, so no hand-out waits and no release wakes the producer: the counts are the
+    hand-out's own path, whatever the machine's load. Each micro-batch has a new shape, or with
     ``shapes`` one of that many, cycling (the ring's slot count: each slot repeats one)."""
     run = next(_RUNS)
     layouts = [_layout(i % shapes if shapes else i, run) for i in range(count)]
     for i, layout in enumerate(layouts):
         layout.extra["micro_batch"] = i
-    largest = max(layout.nbytes for layout in layouts)
-    spec = RingSpec.new(num_slots=shapes or 3, slot_bytes=largest, num_consumers=1)
-    calls = 0
+    num_slots = shapes or 3
+    spec = RingSpec.new(
+        num_slots=num_slots, slot_bytes=max(layout.nbytes for layout in layouts), num_consumers=1
+    )
+    counts = [0, 0]  # calls, frames
+    counting = False
     loop = threading.get_ident()
-    reading = False
-    """True while the loop reads a micro-batch: its own calls, not the hand-out's."""
+
+    reading: list[FrameType] = []
+    """The page-map read under way, if any: not counted (``_PAGE_MAP_READ``)."""
 
     def profile(frame: FrameType, event: str, arg: object) -> None:
-        nonlocal calls
-        if (event == "call" or event == "c_call") and not (
-            reading and threading.get_ident() == loop
-        ):
-            calls += 1
+        if reading:
+            if event == "return" and frame is reading[0]:
+                reading.clear()
+        elif event == "call" and frame.f_code is _PAGE_MAP_READ:
+            reading.append(frame)
+        elif (event == "call" or event == "c_call") and (counting or threading.get_ident() != loop):
+            counts[0] += 1
+            counts[1] += event == "call"
 
+    per_hand_out = []
+    seen = []
     with published_ring(spec) as ring:
-
-        def produce() -> None:
-            for i, layout in enumerate(layouts):
-                buffer = ring.publisher.acquire(layout.nbytes)
-                np.frombuffer(buffer, np.uint8)[: layout.nbytes] = i % 251
-                ring.publisher.publish(layout)
-
-        producer = threading.Thread(target=produce, daemon=True)
-        producer.start()
-        seen = []
         config = MicroBatchIterator.Config(depth=2, next_timeout_s=BOUND_S)
-        threading.setprofile(profile)  # threads started from now on: the prefetch thread
+        threading.setprofile(profile)  # threads started from now on
         sys.setprofile(profile)
         try:
             with MicroBatchIterator(ring.consumers[0].take(count), config, device="cpu") as it:
-                for batch in it:
-                    reading = True
+                for i, layout in enumerate(layouts):
+                    buffer = ring.publisher.acquire(layout.nbytes)
+                    np.frombuffer(buffer, np.uint8)[: layout.nbytes] = i % 251
+                    ring.publisher.publish(layout)
+                    before = list(counts)
+                    counting = True
+                    batch = next(it)
+                    counting = False
+                    per_hand_out.append((counts[0] - before[0], counts[1] - before[1]))
                     seen.append((int(batch["routing"][-1, -1, -1]), batch.layout.extra))
-                    reading = False
         finally:
             sys.setprofile(None)
             threading.setprofile(None)  # type: ignore[arg-type]
-        producer.join(BOUND_S)
-        assert not producer.is_alive()
     assert seen == [(i % 251, {"micro_batch": i}) for i in range(count)]
-    return calls
-
-
-def _calls_per_hand_out(shapes: int = 0) -> float:
-    """Calls per hand-out in the steady state: runs of two lengths, the difference divided by the
-    difference in micro-batches (start-up and close cancel out)."""
-    _calls_in_rank_threads(4, shapes)  # imports and first-use caches out of the way
-    # a thread that waits (for a publication, a credit, a record) makes more calls: the fewest
-    # of three runs is the hand-out's own path
-    short = min(_calls_in_rank_threads(15, shapes) for _ in range(3))
-    long = min(_calls_in_rank_threads(33, shapes) for _ in range(3))
-    return (long - short) / 18
+    steady = per_hand_out[num_slots + 1 :]  # each slot's first hand-out sets it up
+    return (
+        statistics.median(calls for calls, _ in steady),
+        statistics.median(frames for _, frames in steady),
+    )
 
 
 def test_a_hand_out_makes_a_bounded_number_of_calls() -> None:
-    """Over a real ring of 3 slots fed by a producer thread, with a new layout per micro-batch,
-    the calls per hand-out stay under the bound (on b870bfe: 144-146, above it)."""
-    per_hand_out = _calls_per_hand_out()
-    assert per_hand_out <= CALLS_PER_HAND_OUT, per_hand_out
+    """Over a real ring of 3 slots, with a new layout per micro-batch, the calls and Python
+    frames per hand-out stay under their bounds (on 8014ff5: 118 calls and 38 frames, above
+    them)."""
+    calls, frames = _calls_per_hand_out()
+    assert calls <= CALLS_PER_HAND_OUT, calls
+    assert frames <= FRAMES_PER_HAND_OUT, frames
 
 
 def test_a_repeated_shape_makes_no_per_field_calls() -> None:
     """Where each slot's micro-batches repeat one shape, a hand-out makes far fewer calls than
     one of a new shape: the decoder hands out the tuple of views it decoded before and the view
     cache recognises it by identity, so no view object, comparison or torch call is made per
-    field (on 1cebb89: 153-166, above the bound)."""
-    per_hand_out = _calls_per_hand_out(shapes=3)
-    assert per_hand_out <= CALLS_PER_REPEATED_SHAPE, per_hand_out
+    field (on 8014ff5: 81, above the bound; 153-166 at 1cebb89)."""
+    calls, _ = _calls_per_hand_out(shapes=3)
+    assert calls <= CALLS_PER_REPEATED_SHAPE, calls
 
 
 def test_a_repeated_shape_decodes_to_the_same_views_and_is_checked_against_its_size() -> None:
@@ -157,17 +167,43 @@ def test_a_repeated_shape_decodes_to_the_same_views_and_is_checked_against_its_s
         decode_layout(encode_layout(short), capacity)
 
 
-@pytest.mark.parametrize("name", ["build_stats", "build_micro_batch"])
+@pytest.mark.parametrize("name", ["IterStats.record", "build_micro_batch"])
 def test_hand_out_objects_equal_their_constructors(name: str) -> None:
-    """``build_stats`` and ``build_micro_batch`` make the same frozen objects as the classes'
-    constructors (equal, still frozen)."""
-    build: Callable[..., object] = getattr(batches, name)
+    """``IterStats.record`` and ``build_micro_batch`` make the same frozen objects as the
+    classes' constructors (equal, still frozen); ``record`` adds them to the totals."""
     stats = batches.MicroBatchStats(3, 0.5, 0.25, 0.125, 64)
-    if name == "build_stats":
-        made, expected = build(3, 0.5, 0.25, 0.125, 64), stats
+    made: object
+    if name == "IterStats.record":
+        totals = batches.IterStats()
+        staged = SimpleNamespace(
+            index=3, layout=SimpleNamespace(nbytes=64), fetch_s=0.25, stage_s=0.125
+        )
+        made, expected = totals.record(staged, 0.5), stats  # type: ignore[arg-type]
+        assert totals == batches.IterStats(1, 0.5, 0.5, 0.25, 0.125, 64)
     else:
         args = (3, _layout(0), None, {}, stats)
-        made, expected = build(*args), batches.MicroBatch(*args)  # type: ignore[arg-type]
+        made, expected = batches.build_micro_batch(*args), batches.MicroBatch(*args)  # type: ignore[arg-type]
     assert made == expected and type(made) is type(expected)
     with pytest.raises(AttributeError):
         made.index = 4  # type: ignore[attr-defined]
+
+
+def test_a_lease_built_without_its_init_has_every_field() -> None:
+    """A consumer builds its leases without ``PackedMicroBatch.__init__`` (NOTE [ Lease in few
+    calls ]): every field is set as the constructor would set it, and the lease releases once."""
+    layout = _layout(0, run=next(_RUNS))
+    spec = RingSpec.new(num_slots=2, slot_bytes=layout.nbytes, num_consumers=1)
+    with published_ring(spec) as ring:
+        buffer = ring.publisher.acquire(layout.nbytes)
+        np.frombuffer(buffer, np.uint8)[: layout.nbytes] = 7
+        ring.publisher.publish(layout)
+        lease = ring.consumers[0].next_micro_batch(BOUND_S)
+        expected = PackedMicroBatch(layout, lease.buffer, lease.on_release, 0, lease.private)
+        assert [getattr(lease, f.name) for f in dataclasses.fields(PackedMicroBatch)] == [
+            getattr(expected, f.name) for f in dataclasses.fields(PackedMicroBatch)
+        ]
+        assert lease.layout == layout and not lease.buffer.flags.writeable
+        assert bytes(lease.buffer[:3]) == b"\x07\x07\x07" and lease.private() is lease.private()
+        lease.release()
+        lease.release()
+        assert lease.released and ring.owner.released(0) == 1

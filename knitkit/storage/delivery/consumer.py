@@ -25,7 +25,8 @@ from knitkit.storage.delivery.slot_ring import (
     RingSpec,
     SlotRing,
 )
-from knitkit.types import PackedMicroBatch
+from knitkit.storage.planning.plan import slot_setters
+from knitkit.types import MicroBatchLayout, PackedMicroBatch
 
 CLOSE_WAIT_S = 10.0
 """How long ``close()`` waits for a ``next_micro_batch()`` of another thread to leave (at once,
@@ -35,6 +36,10 @@ or within one liveness period, at most ``LONGEST_CHECK_S``, if it missed the wak
 _ATTACHED: set[tuple[str, int]] = set()
 """(ring name, consumer index) of every consumer attached in this process."""
 _ATTACHED_LOCK = threading.RLock()  # reentrant: a GC finalizer may run while it is held
+_PID = [os.getpid()]
+"""This process's pid, set again in a forked child: a release compares it with its consumer's
+instead of calling ``os.getpid()`` (a syscall per release, NOTE [ Lease in few calls ])."""
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 
 class ReorganizerError(RuntimeError):
@@ -84,7 +89,7 @@ class _Releases:
     def __init__(self, ring: SlotRing, index: int):
         self._ring = ring
         self._index = index
-        self._pid = os.getpid()
+        self._pid = _PID[0]
         self._lock = threading.RLock()  # reentrant: a dropped lease's finalizer may run under it
         self._closed = False
         self.count = ring.released(index)
@@ -115,7 +120,7 @@ class _Releases:
 
     def release(self, seq: int) -> None:
         with self._lock:
-            if self._closed or os.getpid() != self._pid:
+            if self._closed or _PID[0] != self._pid:
                 return
             # private copies go first: the slot's next occupant must be read from shared pages
             self._ring.drop_private(seq, self._private.pop(seq, 0))
@@ -149,9 +154,17 @@ class _Releases:
 # per micro-batch are plain attributes, not Events (``is_set`` is a Python frame); the wait's
 # clock runs only when there is a wait; an in-order release moves the count without the
 # early-release set; a release that comes second (the backstop after ``release()``) returns
-# without raising. What a rank's threads execute per hand-out, Python and C calls counted by a
-# profiler over a 3-slot ring of transfer.py's 9 fields (tests/storage/test_handout_calls.py,
-# which bounds both): a new shape each time 140-151 (~48 Python frames) against 161-164 (~61) at
+# without raising; the lease and its ``_SlotBytes`` are built in one frame without their
+# ``__init__`` (``_lease``); a release compares the pid saved at fork (``_PID``) instead of
+# calling ``getpid`` (a syscall); a take's ``next_lease`` is its ``_next`` and calls the consumer
+# directly. Those last three, with the iterator's (one staging frame, stats built without a
+# builder's frame), against 8014ff5 over a ring published ahead of the loop (no waits, so counted
+# exactly): a new shape 118 -> 113 calls, 38 -> 33 Python frames; a repeated one 81 -> 76. Their
+# time is inside the noise on the 2-core dev box at load 19-35: a hand-out right after a compute
+# burst (scratch, thread CPU, medians of 300) 425 -> 415 us over 9 back-to-back pairs (new lower
+# in 5); warm, the lease's build and release 3.6 -> 1.9 us (issue 31, stop 44). Earlier, with a
+# producer thread racing the loop (so waits counted too), Python and C calls per hand-out over a
+# 3-slot ring of transfer.py's 9 fields (tests/storage/test_handout_calls.py): a new shape each time 140-151 (~48 Python frames) against 161-164 (~61) at
 # 1cebb89 and ~200 at 62f8166; a repeated shape 101-117 against 153-166 (NOTE [ Shapes decoded
 # once ] in layout_codec.py); with the iterator's cuts (NOTE [ Hand-out objects without
 # __init__ ] in knitkit/microbatch_iter/batch.py). Of a new shape's calls ~30 are per field
@@ -194,38 +207,67 @@ class _SlotBytes:
     returns at once.
     """
 
-    __slots__ = ("__array_interface__", "_once", "_seq", "view")
+    __slots__ = ("__array_interface__", "once", "seq", "view")
 
-    def __init__(self, view: memoryview, address: int, releases: _Releases, seq: int) -> None:
-        """``view``'s ``nbytes`` bytes at ``address`` (``view`` keeps the mapping alive), the
-        bytes of lease ``seq`` of ``releases``."""
-        self.view = view
-        self._once = [releases]
-        self._seq = seq
-        self.__array_interface__ = {
-            "data": (address, True),
-            "shape": (view.nbytes,),
-            "typestr": "|u1",
-            "version": 3,
-        }
+    view: memoryview
+    """The lease's bytes (it keeps the mapping alive)."""
+    once: list[_Releases]
+    """The release count the lease goes back to, until it did."""
+    seq: int
+    __array_interface__: dict[str, object]
+    """``view``'s bytes at their address, read-only."""
 
     def __call__(self) -> None:
         """Release the lease, once, whichever comes first: its holder's ``release()`` (this is
         the lease's ``on_release``) or the end of its bytes' last reader (``__del__``).
         Thread-safe: the one-item list's ``pop`` is atomic; a second call (the backstop after
         ``release()``) returns without raising."""
-        once = self._once
+        once = self.once
         if not once:
             return
         try:
             releases = once.pop()
         except IndexError:  # another thread released it between the test and the pop
             return
-        releases.release(self._seq)
+        releases.release(self.seq)
 
     def __del__(self) -> None:
-        if self._once:  # the usual case: released already, no call
+        if self.once:  # the usual case: released already, no call
             self()
+
+
+def _lease(
+    layout: MicroBatchLayout, view: memoryview, address: int, releases: _Releases, seq: int
+) -> PackedMicroBatch:
+    """The lease of micro-batch ``seq`` of ``releases`` (``layout``, its private ``view`` at
+    ``address``) and its ``_SlotBytes``, both built without their ``__init__``: one frame per
+    hand-out, not three (NOTE [ Lease in few calls ]; NOTE [ Hand-out objects without
+    __init__ ] in knitkit/microbatch_iter/batch.py)."""
+    holder = _new(_SlotBytes)  # NOTE [ Lease backstop ]
+    holder.view = view
+    holder.once = [releases]
+    holder.seq = seq
+    holder.__array_interface__ = {
+        "data": (address, True),
+        "shape": (view.nbytes,),
+        "typestr": "|u1",
+        "version": 3,
+    }
+    lease = _new(PackedMicroBatch)
+    set_layout, set_buffer, set_on_release, set_seq, set_private, set_released = _LEASE_SLOTS
+    set_layout(lease, layout)
+    set_buffer(lease, np.asarray(holder))
+    set_on_release(lease, holder)
+    set_seq(lease, seq)
+    # the lease's private() is this very view (a C-level callable: no Python frame per call):
+    # booked once, mapped once per hand-out
+    set_private(lease, itertools.repeat(view).__next__)
+    set_released(lease, False)
+    return lease
+
+
+_new = object.__new__
+_LEASE_SLOTS = slot_setters(PackedMicroBatch)
 
 
 def _detach(ring: SlotRing, releases: _Releases, key: tuple[str, int]) -> None:
@@ -366,12 +408,7 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
             # hand-off ] in knitkit/microbatch_iter/worker.py): numpy views are read-only, but a
             # write through ``torch.from_numpy`` of one stays with this rank, never its TP peers
             view, address = releases.private(seq, layout.nbytes)
-            holder = _SlotBytes(view, address, releases, seq)  # NOTE [ Lease backstop ]
-            # the lease's private() is this very view (a C-level callable: no Python frame per
-            # call): booked once, mapped once per hand-out
-            lease = PackedMicroBatch(
-                layout, np.asarray(holder), holder, seq, itertools.repeat(view).__next__
-            )
+            lease = _lease(layout, view, address, releases, seq)
             self._next = seq + 1
             self._decode_s += time.perf_counter() - published
             self._handed_out += 1
@@ -701,8 +738,8 @@ class Take(Iterator[PackedMicroBatch]):
         """The next lease, its wait bounded by ``timeout_s`` where the consumer takes one."""
         if self.taken >= self.count or self._ended:
             raise StopIteration
-        try:
-            lease = self._lease(timeout_s)
+        try:  # the consumer's own call, not a method of this take's: one frame per hand-out
+            lease = self._consumer.next_micro_batch(timeout_s, cancel=self._cancel)
         except StopIteration:
             raise RuntimeError(
                 f"{self._consumer.name} finished after {self.taken} of the {self.count} "
@@ -710,9 +747,6 @@ class Take(Iterator[PackedMicroBatch]):
             ) from None
         self.taken += 1
         return lease
-
-    def _lease(self, timeout_s: float | None) -> PackedMicroBatch:
-        return self._consumer.next_micro_batch(timeout_s, cancel=self._cancel)
 
     def interrupt(self) -> None:
         """Make a ``next()`` waiting in another thread raise ``InterruptedError`` at once."""
@@ -731,6 +765,6 @@ class ConsumerTake(Take):
     hand-out ] in knitkit/microbatch_iter/worker.py). A subclass of ``Take`` that overrides
     ``__next__`` (a job's checked take) gets no ``next_lease``, so its checks always run."""
 
-    def next_lease(self, timeout_s: float) -> PackedMicroBatch:
-        """``next()`` waiting at most ``timeout_s`` (then ``TimeoutError``)."""
-        return self._next(timeout_s)
+    next_lease = Take._next
+    """``next()`` waiting at most ``timeout_s`` (then ``TimeoutError``): ``_next`` itself, so
+    an inline hand-out enters no frame of its own here (NOTE [ Lease in few calls ])."""
