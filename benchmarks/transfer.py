@@ -63,7 +63,7 @@ from knitkit.storage import (
     UnitBackend,
     plan_minibatch,
 )
-from knitkit.storage.backends.segments import pid_alive
+from knitkit.storage.backends import pid_alive
 from knitkit.storage.baselines import (
     Arena,
     LocalTrajectories,

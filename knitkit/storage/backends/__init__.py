@@ -5,7 +5,7 @@ The face for backend authors: the ``UnitBackend`` Protocol (``check_backend``), 
 lists, a range of an assignment's units at a time: ``UnitViews``; ``check_need`` is its check), the shared read and write bodies (``ReadCounter``,
 ``check_write``), the validators every backend runs before it
 changes state, ``UnitsLostError`` for units a backend can no longer read, and the owner-only
-finalizer for clean-ups of shared resources.
+finalizer for clean-ups of shared resources (``pid_alive``: whether a segment's owner runs).
 """
 
 from knitkit.storage.backends.backend import (
@@ -36,6 +36,7 @@ from knitkit.storage.backends.ranges import (
     rows_of,
     spec_of,
 )
+from knitkit.storage.backends.segments import pid_alive
 from knitkit.storage.backends.shard_header import CorruptShardError, read_header
 from knitkit.storage.backends.shm import SharedMemoryBackend
 from knitkit.storage.backends.validate import SUPPORTED_DTYPES, check_unit
@@ -68,6 +69,7 @@ __all__ = [
     "lost_units_in",
     "open_read",
     "paste_ranges",
+    "pid_alive",
     "read_header",
     "rows_of",
     "spec_of",
