@@ -332,23 +332,32 @@ from knitkit.storage.baselines import synthetic_metas
 
 inside = 0
 count_lock = threading.Lock()
-collections_while_planning = []
+collections_while_planning = 0
+started_with = 0
 real_plan = planner_module._plan
 
+def collections():
+    return sum(generation["collections"] for generation in gc.get_stats())
+
+# Collections are counted from the collector's own totals, read under the lock as the first
+# planner goes in and the last comes out: a gc.callbacks hook read `inside` after the collection
+# had started, and a thread switch at the hook's entry let a planner go in first (a collection
+# that started while none planned, counted as one while planning).
 def counted(*args, **kwargs):  # the real planner, counted while it runs
-    global inside
+    global inside, started_with, collections_while_planning
     with count_lock:
+        if inside == 0:
+            started_with = collections()
         inside += 1
     try:
         return real_plan(*args, **kwargs)
     finally:
         with count_lock:
             inside -= 1
+            if inside == 0:
+                collections_while_planning += collections() - started_with
 
 planner_module._plan = counted
-gc.callbacks.append(
-    lambda phase, info: phase == "start" and inside and collections_while_planning.append(info)
-)
 if sys.argv[1] == "disabled":
     gc.disable()
 before = gc.isenabled()
@@ -367,7 +376,7 @@ for thread in threads:
 for thread in threads:
     thread.join()
 print("REPORT " + json.dumps({
-    "before": before, "after": gc.isenabled(), "collections": len(collections_while_planning),
+    "before": before, "after": gc.isenabled(), "collections": collections_while_planning,
 }), flush=True)
 """
 
