@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import TypeAlias
+from dataclasses import dataclass, field, fields
+from functools import cache, lru_cache
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 SeqRange = tuple[int, int]
 """Half-open ``[start, stop)`` range along a field's sequence (first) axis."""
@@ -275,3 +278,11 @@ def _lay_out(
 
 def _align(nbytes: int) -> int:
     return (nbytes + LAYOUT_ALIGNMENT - 1) // LAYOUT_ALIGNMENT * LAYOUT_ALIGNMENT
+
+
+@cache
+def slot_setters(cls: type[DataclassInstance]) -> tuple[Callable[[Any, Any], None], ...]:
+    """The slot setters of the slotted dataclass ``cls``, in field order: a hot path that makes
+    instances without their ``__init__`` (a frozen dataclass's sets each field through
+    ``object.__setattr__``) sets their slots with them directly, in storage and in the iterator."""
+    return tuple(getattr(cls, f.name).__set__ for f in fields(cls))

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from knitkit.types import LAYOUT_ALIGNMENT, FieldView, MicroBatchLayout
+from knitkit.types import LAYOUT_ALIGNMENT, FieldView, MicroBatchLayout, slot_setters
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +110,8 @@ class MicroBatch:
 # their users and are built here by their slot setters (``IterStats.record``,
 # ``build_micro_batch``): the same objects, equal to the constructors'
 # (tests/storage/test_handout_calls.py).
-_STATS_SLOTS = tuple(getattr(MicroBatchStats, f.name).__set__ for f in fields(MicroBatchStats))
-_BATCH_SLOTS = tuple(getattr(MicroBatch, f.name).__set__ for f in fields(MicroBatch))
+_STATS_SLOTS = slot_setters(MicroBatchStats)
+_BATCH_SLOTS = slot_setters(MicroBatch)
 
 
 def build_micro_batch(

@@ -25,8 +25,7 @@ from knitkit.storage.delivery.slot_ring import (
     RingSpec,
     SlotRing,
 )
-from knitkit.storage.planning.plan import slot_setters
-from knitkit.types import MicroBatchLayout, PackedMicroBatch
+from knitkit.types import MicroBatchLayout, PackedMicroBatch, slot_setters
 
 CLOSE_WAIT_S = 10.0
 """How long ``close()`` waits for a ``next_micro_batch()`` of another thread to leave (at once,

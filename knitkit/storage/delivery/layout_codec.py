@@ -29,8 +29,8 @@ from functools import reduce
 import numpy as np
 
 from knitkit.storage.backends.validate import SUPPORTED_DTYPES
-from knitkit.storage.planning.plan import field_views, slot_setters
-from knitkit.types import LAYOUT_ALIGNMENT, FieldView, MicroBatchLayout, UnitKey
+from knitkit.storage.planning.plan import field_views
+from knitkit.types import LAYOUT_ALIGNMENT, FieldView, MicroBatchLayout, UnitKey, slot_setters
 
 _MAGIC = b"KKL1"
 _HEADER = struct.Struct("<4sq7I")

@@ -20,8 +20,15 @@ from knitkit.storage.planning.copy_list import (
     Copy,
     reserve,
 )
-from knitkit.storage.planning.plan import MicroBatchPlan, field_views, slot_setters
-from knitkit.types import LAYOUT_ALIGNMENT, MicroBatchLayout, SeqRange, UnitKey, UnitRead
+from knitkit.storage.planning.plan import MicroBatchPlan, field_views
+from knitkit.types import (
+    LAYOUT_ALIGNMENT,
+    MicroBatchLayout,
+    SeqRange,
+    UnitKey,
+    UnitRead,
+    slot_setters,
+)
 
 RowSpec = tuple[str, tuple[int, ...]]
 """A field's numpy dtype name and the shape of one row (per-token) or of the value (scalar)."""

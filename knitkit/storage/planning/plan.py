@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
 import json
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from knitkit.types import FieldView, MultimodalRef, SeqRange, UnitKey, UnitRead
+from knitkit.types import FieldView, MultimodalRef, SeqRange, UnitKey, UnitRead, slot_setters
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -210,13 +209,6 @@ def field_views(
         set_offset(view, offset)
         out.append(view)
     return out
-
-
-@functools.cache
-def slot_setters(cls: type[DataclassInstance]) -> tuple[Callable[[Any, Any], None], ...]:
-    """The slot setters of the slotted dataclass ``cls``, in field order (``build_many``; a hot
-    loop that makes a few instances sets their slots with them directly)."""
-    return tuple(getattr(cls, f.name).__set__ for f in fields(cls))
 
 
 @dataclass(frozen=True, slots=True)
