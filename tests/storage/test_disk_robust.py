@@ -17,8 +17,17 @@ from knitkit.storage.backends.shard_header import CorruptShardError
 from knitkit.types import UnitKey
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _open_shards(directory: Path) -> int:
+    """Descriptors of this process open on shard files in ``directory``, deleted ones included:
+    the backend's, never another thread's (a session's Ray runtime opens files of its own)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed since the listing
+            continue
+        count += target.startswith(f"{directory.resolve()}/") and ".safetensors" in target
+    return count
 
 
 def test_open_files_stay_bounded_and_deleted_shards_are_closed(tmp_path: Path) -> None:
@@ -30,13 +39,13 @@ def test_open_files_stay_bounded_and_deleted_shards_are_closed(tmp_path: Path) -
         backend.put(key, np.full(8, i, dtype=np.int32))
         backend.flush()  # one shard per unit
     reader = pickle.loads(pickle.dumps(backend))
-    baseline = _open_fds()
+    baseline = _open_shards(tmp_path / "shards")
     for _ in range(3):
         for i, key in enumerate(keys):
             assert int(backend.read(key, [(2, 4)])[0]) == i
             assert int(reader.read(key)[0]) == i
             assert backend.open_files <= 4 and reader.open_files <= 4
-    assert _open_fds() - baseline <= 8
+    assert _open_shards(tmp_path / "shards") - baseline <= 8
     reader.close()
     for key in keys:
         backend.delete(key)
