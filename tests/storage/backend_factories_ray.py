@@ -1,7 +1,8 @@
-"""The Ray object-store backend in the storage contract suite, on a local Ray instance.
+"""The Ray object-store backend in the storage contract suite, on the session's local Ray runtime.
 
-Starting Ray takes 5-15 s on this machine, so the first Ray backend of a test module starts one
-instance and ``teardown()`` (run by conftest.py after the module) shuts it down again.
+Starting Ray takes 5-15 s on this machine, so the backends run on the runtime the suite shares
+(``local_ray`` in tests/conftest.py, requested through ``FIXTURES``) instead of one started and
+shut down per module.
 """
 
 from __future__ import annotations
@@ -12,31 +13,21 @@ import pytest
 
 from knitkit.storage.backends.backend import UnitBackend
 
-_started = False
+FIXTURES = ("local_ray",)
+"""Fixtures the storage conftest sets up before this file's factories run."""
 
 
 def make_backend(tmp: Path) -> UnitBackend:
-    global _started
     try:
         import ray
     except ImportError as error:
         pytest.skip(f"the Ray backend needs ray (pip install knitkit[ray]): {error}")
     # knitkit's own adapter imports outside the skip: a broken adapter is an error, not "no ray"
-    from knitkit.integration.ray import RayBackend, start_ray
+    from knitkit.integration.ray import RayBackend
 
     if not ray.is_initialized():
-        start_ray(num_cpus=2, logging_level="ERROR")
-        _started = True
+        raise RuntimeError("the Ray backend runs on the session's runtime: request local_ray")
     return RayBackend()
-
-
-def teardown() -> None:
-    global _started
-    if _started:
-        import ray
-
-        ray.shutdown()
-        _started = False
 
 
 FACTORIES = {"ray": make_backend}

@@ -7,7 +7,8 @@ add a file ``tests/storage/backend_factories_<name>.py`` defining
 
 where ``make_backend(tmp_path)`` returns a fresh, empty backend (call ``pytest.skip`` inside it
 when the engine is unavailable). The suite closes every backend it made. An optional
-``teardown()`` in that file runs after each test module (to stop an engine the factory started).
+``FIXTURES: tuple[str, ...]`` in that file names fixtures set up before its factories run (an
+engine the suite shares, e.g. ``local_ray``).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ BACKEND_FACTORIES: dict[str, BackendFactory] = {
     "disk": lambda tmp: SafetensorsBackend(str(tmp / "shards"), shard_bytes=64 << 10),
 }
 
-
-_TEARDOWNS: list[Callable[[], None]] = []
+FACTORY_FIXTURES: dict[str, tuple[str, ...]] = {}
+"""Backend name -> the fixtures its factory needs first (its file's ``FIXTURES``)."""
 
 
 def _load_extra_factories() -> None:
@@ -48,24 +49,17 @@ def _load_extra_factories() -> None:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         BACKEND_FACTORIES.update(module.FACTORIES)
-        if hasattr(module, "teardown"):
-            _TEARDOWNS.append(module.teardown)
+        FACTORY_FIXTURES.update(dict.fromkeys(module.FACTORIES, getattr(module, "FIXTURES", ())))
 
 
 _load_extra_factories()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _stop_factory_engines() -> Iterator[None]:
-    """Run the factories' ``teardown()`` after each module (e.g. shut down a local Ray)."""
-    yield
-    for teardown in _TEARDOWNS:
-        teardown()
-
-
 @pytest.fixture(params=sorted(BACKEND_FACTORIES))
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[UnitBackend]:
     """A fresh backend of every registered kind."""
+    for fixture in FACTORY_FIXTURES.get(request.param, ()):
+        request.getfixturevalue(fixture)
     made = BACKEND_FACTORIES[request.param](tmp_path)
     try:
         yield made
