@@ -9,7 +9,7 @@ waiting for the process-group timeout.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -29,6 +29,8 @@ from knitkit.types import UnitKey
 
 A, B = UnitKey("a", "image"), UnitKey("b", "image")
 HIDDEN = 2
+WORLD_TIMEOUT_S = 120.0
+"""Default limit of one job on this module's lent world (``world2`` in tests/conftest.py)."""
 
 
 def _plan(rank_one_wants_more: bool) -> RoutingPlan:
@@ -104,29 +106,23 @@ def _same_plans(rank: int) -> list[list[float]]:
     return features.tolist()
 
 
-@pytest.fixture(scope="module")
-def world() -> Iterator[World]:
-    with World(2, timeout_s=120) as w:
-        yield w
-
-
-def test_agreeing_plans_move_rows(world: World) -> None:
+def test_agreeing_plans_move_rows(world2: World) -> None:
     """The handshake lets agreeing ranks through: features are rank 0's A rows then rank 1's B rows."""
-    for features in world.run(_same_plans):
+    for features in world2.run(_same_plans):
         assert features == [[1.0, 1.0]] * 3 + [[2.0, 2.0]] * 2
 
 
-def test_different_plans_raise_on_every_rank(world: World) -> None:
+def test_different_plans_raise_on_every_rank(world2: World) -> None:
     """Plans that differ raise on every rank before any row moves, naming both ranks and the counts."""
-    for rank, message in enumerate(world.run(_different_plans)):
+    for rank, message in enumerate(world2.run(_different_plans)):
         assert "routing plans differ" in message, (rank, message)
         assert "ranks [0]" in message and "ranks [1]" in message, message
         assert "rank 0 sends 3 forward rows to rank 1, which expects 4" in message, message
 
 
-def test_rank_that_skips_backward_is_named(world: World) -> None:
+def test_rank_that_skips_backward_is_named(world2: World) -> None:
     """A rank that skips backward() and starts the next encode: both ranks name the phases."""
-    for message in world.run(_skips_backward):
+    for message in world2.run(_skips_backward):
         assert "rank 0 is in phase 'backward' while rank 1 is in phase 'encode'" in message, message
 
 
@@ -163,12 +159,12 @@ def _counted_step(rank: int, plan: RoutingPlan) -> tuple[int, int, list[list[flo
     return transport.handshakes, transport.rows, features.tolist()
 
 
-def test_agreeing_plans_shake_hands_once_per_phase(world: World) -> None:
+def test_agreeing_plans_shake_hands_once_per_phase(world2: World) -> None:
     """Ranks that hold one routing plan (its fingerprint vouches for every row count) agree in
     one handshake exchange per phase, not two (NOTE [ One round when the plan vouches ]), and
     move the same rows as before."""
     plan = _plan(rank_one_wants_more=False)
-    for handshakes, rows, features in world.run(_counted_step, plan):
+    for handshakes, rows, features in world2.run(_counted_step, plan):
         assert (handshakes, rows) == (2, 2)
         assert features == [[1.0, 1.0]] * 3 + [[2.0, 2.0]] * 2
 
@@ -182,10 +178,10 @@ def _hand_built(rank: int, plan: RoutingPlan) -> int:
     return transport.handshakes
 
 
-def test_routes_without_a_fingerprint_keep_both_rounds(world: World) -> None:
+def test_routes_without_a_fingerprint_keep_both_rounds(world2: World) -> None:
     """A hand-built route carries no plan fingerprint, so nothing vouches for its counts: every
     rank runs the second round that tells each rank every disagreement."""
-    assert world.run(_hand_built, _plan(rank_one_wants_more=False)) == [2, 2]
+    assert world2.run(_hand_built, _plan(rank_one_wants_more=False)) == [2, 2]
 
 
 def _counts_differ_under_one_plan(rank: int) -> str:
@@ -203,9 +199,9 @@ def _counts_differ_under_one_plan(rank: int) -> str:
     return "no error"
 
 
-def test_counts_that_differ_under_one_plan_are_named(world: World) -> None:
+def test_counts_that_differ_under_one_plan_are_named(world2: World) -> None:
     """Counts that differ although the fingerprints agree (routes built by different code)
     raise ``RouteMismatch`` on both ranks of the pair before any row moves, naming the counts."""
-    for message in world.run(_counts_differ_under_one_plan):
+    for message in world2.run(_counts_differ_under_one_plan):
         assert "routes of the same plan" in message, message
         assert "rank 0 sends 3 forward rows to rank 1, which expects 2" in message, message

@@ -37,6 +37,8 @@ HIDDEN, PIXELS = 8, 4
 NEVER_S = 30.0
 """handshake_timeout_s: every rank arrives, so every error must come well before it."""
 OUTER_S = 100.0
+WORLD_TIMEOUT_S = OUTER_S
+"""Default limit of one job on this module's lent worlds (``world2``/``world4`` in tests/conftest.py)."""
 UNITS = (UnitKey("a", "image"), UnitKey("b", "image"))
 
 
@@ -212,12 +214,6 @@ def _never_starts(rank: int, limit: float) -> tuple[str, str, float]:
     except Exception as error:
         return type(error).__name__, str(error), time.monotonic() - started
     return "", "no error", time.monotonic() - started
-
-
-@pytest.fixture(scope="module")
-def world2() -> Iterator[World]:
-    with World(2, timeout_s=OUTER_S) as world:
-        yield world
 
 
 def _every_rank_refuses(world: World, case: str, *expected: str) -> list[str]:

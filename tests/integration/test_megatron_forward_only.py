@@ -36,6 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import megatron_wrap as user
 
+WORLD_TIMEOUT_S = 240.0
+"""Default limit of one job on this module's lent worlds (``world2``/``world4`` in tests/conftest.py)."""
+
 
 def _logprobs(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss function of a log-prob pass: per-token log-probs (``-cross entropy``) of the labels."""
@@ -103,18 +106,6 @@ def _check(results: list[dict[str, EquivalenceReport]]) -> None:
     assert logprobs["old"] != logprobs["ref"], (
         "old and reference models must give different log-probs"
     )
-
-
-@pytest.fixture(scope="module")
-def world2() -> Iterator[World]:
-    with World(2, timeout_s=240) as world:
-        yield world
-
-
-@pytest.fixture(scope="module")
-def world4() -> Iterator[World]:
-    with World(4, timeout_s=240) as world:
-        yield world
 
 
 def test_dp2_forward_only_logprobs_match_unwrapped(world2: World) -> None:

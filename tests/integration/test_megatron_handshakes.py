@@ -25,6 +25,9 @@ from test_megatron_agreement import PIXELS, _model, _route
 from knitkit.integration.megatron import cpu as megatron_cpu
 from knitkit.types import UnitKey
 
+WORLD_TIMEOUT_S = 100.0
+"""Default limit of one job on this module's lent worlds (``world2``/``world4`` in tests/conftest.py)."""
+
 NEVER_S = 30.0
 """handshake_timeout_s: every rank arrives, so every error must come well before it."""
 COUNTED = ("all_gather_into_tensor", "batch_isend_irecv")
@@ -149,12 +152,6 @@ def _walks(rank: int) -> tuple[int, int]:
         frozen = weight.main_grad if hasattr(weight, "main_grad") else weight.grad
         untouched = frozen is None or not frozen.abs().sum().item()
         return walks, int(trained is not None and bool(trained.abs().sum().item()) and untouched)
-
-
-@pytest.fixture(scope="module")
-def world2() -> Iterator[World]:
-    with World(2, timeout_s=100.0) as world:
-        yield world
 
 
 @pytest.mark.parametrize(("forward_only", "expected"), [(True, 2), (False, 4)])

@@ -42,6 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import megatron_llava as user
 
+WORLD_TIMEOUT_S = 300.0
+"""Default limit of one job on this module's lent worlds (``world2``/``world4`` in tests/conftest.py)."""
+
 RTOL, FLOOR = 1e-4, 1e-6
 BELOW_FLOOR = ("vision_model.class_token",)
 """Parameters whose reference gradient is below FLOOR (compared only absolutely): the class token
@@ -252,12 +255,6 @@ def _expansion(rank: int) -> list[bool]:
         megatron_cpu.destroy_model_parallel()
 
 
-@pytest.fixture(scope="module")
-def world2() -> Iterator[World]:
-    with World(2, timeout_s=300) as world:
-        yield world
-
-
 def test_llava_expansion_matches_preprocess_data(world2: World) -> None:
     """Write-time expansion = LLaVA's in-model expansion: image rows, text ids, labels, loss mask."""
     for checks in world2.run(_expansion):
@@ -276,10 +273,9 @@ def test_llava_dp2_matches_unwrapped(world2: World) -> None:
 
 
 @pytest.mark.slow
-def test_llava_dp2_tp2_matches_unwrapped() -> None:
+def test_llava_dp2_tp2_matches_unwrapped(world4: World) -> None:
     """DP=2 x TP=2: TP peers encode together, rows routed across DP; same gradients."""
-    with World(4, timeout_s=300) as world:
-        _check(world.run(_equivalence, 2, True))
+    _check(world4.run(_equivalence, 2, True))
 
 
 def test_llava_dp2_rank_with_nothing_to_encode(world2: World) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +48,9 @@ from knitkit.storage import (
     plan_minibatch,
 )
 from knitkit.storage.planning import cp_chunks
+
+WORLD_TIMEOUT_S = 300.0
+"""Default limit of one job on this module's lent worlds (``world2``/``world4`` in tests/conftest.py)."""
 
 RTOL, FLOOR = 1e-4, 1e-6
 STEPS, LR = 2, 0.5
@@ -220,22 +222,15 @@ def _check(results: list[EquivalenceReport], tensor_parallel: int) -> None:
     assert report.units_without_dedup > report.units_with_dedup
 
 
-@pytest.fixture(scope="module")
-def world2() -> Iterator[World]:
-    with World(2, timeout_s=300) as world:
-        yield world
-
-
 def test_mrope_tp2_matches_without_dedup(world2: World) -> None:
     """TP=2, overlap on: every vision and language-model gradient equals the non-dedup model's."""
     _check(world2.run(_equivalence, 2, True), 2)
 
 
 @pytest.mark.slow
-def test_mrope_dp2_tp2_matches_without_dedup() -> None:
+def test_mrope_dp2_tp2_matches_without_dedup(world4: World) -> None:
     """DP=2 x TP=2: TP peers encode together, rows routed across DP; same gradients."""
-    with World(4, timeout_s=300) as world:
-        _check(world.run(_equivalence, 2, True), 2)
+    _check(world4.run(_equivalence, 2, True), 2)
 
 
 def _cuda_devices() -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,9 @@ from knitkit.storage import PlannerConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import megatron_wrap as user
+
+WORLD_TIMEOUT_S = 300.0
+"""Default limit of one job on this module's lent worlds (``world2``/``world4`` in tests/conftest.py)."""
 
 RTOL, FLOOR = 1e-4, 1e-6
 STEPS, LR = 2, 0.5
@@ -183,12 +185,6 @@ def _disagreeing_counts(rank: int) -> str:
         return "no error"
     finally:
         megatron_cpu.destroy_model_parallel()
-
-
-@pytest.fixture(scope="module")
-def world4() -> Iterator[World]:
-    with World(4, timeout_s=300) as world:
-        yield world
 
 
 def _check(results: list[EquivalenceReport], pipeline: int = 2) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,6 +38,9 @@ from knitkit.integration.megatron.testing import VLMUnderTest, check_equivalence
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import megatron_wrap as user
+
+WORLD_TIMEOUT_S = 240.0
+"""Default limit of one job on this module's lent worlds (``world2``/``world4`` in tests/conftest.py)."""
 
 RTOL, FLOOR = 1e-4, 1e-6
 STEPS, LR = 2, 0.5
@@ -218,18 +220,6 @@ def _layout(rank: int, tensor_parallel: int, context_parallel: int) -> dict[str,
         }
     finally:
         megatron_cpu.destroy_model_parallel()
-
-
-@pytest.fixture(scope="module")
-def world2() -> Iterator[World]:
-    with World(2, timeout_s=240) as world:
-        yield world
-
-
-@pytest.fixture(scope="module")
-def world4() -> Iterator[World]:
-    with World(4, timeout_s=240) as world:
-        yield world
 
 
 OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["overlap_off", "overlap_on"])

@@ -60,6 +60,9 @@ from knitkit.storage import (
 from knitkit.storage.planning import StageLayers, plan_encoder
 from knitkit.types import TrajectoryMeta
 
+WORLD_TIMEOUT_S = 120.0
+"""Default limit of one job on this module's lent worlds (``world2``/``world4`` in tests/conftest.py)."""
+
 LAYERS, EXPERTS, TOPK, VOCAB = 4, 8, 2, 64
 LENGTHS = (9, 14, 6, 11, 7, 12)
 FIELDS = ("tokens", "labels", "loss_mask", "routing")
@@ -441,12 +444,6 @@ def _check(results: list[dict[str, Any]]) -> None:
         for name, grad in got["grads"].items():
             torch.testing.assert_close(grad, got["ref_grads"][name], rtol=1e-5, atol=1e-6)
         assert got["leftover"] == [0] * len(got["leftover"]), "replay rows left after the step"
-
-
-@pytest.fixture(scope="module")
-def world2() -> Iterator[World]:
-    with World(2) as world:
-        yield world
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
@@ -952,7 +949,6 @@ def test_stage_layers_follow_megatron_core_and_misfits_are_refused() -> None:
         config.build(admission=controller)
 
 
-def test_replay_at_dp2_tp2() -> None:
+def test_replay_at_dp2_tp2(world4: World) -> None:
     """DP2 x TP2: each DP rank replays its own micro-batches' routing, each TP rank its half."""
-    with World(4) as world:
-        _check(world.run(_layout, 2, 2, 1, False, timeout_s=300))
+    _check(world4.run(_layout, 2, 2, 1, False, timeout_s=300))
