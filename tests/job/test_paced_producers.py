@@ -5,11 +5,11 @@ schedule writer's heartbeat wake once per paced period (2 s at the default 30 s 
 
 from __future__ import annotations
 
-import glob
 import threading
 import time
 
 from job_harness import controller, driver_config, trajectories, wait_for
+from task_switches import voluntary_switches
 
 from knitkit.storage.delivery.publication import MAX_HEARTBEAT_S, heartbeat_period
 from knitkit.storage.delivery.slot_ring import STARTING
@@ -22,11 +22,7 @@ WINDOW_S = MAX_HEARTBEAT_S / 2
 
 def _switches(pattern: str) -> int:
     """Voluntary context switches (one per ended sleep) of the tasks whose status files match."""
-    total = 0
-    for status in glob.glob(pattern):
-        with open(status) as lines:
-            total += sum(int(s.split()[1]) for s in lines if s.startswith("voluntary_ctxt"))
-    return total
+    return sum(voluntary_switches(pattern).values())
 
 
 def test_a_jobs_idle_producers_wake_once_per_paced_period() -> None:

@@ -3,7 +3,6 @@ one prefetch thread; bounded takes; private views; clear errors when the consume
 
 from __future__ import annotations
 
-import os
 import resource
 import threading
 import time
@@ -12,6 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from task_switches import voluntary_switches
 
 from knitkit.microbatch_iter import MicroBatchIterator
 from knitkit.storage.delivery.consumer import (
@@ -313,16 +313,8 @@ def _prefetch_threads() -> list[str]:
 
 def _others_sleeps() -> dict[str, int]:
     """Voluntary context switches so far of every thread of this process but the caller's."""
-    me = str(threading.get_native_id())
-    sleeps = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/status") as status:
-                lines = status.readlines()
-        except FileNotFoundError:  # the thread exited meanwhile
-            continue
-        if tid != me:
-            sleeps[tid] = next(int(s.split()[1]) for s in lines if s.startswith("voluntary_ctxt"))
+    sleeps = voluntary_switches("/proc/self/task/*/status")
+    del sleeps[f"/proc/self/task/{threading.get_native_id()}/status"]
     return sleeps
 
 
@@ -334,7 +326,7 @@ def _sleeps_since(before: tuple[dict[str, int], int]) -> int:
     others, total = before
     total = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - total
     now = _others_sleeps()
-    return total - sum(now.get(tid, count) - count for tid, count in others.items())
+    return total - sum(now.get(task, count) - count for task, count in others.items())
 
 
 def test_a_cpu_take_is_handed_out_inline_with_no_thread_and_no_sleep(make_ring):

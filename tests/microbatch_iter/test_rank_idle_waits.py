@@ -8,17 +8,16 @@ import time
 
 import numpy as np
 import pytest
+from task_switches import voluntary_switches
 
 from knitkit.microbatch_iter import MicroBatchIterator
+
+_THIS_THREAD = "/proc/thread-self/status"
 
 
 def _voluntary_switches() -> int:
     """This thread's voluntary context switches so far (each sleep that ended is one)."""
-    with open("/proc/thread-self/status") as status:
-        for line in status:
-            if line.startswith("voluntary_ctxt_switches:"):
-                return int(line.split()[1])
-    raise AssertionError("no voluntary_ctxt_switches in /proc/thread-self/status")
+    return voluntary_switches(_THIS_THREAD)[_THIS_THREAD]
 
 
 def test_a_waiting_next_makes_no_periodic_wakes():

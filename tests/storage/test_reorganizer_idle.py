@@ -4,7 +4,6 @@ process shutdown ], NOTE [ Heartbeat period ])."""
 
 from __future__ import annotations
 
-import glob
 import os
 import select
 import subprocess
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 from delivery_payloads import fill_backend, make_metas, plan_for
 from ring_parts import until_producer_waits
+from task_switches import voluntary_switches
 
 from knitkit.storage.backends.shm import SharedMemoryBackend
 from knitkit.storage.delivery.consumer import MicroBatchConsumer
@@ -35,13 +35,7 @@ WAIT_S = 120.0
 
 def _wakes(pid: int) -> int:
     """Voluntary context switches of every thread of ``pid`` so far (one per blocking wait)."""
-    total = 0
-    for status in glob.glob(f"/proc/{pid}/task/*/status"):
-        with open(status) as lines:
-            for line in lines:
-                if line.startswith("voluntary_ctxt_switches:"):
-                    total += int(line.split()[1])
-    return total
+    return sum(voluntary_switches(f"/proc/{pid}/task/*/status").values())
 
 
 def _started(reorganizer: ReorganizerProcess) -> int:
