@@ -9,6 +9,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -141,36 +142,32 @@ class MooncakeBackend(UnitBackend):
                 "local_hostname=<this node's address>, where listening on the network is the "
                 "intent (integration/mooncake/README.md, 'Listeners')."
             )
-        self.master = master
-        self.namespace = namespace or f"knitkit-{uuid.uuid4().hex[:12]}"
-        self.local_hostname = local_hostname
-        self.protocol = protocol
-        self.allow_wildcard_listeners = allow_wildcard_listeners
-        self._owner = segment_bytes > 0
-        # our own engine, so we know its endpoint (NOTE [ Mooncake same-process reads ])
-        self._engine = TransferEngine()
-        if self._engine.initialize(local_hostname, "P2PHANDSHAKE", protocol, "") != 0:
-            raise RuntimeError(
-                f"Mooncake transfer engine on {local_hostname!r} ({protocol}) failed to start; "
-                "is local_hostname an address of this host?"
-            )
-        self._endpoint = _endpoint(local_hostname, self._engine.get_rpc_port())
-        self._store = MooncakeDistributedStore()
-        code = self._store.setup(
-            local_hostname,
-            "P2PHANDSHAKE",
-            segment_bytes,
-            local_buffer_bytes,
-            protocol,
-            "",
-            master.rpc,
-            self._engine.get_engine(),
+        self._start(
+            _Client.connect(master, segment_bytes, local_buffer_bytes, local_hostname, protocol),
+            master,
+            namespace or _fresh_namespace(),
+            allow_wildcard_listeners,
         )
-        if code != 0:
-            raise RuntimeError(
-                f"Mooncake client setup against master {master.rpc} failed ({_name(code)}); "
-                "is mooncake_master running there (see MooncakeMaster)?"
-            )
+
+    def _start(
+        self,
+        client: _Client,
+        master: MasterAddress,
+        namespace: str,
+        allow_wildcard_listeners: bool,
+    ) -> None:
+        """Serve ``namespace`` through ``client`` (one more backend on it)."""
+        client.backends += 1
+        self._closed = False
+        self.master = master
+        self.namespace = namespace
+        self.local_hostname = client.local_hostname
+        self.protocol = client.protocol
+        self.allow_wildcard_listeners = allow_wildcard_listeners
+        self._client = client
+        self._store = client.store
+        self._owner = client.owner
+        """Whether ``close`` removes the namespace's units (a client that contributes memory)."""
         self._config = ReplicateConfig()
         self._config.with_hard_pin = True
         self._specs: dict[UnitKey, UnitSpec] = {}
@@ -300,16 +297,34 @@ class MooncakeBackend(UnitBackend):
         than moved by the transport (NOTE [ Mooncake same-process reads ])."""
         return self._local_bytes
 
+    def with_namespace(self, namespace: str | None = None) -> MooncakeBackend:
+        """Another backend on this one's client (its transfer engine, listeners and segment) for
+        ``namespace`` (default: a fresh one), owned as this one's is: no second client to set up
+        and close (NOTE [ Namespaces on one client ])."""
+        if self._closed:
+            raise RuntimeError(f"MooncakeBackend of namespace {self.namespace!r} is closed")
+        other = MooncakeBackend.__new__(MooncakeBackend)
+        other._start(
+            self._client,
+            self.master,
+            namespace or _fresh_namespace(),
+            self.allow_wildcard_listeners,
+        )
+        return other
+
     def close(self) -> None:
-        """Disconnect; the owning instance first removes every unit of its namespace."""
+        """Disconnect; the owning instance first removes every unit of its namespace. The client
+        closes with the last backend on it (NOTE [ Namespaces on one client ])."""
+        if self._closed:
+            return
+        self._closed = True
         if self._owner:
             self._store.remove_by_regex(f"^{self.namespace}/", True)
             self._owner = False
         for ptr, _ in self._pinned:
             self._store.unregister_buffer(ptr)
         self._pinned.clear()
-        self._store.close()
-        self._engine = None  # the store no longer uses it: let it stop its listeners
+        self._client.release()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (
@@ -346,7 +361,10 @@ class MooncakeBackend(UnitBackend):
                 if not replica.is_memory_replica() or replica.status != ReplicaStatus.COMPLETE:
                     continue
                 buffer = replica.get_memory_descriptor().buffer_descriptor
-                if buffer.transport_endpoint == self._endpoint and buffer.size == specs[key].nbytes:
+                if (
+                    buffer.transport_endpoint == self._client.endpoint
+                    and buffer.size == specs[key].nbytes
+                ):
                     found[key] = buffer.buffer_address
                     break
         return found
@@ -393,6 +411,80 @@ class MooncakeBackend(UnitBackend):
 
     def _spec_key(self, key: UnitKey) -> str:
         return f"{self.namespace}/s/{key}"
+
+
+# NOTE [ Namespaces on one client ]
+#
+# A Mooncake client (a transfer engine with its listeners, the store connection, the segment an
+# owner contributes) costs seconds to close: 2.0 s (quiet) to 3.0 s (loaded) inside Mooncake's
+# own `MooncakeDistributedStore.close()` on the 2-core dev box, with no setting that shortens it. Namespaces are only key prefixes, so `with_namespace` serves another one through
+# the same client: one process holding several independent stores (per job, per experiment;
+# the test suite, per test) pays for one client. The backends on a client share its segment
+# (an owner's units of every namespace lie in it: NOTE [ Mooncake same-process reads ] holds for
+# each) and count themselves on it; each `close` removes its own namespace's units (when the
+# client contributes memory) and its own registered buffers, and the last one closes the client.
+# A backend's pickled copy is a memory-less client of its namespace, as before.
+
+
+@dataclass(slots=True)
+class _Client:
+    """One Mooncake client: a transfer engine of our own (so we know its endpoint: NOTE
+    [ Mooncake same-process reads ]) and the store connection on it, shared by the backends
+    of every namespace served through it."""
+
+    engine: TransferEngine | None
+    store: MooncakeDistributedStore
+    endpoint: str
+    local_hostname: str
+    protocol: str
+    owner: bool
+    """Whether it contributes a segment (its backends own their namespaces)."""
+    backends: int = 0
+
+    @classmethod
+    def connect(
+        cls,
+        master: MasterAddress,
+        segment_bytes: int,
+        local_buffer_bytes: int,
+        local_hostname: str,
+        protocol: str,
+    ) -> _Client:
+        engine = TransferEngine()
+        if engine.initialize(local_hostname, "P2PHANDSHAKE", protocol, "") != 0:
+            raise RuntimeError(
+                f"Mooncake transfer engine on {local_hostname!r} ({protocol}) failed to start; "
+                "is local_hostname an address of this host?"
+            )
+        store = MooncakeDistributedStore()
+        code = store.setup(
+            local_hostname,
+            "P2PHANDSHAKE",
+            segment_bytes,
+            local_buffer_bytes,
+            protocol,
+            "",
+            master.rpc,
+            engine.get_engine(),
+        )
+        if code != 0:
+            raise RuntimeError(
+                f"Mooncake client setup against master {master.rpc} failed ({_name(code)}); "
+                "is mooncake_master running there (see MooncakeMaster)?"
+            )
+        endpoint = _endpoint(local_hostname, engine.get_rpc_port())
+        return cls(engine, store, endpoint, local_hostname, protocol, segment_bytes > 0)
+
+    def release(self) -> None:
+        """One backend on it closed; the last one closes the store."""
+        self.backends -= 1
+        if self.backends == 0:
+            self.store.close()
+            self.engine = None  # the store no longer uses it: let it stop its listeners
+
+
+def _fresh_namespace() -> str:
+    return f"knitkit-{uuid.uuid4().hex[:12]}"
 
 
 def _is_here(host: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,13 +39,78 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MasterAddress]:
         yield address
 
 
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeBackend]:
+    """One client for the module's ``backend`` tests (a close costs 2-3 s: NOTE [ Namespaces on
+    one client ] in integration/mooncake/backend.py), on a master of its own: its segment would
+    take replicas of the units that the tests on ``master`` put through their own clients."""
+    log = tmp_path_factory.mktemp("mooncake") / "client_master.log"
+    with MooncakeMaster(log_path=str(log)) as address:
+        made = MooncakeBackend(address, segment_bytes=128 << 20, allow_wildcard_listeners=True)
+        try:
+            yield made
+        finally:
+            made.close()
+
+
 @pytest.fixture
-def backend(master: MasterAddress) -> Iterator[MooncakeBackend]:
-    made = MooncakeBackend(master, segment_bytes=128 << 20, allow_wildcard_listeners=True)
+def backend(client: MooncakeBackend) -> Iterator[MooncakeBackend]:
+    """A fresh namespace on the module's client; its close removes the namespace's units."""
+    made = client.with_namespace()
     try:
         yield made
     finally:
         made.close()
+
+
+def _segments(master: MasterAddress) -> list[str]:
+    """The segments mounted at the master (one per client that contributes memory)."""
+    with urllib.request.urlopen(f"http://{master.http}/get_all_segments", timeout=10) as reply:
+        return reply.read().decode().split()
+
+
+def test_namespaces_on_one_client_are_separate_and_the_last_close_disconnects(
+    master: MasterAddress,
+) -> None:
+    """``with_namespace`` serves another namespace through the same client: the same key holds
+    each namespace's own rows, listed only there, read straight out of the shared segment; a
+    namespace's close removes its units alone and leaves the client (its segment) up for the
+    others, whichever closes first; the last close unmounts the segment; a closed backend
+    refuses to make another."""
+    key = UnitKey("t0", "tokens")
+    before = set(_segments(master))
+    first = MooncakeBackend(master, segment_bytes=16 << 20, allow_wildcard_listeners=True)
+    second = first.with_namespace()
+    third = second.with_namespace("knitkit-named")
+    mounted = set(_segments(master)) - before
+    try:
+        assert len(mounted) == 1  # one client, one segment
+        assert len({first.namespace, second.namespace, third.namespace}) == 3
+        assert third.namespace == "knitkit-named"
+        for value, backend in enumerate((first, second, third)):
+            backend.put(key, np.full(8, value, dtype=np.int32))
+        for value, backend in enumerate((first, second, third)):
+            np.testing.assert_array_equal(backend.read(key, [(2, 5)]), [value] * 3)
+            assert list(backend.keys()) == [key]
+            assert backend.bytes_read_locally == backend.bytes_read == 12
+        first.close()  # the creator first: the others keep the client
+        first.close()  # a second close changes nothing
+        with pytest.raises(RuntimeError, match=first.namespace):
+            first.with_namespace()
+        assert set(_segments(master)) - before == mounted
+        np.testing.assert_array_equal(second.read(key), np.full(8, 1, dtype=np.int32))
+        second.close()
+        again = third.with_namespace(second.namespace)
+        try:
+            with pytest.raises(KeyError, match="t0/tokens"):
+                again.read(key)  # second's units went with its close
+        finally:
+            again.close()
+        np.testing.assert_array_equal(third.read(key), np.full(8, 2, dtype=np.int32))
+    finally:
+        for backend in (first, second, third):
+            backend.close()
+    assert set(_segments(master)) - before == set()
 
 
 def test_ranged_reads_move_only_the_asked_rows(backend: MooncakeBackend) -> None:
