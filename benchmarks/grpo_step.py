@@ -74,7 +74,8 @@ WORLD = 4
 WAIT_KINDS = {
     "pass": "waiting for the next pass",
     "encoder_inputs": "reading encoder inputs",
-    "batch": "waiting for micro-batches",
+    "first_batch": "a pass's first micro-batch",
+    "batch": "its later micro-batches",
     "write_back": "sending write-backs",
     "done": "finishing passes",
     "load": "loading its share (plain)",

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from grpo import compare, plain  # noqa: E402
+from grpo.clock import StepClock  # noqa: E402
 from grpo.rewards import group_advantages  # noqa: E402
 from grpo.rollout import RolloutConfig, RolloutStandIn, generate_group  # noqa: E402
 
@@ -118,3 +119,17 @@ def test_plain_loader_matches_the_sglang_adapter() -> None:
         assert np.array_equal(stored["loss_mask"], mine.loss_mask)
         (key,) = store.meta(request.trajectory_id).multimodal
         assert np.array_equal(store.read(key.key), mine.image)
+
+
+def test_the_step_clock_counts_a_passs_first_micro_batch_on_its_own() -> None:
+    """``StepClock.timed(first=...)``: the wait for a pass's first micro-batch (the one that
+    waits for what an earlier pass wrote back) is its own kind, every later one's is ``batch``,
+    and the step's data wait is their sum; a pass with no micro-batch counts its one look."""
+    clock = StepClock()
+    clock.start()
+    assert list(clock.timed(iter([1, 2, 3]), first="first_batch")) == [1, 2, 3]
+    assert list(clock.timed(iter([]), first="first_batch")) == []
+    figures = clock.stop()
+    assert set(clock.waits) == {"first_batch", "batch"}
+    parts = figures["data_wait_s.first_batch"] + figures["data_wait_s.batch"]
+    assert figures["data_wait_s"] == pytest.approx(parts)

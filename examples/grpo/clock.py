@@ -58,12 +58,16 @@ class StepClock:
         finally:
             self.waits[kind] = self.waits.get(kind, 0.0) + time.perf_counter() - start
 
-    def timed(self, batches: Iterable[T]) -> Iterator[T]:
-        """``batches`` with each ``next()`` counted as data-path time."""
+    def timed(self, batches: Iterable[T], first: str = "batch") -> Iterator[T]:
+        """``batches`` with each ``next()`` counted as data-path time of kind ``batch``, the
+        first one's as ``first`` (a pass's first micro-batch: the one that waits for what an
+        earlier pass wrote back)."""
         source = iter(batches)
+        kind = first
         while True:
-            with self.data("batch"):
+            with self.data(kind):
                 batch = next(source, None)
             if batch is None:
                 return
+            kind = "batch"
             yield batch

@@ -220,7 +220,7 @@ def _steps(
             route = Dedup(dedup[id(model)], rank_route, encode)
             with clock.data("batch"):  # the pass's prefetch iterator (started by then, or now)
                 batches = work.data_iterator()
-            data = clock.timed(batches)
+            data = clock.timed(batches, first="first_batch")
             with work:
                 if work.pass_.forward_only:
                     out = trainer.logprobs(model, data, work.num_micro_batches, route)
