@@ -417,9 +417,10 @@ class MooncakeBackend(UnitBackend):
 #
 # A Mooncake client (a transfer engine with its listeners, the store connection, the segment an
 # owner contributes) costs seconds to close: 2.0 s (quiet) to 3.0 s (loaded) inside Mooncake's
-# own `MooncakeDistributedStore.close()` on the 2-core dev box, with no setting that shortens it. Namespaces are only key prefixes, so `with_namespace` serves another one through
-# the same client: one process holding several independent stores (per job, per experiment;
-# the test suite, per test) pays for one client. The backends on a client share its segment
+# own `MooncakeDistributedStore.close()` on the 2-core dev box, with no setting that shortens
+# it. Namespaces are only key prefixes, so `with_namespace` serves another one through the same
+# client: one process holding several independent stores (per job, per experiment; the test
+# suite, per test) pays for one client. The backends on a client share its segment
 # (an owner's units of every namespace lie in it: NOTE [ Mooncake same-process reads ] holds for
 # each) and count themselves on it; each `close` removes its own namespace's units (when the
 # client contributes memory) and its own registered buffers, and the last one closes the client.

@@ -164,9 +164,10 @@ class _Releases:
 # in 5); warm, the lease's build and release 3.6 -> 1.9 us (issue 31, stop 44). Earlier, with a
 # producer thread racing the loop (so waits counted too), Python and C calls per hand-out over a
 # 3-slot ring of transfer.py's 9 fields (tests/storage/test_handout_calls.py): a new shape each
-# time 140-151 (~48 Python frames) against 161-164 (~61) at 1cebb89 and ~200 at 62f8166; a repeated shape 101-117 against 153-166 (NOTE [ Shapes decoded
-# once ] in layout_codec.py); with the iterator's cuts (NOTE [ Hand-out objects without
-# __init__ ] in knitkit/microbatch_iter/batch.py). Of a new shape's calls ~30 are per field
+# time 140-151 (~48 Python frames) against 161-164 (~61) at 1cebb89 and ~200 at 62f8166; a
+# repeated shape 101-117 against 153-166 (NOTE [ Shapes decoded once ] in layout_codec.py);
+# with the iterator's cuts (NOTE [ Hand-out objects without __init__ ] in
+# knitkit/microbatch_iter/batch.py). Of a new shape's calls ~30 are per field
 # (its FieldView's and its view's). Measured at 3500aa2 against 1cebb89, 3 back-to-back pairs at
 # load 8-21 (issue 31, wave 8): prefetch.py's loop-thread CPU in next() 43 -> 35 us per
 # micro-batch (medians); transfer.py --quick's ranks 0.0312 -> 0.0307 CPU s/step (medians; the
