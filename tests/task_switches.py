@@ -20,3 +20,8 @@ def voluntary_switches(pattern: str) -> dict[str, int]:
         except FileNotFoundError:
             continue
     return switches
+
+
+def total_voluntary_switches(pattern: str) -> int:
+    """The sum of ``voluntary_switches(pattern)``: every matching task's sleeps that ended."""
+    return sum(voluntary_switches(pattern).values())

@@ -9,7 +9,7 @@ import threading
 import time
 
 from job_harness import controller, driver_config, trajectories, wait_for
-from task_switches import voluntary_switches
+from task_switches import total_voluntary_switches
 
 from knitkit.storage.delivery.publication import MAX_HEARTBEAT_S, heartbeat_period
 from knitkit.storage.delivery.slot_ring import STARTING
@@ -18,11 +18,6 @@ LIVENESS_S = 30.0
 """The job's default: its producers beat once per MAX_HEARTBEAT_S."""
 WINDOW_S = MAX_HEARTBEAT_S / 2
 """Idle time watched: 4 wakes a second make 4 here; a paced producer at most one."""
-
-
-def _switches(pattern: str) -> int:
-    """Voluntary context switches (one per ended sleep) of the tasks whose status files match."""
-    return sum(voluntary_switches(pattern).values())
 
 
 def test_a_jobs_idle_producers_wake_once_per_paced_period() -> None:
@@ -39,9 +34,9 @@ def test_a_jobs_idle_producers_wake_once_per_paced_period() -> None:
         assert beats, "the driver's schedule writer runs no heartbeat thread"
         tasks = [f"/proc/{m.pid}/task/*/status" for m in members.values()]
         tasks += [f"/proc/self/task/{t.native_id}/status" for t in beats]
-        before, start = [_switches(p) for p in tasks], time.monotonic()
+        before, start = [total_voluntary_switches(p) for p in tasks], time.monotonic()
         time.sleep(WINDOW_S)  # the window watched, not a wait for an event
-        wakes = [_switches(p) - b for p, b in zip(tasks, before, strict=True)]
+        wakes = [total_voluntary_switches(p) - b for p, b in zip(tasks, before, strict=True)]
         elapsed = time.monotonic() - start
     bound = elapsed / MAX_HEARTBEAT_S + 2
     assert all(w <= bound for w in wakes), f"wakes {wakes} in {elapsed:.2f} s idle (bound {bound})"

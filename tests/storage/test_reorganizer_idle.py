@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from delivery_payloads import fill_backend, make_metas, plan_for
 from ring_parts import until_producer_waits
-from task_switches import voluntary_switches
+from task_switches import total_voluntary_switches
 
 from knitkit.storage.backends.shm import SharedMemoryBackend
 from knitkit.storage.delivery.consumer import MicroBatchConsumer
@@ -35,7 +35,7 @@ WAIT_S = 120.0
 
 def _wakes(pid: int) -> int:
     """Voluntary context switches of every thread of ``pid`` so far (one per blocking wait)."""
-    return sum(voluntary_switches(f"/proc/{pid}/task/*/status").values())
+    return total_voluntary_switches(f"/proc/{pid}/task/*/status")
 
 
 def _started(reorganizer: ReorganizerProcess) -> int:
