@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from knitkit.integration.megatron.pipeline import (
     refused_step,
     stage_group,
 )
-from knitkit.integration.megatron.routing_replay import RoutingReplay
+from knitkit.integration.megatron.routing_replay import ForwardStep, RoutingReplay
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
@@ -115,7 +115,8 @@ class DedupVLMStep:
         replay = self.routing
         if replay is not None:  # see NOTE [ Routing replay in the schedule ]
             forward_only = bool(schedule_kwargs.get("forward_only"))
-            forward_step_func = replay.wrap(forward_step_func, forward_only=forward_only)
+            wrapped = cast(ForwardStep, forward_step_func)  # the schedule's own contract
+            forward_step_func = replay.wrap(wrapped, forward_only=forward_only)
         try:
             return self._run(
                 forward_step_func,
