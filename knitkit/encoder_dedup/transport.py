@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Protocol, runtime_checkable
 
@@ -70,19 +70,39 @@ class ProcessGroupTransport:
     """Point-to-point row exchange over a process group (gloo on CPU, NCCL on GPU).
 
     Plan ranks are ranks within ``group``; every rank of the group must call ``exchange`` together.
-    See NOTE [ Rows travel point to point ].
+    See NOTE [ Rows travel point to point ] and NOTE [ The group read once ].
     """
 
     group: dist.ProcessGroup | None = None
     """``None`` is the default (world) group."""
+    _peers: tuple[int, int, tuple[int, ...]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+    """(rank, world size, each group rank's global rank), read from the group on first use."""
 
     @property
     def rank(self) -> int:
-        return dist.get_rank(self.group)
+        return self._layout()[0]
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size(self.group)
+        return self._layout()[1]
+
+    # NOTE [ The group read once ]: a transport's rank, size and its peers' global ranks are
+    # fixed for the life of its group, yet every dedup phase asked torch for them again (about
+    # 11 ``get_rank`` / ``get_world_size`` calls and one ``get_global_rank`` per peer and
+    # exchange, each a few Python frames deep in ``distributed_c10d``). They are read on first
+    # use and kept.
+    def _layout(self) -> tuple[int, int, tuple[int, ...]]:
+        if self._peers is None:
+            size = dist.get_world_size(self.group)
+            targets = tuple(
+                peer if self.group is None else dist.get_global_rank(self.group, peer)
+                for peer in range(size)
+            )
+            object.__setattr__(self, "_peers", (dist.get_rank(self.group), size, targets))
+        assert self._peers is not None
+        return self._peers
 
     def exchange(
         self,
@@ -97,7 +117,7 @@ class ProcessGroupTransport:
         With ``timeout_s``, raise ``ExchangeTimeout`` naming the peers whose rows had not arrived
         by then; a failed link raises ``RuntimeError`` naming the peer.
         """
-        size, me = self.world_size, self.rank
+        me, size, targets = self._layout()
         if len(send_counts) != size or len(recv_counts) != size:
             raise ValueError(
                 f"counts for {len(send_counts)}/{len(recv_counts)} peers in a group of "
@@ -113,20 +133,19 @@ class ProcessGroupTransport:
         recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
         outgoing = send.split(list(send_counts))
         incoming = recv.split(list(recv_counts))
-        incoming[me].copy_(outgoing[me])
+        if recv_counts[me]:
+            incoming[me].copy_(outgoing[me])
         ops: list[dist.P2POp] = []
         peers: list[int] = []
         for peer in range(size):  # see NOTE [ Rows travel point to point ]
             if peer == me:
                 continue
-            target = peer if self.group is None else dist.get_global_rank(self.group, peer)
-            for op, count, rows in (
-                (dist.isend, send_counts[peer], outgoing[peer]),
-                (dist.irecv, recv_counts[peer], incoming[peer]),
-            ):
-                if count:
-                    ops.append(dist.P2POp(op, rows, target, self.group))
-                    peers.append(peer)
+            if send_counts[peer]:
+                ops.append(dist.P2POp(dist.isend, outgoing[peer], targets[peer], self.group))
+                peers.append(peer)
+            if recv_counts[peer]:
+                ops.append(dist.P2POp(dist.irecv, incoming[peer], targets[peer], self.group))
+                peers.append(peer)
         if ops:
             works = dist.batch_isend_irecv(ops)
             exact = len(works) == len(ops)  # one work per op; else the backend fused them
