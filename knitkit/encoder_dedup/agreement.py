@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -338,19 +339,19 @@ def _wire(
     point: str, turn: int, rows: Sequence[Sequence[int]], problem: str, device: torch.device
 ) -> torch.Tensor:
     """Agreement rows, one per entry of ``rows`` (see NOTE [ Handshake before rows move ]):
-    point, turn, the row's values, and ``problem`` as ``_text_words`` (one tensor, filled by
-    column: the text is encoded only when there is one)."""
+    point, turn, the row's values, and ``problem`` as ``_text_words`` (one array, filled by row
+    in numpy, one tensor: ``torch.tensor`` of nested lists costs ~50 us a handshake; the text
+    is encoded only when there is one)."""
     widest = max((len(values) for values in rows), default=0)
     if widest > VALUES:
         raise ValueError(f"an agreement row holds at most {VALUES} values, got {widest}")
-    wire = torch.zeros((len(rows), _WIDTH), dtype=torch.int64)
+    wire = np.zeros((len(rows), _WIDTH), dtype=np.int64)
     wire[:, 0], wire[:, 1] = POINTS.index(point), turn
-    if widest:
-        padded = [[int(v) for v in values] + [0] * (widest - len(values)) for values in rows]
-        wire[:, 2 : 2 + widest] = torch.tensor(padded, dtype=torch.int64)
+    for line, values in zip(wire, rows, strict=True):
+        line[2 : 2 + len(values)] = values
     if problem:
-        wire[:, _TEXT_AT:] = torch.tensor(_text_words(problem), dtype=torch.int64)
-    return wire.to(device)
+        wire[:, _TEXT_AT:] = _text_words(problem)
+    return torch.from_numpy(wire).to(device)
 
 
 def _text_words(text: str) -> list[int]:
