@@ -222,10 +222,12 @@ def _steps(
                 batches = work.data_iterator()
             data = clock.timed(batches, first="first_batch")
             with work:
-                if work.pass_.forward_only:
-                    out = trainer.logprobs(model, data, work.num_micro_batches, route)
-                    with clock.data("write_back"):
-                        work.write_back_outputs(out, {WRITES[work.pass_.name]: "logprobs"})
+                if work.pass_.forward_only:  # each micro-batch written back as computed
+                    fields = {WRITES[work.pass_.name]: "logprobs"}
+                    written = functools.partial(
+                        work.writing_back, fields=fields, around=lambda: clock.data("write_back")
+                    )
+                    trainer.logprobs(model, data, work.num_micro_batches, route, wrap=written)
                 else:
                     figures = trainer.train(data, work.num_micro_batches, route)
                     ids = trajectory_ids(work.work.plan)

@@ -9,7 +9,7 @@ plain loop calls ``get_forward_backward_func()`` with the vision path inside eve
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from grpo.loss import Batch, LossConfig, logprob_step, loss_scale, train_step
 from knitkit.encoder_dedup import EncodeFn, RankRoute
-from knitkit.integration.megatron import DedupVLMStep, current_device
+from knitkit.integration.megatron import DedupVLMStep, ForwardStep, current_device
 
 FIGURES = ("loss", "pg", "kl", "nll", "reward", "clipped", "sequences")
 """Per-step sums of the train pass (``loss.grpo_loss``), over the world."""
@@ -71,11 +71,19 @@ class Trainer:
     (``main_grad`` after megatron's finalize, in ``parameters()`` order): the equivalence check."""
 
     def logprobs(
-        self, model: Any, data: Iterable[Batch], num_microbatches: int, dedup: Dedup | None
+        self,
+        model: Any,
+        data: Iterable[Batch],
+        num_microbatches: int,
+        dedup: Dedup | None,
+        *,
+        wrap: Callable[[ForwardStep], ForwardStep] | None = None,
     ) -> list[dict[str, torch.Tensor]]:
-        """A forward-only pass of ``model``: per micro-batch, ``{"logprobs": log p(label) [b, s]}``."""
+        """A forward-only pass of ``model``: per micro-batch, ``{"logprobs": log p(label) [b, s]}``;
+        ``wrap``: applied to the forward step (knitkit: write each one back as computed)."""
+        step = logprob_step if wrap is None else wrap(logprob_step)
         with torch.no_grad():
-            return list(self._schedule(model, logprob_step, data, num_microbatches, True, dedup))
+            return list(self._schedule(model, step, data, num_microbatches, True, dedup))
 
     def train(
         self, data: Iterable[Batch], num_microbatches: int, dedup: Dedup | None

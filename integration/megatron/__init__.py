@@ -29,7 +29,7 @@ from knitkit.integration.megatron.pipeline import (
 )
 from knitkit.integration.megatron.rank import MegatronPass, MegatronRank
 from knitkit.integration.megatron.routing import ROUTING_FIELD, routing_dtype, stage_layers
-from knitkit.integration.megatron.routing_replay import RoutingReplay
+from knitkit.integration.megatron.routing_replay import ForwardStep, RoutingReplay
 from knitkit.integration.megatron.step import DedupVLMStep
 from knitkit.integration.megatron.te import (
     FP8_PAD_MULTIPLE,
@@ -48,6 +48,7 @@ __all__ = [
     "Batch",
     "Coord",
     "DedupVLMStep",
+    "ForwardStep",
     "LLaVADedup",
     "LLaVASequence",
     "LayerSpecs",

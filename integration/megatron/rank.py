@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -300,6 +304,38 @@ class MegatronPass:
             )
         for index, output in enumerate(outputs):
             self.work.write_back(index, {name: output[key] for name, key in fields.items()})
+
+    def writing_back(
+        self,
+        forward_step: ForwardStep,
+        fields: Mapping[str, str],
+        *,
+        around: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+    ) -> ForwardStep:
+        """``forward_step`` whose loss function writes each micro-batch's per-token outputs back
+        as the schedule computes it (``fields`` as for ``write_back_outputs``), instead of
+        ``write_back_outputs`` after the schedule: a later pass of the step that reads them gets
+        its micro-batches as they arrive (NOTE [ Serving as write-backs arrive ] in
+        knitkit/job/serving.py). Micro-batches are numbered in the order the last stage computes
+        their losses: megatron's schedules keep the data order. Each write-back runs inside
+        ``around()`` (e.g. a timer of the data path)."""
+        computed = itertools.count()
+
+        def loss(loss_func: Callable[..., Any], output_tensor: torch.Tensor) -> Any:
+            result = loss_func(output_tensor)
+            outputs = result[-1]  # megatron's loss functions return (loss, [tokens,] dict)
+            with around():
+                values = {name: outputs[key] for name, key in fields.items()}
+                self.work.write_back(next(computed), values)
+            return result
+
+        def step(
+            data_iterator: Iterator[Any], model: torch.nn.Module
+        ) -> tuple[torch.Tensor, Callable[..., Any]]:
+            output, loss_func = forward_step(data_iterator, model)
+            return output, functools.partial(loss, loss_func)
+
+        return step
 
     def report(self, figures: Mapping[str, float]) -> None:
         """Figures for the driver's observer (``PassWork.report``)."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from knitkit.job.passes import Pass
 from knitkit.job.spec import encoder_rank_name
-from knitkit.storage import MiniBatchPlan
+from knitkit.storage import ConsumerPlan, MiniBatchPlan
 
 
 @dataclass(slots=True)
@@ -16,8 +16,11 @@ class PassLedger:
     wrote back."""
 
     submitted: set[str] = field(default_factory=set)
-    """Backbone groups whose reorganizers got the pass's assignment (NOTE [ Next pass per
+    """Backbone groups whose reorganizers got the pass's whole assignment (NOTE [ Next pass per
     group ] in serving.py)."""
+    started: set[str] = field(default_factory=set)
+    """Backbone groups whose reorganizers got at least the pass's first micro-batches (NOTE
+    [ Serving as write-backs arrive ] in serving.py)."""
     done: set[str] = field(default_factory=set)
     """Backbone groups whose writer rank finished the pass (``backbone/dp<d>/cp<c>``)."""
     received: dict[str, dict[str, set[int]]] = field(default_factory=dict)
@@ -27,9 +30,9 @@ class PassLedger:
 
     @property
     def served_to_any(self) -> bool:
-        """Whether the pass was served to at least one group (its records may come in);
-        ``MiniBatchLedger.served(pass)`` says whether it was served to every group."""
-        return bool(self.submitted)
+        """Whether the pass was served, in part at least, to some group (its records may come
+        in); ``MiniBatchLedger.served(pass)`` says whether it was served to every group."""
+        return bool(self.started)
 
 
 @dataclass(slots=True)
@@ -48,10 +51,10 @@ class MiniBatchLedger:
     produced: set[str] = field(default_factory=set)
     """Written fields verified complete in the store for every trajectory."""
     verified: dict[str, set[str]] = field(default_factory=dict)
-    """Group -> written fields verified complete for every trajectory the group reads."""
-    covering: dict[str, dict[str, set[int]]] = field(default_factory=dict, repr=False)
-    """Group -> writer group -> its micro-batches holding pieces of the group's trajectories
-    (computed once per group: ``lacking_for``)."""
+    """Written field -> trajectories whose field is verified complete in the store."""
+    holders: dict[str, list[tuple[str, int]]] = field(default_factory=dict, repr=False)
+    """Trajectory -> (group, micro-batch index) of every micro-batch holding a piece of it
+    (computed once: ``lacking_for``)."""
     admission_figures: dict[str, float] = field(default_factory=dict)
     """The admission controller's figures right after it admitted this mini-batch."""
     store_consumers: set[str] = field(default_factory=set)
@@ -63,10 +66,13 @@ class MiniBatchLedger:
     def groups(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.plan.consumers)
 
+    def consumer(self, group: str) -> ConsumerPlan:
+        """The plan's share of backbone group ``group``."""
+        return next(c for c in self.plan.consumers if c.name == group)
+
     def needed(self, group: str) -> set[int]:
         """Indices of the group's micro-batches that hold real tokens (the ones written back)."""
-        consumer = next(c for c in self.plan.consumers if c.name == group)
-        return {mb.index for mb in consumer.micro_batches if mb.sequences}
+        return {mb.index for mb in self.consumer(group).micro_batches if mb.sequences}
 
     def lacking(self, field_name: str, writer: Pass) -> dict[str, list[int]]:
         """Group -> its micro-batches whose ``field_name`` (written by ``writer``) is missing."""
@@ -83,28 +89,35 @@ class MiniBatchLedger:
 
     def trajectories_of(self, group: str) -> tuple[str, ...]:
         """The trajectories ``group`` reads (with CP, shared with its DP rank's other groups)."""
-        consumer = next(c for c in self.plan.consumers if c.name == group)
-        ids = (s.trajectory_id for mb in consumer.micro_batches for s in mb.sequences)
+        ids = (s.trajectory_id for mb in self.consumer(group).micro_batches for s in mb.sequences)
         return tuple(dict.fromkeys(ids))
 
-    def lacking_for(self, group: str, field_name: str, writer: Pass) -> dict[str, list[int]]:
-        """Writer group -> its micro-batches holding pieces of ``group``'s trajectories whose
-        ``field_name`` (written by ``writer``) is missing: per trajectory, not per group (with
-        CP a trajectory's pieces come from every CP group of its DP rank)."""
-        covering = self.covering.get(group)
-        if covering is None:
-            mine = set(self.trajectories_of(group))
-            covering = self.covering[group] = {
-                c.name: {
-                    mb.index
-                    for mb in c.micro_batches
-                    if any(s.trajectory_id in mine for s in mb.sequences)
-                }
-                for c in self.plan.consumers
-            }
+    def lacking_for(
+        self,
+        group: str,
+        field_name: str,
+        writer: Pass,
+        micro_batches: slice = slice(None),
+    ) -> dict[str, list[int]]:
+        """Writer group -> its micro-batches holding pieces of the trajectories ``group`` reads
+        (in its ``micro_batches``, default all) whose ``field_name`` (written by ``writer``) is
+        missing: per trajectory, not per group (with CP a trajectory's pieces come from every
+        CP group of its DP rank)."""
+        if not self.holders:
+            for consumer in self.plan.consumers:
+                for mb in consumer.micro_batches:
+                    for s in mb.sequences:
+                        self.holders.setdefault(s.trajectory_id, []).append(
+                            (consumer.name, mb.index)
+                        )
         received = self.passes[writer.name].received[field_name]
-        out = {g: sorted(indices - received.get(g, set())) for g, indices in covering.items()}
-        return {g: indices for g, indices in out.items() if indices}
+        out: dict[str, set[int]] = {}
+        for mb in self.consumer(group).micro_batches[micro_batches]:
+            for s in mb.sequences:
+                for holder, index in self.holders[s.trajectory_id]:
+                    if index not in received.get(holder, ()):
+                        out.setdefault(holder, set()).add(index)
+        return {g: sorted(indices) for g, indices in out.items()}
 
 
 @dataclass(slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -112,3 +113,12 @@ def rollout_fields(passes: Sequence[Pass]) -> tuple[str, ...]:
 def written_by(passes: Sequence[Pass]) -> dict[str, Pass]:
     """Written field -> the pass that writes it."""
     return {o.name: p for p in passes for o in p.writes}
+
+
+def read_next(passes: Sequence[Pass]) -> frozenset[str]:
+    """Names of the passes whose outputs the pass right after them reads."""
+    return frozenset(
+        p.name
+        for p, after in itertools.pairwise(passes)
+        if any(o.name in after.reads for o in p.writes)
+    )

@@ -16,7 +16,7 @@ import torch
 from knitkit.encoder_dedup import RankRoute
 from knitkit.job.completion import PassEnds
 from knitkit.job.errors import DriverDiedError, DriverNotFoundError
-from knitkit.job.passes import Pass
+from knitkit.job.passes import Pass, read_next
 from knitkit.job.pool import pass_id
 from knitkit.job.records import Record, RecordReader, RecordWriter
 from knitkit.job.recovery import FollowingConsumer, restarts_of
@@ -164,6 +164,9 @@ class RankHandle:
         """The pass the driver serves a mini-batch's encoder units with (NOTE [ Encoder inputs
         once per mini-batch ])."""
         self._last_encoding = next((p.name for p in reversed(spec.passes) if p.encodes), None)
+        self._read_next = read_next(spec.passes)
+        """Passes whose outputs the next pass reads: their ``values`` records go at once (NOTE
+        [ Serving as write-backs arrive ] in serving.py)."""
         self._closed = False
         waits = {
             "liveness_timeout_s": spec.liveness_timeout_s,
@@ -740,7 +743,9 @@ class RankHandle:
         self._ends.post(
             f"{kind} record of pass {work.pass_.name!r} of {work.minibatch_id!r}",
             lambda: self._publish(writer, full, owned),
-            now=kind != "values",  # a pass's values go with its end (or once the queue is full)
+            # a pass's values go with its end (or once the queue is full), unless the next pass
+            # reads them: NOTE [ Serving as write-backs arrive ] in serving.py
+            now=kind != "values" or work.pass_.name in self._read_next,
             timeout_s=timeout_s,
         )
 

@@ -35,8 +35,9 @@ IDLE_S = 0.2
 #   group g once every field the pass reads is produced for every trajectory g reads (per
 #   trajectory, not per group: with CP, g's trajectories are shared with its DP rank's other CP
 #   groups, so the write-backs of each group holding a piece of them must be in:
-#   ``MiniBatchLedger.lacking_for``), verified in the store for those trajectories (once per
-#   group and field; a gap is a ``WriteBackMissingError`` as before). Serving = queueing g's
+#   ``MiniBatchLedger.lacking_for``), verified in the store for those trajectories (a gap is
+#   a ``WriteBackMissingError`` as before), and since then micro-batch by micro-batch (NOTE
+#   [ Serving as write-backs arrive ]). Serving = queueing g's
 #   assignments (one per pipeline stage) on its reorganizers; an encoder rank's assignment is
 #   queued once per mini-batch, when the first group gets its first encoding pass (its units
 #   are rollout fields; its consumers may sit in several groups; NOTE [ Encoder inputs once
@@ -64,6 +65,28 @@ IDLE_S = 0.2
 #   group, from when its previous pass was served), the write-back checks, and resume (NOTE
 #   [ Resume rule ]: the scheduler re-opens the first untrained mini-batch from its first pass).
 
+# NOTE [ Serving as write-backs arrive ]:
+# Per group was not enough: a rank's next pass (GRPO's train after ref) waited at its first
+# micro-batch for the whole round trip of the previous pass's LAST write-back (writer rank ->
+# driver's collector -> scheduler -> reorganizer -> ring), with nothing left to compute
+# beside it: ``benchmarks/grpo_step.py``'s "a pass's first micro-batch", 2.8 ms of the 3.6 ms
+# exposed wait idle, 29 of 37 ms at load ~4 (stop 46's hop trace: 4.4 + 1.7 + 5.4 + 2.9 +
+# 0.8 ms). Now a pass that reads written fields is served to a group micro-batch by
+# micro-batch, as a prefix: micro-batches ``fed:k`` of the group's assignment are queued (an
+# assignment of their own under the pass's id: the ring carries the pass's micro-batches in
+# order as before, and a restarted reorganizer re-serves only parts not published) once
+# every trajectory they hold has each field the pass reads written back (every piece of it:
+# ``lacking_for`` over those micro-batches) and verified in the store (once per trajectory
+# and field). A writer rank sends a pass's ``values`` records as each is written back when the
+# next pass reads them (``RankHandle.send``), so the round trip of micro-batch i overlaps the
+# writer's compute of micro-batches i+1...; other passes keep them for their end (NOTE
+# [ Asynchronous pass ends ] in completion.py: each record sent at once wakes the pass-end
+# thread, the driver's collector and scheduler, and the reorganizer, beside the compute; GRPO's
+# old log-probs reach the driver during the reference pass anyway). With everything in at once
+# (the records of a held-back pass) the group gets its whole assignment at once, as before. ``PassLedger.started``: groups served in part; ``submitted``: in full.
+# Order, exactly-once and the write-back checks are unchanged: a prefix is served once, the
+# next pass only once the group got this one whole.
+
 
 @dataclass(slots=True)
 class _Open:
@@ -73,6 +96,9 @@ class _Open:
     ledger: MiniBatchLedger
     next: dict[str, int]
     since: dict[str, float]
+    fed: dict[str, int]
+    """Per group: micro-batches of its next pass already queued (NOTE [ Serving as write-backs
+    arrive ])."""
     encoded: bool = False
     """Whether the encoder ranks' assignments are queued (with the mini-batch's first encoding
     pass: NOTE [ Encoder inputs once per mini-batch ] in rank.py)."""
@@ -82,13 +108,14 @@ class _Open:
 
 @dataclass(frozen=True, slots=True)
 class _Serve:
-    """One step outside the lock: queue ``pass_`` for ``groups`` (and the encoder ranks), then
-    publish the mini-batch's schedule record (``announce``)."""
+    """One step outside the lock: queue ``pass_``'s micro-batches ``spans[group]`` (start, stop)
+    for each group (and the encoder ranks), then publish the mini-batch's schedule record
+    (``announce``)."""
 
     ledger: MiniBatchLedger
     pass_: Pass
     plan: MiniBatchPlan
-    groups: frozenset[str]
+    spans: dict[str, tuple[int, int]]
     encoders: bool
     announce: bool
 
@@ -185,12 +212,16 @@ class Scheduler:
         self.blocked = ""
         now = time.monotonic()
         groups = ledger.groups
-        self.open = _Open(ledger, dict.fromkeys(groups, 0), dict.fromkeys(groups, now))
-        return [self._step(self.open, core.passes[0], frozenset(groups), announce=True)]
+        self.open = _Open(
+            ledger, dict.fromkeys(groups, 0), dict.fromkeys(groups, now), dict.fromkeys(groups, 0)
+        )
+        whole = {g: (0, len(ledger.consumer(g).micro_batches)) for g in groups}
+        return [self._step(self.open, core.passes[0], whole, announce=True)]
 
     def _ready_steps(self, open_: _Open) -> list[_Serve]:
-        """Every (pass, groups) of the open mini-batch that can be served now, in pass order;
-        fails a group that waited past ``pass_timeout_s``; keeps ``blocked`` current."""
+        """Every (pass, group micro-batches) of the open mini-batch that can be served now, in
+        pass order; fails a group that waited past ``pass_timeout_s``; keeps ``blocked``
+        current."""
         core, ledger = self.core, open_.ledger
         now = time.monotonic()
         steps, lacking = [], []
@@ -198,12 +229,16 @@ class Scheduler:
             at = [g for g, i in open_.next.items() if i == index]
             if not at:
                 continue
-            ready = frozenset(g for g in at if self._ready(ledger, pass_, g))
-            if ready:
-                steps.append(self._step(open_, pass_, ready, announce=False))
+            spans = {}
             for group in at:
-                if group in ready:
-                    continue
+                start, stop = open_.fed[group], self._ready_upto(open_, pass_, group)
+                if stop > start or stop == len(ledger.consumer(group).micro_batches):
+                    spans[group] = (start, stop)
+            if spans:
+                steps.append(self._step(open_, pass_, spans, announce=False))
+            for group in at:
+                if open_.next[group] != index:
+                    continue  # served whole now
                 lacking.append((pass_, group))
                 if now - open_.since[group] > self.pass_timeout_s:
                     raise WriteBackMissingError(
@@ -218,48 +253,68 @@ class Scheduler:
             self.waiting_since = None
         return steps
 
-    def _step(self, open_: _Open, pass_: Pass, groups: frozenset[str], *, announce: bool) -> _Serve:
-        """Book ``pass_`` as served to ``groups`` (under the lock) and say what to queue."""
+    def _step(
+        self, open_: _Open, pass_: Pass, spans: dict[str, tuple[int, int]], *, announce: bool
+    ) -> _Serve:
+        """Book ``pass_``'s ``spans`` as served (under the lock; a group whose span ends its
+        assignment goes on to its next pass) and say what to queue."""
         core, ledger = self.core, open_.ledger
         state = ledger.passes[pass_.name]
-        state.submitted |= groups
-        if ledger.served(pass_.name):
-            core.ledger.counts["passes_served"] += 1
+        state.started |= spans.keys()
         now = time.monotonic()
-        for group in groups:
-            open_.next[group] += 1
+        for group, (_, stop) in spans.items():
             open_.since[group] = now
+            open_.fed[group] = stop
+            if stop == len(ledger.consumer(group).micro_batches):
+                state.submitted.add(group)
+                open_.next[group] += 1
+                open_.fed[group] = 0
+                if ledger.served(pass_.name):
+                    core.ledger.counts["passes_served"] += 1
         encoders = pass_.encodes and not open_.encoded
         open_.encoded |= encoders
         plan = open_.plans.get(pass_.name)
         if plan is None:
             plan = open_.plans[pass_.name] = ledger.plan.with_fields(pass_.reads)
-        return _Serve(ledger, pass_, plan, groups, encoders, announce)
+        return _Serve(ledger, pass_, plan, spans, encoders, announce)
 
-    def _ready(self, ledger: MiniBatchLedger, pass_: Pass, group: str) -> bool:
-        """Whether every field ``pass_`` reads is produced for every trajectory ``group`` reads:
-        the write-backs holding pieces of them arrived, then verified in the store (once per
-        group and field; once every group's are, the field is produced for the mini-batch)."""
+    def _ready_upto(self, open_: _Open, pass_: Pass, group: str) -> int:
+        """How many of ``group``'s micro-batches of ``pass_`` can be served: the longest
+        prefix whose trajectories have every field the pass reads produced (NOTE [ Serving as
+        write-backs arrive ])."""
+        core, ledger = self.core, open_.ledger
+        count = len(ledger.consumer(group).micro_batches)
+        written = [n for n in pass_.reads if n not in core.rollout and n not in ledger.produced]
+        upto = open_.fed[group]
+        while upto < count and all(self._produced(ledger, group, upto, n) for n in written):
+            upto += 1
+        return upto
+
+    def _produced(self, ledger: MiniBatchLedger, group: str, index: int, name: str) -> bool:
+        """Whether written field ``name`` is in for every trajectory of ``group``'s micro-batch
+        ``index``: the write-backs holding pieces of them arrived, then verified in the store
+        (once per trajectory; once every trajectory's is, the field is produced for the
+        mini-batch)."""
         core = self.core
-        verified = ledger.verified.setdefault(group, set())
-        for name in pass_.reads:
-            if name in core.rollout or name in ledger.produced or name in verified:
-                continue
-            if ledger.lacking_for(group, name, core.writer_of[name]):
-                return False
-            incomplete = [
-                (t, core.store.missing_ranges(t, name))
-                for t in ledger.trajectories_of(group)
-                if not core.store.field_complete(t, name)
-            ]
-            if incomplete:
-                raise WriteBackMissingError(
-                    f"mini-batch {ledger.minibatch_id!r}: every group wrote back {name!r} for "
-                    f"{group}'s trajectories but they miss token ranges: {incomplete[:5]}"
-                )
-            verified.add(name)
-            if all(name in ledger.verified.get(g, ()) for g in ledger.groups):
-                ledger.produced.add(name)
+        if ledger.lacking_for(group, name, core.writer_of[name], slice(index, index + 1)):
+            return False
+        verified = ledger.verified.setdefault(name, set())
+        micro_batch = ledger.consumer(group).micro_batches[index]
+        ids = [s.trajectory_id for s in micro_batch.sequences if s.trajectory_id not in verified]
+        incomplete = [
+            (t, core.store.missing_ranges(t, name))
+            for t in ids
+            if not core.store.field_complete(t, name)
+        ]
+        if incomplete:
+            raise WriteBackMissingError(
+                f"mini-batch {ledger.minibatch_id!r}: every group wrote back {name!r} for "
+                f"{group}'s micro-batch {index} but its trajectories miss token ranges: "
+                f"{incomplete[:5]}"
+            )
+        verified.update(ids)
+        if len(verified) == len(ledger.trajectories):
+            ledger.produced.add(name)
         return True
 
     def _lacking(self, ledger: MiniBatchLedger, waiting: list[tuple[Pass, str]]) -> str:
@@ -297,8 +352,9 @@ class Scheduler:
                 for rank in encoder.ranks:
                     core.pool.submit(rank.name, tag, rank)
         for consumer in step.plan.stage_consumers(core.pipeline):  # a ring per (DP, CP, stage)
-            if group_name(consumer.dp_rank, consumer.cp_rank) in step.groups:
-                core.pool.submit(consumer.name, tag, consumer)
+            span = step.spans.get(group_name(consumer.dp_rank, consumer.cp_rank))
+            if span is not None:
+                core.pool.submit(consumer.name, tag, consumer.part(*span))
         if step.announce:
             plan = np.frombuffer(ledger.plan.to_json().encode(), np.uint8)
             core.schedule.send({"mb": ledger.minibatch_id, "pass": step.pass_.name}, {"plan": plan})

@@ -172,9 +172,10 @@ def test_a_full_pass_end_queue_waits_bounded_and_a_failed_job_is_raised_to_the_r
 
 
 def test_a_pass_ledger_says_served_to_any_group() -> None:
-    """``PassLedger.served_to_any`` (one group suffices), unlike ``MiniBatchLedger.served``."""
+    """``PassLedger.served_to_any`` (one group served its first micro-batches suffices: NOTE
+    [ Serving as write-backs arrive ]), unlike ``MiniBatchLedger.served``."""
     assert not PassLedger().served_to_any
-    assert PassLedger(submitted={"backbone/dp1/cp0"}).served_to_any
+    assert PassLedger(started={"backbone/dp1/cp0"}).served_to_any
 
 
 def test_a_held_pass_end_job_wakes_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,7 +5,8 @@ rank 0 as JSON and every other rank through ``broadcast_rank_spec`` (UTF-8 in a 
 Each rank builds ``MegatronRank.from_parallel_state(spec)`` and runs every pass through
 ``DedupVLMStep.run`` with ``get_forward_backward_func()``: a forward-only pass computes per-token
 log-probs of the example's tiny VLM (``examples/megatron_wrap.py``) and writes them back with
-``write_back_outputs``; the train pass reads them back through the store in its batches.
+``write_back_outputs`` (the first mini-batch) or as each is computed (``writing_back``, the
+second); the train pass reads them back through the store in its batches.
 Exactness: the train pass's ``old_logprobs`` must equal, bit for bit, what the forward-only pass
 computed for the same micro-batch (packing from the store is the exact inverse of the driver's
 unpacking, ``tests/job/test_unpack.py``), on both TP ranks of each group.
@@ -86,10 +87,15 @@ def _job(rank: int, spec_json: str) -> dict[str, Any]:
             for work in mrank.passes():
                 passes += 1
                 received.clear()
+                # the second mini-batch writes back each micro-batch as computed
+                as_computed = work.forward_only and passes > 2
+                forward = _logprob_step if work.forward_only else train_step
+                if as_computed:
+                    forward = work.writing_back(forward, {"old_logprobs": "logprobs"})
                 with work:
                     model.zero_grad_buffer()
                     out = step.run(
-                        forward_step_func=_logprob_step if work.forward_only else train_step,
+                        forward_step_func=forward,
                         data_iterator=work.data_iterator(),
                         route=work.route,
                         encode_fn=work.encode_fn(vision.encode),
@@ -99,7 +105,8 @@ def _job(rank: int, spec_json: str) -> dict[str, Any]:
                         forward_only=work.forward_only,
                     )
                     if work.forward_only:
-                        work.write_back_outputs(out, {"old_logprobs": "logprobs"})
+                        if not as_computed:
+                            work.write_back_outputs(out, {"old_logprobs": "logprobs"})
                         for i, o in enumerate(out):
                             seen["old"][(work.minibatch_id, i)] = o["logprobs"].tolist()
                     else:

@@ -4,6 +4,7 @@ in knitkit/job/rank.py): its prefetch iterator, and one dedup route per mini-bat
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -20,7 +21,7 @@ from knitkit.job import (
     ReorganizerPool,
 )
 from knitkit.job.spec import encoder_rank_name, group_name
-from knitkit.storage import MiniBatchPlan, SharedMemoryBackend, TrajectoryStore
+from knitkit.storage import ConsumerPlan, MiniBatchPlan, SharedMemoryBackend, TrajectoryStore
 from knitkit.types import UnitKey
 
 HANDED_OUT = "knitkit/delivery/handed_out"
@@ -356,28 +357,35 @@ class _SubmitOrder:
     def __init__(self, pool: ProcessPool) -> None:
         self.pool = pool
         self.order: list[tuple[str, str]] = []
-        """(pass id, group) in submission order."""
+        """(pass id, group) in submission order, a pass's consecutive parts once (NOTE
+        [ Serving as write-backs arrive ])."""
+        self.micro_batches: Counter[tuple[str, str]] = Counter()
+        """(pass id, group) -> micro-batches submitted."""
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.pool, name)
 
-    def submit(self, name: str, minibatch_id: str, assignment: object) -> None:
-        self.order.append((minibatch_id, name))
-        self.pool.submit(name, minibatch_id, assignment)  # type: ignore[arg-type]
+    def submit(self, name: str, minibatch_id: str, assignment: ConsumerPlan) -> None:
+        if self.order[-1:] != [(minibatch_id, name)]:
+            self.order.append((minibatch_id, name))
+        self.micro_batches[minibatch_id, name] += len(assignment.micro_batches)
+        self.pool.submit(name, minibatch_id, assignment)
 
 
 def test_encoder_inputs_are_submitted_before_the_backbone_micro_batches() -> None:
     """A mini-batch's first encoding pass queues the encoder ranks' assignments before its
     groups' (a rank takes its encoder inputs first: NOTE in ``Scheduler._serve``), so the
     encoder reorganizers do not wake behind the backbone ones; every pass is still submitted
-    once per group."""
+    once per group: each of its micro-batches once, in consecutive parts."""
     backbone, vision = group_name(0, 0), encoder_rank_name("vision", 0)
     store = TrajectoryStore(SharedMemoryBackend())
     pool = _SubmitOrder(ProcessPool(store.backend, {backbone: 1, vision: 1}, slot_bytes=1 << 20))
+    counts: dict[str, int] = {}
 
     def rank(spec: RankSpec) -> None:
         with RankHandle(spec, RankCoords(0, 0, 0, 0, encoder_rank=0), device="cpu") as handle:
             for work in handle.passes():
+                counts[f"{work.minibatch_id}/{work.pass_.name}"] = work.num_micro_batches
                 with work:
                     work.encoder_inputs()
                     for _ in work.micro_batches():
@@ -394,3 +402,4 @@ def test_encoder_inputs_are_submitted_before_the_backbone_micro_batches() -> Non
         expected += [(f"{minibatch_id}/old", vision), (f"{minibatch_id}/old", backbone)]
         expected += [(f"{minibatch_id}/train", backbone)]
     assert pool.order == expected
+    assert {k: n for (k, g), n in pool.micro_batches.items() if g == backbone} == counts

@@ -46,9 +46,11 @@ from knitkit.storage import (
 DP, TP = 2, 2
 """Two (DP, CP) groups of two TP ranks: both TP ranks of the killed group must stay in step."""
 KILLED = "backbone/dp1/cp0"
-KILL_AT = ("tb0-mb0", "train", 1)
+KILL_AT = ("tb0-mb0", "old", 1)
 """(mini-batch, pass, micro-batch): the killed group's TP 0 rank kills its reorganizer right
-after it got this micro-batch, with later ones of the pass still unpublished."""
+after it got this micro-batch, with later ones of the pass still unpublished. The first pass:
+it is one assignment (a pass that reads write-backs may come in several, one per arrival:
+NOTE [ Serving as write-backs arrive ], so its published ones are not re-served)."""
 LAST_OF_PASS = ("tb0-mb0", "train", 7)
 """The last micro-batch of the first mini-batch's last pass (8 per group and pass)."""
 
@@ -163,7 +165,7 @@ def _nothing(minibatch_id: str, pass_name: str, index: int) -> None:
 
 def test_a_killed_reorganizer_is_restarted_and_its_pass_re_served_exactly_once() -> None:
     """SIGKILL the reorganizer process of one (DP, CP) group of a DP2 x TP2 job mid-pass
-    (micro-batch 1 of 8 of the train pass taken, later ones unpublished): the job completes, the
+    (micro-batch 1 of 8 of the first pass taken, later ones unpublished): the job completes, the
     pool restarted it once, and every rank got every micro-batch of every pass exactly once, in
     order (packed bytes equal to the uninterrupted job's), with bit-exact write-backs; both TP
     ranks of the group resumed the pass at the same micro-batch. On d6f4b7a there is no restart

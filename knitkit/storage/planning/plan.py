@@ -354,6 +354,13 @@ class ConsumerPlan:
         )
         return replace(self, micro_batches=micro_batches, stage=stage)
 
+    def part(self, start: int, stop: int) -> ConsumerPlan:
+        """This assignment's micro-batches ``start:stop`` only (served as their reads are
+        produced: NOTE [ Serving as write-backs arrive ] in knitkit/job/serving.py)."""
+        if (start, stop) == (0, len(self.micro_batches)):
+            return self
+        return replace(self, micro_batches=self.micro_batches[start:stop])
+
     @property
     def row_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """``schema`` as ``{name: (dtype, row shape)}`` (``packing.RowSpec`` values)."""
