@@ -164,9 +164,10 @@ class RankHandle:
         """The pass the driver serves a mini-batch's encoder units with (NOTE [ Encoder inputs
         once per mini-batch ])."""
         self._last_encoding = next((p.name for p in reversed(spec.passes) if p.encodes), None)
-        self._read_next = read_next(spec.passes)
-        """Passes whose outputs the next pass reads: their ``values`` records go at once (NOTE
-        [ Serving as write-backs arrive ] in serving.py)."""
+        self.read_next = read_next(spec.passes)
+        """Passes whose outputs the next pass reads: the first ``values`` record of each goes
+        at once (``PassWork.write_back``; NOTE [ Serving as write-backs arrive ] in
+        serving.py)."""
         self._closed = False
         waits = {
             "liveness_timeout_s": spec.liveness_timeout_s,
@@ -722,11 +723,13 @@ class RankHandle:
         header: Mapping[str, str | int],
         arrays: Mapping[str, np.ndarray],
         *,
+        at_once: bool = False,
         timeout_s: float | None = None,
     ) -> None:
         """One record to the driver (writer ranks): its arrays copied, then queued for the
         pass-end thread, which publishes it (NOTE [ Asynchronous pass ends ] in
-        completion.py); waits only while the queue is full (at most ``timeout_s``, default the
+        completion.py): at once, except ``values`` records, held for the pass's end unless
+        ``at_once``; waits only while the queue is full (at most ``timeout_s``, default the
         spec's ``wait_timeout_s``)."""
         writer = self._writeback
         if writer is None:
@@ -743,9 +746,7 @@ class RankHandle:
         self._ends.post(
             f"{kind} record of pass {work.pass_.name!r} of {work.minibatch_id!r}",
             lambda: self._publish(writer, full, owned),
-            # a pass's values go with its end (or once the queue is full), unless the next pass
-            # reads them: NOTE [ Serving as write-backs arrive ] in serving.py
-            now=kind != "values" or work.pass_.name in self._read_next,
+            now=kind != "values" or at_once,  # values: with the pass's end or a full queue
             timeout_s=timeout_s,
         )
 

@@ -59,6 +59,8 @@ class PassWork:
         self._take: Taken | None = None
         self._inputs: dict[UnitKey, torch.Tensor] | None = None
         self._written: dict[int, set[str]] = {}
+        self._sent = False
+        """Whether a ``values`` record of this pass went to the driver."""
         self._figures: dict[str, float] = {}
         self.finished = False
         self.iterated = False
@@ -187,7 +189,10 @@ class PassWork:
                 )
             arrays[name] = rows
         if self.consumer.micro_batches[index].sequences:
-            self._rank.send(self, "values", {"index": index}, arrays)
+            # NOTE [ Serving as write-backs arrive ] in serving.py: the first goes at once
+            at_once = not self._sent and self.pass_.name in self._rank.read_next
+            self._rank.send(self, "values", {"index": index}, arrays, at_once=at_once)
+            self._sent = True
         self._written.setdefault(index, set()).update(arrays)
 
     def report(self, figures: Mapping[str, float]) -> None:
