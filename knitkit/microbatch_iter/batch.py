@@ -52,23 +52,27 @@ class IterStats:
     """Device time of the host-to-device copies (CUDA with ``time_h2d=True`` only, after close)."""
 
     def add(self, mb: MicroBatchStats) -> None:
-        if self.count == 0:
-            self.first_wait_s = mb.wait_s
-        self.count += 1
-        self.wait_s += mb.wait_s
-        self.fetch_s += mb.fetch_s
-        self.stage_s += mb.stage_s
-        self.nbytes += mb.nbytes
+        self.handed(mb, mb.wait_s)
 
     def record(self, staged: Staged, wait_s: float) -> MicroBatchStats:
         """``staged``'s stats, handed over after a wait of ``wait_s``, added to the totals and
         returned (NOTE [ Hand-out objects without __init__ ])."""
-        stats = object.__new__(MicroBatchStats)
-        values = (staged.index, wait_s, staged.fetch_s, staged.stage_s, staged.layout.nbytes)
-        for set_slot, value in zip(_STATS_SLOTS, values, strict=True):
-            set_slot(stats, value)
+        stats = build_stats(staged, wait_s)
         self.add(stats)
         return stats
+
+    def handed(self, stats: MicroBatchStats, wait_s: float) -> None:
+        """``stats``, handed over after a wait of ``wait_s``, added to the totals with it (set
+        here: the prefetch thread builds them before it is known; NOTE [ Micro-batches built
+        ahead ] in worker.py)."""
+        _SET_WAIT_S(stats, wait_s)
+        if self.count == 0:
+            self.first_wait_s = wait_s
+        self.count += 1
+        self.wait_s += wait_s
+        self.fetch_s += stats.fetch_s
+        self.stage_s += stats.stage_s
+        self.nbytes += stats.nbytes
 
     @property
     def steady_wait_s(self) -> float:
@@ -111,7 +115,18 @@ class MicroBatch:
 # ``build_micro_batch``): the same objects, equal to the constructors'
 # (tests/storage/test_handout_calls.py).
 _STATS_SLOTS = slot_setters(MicroBatchStats)
+_SET_WAIT_S = _STATS_SLOTS[1]  # index, wait_s, fetch_s, stage_s, nbytes
 _BATCH_SLOTS = slot_setters(MicroBatch)
+
+
+def build_stats(staged: Staged, wait_s: float) -> MicroBatchStats:
+    """``staged``'s ``MicroBatchStats`` with ``wait_s``, without its ``__init__`` (NOTE
+    [ Hand-out objects without __init__ ])."""
+    stats = object.__new__(MicroBatchStats)
+    values = (staged.index, wait_s, staged.fetch_s, staged.stage_s, staged.layout.nbytes)
+    for set_slot, value in zip(_STATS_SLOTS, values, strict=True):
+        set_slot(stats, value)
+    return stats
 
 
 def build_micro_batch(

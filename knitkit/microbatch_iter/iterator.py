@@ -17,8 +17,8 @@ import torch
 from knitkit.microbatch_iter.batch import (
     IterStats,
     MicroBatch,
-    MicroBatchStats,
     build_micro_batch,
+    build_stats,
 )
 from knitkit.microbatch_iter.exit_guard import note_exit
 from knitkit.microbatch_iter.pool import StagingRing
@@ -239,14 +239,15 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
             self._launch_pending = True
         else:
             prefetcher.credits.put(None)  # launched(): the thread may stage one more
-        stats = self._stats.record(record, time.perf_counter() - start)
-        if self._converted:
-            if self._convert_here is None:
-                return record.converted  # type: ignore[return-value]
-            return self._convert_here(
-                build_micro_batch(record.index, record.layout, record.flat, record.tensors, stats)
-            )
-        return build_micro_batch(record.index, record.layout, record.flat, record.tensors, stats)  # type: ignore[return-value]
+        batch = record.batch  # built ahead (NOTE [ Micro-batches built ahead ] in worker.py)
+        assert batch is not None
+        if self._converted and self._convert_here is None:
+            self._stats.record(record, time.perf_counter() - start)  # the converted one's: wait 0
+            return record.converted  # type: ignore[return-value]
+        self._stats.handed(batch.stats, time.perf_counter() - start)
+        if self._convert_here is not None:
+            return self._convert_here(batch)
+        return batch  # type: ignore[return-value]
 
     def _next_inline(self, start: float) -> B:
         """``next()`` taking the source's next lease on this thread (NOTE [ Inline hand-out ] in
@@ -267,7 +268,9 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         if record is None:
             self.close()
             raise StopIteration
-        stats = self._stats.record(record, time.perf_counter() - start)
+        wait_s = time.perf_counter() - start
+        stats = build_stats(record, wait_s)
+        self._stats.handed(stats, wait_s)
         return build_micro_batch(record.index, record.layout, record.flat, record.tensors, stats)  # type: ignore[return-value]
 
     def _check_consumer(self) -> None:
@@ -362,12 +365,9 @@ def _converting(convert: Callable[[MicroBatch], object]) -> Callable[[Staged], S
     the prefetch thread ]): a record whose conversion raised gives its lease back at once."""
 
     def run(record: Staged) -> Staged:
-        stats = MicroBatchStats(
-            record.index, 0.0, record.fetch_s, record.stage_s, record.layout.nbytes
-        )
-        batch = MicroBatch(record.index, record.layout, record.flat, record.tensors, stats)
+        assert record.batch is not None  # its stats' wait_s stays 0: not known yet
         try:
-            return dataclasses.replace(record, converted=convert(batch))
+            return dataclasses.replace(record, converted=convert(record.batch))
         except BaseException:
             if record.release is not None:  # the record never reaches the loop
                 record.release()

@@ -17,7 +17,7 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
-from knitkit.microbatch_iter.batch import ViewCache
+from knitkit.microbatch_iter.batch import MicroBatch, ViewCache, build_micro_batch, build_stats
 from knitkit.microbatch_iter.exit_guard import abandon, exit_now
 from knitkit.microbatch_iter.pool import StagingRing
 from knitkit.microbatch_iter.source import (
@@ -166,6 +166,19 @@ from knitkit.types import MicroBatchLayout, PackedMicroBatch
 # one of transfer.py's was). Right after compute, the first torch call of a hand-out costs
 # ~30 us and each later one ~5 (thread time, 2-core dev box, issue 31).
 
+# NOTE [ Micro-batches built ahead ]
+# With a prefetch thread, the thread builds each micro-batch's ``MicroBatch`` and its stats when it
+# queues the record (``Staged.batch``); ``next()`` only sets the stats' ``wait_s``, once known,
+# and adds them to the totals (``IterStats.handed``). Right after a step's compute every object
+# the loop's thread builds or touches costs cache misses, so building two objects there (two
+# frames, two ``object.__new__``, ten slot stores) cost more than their calls suggest: 12 -> 8
+# calls per hand-over (tests/microbatch_iter/test_handover_calls.py); prefetch.py's hand-over
+# (8 interleaved pairs, 3 repeats each, load 6-11, issue 31), medians: the loop thread's CPU in
+# next() 56.9 -> 47.1 us per micro-batch (lower in 7 of 8 pairs), wall 76.0 -> 68.0. A ``convert``
+# run ahead gets that ``MicroBatch`` (its ``wait_s`` stays 0, as before); an inline hand-out
+# (NOTE [ Inline hand-out ]) builds it inside ``next()``, where it runs on the loop's thread
+# either way.
+
 _NO_OVERRIDES: Mapping[str, torch.dtype] = MappingProxyType({})
 """A lease's fields keep their layout dtypes."""
 _NO_BYTES = torch.empty(0, dtype=torch.uint8)
@@ -199,6 +212,9 @@ class Staged:
     """Releases the lease ``flat`` views (NOTE [ Zero-copy hand-off ])."""
     converted: object = None
     """What the iterator's ``convert`` made of it (NOTE [ Conversion on the prefetch thread ])."""
+    batch: MicroBatch | None = None
+    """The ``MicroBatch`` the loop is handed, built by the prefetch thread (NOTE [ Micro-batches
+    built ahead ]); None where the loop builds it (an inline hand-out)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +328,10 @@ class Prefetcher:
                     if record is None:
                         return
                     # Queued under ``lock``: teardown drains (and releases) every record.
+                    stats = build_stats(record, 0.0)  # the wait: set at hand-over
+                    record.batch = build_micro_batch(
+                        index, record.layout, record.flat, record.tensors, stats
+                    )
                     if self.convert is not None:
                         record = self.convert(record)
                     self.ready.put(record)
