@@ -1,5 +1,5 @@
 """A CPU rank's hand-outs make its process take no page fault per micro-batch, so releases skip
-the page-map read, in a rank process started by fork too (issue 31; NOTE [ Lease backstop ] in
+the page-map read, in a rank process of its own too (issue 31; NOTE [ Lease backstop ] in
 knitkit/storage/delivery/consumer.py)."""
 
 from __future__ import annotations
@@ -50,17 +50,18 @@ def _rank(spec: RingSpec, results: multiprocessing.SimpleQueue) -> None:
 
 
 def test_forked_rank_releases_skip_the_page_map() -> None:
-    """A forked rank reads 150 micro-batches of varying layouts while its producer publishes:
+    """A rank process reads 150 micro-batches of varying layouts while its producer publishes:
     at most a quarter of its releases read the page map (with a weakref.finalize per lease, its
     process faulted once per hand-out and nearly every release read it)."""
     spec = RingSpec.new(num_slots=4, slot_bytes=1 << 17, num_consumers=1)
     owner = SlotRing.create(spec)
     publisher = Publisher(SlotRing.attach(spec))
     publisher.start()
-    # forked by a fork server, not by pytest: a child forked from pytest inherits its heap,
-    # fragmented by every test before, and takes copy-on-write faults wherever it allocates in
-    # it (2 of 6 runs of tests/microbatch_iter read the page map on 41-42 of 150 releases)
-    context = multiprocessing.get_context("forkserver")
+    # spawned (a fresh interpreter, as torchrun starts ranks): a child forked from pytest
+    # inherits its heap, fragmented by every test before, and takes copy-on-write faults
+    # wherever it allocates in it (2 of 6 runs of tests/microbatch_iter read the page map on
+    # 41-42 of 150 releases); forked by the suite's fork server, 111 in one whole-suite run
+    context = multiprocessing.get_context("spawn")
     results = context.SimpleQueue()
     rank = context.Process(target=_rank, args=(spec, results), daemon=True)
     rank.start()
