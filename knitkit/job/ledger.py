@@ -52,6 +52,8 @@ class MiniBatchLedger:
     """Written fields verified complete in the store for every trajectory."""
     verified: dict[str, set[str]] = field(default_factory=dict)
     """Written field -> trajectories whose field is verified complete in the store."""
+    consumers: dict[str, ConsumerPlan] = field(default_factory=dict, repr=False)
+    """Backbone group -> its share of the plan (filled on first use: ``consumer``)."""
     holders: dict[str, list[tuple[str, int]]] = field(default_factory=dict, repr=False)
     """Trajectory -> (group, micro-batch index) of every micro-batch holding a piece of it
     (computed once: ``lacking_for``)."""
@@ -67,8 +69,11 @@ class MiniBatchLedger:
         return tuple(c.name for c in self.plan.consumers)
 
     def consumer(self, group: str) -> ConsumerPlan:
-        """The plan's share of backbone group ``group``."""
-        return next(c for c in self.plan.consumers if c.name == group)
+        """The plan's share of backbone group ``group`` (the scheduler asks for it per group and
+        micro-batch each time a write-back arrives: a lookup, not a scan of every group)."""
+        if not self.consumers:
+            self.consumers.update((c.name, c) for c in self.plan.consumers)
+        return self.consumers[group]
 
     def needed(self, group: str) -> set[int]:
         """Indices of the group's micro-batches that hold real tokens (the ones written back)."""
