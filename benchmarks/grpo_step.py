@@ -24,8 +24,10 @@ in one run, on the same admitted mini-batches:
 
 All four run the same model and the same fixed extra compute per token (``--work``: 128 x 128
 matmuls per 64 tokens of each micro-batch, real CPU work standing in for a bigger model, not a
-sleep). Per step: the exposed data wait (a rank's time in the data path: waiting for a pass,
-its batches, encoder inputs, write-backs; for plain, building its share), wall time, the CPU
+sleep), and the same per image row the vision path encodes, wherever it encodes
+(``--encoder-work-ratio`` of the per-token work: ``ENCODER_WORK_RATIO``, a real VLM's). Per
+step: the exposed data wait (a rank's time in the data path: waiting for a pass, its batches,
+encoder inputs, write-backs; for plain, building its share), wall time, the CPU
 seconds of every process (the ranks, and each rank's main thread alone: the rest is knitkit's
 prefetch and ring threads, rank 0's driver threads, and gloo's communication threads, busier in
 the plain loop's many micro-batches; the reorganizers and other children of rank 0), and bytes
@@ -37,6 +39,7 @@ does not blur). Figures are medians over steps 2.. (step 1 warms up), summed or 
 as named.
 
     python benchmarks/grpo_step.py [--quick] [--json PATH] [--steps N] [--work W]
+        [--encoder-work-ratio R]
 
 JSON keys (``<path>`` = knitkit, plain, plain_packed, plain_dedup): ``<path>.exposed_wait_s_per_step`` (max over ranks),
 ``<path>.exposed_wait_s_per_step.mean_rank``, ``<path>.exposed_wait_s_per_step.<kind>`` (the
@@ -48,7 +51,9 @@ rank's), ``<path>.cpu_s_per_step``
 rank's threads by kind, summed; a wake is a voluntary context switch: a count load does not
 blur), ``knitkit.cpu_s_per_step.reorganizers``, ``.other_children`` (and their
 ``wakes_per_step``), ``<path>.bytes_read_per_step``,
-``<path>.images_encoded_per_step``, ``steps``, ``work``.
+``<path>.images_encoded_per_step``, ``<path>.standin_matmuls_per_step.backbone`` and
+``.encoder`` (the stand-in work's matmuls, all ranks), ``steps``, ``work``,
+``encoder_work_ratio``.
 """
 
 from __future__ import annotations
@@ -82,6 +87,15 @@ WAIT_KINDS = {
 }
 """The parts of the exposed data wait (``StepClock`` kinds)."""
 PATHS = ("knitkit", "plain", "plain_packed", "plain_dedup")
+ENCODER_WORK_RATIO = 0.36
+"""The vision path's stand-in work per encoded image row, as a fraction of the backbone's per
+token: Qwen2.5-VL-7B's. Its ViT (32 blocks, hidden 1280, MLP 3420: 631 M parameters with the
+patch embedding, on 14 x 14 patches) and its 2 x 2 patch merger (44.6 M, once per 4 patches)
+cost ~2 x 642.7 M FLOPs per patch; its LLM (Qwen2.5-7B: 6.53 B non-embedding parameters and a
+0.545 B output layer) ~2 x 7.075 B per token: 0.091 per patch, before attention. The merger
+hands the LLM one token per 4 patches, and a row here is one placeholder token (an LLM token):
+4 x 0.091 = 0.36. (LLaVA-1.5-7B, a CLIP ViT-L/14 of 0.30 B on one token per patch against a
+6.7 B LLM, would give 0.045.)"""
 
 
 # ----- inside torchrun: one rank --------------------------------------------------------------
@@ -209,7 +223,7 @@ def _count_collectives() -> Callable[[], dict[str, float]]:
     return lambda: {"collectives": float(calls[0])}
 
 
-def _worker(out_dir: Path, steps: int, work: float) -> None:
+def _worker(out_dir: Path, steps: int, work: float, encoder_ratio: float) -> None:
     sys.path.insert(0, str(ROOT / "examples"))
     import megatron_common as common
     import torch.distributed as dist
@@ -219,6 +233,7 @@ def _worker(out_dir: Path, steps: int, work: float) -> None:
     from grpo.plain import _group, plain_loop
     from grpo.plain_dedup import PlainDedup
     from grpo.rollout import parse_trajectory_id
+    from grpo.train import StandIn
     from grpo_megatron import new_trainer
 
     def say(text: str) -> None:
@@ -226,48 +241,56 @@ def _worker(out_dir: Path, steps: int, work: float) -> None:
             print(f"[grpo_step] {text}", file=sys.stderr, flush=True)
 
     run = GRPOConfig(steps=steps)
+
+    def working(trainer: Any) -> Any:
+        """``trainer`` with the stand-in work (the same on every path)."""
+        trainer.work = StandIn(per_token=work, encoder_ratio=encoder_ratio)
+        return trainer
+
     with common.megatron_world(tensor_parallel=2):
         rank = dist.get_rank()
         collectives = _count_collectives()
 
-        def probe() -> Callable[[], dict[str, float]]:
-            """One path's probe (its own record of the threads it saw)."""
+        def probe(trainer: Any) -> Callable[[], dict[str, float]]:
+            """One path's probe (its own record of the threads it saw, its trainer's stand-in)."""
             seen: Seen = {}
-            return lambda: collectives() | _threads(seen) | (_children_cpu() if rank == 0 else {})
+
+            def probed() -> dict[str, float]:
+                ran = {f"standin.{k}": float(v) for k, v in trainer.work.ran.items()}
+                children = _children_cpu() if rank == 0 else {}
+                return collectives() | _threads(seen) | children | ran
+
+            return probed
 
         say(f"knitkit path: {steps} steps")
-        trainer = new_trainer(run)
-        trainer.work_per_token = work
-        knit = knitkit_loop(run, trainer, clock=StepClock(probe()), feed_ahead=True)
+        trainer = working(new_trainer(run))
+        knit = knitkit_loop(run, trainer, clock=StepClock(probe(trainer)), feed_ahead=True)
         say("plain loop: the same mini-batches")
         for record in knit:  # the rollout's outputs exist before the plain loop reads them
             for tid in record.trajectory_ids:
                 _group(run.rollout, *parse_trajectory_id(tid)[:2])
-        plain_trainer = new_trainer(run)
-        plain_trainer.work_per_token = work
+        plain_trainer = working(new_trainer(run))
         minibatches = [record.trajectory_ids for record in knit]
-        plain = plain_loop(run, plain_trainer, minibatches, clock=StepClock(probe()))
+        plain = plain_loop(run, plain_trainer, minibatches, clock=StepClock(probe(plain_trainer)))
         say("packed plain loop: the same mini-batches")
-        packed_trainer = new_trainer(run)
-        packed_trainer.work_per_token = work
+        packed_trainer = working(new_trainer(run))
         budget = run.max_tokens_per_micro_batch
         packed = plain_loop(
             run,
             packed_trainer,
             minibatches,
-            clock=StepClock(probe()),
+            clock=StepClock(probe(packed_trainer)),
             batches_of=lambda samples, sequences, device: packed_batches(
                 samples, sequences, device, budget
             ),
         )
         say("dedup-only plain loop: the same mini-batches")
-        dedup_trainer = new_trainer(run)
-        dedup_trainer.work_per_token = work
+        dedup_trainer = working(new_trainer(run))
         deduped = plain_loop(
             run,
             dedup_trainer,
             minibatches,
-            clock=StepClock(probe()),
+            clock=StepClock(probe(dedup_trainer)),
             dedup=PlainDedup(run.rollout),
         )
         histories = {
@@ -394,6 +417,10 @@ def summarise(ranks: Ranks) -> dict[str, float]:
             out[f"{path}.{name}.threads.{thread}"] = _median(
                 [sum(step) for step in _series(ranks, path, key)]
             )
+        for part in ("backbone", "encoder"):
+            out[f"{path}.standin_matmuls_per_step.{part}"] = _median(
+                [sum(step) for step in _series(ranks, path, f"standin.{part}")]
+            )
         for figure in ("threads_started", "threads_ended"):
             out[f"{path}.{figure}_per_step"] = _median(
                 [sum(step) for step in _series(ranks, path, figure)]
@@ -423,6 +450,12 @@ def _table(figures: dict[str, float]) -> str:
         ("collective calls per step, busiest rank", "collectives_per_step", "{:.0f}"),
         ("threads started per step, all ranks", "threads_started_per_step", "{:.0f}"),
         ("threads ended per step, all ranks", "threads_ended_per_step", "{:.0f}"),
+        (
+            "stand-in matmuls per step, all ranks: backbone",
+            "standin_matmuls_per_step.backbone",
+            "{:.0f}",
+        ),
+        ("  vision path", "standin_matmuls_per_step.encoder", "{:.0f}"),
         ("CPU s per step, every process", "cpu_s_per_step", "{:.3f}"),
         ("  the 4 ranks (rank 0 with the driver)", "cpu_s_per_step.ranks", "{:.3f}"),
         *(
@@ -474,14 +507,25 @@ def main() -> int:
     parser.add_argument(
         "--work", type=float, help="matmuls per 64 tokens per micro-batch (default 8)"
     )
+    parser.add_argument(
+        "--encoder-work-ratio",
+        type=float,
+        default=ENCODER_WORK_RATIO,
+        help="the vision path's work per encoded image row, as a fraction of --work's per token"
+        f" (default {ENCODER_WORK_RATIO}: Qwen2.5-VL-7B's; 0: none)",
+    )
     parser.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     steps = args.steps or (3 if args.quick else 6)
     work = args.work if args.work is not None else 8.0
     if args.worker:
-        _worker(Path(args.worker), steps, work)
+        _worker(Path(args.worker), steps, work, args.encoder_work_ratio)
         return 0
-    print(f"[grpo_step] torchrun: {WORLD} ranks, {steps} steps, work {work}", file=sys.stderr)
+    ratio = args.encoder_work_ratio
+    print(
+        f"[grpo_step] torchrun: {WORLD} ranks, {steps} steps, work {work}, encoder {ratio}",
+        file=sys.stderr,
+    )
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="grpo-step-") as tmp:
         command = [
@@ -489,6 +533,7 @@ def main() -> int:
             *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD)),
             str(Path(__file__).resolve()),
             *("--worker", tmp, "--steps", str(steps), "--work", str(work)),
+            *("--encoder-work-ratio", str(ratio)),
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, timeout=1200)
@@ -497,6 +542,7 @@ def main() -> int:
             return done.returncode
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(WORLD)]
     figures = summarise(ranks) | {"steps": float(steps), "work": work}
+    figures["encoder_work_ratio"] = ratio
     print(_table(figures))
     print(_thread_table(figures))
     print(f"[grpo_step] {time.perf_counter() - start:.0f} s", file=sys.stderr)

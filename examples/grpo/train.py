@@ -19,6 +19,7 @@ import torch.distributed as dist
 from grpo.loss import Batch, LossConfig, logprob_step, loss_scale, train_step
 from knitkit.encoder_dedup import EncodeFn, RankRoute
 from knitkit.integration.megatron import DedupVLMStep, ForwardStep, current_device
+from knitkit.types import UnitKey
 
 FIGURES = ("loss", "pg", "kl", "nll", "reward", "clipped", "sequences")
 """Per-step sums of the train pass (``loss.grpo_loss``), over the world."""
@@ -51,6 +52,75 @@ class Dedup:
     encode: EncodeFn
 
 
+# NOTE [ Encoder stand-in ]: ``StandIn.per_token`` stands in for a bigger backbone; without a
+# stand-in of its own the vision path stayed the tiny example's (two small linears per image),
+# so encoder dedup could save almost nothing, unlike in a real VLM. The vision path gets the
+# same kind of work per image row it encodes, ``encoder_ratio`` of the backbone's per token,
+# wherever an encode runs: in the plain loop with each micro-batch whose forward encodes its
+# images, with dedup at each encode of the unique images (``DedupVLMStep``'s ``encode_fn``). A
+# fraction of a matmul is carried to the next encode (an image's ~6 rows are ~0.3 matmul at
+# benchmarks/grpo_step.py's ``--work 8``: rounding each encode would drop them all). Like the
+# backbone's, it runs once per forward, none in a backward. The ratio of a real VLM and its
+# arithmetic: ``ENCODER_WORK_RATIO`` in benchmarks/grpo_step.py.
+@dataclass(slots=True)
+class StandIn:
+    """Fixed CPU work standing in for a bigger model, in 128 x 128 matmuls (each with a tanh):
+    real compute, never a sleep, no effect on the results."""
+
+    per_token: float = 0.0
+    """The backbone's: matmuls per 64 tokens of each micro-batch (rounded per micro-batch)."""
+    encoder_ratio: float = 0.0
+    """The vision path's per image row it encodes, as a fraction of the backbone's per token."""
+    owed: float = 0.0
+    """The vision path's fraction of a matmul not run yet (NOTE [ Encoder stand-in ])."""
+    ran: dict[str, int] = field(default_factory=lambda: {"backbone": 0, "encoder": 0})
+    """Matmuls run so far, the backbone's and the vision path's."""
+
+    def __bool__(self) -> bool:
+        return bool(self.per_token)
+
+    def after_each(self, batches: Iterable[Batch], *, encodes: bool) -> Iterator[Batch]:
+        """``batches``, each preceded by the backbone's work for its tokens and, where its
+        forward ``encodes`` its images, the vision path's for their rows."""
+        for batch in batches:
+            self._run("backbone", round(batch["tokens"].numel() / 64 * self.per_token))
+            if encodes:
+                self.encoded(sum(len(pixels) for pixels, _, _ in batch.get("images") or ()))
+            yield batch
+
+    def encoding(self, encode: EncodeFn) -> EncodeFn:
+        """``encode``, each call followed by the vision path's work for the rows it returned
+        (``encode`` itself where the vision path has none)."""
+        if not (self.per_token and self.encoder_ratio):
+            return encode
+
+        def encoding(keys: Sequence[UnitKey]) -> torch.Tensor:
+            rows = encode(keys)
+            self.encoded(len(rows))
+            return rows
+
+        return encoding
+
+    def encoded(self, rows: int) -> None:
+        """The vision path's work for ``rows`` encoded image rows, with what was owed."""
+        self.owed += rows * self.per_token * self.encoder_ratio / 64
+        whole = int(self.owed)
+        self.owed -= whole
+        self._run("encoder", whole)
+
+    def _run(self, part: str, matmuls: int) -> None:
+        self.ran[part] += matmuls
+        x = torch.ones(128, 128)
+        weight = _weight()
+        for _ in range(matmuls):
+            x = torch.tanh(x @ weight)
+
+
+@functools.cache
+def _weight() -> torch.Tensor:
+    return torch.randn(128, 128, generator=torch.Generator().manual_seed(0)) / 12
+
+
 @dataclass(kw_only=True, slots=True)
 class Trainer:
     """One rank's policy, frozen reference, optimizer and loss."""
@@ -63,9 +133,8 @@ class Trainer:
     """Megatron's ``seq_length`` (an upper bound on a micro-batch's tokens)."""
     epochs: int = 1
     """Optimizer steps per train pass (``GRPOConfig.ppo_epochs``)."""
-    work_per_token: float = 0.0
-    """Extra fixed CPU work per micro-batch, in 128 x 128 matmuls per 64 tokens (benchmarks:
-    stands in for a bigger model; real compute, never a sleep; no effect on the results)."""
+    work: StandIn = field(default_factory=StandIn)
+    """Extra fixed CPU work standing in for a bigger model (benchmarks; none by default)."""
     gradients: list[list[torch.Tensor]] | None = None
     """When a list, each train pass appends a copy of this rank's reduced gradients
     (``main_grad`` after megatron's finalize, in ``parameters()`` order): the equivalence check."""
@@ -125,8 +194,8 @@ class Trainer:
         forward_only: bool,
         dedup: Dedup | None,
     ) -> Sequence[dict[str, torch.Tensor]]:
-        if self.work_per_token:
-            data = _with_work(data, self.work_per_token)
+        if self.work:
+            data = self.work.after_each(data, encodes=dedup is None)
         kwargs: dict[str, Any] = {
             "forward_step_func": forward_step,
             "data_iterator": iter(data),
@@ -136,7 +205,8 @@ class Trainer:
             "forward_only": forward_only,
         }
         if dedup is not None:
-            return dedup.step.run(route=dedup.route, encode_fn=dedup.encode, **kwargs)
+            encode = self.work.encoding(dedup.encode)
+            return dedup.step.run(route=dedup.route, encode_fn=encode, **kwargs)
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         return get_forward_backward_func()(model=model, **kwargs)
@@ -174,16 +244,6 @@ class _Kept:
                 {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             )
         return batch
-
-
-def _with_work(batches: Iterable[Batch], per_token: float) -> Iterator[Batch]:
-    """``batches``, each followed by its share of fixed CPU work (see ``Trainer.work_per_token``)."""
-    weight = torch.randn(128, 128, generator=torch.Generator().manual_seed(0)) / 12
-    for batch in batches:
-        x = torch.ones(128, 128)
-        for _ in range(round(batch["tokens"].numel() / 64 * per_token)):
-            x = torch.tanh(x @ weight)
-        yield batch
 
 
 def world_sum(value: float) -> float:
