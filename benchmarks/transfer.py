@@ -160,6 +160,17 @@ knitkit/storage/delivery/publication.py), as a job's driver does with its own ti
 # The driver counts its own process only (its reaped children are ranks and reorganizers,
 # counted on their own). Readings are taken while every rank waits at a barrier.
 
+# NOTE [ TQ clients closed ]
+#
+# A rank closes the TransferQueue client its eager phase made in its own process (a loader
+# without workers) when the phase ends; a look-ahead phase's client lives in the loader's worker,
+# which exits with it. Left open, the client's ZMQ I/O threads outlived the TQ services (stopped
+# before the next phase) and kept reconnecting to them through the last oracle phase: ~25 ms of
+# CPU per rank and step (~80 wakes) against ~0.5 ms for the loop and barriers
+# (per-thread schedstat, `--methods transferqueue`, load 22-25), which `oracle.cpu_s_per_step`
+# counted (0.012-0.018 in full-schedule runs against 0.004 with `--skip-tq`). TQ is the last
+# method, so no method's figure held it.
+
 
 @dataclass(frozen=True, slots=True)
 class Sizes:
@@ -622,6 +633,9 @@ class _Rank:
                     break
             waits.append(wait)
         del started[:]  # shuts the loader's worker down (counted in this phase)
+        client = dataset._tq_client  # eager: the loop's own (NOTE [ TQ clients closed ])
+        if client is not None:
+            client.close()
         return waits
 
 
