@@ -766,7 +766,9 @@ class RankHandle:
     # slot (``RecordWriter.try_send``: it cannot block); otherwise it is posted as before. No
     # wake, no hand-off, and no private copy (the ring's store copies it before the call
     # returns). A failure is the pass-end thread's as before (the ring failed, later calls
-    # raise it), raised at once here.
+    # raise it), raised at once here. Measured (``grpo_step.py --quick``, 10 pairs against
+    # 03be929, load 8-68, medians): pass-end threads' wakes 70 -> 61 per step, training
+    # threads' 503 -> 475; the exposed wait and "sending write-backs" within the load's swing.
     def _publish(
         self,
         writer: RecordWriter,
