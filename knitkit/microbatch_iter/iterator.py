@@ -18,7 +18,6 @@ from knitkit.microbatch_iter.batch import (
     IterStats,
     MicroBatch,
     build_micro_batch,
-    build_stats,
 )
 from knitkit.microbatch_iter.exit_guard import note_exit
 from knitkit.microbatch_iter.pool import StagingRing
@@ -269,9 +268,9 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
             self.close()
             raise StopIteration
         wait_s = time.perf_counter() - start
-        stats = build_stats(record, wait_s)
-        self._stats.handed(stats, wait_s)
-        return build_micro_batch(record.index, record.layout, record.flat, record.tensors, stats)  # type: ignore[return-value]
+        batch = build_micro_batch(record, wait_s)
+        self._stats.handed(batch.stats, wait_s)
+        return batch  # type: ignore[return-value]
 
     def _check_consumer(self) -> None:
         """One consumer thread per iterator: the first to call ``next()`` owns it until a

@@ -17,7 +17,7 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
-from knitkit.microbatch_iter.batch import MicroBatch, ViewCache, build_micro_batch, build_stats
+from knitkit.microbatch_iter.batch import MicroBatch, ViewCache, build_micro_batch
 from knitkit.microbatch_iter.exit_guard import abandon, exit_now
 from knitkit.microbatch_iter.pool import StagingRing
 from knitkit.microbatch_iter.source import (
@@ -328,10 +328,7 @@ class Prefetcher:
                     if record is None:
                         return
                     # Queued under ``lock``: teardown drains (and releases) every record.
-                    stats = build_stats(record, 0.0)  # the wait: set at hand-over
-                    record.batch = build_micro_batch(
-                        index, record.layout, record.flat, record.tensors, stats
-                    )
+                    record.batch = build_micro_batch(record, 0.0)  # the wait: set at hand-over
                     if self.convert is not None:
                         record = self.convert(record)
                     self.ready.put(record)
@@ -406,16 +403,21 @@ class Prefetcher:
         # written pages): ask every lease, cached views or not (NOTE [ Reused field views ]);
         # only its address (or its slot's exporter) picks the cached views.
         layout = item.layout
-        check_layout(layout)
         private = item.private()  # type: ignore[misc]
         if slots and layout.nbytes:
-            base, views = self._slot_tensors(private)  # type: ignore[arg-type]
+            exporter = private.obj  # type: ignore[union-attr]
+            kept = self._slots.get(id(exporter))
+            if kept is None or kept[0] is not exporter:
+                kept = self._slot_tensors(exporter)
+            _, base, views = kept
         else:
             # one torch call over the buffer (np.frombuffer, its address and from_numpy: 4x)
             base = torch.frombuffer(private, dtype=torch.uint8) if layout.nbytes else _NO_BYTES
             views = self._views_at(base.data_ptr())
+        # cached views were put for an equal layout, which passed check_layout then
         cached = views.get(layout, _NO_OVERRIDES)
         if cached is None:
+            check_layout(layout)
             cached = views.put(base, layout, _NO_OVERRIDES)
         stage_s = time.perf_counter() - start
         return Staged(index, None, layout, *cached, fetch_s, stage_s, item.release)
@@ -429,17 +431,15 @@ class Prefetcher:
             views = self._private_views[address] = ViewCache()
         return views
 
-    def _slot_tensors(self, private: memoryview) -> tuple[torch.Tensor, ViewCache]:
-        """The flat tensor over the whole slot ``private`` starts (its exporter) and the slot's
-        cached views, made at the slot's first hand-out (NOTE [ Slot tensors kept ])."""
-        exporter = private.obj
-        kept = self._slots.get(id(exporter))
-        if kept is None or kept[0] is not exporter:
-            if len(self._slots) >= _PRIVATE_VIEW_SLOTS:
-                self._slots.clear()  # not a ring's few slots: bound what is held
-            whole = torch.frombuffer(exporter, dtype=torch.uint8)
-            kept = self._slots[id(exporter)] = (exporter, whole, ViewCache())
-        return kept[1], kept[2]
+    def _slot_tensors(self, exporter: object) -> tuple[object, torch.Tensor, ViewCache]:
+        """A slot's ``exporter`` (of its leases' private views), a flat tensor over the whole
+        slot and the slot's cached views, made at the slot's first hand-out and kept (NOTE
+        [ Slot tensors kept ])."""
+        if len(self._slots) >= _PRIVATE_VIEW_SLOTS:
+            self._slots.clear()  # not a ring's few slots: bound what is held
+        whole = torch.frombuffer(exporter, dtype=torch.uint8)
+        kept = self._slots[id(exporter)] = (exporter, whole, ViewCache())
+        return kept
 
     def hand_out(self, index: int, source: LeasesInline, timeout_s: float) -> Staged | None:
         """Consumer side, with no prefetch thread (NOTE [ Inline hand-out ]): release the held

@@ -24,20 +24,23 @@ from knitkit.storage.delivery.slot_ring import RingSpec
 from knitkit.storage.delivery.written_pages import WrittenPages
 from knitkit.types import MicroBatchLayout, PackedMicroBatch
 
-CALLS_PER_HAND_OUT = 116
+CALLS_PER_HAND_OUT = 110
 """Python and C calls a rank's thread makes per hand-out of a new shape (the loop's ``next()``
 with its inline hand-out: release, decode, lease, views and stats; NOTE [ Inline hand-out ] in
-knitkit/microbatch_iter/worker.py), published before the loop asks for it: 113 now, 118 at
-8014ff5 (the take's and the staging's hops, the stats' builders, the lease's two ``__init__``,
-a ``getpid`` per release). With a producer thread racing the loop (this test before): 130-131
-at 8014ff5, 144-146 at b870bfe (a prefetch thread's credit, queue and wake on top), 161-164 at
-1cebb89, ~200 at 62f8166."""
-FRAMES_PER_HAND_OUT = 35
-"""Of those, the Python frames: 33 now, 38 at 8014ff5."""
-CALLS_PER_REPEATED_SHAPE = 78
-"""The same where each slot's micro-batches repeat one shape: 76 now, 81 at 8014ff5 (153-166 at
-1cebb89 with a producer thread: a new ``FieldView`` per field decoded, then compared with the
-cached views' field by field)."""
+knitkit/microbatch_iter/worker.py), published before the loop asks for it: 108 now, 113 at
+d1b4542 (a once-only wrapper's frame per release, the private view and the lease in two
+frames, the stats and the ``MicroBatch`` in two), 118 at 8014ff5. With a producer thread racing
+the loop (this test before): 130-131 at 8014ff5, 144-146 at b870bfe, 161-164 at 1cebb89, ~200
+at 62f8166."""
+FRAMES_PER_HAND_OUT = 30
+"""Of those, the Python frames: 29 now, 33 at d1b4542, 38 at 8014ff5."""
+CALLS_PER_REPEATED_SHAPE = 68
+"""The same where each slot's micro-batches repeat one shape: 66 now, 76 at d1b4542 (on top of
+the above: the field table unpacked and its columns hashed to find the shape, ``check_layout``
+and the slot's tensors each a frame although the slot's views were cached), 81 at 8014ff5
+(153-166 at 1cebb89 with a producer thread)."""
+FRAMES_PER_REPEATED_SHAPE = 27
+"""Of those, the Python frames: 26 now, 31 at d1b4542."""
 _PAGE_MAP_READ = WrittenPages.span.__code__
 """A release reads the page map only if the process took a page fault since the slot was last
 clean (NOTE [ Written pages only after a fault ] in slot_ring.py; bounded by
@@ -132,7 +135,7 @@ def _calls_per_hand_out(shapes: int = 0, count: int = 30) -> tuple[float, float]
 
 def test_a_hand_out_makes_a_bounded_number_of_calls() -> None:
     """Over a real ring of 3 slots, with a new layout per micro-batch, the calls and Python
-    frames per hand-out stay under their bounds (on 8014ff5: 118 calls and 38 frames, above
+    frames per hand-out stay under their bounds (on d1b4542: 113 calls and 33 frames, above
     them)."""
     calls, frames = _calls_per_hand_out()
     assert calls <= CALLS_PER_HAND_OUT, calls
@@ -143,9 +146,10 @@ def test_a_repeated_shape_makes_no_per_field_calls() -> None:
     """Where each slot's micro-batches repeat one shape, a hand-out makes far fewer calls than
     one of a new shape: the decoder hands out the tuple of views it decoded before and the view
     cache recognises it by identity, so no view object, comparison or torch call is made per
-    field (on 8014ff5: 81, above the bound; 153-166 at 1cebb89)."""
-    calls, _ = _calls_per_hand_out(shapes=3)
+    field (on d1b4542: 76 calls and 31 frames, above the bounds)."""
+    calls, frames = _calls_per_hand_out(shapes=3)
     assert calls <= CALLS_PER_REPEATED_SHAPE, calls
+    assert frames <= FRAMES_PER_REPEATED_SHAPE, frames
 
 
 def test_a_repeated_shape_decodes_to_the_same_views_and_is_checked_against_its_size() -> None:
@@ -171,18 +175,20 @@ def test_a_repeated_shape_decodes_to_the_same_views_and_is_checked_against_its_s
 def test_hand_out_objects_equal_their_constructors(name: str) -> None:
     """``IterStats.record`` and ``build_micro_batch`` make the same frozen objects as the
     classes' constructors (equal, still frozen); ``record`` adds them to the totals."""
-    stats = batches.MicroBatchStats(3, 0.5, 0.25, 0.125, 64)
     made: object
+    layout = _layout(0)
+    stats = batches.MicroBatchStats(3, 0.5, 0.25, 0.125, layout.nbytes)
+    staged = SimpleNamespace(
+        index=3, layout=layout, flat=None, tensors={}, fetch_s=0.25, stage_s=0.125
+    )
     if name == "IterStats.record":
         totals = batches.IterStats()
-        staged = SimpleNamespace(
-            index=3, layout=SimpleNamespace(nbytes=64), fetch_s=0.25, stage_s=0.125
-        )
         made, expected = totals.record(staged, 0.5), stats  # type: ignore[arg-type]
-        assert totals == batches.IterStats(1, 0.5, 0.5, 0.25, 0.125, 64)
+        assert totals == batches.IterStats(1, 0.5, 0.5, 0.25, 0.125, layout.nbytes)
     else:
-        args = (3, _layout(0), None, {}, stats)
-        made, expected = batches.build_micro_batch(*args), batches.MicroBatch(*args)  # type: ignore[arg-type]
+        made = batches.build_micro_batch(staged, 0.5)  # type: ignore[arg-type]
+        expected = batches.MicroBatch(3, layout, None, {}, stats)  # type: ignore[arg-type]
+        assert made.stats == stats and type(made.stats) is batches.MicroBatchStats  # type: ignore[attr-defined]
     assert made == expected and type(made) is type(expected)
     with pytest.raises(AttributeError):
         made.index = 4  # type: ignore[attr-defined]
@@ -206,4 +212,6 @@ def test_a_lease_built_without_its_init_has_every_field() -> None:
         assert bytes(lease.buffer[:3]) == b"\x07\x07\x07" and lease.private() is lease.private()
         lease.release()
         lease.release()
+        assert lease.on_release is not None
+        lease.on_release()  # its release by itself: a second one returns at once
         assert lease.released and ring.owner.released(0) == 1

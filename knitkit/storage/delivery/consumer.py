@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -99,10 +100,11 @@ class _Releases:
         """Slot index -> its whole private view, over an exporter of its own, and the address of
         its first byte (NOTE [ One exporter per slot ])."""
 
-    def private(self, seq: int, nbytes: int) -> tuple[memoryview, int]:
-        """Lease ``seq``'s bytes through this process's copy-on-write mapping: the view (the first
-        ``nbytes`` of its slot's exporter, NOTE [ One exporter per slot ]) and the address of its
-        first byte."""
+    def lease(self, layout: MicroBatchLayout, seq: int) -> PackedMicroBatch:
+        """Lease ``seq`` (``layout``) through this process's copy-on-write mapping: its view is
+        the first ``layout.nbytes`` of its slot's exporter (NOTE [ One exporter per slot ]); the
+        lease and its ``_SlotBytes`` are built here, in one frame (NOTE [ Lease in few calls ])."""
+        nbytes = layout.nbytes
         with self._lock:
             if self._closed:
                 raise ConsumerClosedError(
@@ -115,14 +117,38 @@ class _Releases:
             if whole is None:
                 view, address = self._ring.private_slot_at(seq, self._ring.spec.slot_bytes)
                 whole = self._slots[slot] = (np.frombuffer(view, np.uint8).data, address)
-            return whole[0][:nbytes], whole[1]
+        view = whole[0][:nbytes]
+        holder = _new(_SlotBytes)  # NOTE [ Lease backstop ]
+        holder.view = view
+        holder.releases = self
+        holder.seq = seq
+        holder.__array_interface__ = {
+            "data": (whole[1], True),
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+        lease = _new(PackedMicroBatch)
+        set_layout, set_buffer, set_on_release, set_seq, set_private, set_released = _LEASE_SLOTS
+        set_layout(lease, layout)
+        set_buffer(lease, np.asarray(holder))
+        set_on_release(lease, functools.partial(self.release, seq))  # C-level: no frame of its own
+        set_seq(lease, seq)
+        # the lease's private() is this very view (a C-level callable: no Python frame per call):
+        # booked once, mapped once per hand-out
+        set_private(lease, itertools.repeat(view).__next__)
+        set_released(lease, False)
+        return lease
 
     def release(self, seq: int) -> None:
+        """Release ``seq``; a second call returns at once (its lease's ``release()`` and then its
+        backstop, or ``release_all``), from any thread."""
         with self._lock:
-            if self._closed or _PID[0] != self._pid:
+            nbytes = self._private.pop(seq, None)
+            if nbytes is None or self._closed or _PID[0] != self._pid:
                 return
             # private copies go first: the slot's next occupant must be read from shared pages
-            self._ring.drop_private(seq, self._private.pop(seq, 0))
+            self._ring.drop_private(seq, nbytes)
             if seq == self.count and not self._early:  # in order, the usual case
                 self.count += 1
             else:
@@ -148,13 +174,16 @@ class _Releases:
 # hand-off ] in knitkit/microbatch_iter/worker.py), so the lease path is kept to few calls and
 # objects: the slot's address comes with its private view (``SlotRing.private_slot_at``, the
 # mapping's address read once per ring) and the lease's array interface is written from it, with
-# no array made to learn it; one object per lease is its bytes' holder, its ``on_release`` and
-# its backstop at once (``_SlotBytes``), and its ``private()`` is a C-level callable; flags read
+# no array made to learn it; one object per lease is its bytes' holder and its backstop at once
+# (``_SlotBytes``), its ``private()`` and its ``on_release`` are C-level callables (an
+# ``itertools.repeat``'s ``__next__``, a ``functools.partial`` of ``_Releases.release``, which
+# itself returns at once for a lease released before: no once-only wrapper's frame); flags read
 # per micro-batch are plain attributes, not Events (``is_set`` is a Python frame); the wait's
 # clock runs only when there is a wait; an in-order release moves the count without the
 # early-release set; a release that comes second (the backstop after ``release()``) returns
-# without raising; the lease and its ``_SlotBytes`` are built in one frame without their
-# ``__init__`` (``_lease``); a release compares the pid saved at fork (``_PID``) instead of
+# without raising; the lease, its ``_SlotBytes`` and its private view are made in one frame,
+# without their ``__init__`` (``_Releases.lease``); a release compares the pid saved at fork
+# (``_PID``) instead of
 # calling ``getpid`` (a syscall); a take's ``next_lease`` is its ``_next`` and calls the consumer
 # directly. Those last three, with the iterator's (one staging frame, stats built without a
 # builder's frame), against 8014ff5 over a ring published ahead of the loop (no waits, so counted
@@ -172,7 +201,10 @@ class _Releases:
 # load 8-21 (issue 31, wave 8): prefetch.py's loop-thread CPU in next() 43 -> 35 us per
 # micro-batch (medians); transfer.py --quick's ranks 0.0312 -> 0.0307 CPU s/step (medians; the
 # ~12 fewer Python frames are ~1 ms of the ranks' ~17 ms data-path CPU per step, inside that
-# machine's run-to-run spread of 2-4 ms).
+# machine's run-to-run spread of 2-4 ms). Stop 48 (the C-level ``on_release``, ``_Releases.lease``,
+# with the codec's and the iterator's cuts: NOTE [ Shapes decoded once ] in layout_codec.py,
+# ``build_micro_batch``, views looked up before ``check_layout``): a new shape 113 -> 108 calls,
+# 33 -> 29 frames; a repeated one 76 -> 66 calls, 31 -> 26 frames.
 
 
 # NOTE [ One exporter per slot ]: a lease's private view is the first ``nbytes`` of a view of its
@@ -191,9 +223,9 @@ class _SlotBytes:
     """A slot's bytes under the array interface, read-only. numpy collapses a view's base to
     the first object that is not an array, so every array (and tensor) over a lease's buffer
     keeps this object alive: once nothing can read the slot any more, it releases a lease nobody
-    released (a backstop; ``release()`` is the contract). It is also the lease's ``on_release``
-    (one object per lease, NOTE [ Lease in few calls ]): the lease keeps it alive no longer than
-    its ``buffer`` already does.
+    released (a backstop; ``release()`` is the contract: the lease's ``on_release``, a
+    ``functools.partial`` of its ``_Releases.release``, no frame of its own; NOTE [ Lease in few
+    calls ]).
 
     NOTE [ Lease backstop ]: the backstop was a ``weakref.finalize`` per lease (~3 us, and an
     entry added to and removed from its class-wide registry per micro-batch). In a rank process
@@ -207,63 +239,19 @@ class _SlotBytes:
     returns at once.
     """
 
-    __slots__ = ("__array_interface__", "once", "seq", "view")
+    __slots__ = ("__array_interface__", "releases", "seq", "view")
 
     view: memoryview
     """The lease's bytes (it keeps the mapping alive)."""
-    once: list[_Releases]
-    """The release count the lease goes back to, until it did."""
+    releases: _Releases
+    """The release count the lease goes back to."""
     seq: int
     __array_interface__: dict[str, object]
     """``view``'s bytes at their address, read-only."""
 
-    def __call__(self) -> None:
-        """Release the lease, once, whichever comes first: its holder's ``release()`` (this is
-        the lease's ``on_release``) or the end of its bytes' last reader (``__del__``).
-        Thread-safe: the one-item list's ``pop`` is atomic; a second call (the backstop after
-        ``release()``) returns without raising."""
-        once = self.once
-        if not once:
-            return
-        try:
-            releases = once.pop()
-        except IndexError:  # another thread released it between the test and the pop
-            return
-        releases.release(self.seq)
-
     def __del__(self) -> None:
-        if self.once:  # the usual case: released already, no call
-            self()
-
-
-def _lease(
-    layout: MicroBatchLayout, view: memoryview, address: int, releases: _Releases, seq: int
-) -> PackedMicroBatch:
-    """The lease of micro-batch ``seq`` of ``releases`` (``layout``, its private ``view`` at
-    ``address``) and its ``_SlotBytes``, both built without their ``__init__``: one frame per
-    hand-out, not three (NOTE [ Lease in few calls ]; NOTE [ Hand-out objects without
-    __init__ ] in knitkit/microbatch_iter/batch.py)."""
-    holder = _new(_SlotBytes)  # NOTE [ Lease backstop ]
-    holder.view = view
-    holder.once = [releases]
-    holder.seq = seq
-    holder.__array_interface__ = {
-        "data": (address, True),
-        "shape": (view.nbytes,),
-        "typestr": "|u1",
-        "version": 3,
-    }
-    lease = _new(PackedMicroBatch)
-    set_layout, set_buffer, set_on_release, set_seq, set_private, set_released = _LEASE_SLOTS
-    set_layout(lease, layout)
-    set_buffer(lease, np.asarray(holder))
-    set_on_release(lease, holder)
-    set_seq(lease, seq)
-    # the lease's private() is this very view (a C-level callable: no Python frame per call):
-    # booked once, mapped once per hand-out
-    set_private(lease, itertools.repeat(view).__next__)
-    set_released(lease, False)
-    return lease
+        if self.seq in self.releases._private:  # the usual case: released already, no call
+            self.releases.release(self.seq)
 
 
 _new = object.__new__
@@ -407,8 +395,7 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
             # every hand-out reads through this process's copy-on-write mapping (NOTE [ Zero-copy
             # hand-off ] in knitkit/microbatch_iter/worker.py): numpy views are read-only, but a
             # write through ``torch.from_numpy`` of one stays with this rank, never its TP peers
-            view, address = releases.private(seq, layout.nbytes)
-            lease = _lease(layout, view, address, releases, seq)
+            lease = releases.lease(layout, seq)
             self._next = seq + 1
             self._decode_s += time.perf_counter() - published
             self._handed_out += 1

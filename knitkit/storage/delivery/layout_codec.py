@@ -23,7 +23,7 @@ import itertools
 import math
 import operator
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import reduce
 
 import numpy as np
@@ -231,30 +231,34 @@ class _FieldSet:
     dtypes: tuple[str, ...]
     trailing: tuple[tuple[int, ...], ...]
     row_bytes: tuple[int, ...]
-    shapes: dict[tuple[int, ...], tuple[tuple[FieldView, ...], int]] = field(default_factory=dict)
-    """Decoded fields and the end of the last one, by the record's dynamic columns (each
-    field's offset and first dimension, interleaved)."""
 
 
 # NOTE [ Shapes decoded once ]: where micro-batches repeat a shape (a fixed token budget padded
-# to its size, images of one size, a pass that re-reads the same micro-batches), the decoder
-# hands out the very tuple of ``FieldView``s it decoded last time for the same field set and
-# dynamic columns (offsets and first dimensions), after checking only that the record's
-# ``nbytes`` still covers its last field. A consumer's view cache recognises that tuple by
-# identity (NOTE [ Reused field views ] in knitkit/microbatch_iter/batch.py), so a repeated
-# shape costs no per-field work at all on the rank: no view objects, no comparisons, no torch
-# calls. The tuples are immutable and checked when first decoded. The cache holds a ring's worth
-# of shapes per field set, ``_MAX_SHAPES``, and is cleared when full: packed token counts that
-# vary per micro-batch (transfer.py's) make a new shape each time, which costs one lookup and one
-# insert, and a cache that kept growing would make the process take page faults as it grows,
-# each of which makes the next release read the page map (NOTE [ Written pages only after a
-# fault ] in slot_ring.py): with 64 shapes kept, a test ring's every release read it.
+# to its size, images of one size, a pass that re-reads the same micro-batches, a slot that
+# carries the same shape again), the decoder hands out the very tuple of ``FieldView``s it
+# decoded last time for the same field table: the record's table bytes as they travel (offsets,
+# dtypes, shapes) with the slot's capacity are the key, one slice and one lookup, no ``struct``
+# call and no tuple of columns hashed; the names must be equal too and the record's ``nbytes``
+# must still cover its last field. A consumer's view cache recognises that tuple by identity
+# (NOTE [ Reused field views ] in knitkit/microbatch_iter/batch.py), so a repeated shape costs
+# no per-field work at all on the rank: no view objects, no comparisons, no torch calls. The
+# tuples are immutable and checked when first decoded. The cache holds a ring's worth of shapes,
+# ``_MAX_SHAPES``, and is cleared when full: packed token counts that vary per micro-batch
+# (transfer.py's) make a new shape each time, which costs one lookup and one insert, and a cache
+# that kept growing would make the process take page faults as it grows, each of which makes the
+# next release read the page map (NOTE [ Written pages only after a fault ] in slot_ring.py):
+# with 64 shapes kept, a test ring's every release read it. Keyed by the table's bytes instead
+# of its unpacked columns, a repeated shape's hand-out makes 3 calls fewer
+# (tests/storage/test_handout_calls.py, issue 31).
 
 _FIELD_SETS: dict[tuple[object, ...], _FieldSet] = {}
 _MAX_FIELD_SETS = 64
 """Field sets a process keeps (a job has a handful: one per pass and ring kind)."""
+_SHAPES: dict[tuple[int, bytes], tuple[tuple[str, ...], tuple[FieldView, ...], int]] = {}
+"""(slot capacity, a record's field table as it travels) -> the fields' names, their decoded
+views and the end of the last one (NOTE [ Shapes decoded once ])."""
 _MAX_SHAPES = 8
-"""Shapes a field set keeps: a ring's slots, each repeating one (NOTE [ Shapes decoded once ])."""
+"""Shapes a process keeps: a ring's slots, each repeating one (NOTE [ Shapes decoded once ])."""
 
 
 @functools.lru_cache(maxsize=_MAX_FIELD_SETS)
@@ -271,15 +275,16 @@ def _fields(
     ``capacity`` (NOTE [ Field sets decoded once ], NOTE [ Shapes decoded once ])."""
     if not count:
         return ()
-    static, dynamic = _columns(count)
     names = tuple(strings[:count])
+    table = (capacity, blob[_HEADER.size : _HEADER.size + count * _FIELD.size])
+    seen = _SHAPES.get(table)
+    if seen is not None and seen[2] <= nbytes and seen[0] == names:
+        return seen[1]
+    static, dynamic = _columns(count)
     key = (capacity, static.unpack_from(blob, _HEADER.size), names)
-    values = dynamic.unpack_from(blob, _HEADER.size)
     known = _FIELD_SETS.get(key)
     if known is not None:
-        seen = known.shapes.get(values)
-        if seen is not None and seen[1] <= nbytes:
-            return seen[0]
+        values = dynamic.unpack_from(blob, _HEADER.size)
         offsets, leads = values[0::2], values[1::2]
         if max(leads) <= capacity and not reduce(operator.or_, offsets) & _ALIGN_UP:
             # C-level maps: no Python bytecode per field
@@ -287,9 +292,9 @@ def _fields(
             if ends[-1] <= nbytes and all(map(operator.le, ends, offsets[1:])):
                 shapes = map(operator.add, zip(leads), known.trailing)  # (lead, *trailing)
                 fields = tuple(field_views(names, known.dtypes, shapes, offsets))
-                if len(known.shapes) >= _MAX_SHAPES:
-                    known.shapes.clear()
-                known.shapes[values] = (fields, ends[-1])
+                if len(_SHAPES) >= _MAX_SHAPES:
+                    _SHAPES.clear()
+                _SHAPES[table] = (names, fields, ends[-1])
                 return fields
     fields = _checked_fields(blob, strings, count, nbytes, capacity)
     if all(view.shape for view in fields):  # a field of no dimension takes the full check
