@@ -236,8 +236,11 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         prefetcher.held = record
         if self.config.stage_after_launch:
             self._launch_pending = True
-        else:
-            prefetcher.credits.put(None)  # launched(): the thread may stage one more
+        elif prefetcher.waiting and prefetcher.queued > record.index + 1:
+            prefetcher.owed += 1  # ahead and asleep: NOTE [ Credits kept while ahead ] in worker.py
+        else:  # launched(): the thread may stage one more, and any kept back
+            prefetcher.credits.put(prefetcher.owed + 1)
+            prefetcher.owed = 0
         batch = record.batch  # built ahead (NOTE [ Micro-batches built ahead ] in worker.py)
         assert batch is not None
         if self._converted and self._convert_here is None:
@@ -303,7 +306,7 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         """
         if self._launch_pending:
             self._launch_pending = False
-            self._prefetcher.credits.put(None)
+            self._prefetcher.credits.put(1)
 
     @property
     def pool(self) -> StagingRing:
