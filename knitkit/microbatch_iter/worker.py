@@ -191,10 +191,12 @@ from knitkit.types import MicroBatchLayout, PackedMicroBatch
 # over; a stale ``waiting`` (the thread just got a token) only delays a credit the same way.
 # The cost: woken later, the thread has one micro-batch of compute, not two, to stage the next
 # one in; a thread that is not ahead (preparation as long as the compute) is never asleep for a
-# credit and gets each at once, as before. Measured (prefetch.py's hand-over setting, 3 x 58
-# micro-batches, scratch, 2-core dev box at load 15-20, issue 31): the prefetch thread's sleeps
-# 1.1-2.6 -> 0.8-1.1 per micro-batch, the loop thread's CPU in ``next()`` 61-66 -> 41-42 us
-# (medians); tests/microbatch_iter/test_credit_wakes.py counts the thread's sleeps.
+# credit and gets each at once, as before. Measured (2-core dev box, issue 31): the prefetch
+# thread's sleeps 1.1-2.6 -> 0.6-1.1 per micro-batch (prefetch.py's hand-over setting, scratch,
+# load 15-20); prefetch.py's hand-over, 3 back-to-back pairs at load ~10: median 59 / 39 / 50 ->
+# 27 / 26 / 37 us, loop CPU 40 / 29 / 33 -> 18 / 17 / 27 us, while its X6/Y4 iterator wait
+# (0.05 / 0.68 / 0.05 -> 0.70 / 0.04 / 0.12 ms per micro-batch) stayed within the load's swing;
+# tests/microbatch_iter/test_credit_wakes.py counts the thread's sleeps.
 
 _NO_OVERRIDES: Mapping[str, torch.dtype] = MappingProxyType({})
 """A lease's fields keep their layout dtypes."""
