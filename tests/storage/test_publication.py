@@ -172,6 +172,11 @@ class _RecordingWords(AtomicWords):
         self.log.append(("acquire", index, value))
         return value
 
+    def loads_acquire(self, first: int, count: int) -> list[int]:
+        values = list(super().loads_acquire(first, count))
+        self.log.extend(("acquire", first + i, value) for i, value in enumerate(values))
+        return values
+
     def store_release(self, index: int, value: int) -> None:
         if self.probe is not None:
             self.probe(index, value)

@@ -119,7 +119,9 @@ class UnitJournal:
     def new_records(self) -> Iterator[Record]:
         """Records appended since the previous call (complete ones only), following compactions."""
         while True:
-            fd = self._require_fd()
+            fd = self._fd
+            if fd is None:
+                raise ValueError(f"journal {self.path} is closed")
             size = os.fstat(fd).st_size
             if size > self._offset:
                 self._pending += os.pread(fd, size - self._offset, self._offset)

@@ -6,7 +6,7 @@ import contextlib
 import os
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -189,7 +189,8 @@ class SharedMemoryBackend(UnitBackend):
     def _follow(self) -> None:
         """This process's index brought up to date: a forked owner becomes a reader, a reader
         follows the journal."""
-        self._check_fork()
+        if self._owner:  # a reader cannot be a fork of the owner: no call for it
+            self._check_fork()
         if not self._owner:
             self._follow_journal()
 
@@ -484,6 +485,7 @@ class _MappedUnits:
         backend = self._backend
         backend._follow()
         located = self._located[start:stop]
+        views: list[memoryview]
         if None in located or (
             backend._deletes != self._deletes
             and any(
@@ -494,10 +496,11 @@ class _MappedUnits:
             backend._populate()
             views, now = backend._unit_bytes(self._keys[start:stop], self._needs[start:stop])
             self._views[start:stop], self._located[start:stop] = views, now
-        else:
-            views = cast(list[memoryview], self._views[start:stop])
+        else:  # no None in either: typed by the check above
+            views = self._views[start:stop]  # type: ignore[assignment]
+            found: list[_Location] = located  # type: ignore[assignment]
             slab_index = -1
-            for at in cast(list[_Location], located):
+            for at in found:
                 if at[0] != slab_index:  # once per slab and range, as ``read_many``
                     slab_index = at[0]
                     backend._check_slab(slab_index, self._keys[start:stop])

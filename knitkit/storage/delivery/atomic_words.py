@@ -8,7 +8,7 @@ import platform
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -74,7 +74,7 @@ _ACQUIRE, _RELEASE, _SEQ_CST = 2, 3, 5  # __ATOMIC_ACQUIRE, __ATOMIC_RELEASE, __
 # - A wake is a syscall through ctypes: ~6 us warm, tens of us right after compute (issue 31),
 #   paid per release by every rank although the producer rarely waits. So the producer announces
 #   its wait: it stores the waited consumer's index + 1 in its own word PRODUCER_WAITS before it
-#   sleeps (0 after), and a consumer, having read that word with `store_then_load` right after
+#   sleeps (0 after), and a consumer, having read that word with `store_then_loads` right after
 #   its release store, wakes the word it names only if every consumer has now released the slot
 #   the producer waits for (min RELEASED > PUBLISHED - num_slots: a waiting producer has
 #   published everything before that slot), so TP consumers wake it once per slot, not once
@@ -82,14 +82,14 @@ _ACQUIRE, _RELEASE, _SEQ_CST = 2, 3, 5  # __ATOMIC_ACQUIRE, __ATOMIC_RELEASE, __
 #   load, ~2.5 wakes per micro-batch at TP2). No lost wake-up: the producer's store is
 #   visible before the kernel compares the word it sleeps on (FUTEX_WAIT's full barrier, (A) in
 #   kernel/futex), and the consumer's release store is visible before it loads PRODUCER_WAITS
-#   (the full barrier of `store_then_load`): of the two stores at least one side sees the
+#   (the full barrier of `store_then_loads`): of the two stores at least one side sees the
 #   other's, so either the producer finds the new count and does not sleep, or the consumer
 #   finds the producer waiting; the last consumer to release the slot sees every release before
 #   its own and wakes it. A consumer that releases while another still holds the slot leaves
 #   the producer asleep (its word changed, but the kernel compared it before the sleep).
 # - The same handshake the other way for publications: a consumer about to sleep on NOTIFY for
 #   a micro-batch stores 1 in its own word CONSUMER_WAITS[c] (0 after), and the producer, right
-#   after it stores NOTIFY + 1 for a publication, reads those words (`store_then_any`, the full
+#   after it stores NOTIFY + 1 for a publication, reads those words (`store_then_loads`, the full
 #   barrier between) and wakes only if one is set: the usual look-ahead case (consumers busy with
 #   compute while the producer fills the next slot) makes no syscall per publication. State
 #   changes (DONE, FAILED, a launcher's mark), a close and an interrupt still wake NOTIFY
@@ -180,7 +180,7 @@ class AtomicWords:
         """The words as plain 8-byte accesses (x86-64: acquire loads and release stores)."""
         self._futex = _futex()
         self._fence = threading.Lock()
-        """Taken and dropped as a full barrier on x86-64 (``store_then_load``)."""
+        """Taken and dropped as a full barrier on x86-64 (``store_then_loads``)."""
         self._fence_call: _Fence | None = None if ops is None else ops[2]
 
     def load_acquire(self, index: int) -> int:
@@ -196,9 +196,18 @@ class AtomicWords:
         else:
             self._store(self._base + 8 * index, value, _RELEASE)
 
-    def store_then_load(self, index: int, value: int, load_index: int) -> int:
-        """Release-store ``value`` in word ``index``, then acquire-load word ``load_index`` with a
-        full barrier between: the store is visible to every process before the load reads (NOTE
+    def loads_acquire(self, first: int, count: int) -> Sequence[int]:
+        """``load_acquire`` of the ``count`` words from ``first``, in one call (the producer's
+        look at every RELEASED word per slot, NOTE [ Slot path in few calls ] in
+        publication.py): on x86-64 a view of the plain words, read when iterated."""
+        if self._load is None:
+            return self._plain[first : first + count]
+        load, base = self._load, self._base
+        return [int(load(base + 8 * index, _ACQUIRE)) for index in range(first, first + count)]
+
+    def store_then_loads(self, index: int, value: int, first: int, count: int) -> Sequence[int]:
+        """Release-store ``value`` in word ``index``, then ``loads_acquire(first, count)`` with a
+        full barrier between: the store is visible to every process before the loads read (NOTE
         [ Futex waits ], where such a pair decides whether to wake). x86-64 reorders only a later
         load before an earlier store, and a lock's acquire is an atomic read-modify-write there,
         a full barrier; elsewhere libatomic's ``atomic_thread_fence(seq_cst)``."""
@@ -208,13 +217,7 @@ class AtomicWords:
                 pass
         else:
             self._fence_call(_SEQ_CST)
-        return self.load_acquire(load_index)
-
-    def store_then_any(self, index: int, value: int, first: int, count: int) -> bool:
-        """``store_then_load`` over ``count`` words from ``first``: whether any is non-zero."""
-        if self.store_then_load(index, value, first):
-            return True
-        return any(self.load_acquire(first + i) for i in range(1, count))
+        return self.loads_acquire(first, count)
 
     def wait(self, index: int, expected: int, timeout_s: float) -> None:
         """Sleep while word ``index`` holds ``expected``, at most ``timeout_s``; may return early

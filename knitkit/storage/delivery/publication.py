@@ -139,7 +139,7 @@ def idle_period(liveness_timeout_s: float | None) -> float:
 # producer thread, or by a host whose own loop already wakes that often (ReorganizerProcess: its
 # wait for the next assignment, NOTE [ Reorganizer process shutdown ]); while it is BUSY
 # (`with publisher.busy():` around an assignment) only the producer's own loop writes it: at every
-# slot acquired, every wait slice on a full ring and every publication. A read that blocks therefore
+# wait slice on a full ring, every slot acquired after a wait and every publication. A read that blocks therefore
 # stops the heartbeat and consumers raise ReorganizerDiedError after the liveness timeout, while
 # a producer waiting for work or for its consumers stays alive.
 #
@@ -156,6 +156,20 @@ def idle_period(liveness_timeout_s: float | None) -> float:
 # waits (ranks attach when they start).
 
 
+# NOTE [ Slot path in few calls ]
+#
+# A reorganizer acquires, fills and publishes each slot right after a wait for it, when the
+# process's caches are cold and every Python call costs several times its hot cost (NOTE [ Copy
+# lists ] in reorganizer.py). So the usual case, a slot already released by every consumer, is
+# a few frames: one size check, every RELEASED word read in one call (``loads_acquire``) and the
+# slot's view; the wait's schedule (``WaitSlices``), the lagging consumer and the beat are built
+# only when the slot is still held (``_wait_for_slot``): a slot acquired without a wait follows
+# the previous publication's beat (or the assignment's start) by one micro-batch's copies. A
+# publication decides on a wake with one store and one read of every CONSUMER_WAITS word, and a
+# unit views' range skips the fork check a reader cannot need. At TP2 (transfer.py): 23 Python
+# calls per micro-batch from the slot on, 37 at d1b4542 (tests/storage/test_reorg_copy_lists.py).
+
+
 class Publisher:
     """Publishes packed micro-batches into a slot ring, one sequence number after another."""
 
@@ -168,6 +182,7 @@ class Publisher:
         self._busy = 0
         self.heartbeat_s = HEARTBEAT_S
         """How often a waiting producer beats (NOTE [ Heartbeat period ])."""
+        self._slot_bytes, self._num_slots = ring.spec.slot_bytes, ring.spec.num_slots
 
     def start(self, *, beat_thread: bool = True, heartbeat_s: float = HEARTBEAT_S) -> None:
         """Mark the producer running and start its idle heartbeat, one beat per ``heartbeat_s``
@@ -193,34 +208,42 @@ class Publisher:
             self.ring.beat()
 
     def acquire(self, nbytes: int) -> memoryview:
-        """Wait until the next slot is released by every consumer; return its first ``nbytes``."""
-        spec = self.ring.spec
-        if nbytes > spec.slot_bytes:
+        """Wait until the next slot is released by every consumer; return its first ``nbytes``
+        (NOTE [ Slot path in few calls ])."""
+        ring = self.ring
+        if nbytes > self._slot_bytes:
             raise ValueError(
-                f"micro-batch {self._next} needs {nbytes} bytes but ring {spec.name!r} has "
-                f"slot_bytes={spec.slot_bytes}; size the slots for the largest micro-batch"
+                f"micro-batch {self._next} needs {nbytes} bytes but ring {ring.spec.name!r} has "
+                f"slot_bytes={self._slot_bytes}; size the slots for the largest micro-batch"
             )
-        self.ring.check_size()
+        ring.check_size()
+        if ring.min_released() <= self._next - self._num_slots:
+            self._wait_for_slot()
+        self._acquired = self._next
+        return ring.slot(self._next, nbytes)
+
+    def _wait_for_slot(self) -> None:
+        """Block until every consumer released the next slot's previous occupant, beating and
+        checking the owner, the consumers and the segment's size once per heartbeat period."""
+        ring, spec = self.ring, self.ring.spec
         slices = WaitSlices(check_every_s=self.heartbeat_s)  # NOTE [ Heartbeat period ]
         while True:
-            lagging, released = self.ring.lagging()
+            lagging, released = ring.lagging()
             if released > self._next - spec.num_slots:
                 break
-            self.ring.beat()
-            if self.ring.stop_requested:
+            ring.beat()
+            if ring.stop_requested:
                 raise RingClosedError(f"ring {spec.name!r}: its owner asked the producer to stop")
             if slices.check_due():  # see NOTE [ Liveness checks off the poll path ] in liveness.py
-                if not self.ring.owner_alive:  # NOTE [ Ring role locks ] in slot_ring.py
+                if not ring.owner_alive:  # NOTE [ Ring role locks ] in slot_ring.py
                     raise RingClosedError(
-                        f"ring {spec.name!r}: its owner (pid {self.ring.owner_pid}) is gone"
+                        f"ring {spec.name!r}: its owner (pid {ring.owner_pid}) is gone"
                     )
                 self._check_consumers()
-                self.ring.check_size()
+                ring.check_size()
             # blocks until the lagging consumer releases (NOTE [ Futex waits ] in atomic_words.py)
-            self.ring.wait_released(lagging, released, slices.slice_s())
-        self.ring.beat()
-        self._acquired = self._next
-        return self.ring.slot(self._next, nbytes)
+            ring.wait_released(lagging, released, slices.slice_s())
+        ring.beat()
 
     def publish(self, layout: MicroBatchLayout, record: bytes | None = None) -> int:
         """Publish the acquired slot with ``layout`` (``record``: its ``layout_codec`` record if
@@ -228,9 +251,10 @@ class Publisher:
         seq = self._acquired
         if seq is None:
             raise RuntimeError("publish() without acquire(): acquire a slot and fill it first")
-        self.ring.write_meta(seq, layout, record)
-        self.ring.set_published(seq + 1)
-        self.ring.beat()
+        ring = self.ring
+        ring.write_meta(seq, layout, record)
+        ring.set_published(seq + 1)
+        ring.beat()
         self._acquired = None
         self._next = seq + 1
         return seq

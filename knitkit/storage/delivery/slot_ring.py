@@ -210,6 +210,7 @@ class SlotRing:
         self._segment_bytes = spec.segment_bytes
         self._meta_at = spec._meta_offset
         self._num_slots, self._meta_bytes = spec.num_slots, spec.meta_bytes
+        self._num_consumers = spec.num_consumers
         self._waits_at = _RELEASED_W + 2 * spec.num_consumers
         """Word of CONSUMER_WAITS[0]."""
 
@@ -385,7 +386,9 @@ class SlotRing:
         self._atomic.store_release(_PUBLISHED_W, count)
         # NOTIFY has one writer, the producer: a plain read of its own word is current
         notify = int(self.words[_NOTIFY_W]) + 1
-        if self._atomic.store_then_any(_NOTIFY_W, notify, self._waits_at, self.spec.num_consumers):
+        if any(
+            self._atomic.store_then_loads(_NOTIFY_W, notify, self._waits_at, self._num_consumers)
+        ):
             self._atomic.wake(_NOTIFY_W)
             self.publish_wakes += 1
 
@@ -437,7 +440,8 @@ class SlotRing:
             self._atomic.wake(_RELEASED_W + consumer)
 
     def min_released(self) -> int:
-        return self.lagging()[1]
+        """The fewest micro-batches any consumer released (acquire loads, in one call)."""
+        return min(self._atomic.loads_acquire(_RELEASED_W, self._num_consumers))
 
     def lagging(self) -> tuple[int, int]:
         """The consumer that released the fewest micro-batches, and its count."""
@@ -454,12 +458,11 @@ class SlotRing:
         consumer has now released the slot it waits for (a syscall only then, one per slot:
         NOTE [ Futex waits ] in atomic_words.py)."""
         atomic = self._atomic
-        waits = atomic.store_then_load(_RELEASED_W + consumer, count, _PRODUCER_WAITS_W)
+        waits = atomic.store_then_loads(_RELEASED_W + consumer, count, _PRODUCER_WAITS_W, 1)[0]
         if not waits:
             return
-        load = atomic.load_acquire  # ``min_released`` and ``published`` without their frames
-        least = min(map(load, range(_RELEASED_W, _RELEASED_W + self.spec.num_consumers)))
-        if least > load(_PUBLISHED_W) - self._num_slots:
+        least = min(atomic.loads_acquire(_RELEASED_W, self._num_consumers))
+        if least > atomic.load_acquire(_PUBLISHED_W) - self._num_slots:
             atomic.wake(_RELEASED_W + waits - 1)  # the word it sleeps on
             self.release_wakes += 1
 
