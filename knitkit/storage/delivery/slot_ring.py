@@ -445,7 +445,7 @@ class SlotRing:
 
     def lagging(self) -> tuple[int, int]:
         """The consumer that released the fewest micro-batches, and its count."""
-        counts = [self.released(c) for c in range(self.spec.num_consumers)]
+        counts = list(self._atomic.loads_acquire(_RELEASED_W, self._num_consumers))
         least = min(counts)
         return counts.index(least), least
 
