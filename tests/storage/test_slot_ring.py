@@ -6,12 +6,14 @@ import os
 import re
 import subprocess
 import sys
+from types import FrameType
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from knitkit.storage.delivery.atomic_words import futex_available
 from knitkit.storage.delivery.layout_codec import DTYPES, decode_layout, encode_layout
 from knitkit.storage.delivery.slot_ring import _META_HEADER, RingSpec, SlotRing
 from knitkit.types import FieldView, MicroBatchLayout, UnitKey
@@ -203,3 +205,30 @@ def test_a_forked_copy_of_a_ring_owner_exits_quietly() -> None:
         [sys.executable, "-c", _FORK_AND_EXIT], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]
+
+
+@pytest.mark.skipif(not futex_available(), reason="futex waits are Linux-only")
+def test_a_futex_wait_and_wake_run_no_python_frame_of_their_own() -> None:
+    """A futex wait or wake is one C call below ``AtomicWords``: the syscall is bound to its
+    number with ``functools.partial``, not a lambda, so a producer's slot wait and a consumer's
+    wake of it run one Python frame fewer each, right after a sleep when frames cost most (NOTE
+    [ Slot path in few calls ] in publication.py; a lambda's frame at d1b4542)."""
+    spec = RingSpec.new(num_slots=1, slot_bytes=64, num_consumers=1)
+    ring = SlotRing.create(spec)
+    frames: list[str] = []
+
+    def count(frame: FrameType, event: str, arg: object) -> None:
+        if event == "call":
+            frames.append(frame.f_code.co_name)
+
+    try:
+        sys.setprofile(count)
+        try:
+            ring.wake_consumers()
+            ring._atomic.wait(0, int(ring.words[0]) + 1, 1.0)  # the word differs: returns at once
+        finally:
+            sys.setprofile(None)
+    finally:
+        ring.close()
+        ring.unlink()
+    assert frames == ["wake_consumers", "wake", "wait"], frames

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import platform
 import sys
 import threading
@@ -127,7 +128,7 @@ def _futex() -> Callable[..., int] | None:
         ctypes.c_void_p,
         ctypes.c_int,
     )
-    return lambda *args: syscall(number, *args)
+    return functools.partial(syscall, number)  # no Python frame per wait or wake
 
 
 def futex_available() -> bool:
