@@ -236,11 +236,8 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         prefetcher.held = record
         if self.config.stage_after_launch:
             self._launch_pending = True
-        elif prefetcher.waiting and prefetcher.queued > record.index + 1:
-            prefetcher.owed += 1  # ahead and asleep: NOTE [ Credits kept while ahead ] in worker.py
-        else:  # launched(): the thread may stage one more, and any kept back
-            prefetcher.credits.put(prefetcher.owed + 1)
-            prefetcher.owed = 0
+        else:
+            prefetcher.credits.put(None)  # launched(): the thread may stage one more
         batch = record.batch  # built ahead (NOTE [ Micro-batches built ahead ] in worker.py)
         assert batch is not None
         if self._converted and self._convert_here is None:
@@ -306,7 +303,7 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         """
         if self._launch_pending:
             self._launch_pending = False
-            self._prefetcher.credits.put(1)
+            self._prefetcher.credits.put(None)
 
     @property
     def pool(self) -> StagingRing:

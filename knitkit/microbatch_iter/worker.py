@@ -179,25 +179,6 @@ from knitkit.types import MicroBatchLayout, PackedMicroBatch
 # (NOTE [ Inline hand-out ]) builds it inside ``next()``, where it runs on the loop's thread
 # either way.
 
-# NOTE [ Credits kept while ahead ]
-# With a prefetch thread, ``next()`` gives the thread a credit for the micro-batch it hands over
-# (NOTE [ Prefetch thread shutdown ]). Where the thread is ahead, asleep for a credit while a
-# staged record is still queued behind the one handed over, that credit is kept back
-# (``Prefetcher.owed``: two attribute reads, no call, no wake) and handed over with the next
-# one, as one token worth both, by the ``next()`` that takes the last queued record: the thread
-# is woken once per two micro-batches at depth 2 (once per micro-batch before) and stages both
-# in a row, still one micro-batch ahead of the loop when woken. Safe: a credit is kept only
-# while a record is queued, so the ``next()`` that takes it comes and hands every kept credit
-# over; a stale ``waiting`` (the thread just got a token) only delays a credit the same way.
-# The cost: woken later, the thread has one micro-batch of compute, not two, to stage the next
-# one in; a thread that is not ahead (preparation as long as the compute) is never asleep for a
-# credit and gets each at once, as before. Measured (2-core dev box, issue 31): the prefetch
-# thread's sleeps 1.1-2.6 -> 0.6-1.1 per micro-batch (prefetch.py's hand-over setting, scratch,
-# load 15-20); prefetch.py's hand-over, 3 back-to-back pairs at load ~10: median 59 / 39 / 50 ->
-# 27 / 26 / 37 us, loop CPU 40 / 29 / 33 -> 18 / 17 / 27 us, while its X6/Y4 iterator wait
-# (0.05 / 0.68 / 0.05 -> 0.70 / 0.04 / 0.12 ms per micro-batch) stayed within the load's swing;
-# tests/microbatch_iter/test_credit_wakes.py counts the thread's sleeps.
-
 _NO_OVERRIDES: Mapping[str, torch.dtype] = MappingProxyType({})
 """A lease's fields keep their layout dtypes."""
 _NO_BYTES = torch.empty(0, dtype=torch.uint8)
@@ -270,19 +251,10 @@ class Prefetcher:
         self.transport = transport
         self.join_timeout_s = join_timeout_s
         self.exit_on_stuck_source = exit_on_stuck_source
-        self.credits: queue.SimpleQueue[int] = queue.SimpleQueue()
-        """Tokens, each worth as many micro-batches as it says, that the thread may pull ahead
-        (NOTE [ Prefetch thread shutdown ], NOTE [ Credits kept while ahead ])."""
-        self.credits.put(depth)
-        self.spare = 0
-        """Credits of the thread's last token it has not used yet (the thread's own)."""
-        self.waiting = False
-        """True while the thread sleeps for a credit (written by the thread)."""
-        self.queued = 0
-        """Staged records the thread has queued in ``ready`` (written by the thread)."""
-        self.owed = 0
-        """Credits the consumer kept back while the thread was ahead and asleep (written by
-        the consumer: NOTE [ Credits kept while ahead ])."""
+        self.credits: queue.SimpleQueue[None] = queue.SimpleQueue()
+        """One token per micro-batch the thread may pull ahead (NOTE [ Prefetch thread shutdown ])."""
+        for _ in range(depth):
+            self.credits.put(None)
         self.ready: queue.SimpleQueue[Staged | Failure | End] = queue.SimpleQueue()
         self.retired: queue.SimpleQueue[Staged] = queue.SimpleQueue()
         """Records the consumer moved past, still to release (NOTE [ Zero-copy hand-off ])."""
@@ -360,7 +332,6 @@ class Prefetcher:
                     if self.convert is not None:
                         record = self.convert(record)
                     self.ready.put(record)
-                    self.queued = index + 1  # after the put: never counts a record not queued
                 del item, record  # hold no view of the source's buffer while waiting
         except BaseException as error:
             self.ready.put(Failure(error))
@@ -369,29 +340,22 @@ class Prefetcher:
                 self._teardown()
 
     def _acquire_credit(self) -> bool:
-        if self.spare:
-            self.spare -= 1
-            return not self.stop
         if not self.credits.empty():
-            self.spare = self.credits.get_nowait() - 1  # only this thread takes: one is there
+            self.credits.get_nowait()  # only this thread takes credits: one is there
             return not self.stop
         self.release_copied()  # idle until the consumer moves on: hand copied slots back now
-        self.waiting = True  # NOTE [ Credits kept while ahead ]
-        try:
-            while not self.stop:
-                try:
-                    self.spare = self.credits.get(timeout=_ANNOUNCED_WAIT_S) - 1
-                except queue.Empty:
-                    continue
-                return not self.stop
-            return False
-        finally:
-            self.waiting = False
+        while not self.stop:
+            try:
+                self.credits.get(timeout=_ANNOUNCED_WAIT_S)
+            except queue.Empty:
+                continue
+            return not self.stop
+        return False
 
     def request_stop(self) -> None:
         """Set ``stop`` and wake a thread waiting for a credit (NOTE [ Prefetch thread shutdown ])."""
         self.stop = True
-        self.credits.put(1)
+        self.credits.put(None)
 
     def _stage(self, index: int, item: SourceItem, start: float, *, fetch_s: float) -> Staged:
         """``item`` staged, from ``start`` (``perf_counter()`` when it was fetched)."""
