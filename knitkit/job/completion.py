@@ -57,9 +57,7 @@ JOIN_S = 5.0
 #   for the next schedule record, which the training thread cancels before it queues anything:
 #   NOTE [ One mini-batch ahead ] in rank.py): exactly the records, in the order, the
 #   training thread published before (the driver's ledger checks them as before: every output
-#   once, a group's pass end after its outputs). ``run_here`` runs a job on the training
-#   thread instead only when nothing is queued or running (NOTE [ The first write-back from the
-#   training thread ] in rank.py): the same order.
+#   once, a group's pass end after its outputs).
 # - Errors. A job that fails stops the thread (later jobs are dropped) and ``on_failure`` gets
 #   the error at once: the writer rank fails its write-back ring (the driver fails naming the
 #   rank) and the rank's ``DriverWatch`` interrupts its waits on data rings with it; every later
@@ -105,11 +103,6 @@ class PassEnds:
         self._thread.start()
 
     @property
-    def posted(self) -> int:
-        """Jobs posted so far (each one the thread runs: a wake beside the training thread)."""
-        return self._posted
-
-    @property
     def busy(self) -> bool:
         """Whether a job is running now (e.g. a publication blocked on a full ring)."""
         return bool(self._running)
@@ -140,31 +133,6 @@ class PassEnds:
                 self._released = self._posted
                 self._cond.notify_all()  # a held job wakes nobody (NOTE [ Asynchronous pass ends ])
             return self._posted
-
-    def run_here(self, what: str, job: Callable[[], bool]) -> bool:
-        """Run ``job`` on the calling thread, in its order, if nothing is queued or running
-        (NOTE [ The first write-back from the training thread ] in rank.py): no wake of the
-        thread, no wait for it. ``job`` returns False when it could not run without blocking
-        (it did nothing); then so does this, and the caller posts it. A failure is handled as
-        a failed job's (``on_failure``, later calls raise it) and raised here."""
-        with self._cond:
-            self.raise_failure()
-            if self._stopping or self._running or self._ran < self._posted:
-                return False
-            self._running = what  # the thread runs nothing meanwhile
-        try:
-            ran = job()
-        except BaseException as error:
-            with self._cond:
-                self._failure, self._running = error, ""
-                self._cond.notify_all()
-            self._on_failure(error)
-            raise
-        with self._cond:
-            self._running = ""
-            if self._jobs:  # posted meanwhile (another thread): the thread may run it now
-                self._cond.notify_all()
-        return ran
 
     def release(self) -> None:
         """Let every job posted so far run (those posted with ``now=False``)."""
@@ -237,12 +205,7 @@ class PassEnds:
             with self._cond:
                 self._cond.wait_for(
                     lambda: (
-                        self._stopping
-                        or (
-                            bool(self._jobs)
-                            and self._jobs[0][0] <= self._released
-                            and not self._running  # a job run by the caller (``run_here``)
-                        )
+                        self._stopping or (bool(self._jobs) and self._jobs[0][0] <= self._released)
                     )
                 )
                 if self._stopping:

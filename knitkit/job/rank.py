@@ -729,9 +729,8 @@ class RankHandle:
         """One record to the driver (writer ranks): its arrays copied, then queued for the
         pass-end thread, which publishes it (NOTE [ Asynchronous pass ends ] in
         completion.py): at once, except ``values`` records, held for the pass's end unless
-        ``at_once`` (published here when nothing is queued before it: NOTE [ The first
-        write-back from the training thread ]); waits only while the queue is full (at most
-        ``timeout_s``, default the spec's ``wait_timeout_s``)."""
+        ``at_once``; waits only while the queue is full (at most ``timeout_s``, default the
+        spec's ``wait_timeout_s``)."""
         writer = self._writeback
         if writer is None:
             return
@@ -743,58 +742,23 @@ class RankHandle:
             "rank": self.coords.rank,
             **header,
         }
-        what = f"{kind} record of pass {work.pass_.name!r} of {work.minibatch_id!r}"
-        here = functools.partial(self._publish_here, writer, full, arrays)
-        if at_once and self._ends.run_here(what, here):
-            return  # NOTE [ The first write-back from the training thread ]
         owned = {name: np.array(values, copy=True) for name, values in arrays.items()}
         self._ends.post(
-            what,
-            functools.partial(self._publish, writer, full, owned),
+            f"{kind} record of pass {work.pass_.name!r} of {work.minibatch_id!r}",
+            lambda: self._publish(writer, full, owned),
             now=kind != "values" or at_once,  # values: with the pass's end or a full queue
             timeout_s=timeout_s,
         )
 
-    # NOTE [ The first write-back from the training thread ]: the one record a pass sends at
-    # once (NOTE [ Serving as write-backs arrive ] in serving.py) was a job like the others:
-    # posting it woke the idle pass-end thread, which then took the GIL from the training thread
-    # to publish it beside the compute. A writer rank's "sending write-backs" in
-    # ``benchmarks/grpo_step.py --quick`` spent 0.44-1.04 ms of wall per step on that record
-    # for 0.12 ms of CPU. Now the training thread publishes it itself when nothing is queued or
-    # running on the pass-end thread (``PassEnds.run_here``: the thread runs nothing meanwhile,
-    # so records keep their order and one producer at a time) and the write-back ring has a free
-    # slot (``RecordWriter.try_send``: it cannot block); otherwise it is posted as before. No
-    # wake, no hand-off, and no private copy (the ring's store copies it before the call
-    # returns). A failure is the pass-end thread's as before (the ring failed, later calls
-    # raise it), raised at once here. Measured (``grpo_step.py --quick``, 10 pairs against
-    # 03be929, load 8-68, medians): pass-end threads' wakes 70 -> 61 per step, training
-    # threads' 503 -> 475; the exposed wait and "sending write-backs" within the load's swing.
     def _publish(
         self,
         writer: RecordWriter,
         header: Mapping[str, str | int],
         arrays: Mapping[str, np.ndarray],
     ) -> None:
-        """Publish one record (pass-end thread)."""
-        with self._reaching_driver():
-            writer.send(header, arrays)
-
-    def _publish_here(
-        self,
-        writer: RecordWriter,
-        header: Mapping[str, str | int],
-        arrays: Mapping[str, np.ndarray],
-    ) -> bool:
-        """Publish one record if the write-back ring has a free slot (calling thread): whether
-        it went."""
-        with self._reaching_driver():
-            return writer.try_send(header, arrays)
-
-    @contextlib.contextmanager
-    def _reaching_driver(self) -> Iterator[None]:
-        """A ring error while publishing means the driver is gone: ``DriverDiedError``."""
+        """Publish one record (pass-end thread); a ring error means the driver is gone."""
         try:
-            yield
+            writer.send(header, arrays)
         except (RuntimeError, OSError) as error:
             raise DriverDiedError(
                 f"rank {self.coords.rank}: cannot reach the driver ({error})"

@@ -14,7 +14,6 @@ import numpy as np
 
 from knitkit.storage import MemoryBackend
 from knitkit.storage.delivery import MicroBatchConsumer, Producer, ReorganizerHost, RingSpec
-from knitkit.storage.delivery.slot_ring import SlotRing
 from knitkit.storage.planning import EncoderRankPlan
 from knitkit.types import UnitKey
 
@@ -68,8 +67,6 @@ class RecordWriter:
             liveness_timeout_s=liveness_timeout_s,
         )
         self._numbers = itertools.count()
-        self._counts: SlotRing | None = None
-        """A second mapping of the ring, to read its counters (``try_send``)."""
 
     def send(
         self, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray] | None = None
@@ -91,18 +88,6 @@ class RecordWriter:
         finally:
             for key in keys:
                 self._backend.delete(key)
-
-    def try_send(
-        self, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray] | None = None
-    ) -> bool:
-        """``send`` if the ring has a free slot now, so the record cannot block; False, and
-        nothing sent, if every slot holds a record a reader has not released."""
-        if self._counts is None:  # the ring's counters, mapped on first use
-            self._counts = SlotRing.attach(self.spec)
-        if self._counts.published - self._counts.min_released() >= self.spec.num_slots:
-            return False
-        self.send(header, arrays)
-        return True
 
     @property
     def published(self) -> int:
@@ -131,8 +116,6 @@ class RecordWriter:
         self._host.stop()
 
     def close(self) -> None:
-        if self._counts is not None:
-            self._counts.close()
         self._host.close()
 
 

@@ -160,9 +160,7 @@ class PassWork:
         packed and CP-local as the micro-batch came, ``[T, *row]`` or ``[1, T, *row]``, padding
         included; cast to the declared dtype. Only the group's writer rank sends (TP rank 0 of
         the last stage); on other ranks this does nothing. Returns once the values are copied
-        and queued for the rank's pass-end thread (it waits only while that queue is full), or
-        published, for the one record the next pass waits for (NOTE [ The first write-back
-        from the training thread ] in rank.py)."""
+        and queued for the rank's pass-end thread (it waits only while that queue is full)."""
         if not self._rank.writer:
             return
         writes = {o.name: o for o in self.pass_.writes}
