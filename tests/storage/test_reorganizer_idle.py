@@ -103,9 +103,11 @@ def test_a_paced_reorganizer_wakes_once_per_period_idle_and_on_a_full_ring() -> 
     """Told its consumers' liveness timeout (30 s), a reorganizer process beats once per
     MAX_HEARTBEAT_S instead of 4 times a second: idle it wakes at most once per period, blocked
     on a full ring (its one slot held by a consumer) once per period plus the release, and both
-    consumers stay content (no ReorganizerDiedError). close() then stops the idle child at once
-    (its stop item wakes it): it exits by itself, code 0, within a join timeout shorter than
-    its period, rather than being terminated."""
+    consumers stay content (no ReorganizerDiedError). close(), right after one of the idle
+    child's beats, then stops it at once (its stop item wakes it): it exits by itself, code 0,
+    within a join timeout of half its idle period, rather than being terminated (a child woken
+    only by its next timed wake would take a whole period; 1.1 s seen at load 28-30 against the
+    earlier 1 s bound of an unaligned stop)."""
     assert heartbeat_period(PACED_LIVENESS_S) == MAX_HEARTBEAT_S
     metas = make_metas(np.full(4, 120).tolist())
     backend = SharedMemoryBackend(slab_bytes=2 << 20)
@@ -116,7 +118,10 @@ def test_a_paced_reorganizer_wakes_once_per_period_idle_and_on_a_full_ring() -> 
     window_s = MAX_HEARTBEAT_S / 2  # the old 4 wakes a second make 4 here, the bound 3
     try:
         reorganizer = ReorganizerProcess(
-            backend, spec, join_timeout_s=0.5 * MAX_HEARTBEAT_S, liveness_timeout_s=PACED_LIVENESS_S
+            backend,
+            spec,
+            join_timeout_s=0.5 * idle_period(PACED_LIVENESS_S),
+            liveness_timeout_s=PACED_LIVENESS_S,
         )
         with reorganizer:
             pid = _started(reorganizer)
@@ -134,6 +139,7 @@ def test_a_paced_reorganizer_wakes_once_per_period_idle_and_on_a_full_ring() -> 
                 held.release()
                 for _ in range(len(group.micro_batches) - 1):
                     consumer.next_micro_batch(timeout_s=WAIT_S).release()
+                _until_beat(reorganizer.ring)  # its idle wait starts a whole period now
             stop = time.monotonic()
         stopped_s = time.monotonic() - stop
         assert idle <= idle_s / MAX_HEARTBEAT_S + 2, f"{idle} wakes in {idle_s:.2f} s idle"
@@ -144,6 +150,14 @@ def test_a_paced_reorganizer_wakes_once_per_period_idle_and_on_a_full_ring() -> 
         assert stopped_s < reorganizer.join_timeout_s, stopped_s
     finally:
         backend.close()
+
+
+def _until_beat(ring: SlotRing) -> None:
+    """Return once the producer of ``ring`` beats next (its wait restarts its period)."""
+    beat, deadline = ring.heartbeat, time.monotonic() + WAIT_S
+    while ring.heartbeat == beat:
+        assert time.monotonic() < deadline, "the idle reorganizer never beat"
+        time.sleep(0.01)
 
 
 _LAUNCHER = textwrap.dedent(
@@ -186,10 +200,7 @@ def test_an_idle_reorganizer_leaves_as_its_launcher_dies(tmp_path, shm_dir: str)
         ring = SlotRing.attach(RingSpec(name, num_slots=1, slot_bytes=1 << 12, num_consumers=1))
         child = os.pidfd_open(int(pid))
         try:
-            beat, deadline = ring.heartbeat, time.monotonic() + WAIT_S
-            while ring.heartbeat == beat:  # the child's next timed wake (within a period)
-                assert time.monotonic() < deadline, "the idle reorganizer never beat"
-                time.sleep(0.01)
+            _until_beat(ring)  # the child's next timed wake (within a period)
             launcher.kill()
             killed = time.monotonic()
             exited, _, _ = select.select([child], [], [], WAIT_S)
