@@ -6,7 +6,7 @@ import contextlib
 import functools
 import socket
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -168,6 +168,8 @@ class RankHandle:
         """Passes whose outputs the next pass reads: the first ``values`` record of each goes
         at once (``PassWork.write_back``; NOTE [ Serving as write-backs arrive ] in
         serving.py)."""
+        self._token_counts: tuple[str, list[int]] | None = None
+        """The current mini-batch's packed tokens per micro-batch (``token_counts``)."""
         self._closed = False
         waits = {
             "liveness_timeout_s": spec.liveness_timeout_s,
@@ -721,16 +723,17 @@ class RankHandle:
         work: PassWork,
         kind: str,
         header: Mapping[str, str | int],
-        arrays: Mapping[str, np.ndarray],
+        arrays: Mapping[str, np.ndarray] | Callable[[], Mapping[str, np.ndarray]],
         *,
         at_once: bool = False,
         timeout_s: float | None = None,
     ) -> None:
-        """One record to the driver (writer ranks): its arrays copied, then queued for the
-        pass-end thread, which publishes it (NOTE [ Asynchronous pass ends ] in
-        completion.py): at once, except ``values`` records, held for the pass's end unless
-        ``at_once``; waits only while the queue is full (at most ``timeout_s``, default the
-        spec's ``wait_timeout_s``)."""
+        """One record to the driver (writer ranks): its arrays copied (or, given a function,
+        built by it on the pass-end thread: NOTE [ Write-backs converted off the loop ] in
+        work.py), then queued for the pass-end thread, which publishes it (NOTE [ Asynchronous
+        pass ends ] in completion.py): at once, except ``values`` records, held for the pass's
+        end unless ``at_once``; waits only while the queue is full (at most ``timeout_s``,
+        default the spec's ``wait_timeout_s``)."""
         writer = self._writeback
         if writer is None:
             return
@@ -742,13 +745,52 @@ class RankHandle:
             "rank": self.coords.rank,
             **header,
         }
-        owned = {name: np.array(values, copy=True) for name, values in arrays.items()}
+        if callable(arrays):
+            build = arrays
+        else:
+            owned = {name: np.array(values, copy=True) for name, values in arrays.items()}
+            build = functools.partial(dict, owned)
         self._ends.post(
             f"{kind} record of pass {work.pass_.name!r} of {work.minibatch_id!r}",
-            lambda: self._publish(writer, full, owned),
+            lambda: self._publish(writer, full, build()),
             now=kind != "values" or at_once,  # values: with the pass's end or a full queue
             timeout_s=timeout_s,
         )
+
+    def send_values(
+        self, work: PassWork, records: Sequence[tuple[int, Callable[[], Mapping[str, np.ndarray]]]]
+    ) -> None:
+        """``values`` records of ``work`` (micro-batch index, its arrays' builder), queued as
+        one pass-end job, held for the pass's end (NOTE [ Write-backs converted off the loop ]
+        in work.py)."""
+        writer = self._writeback
+        if writer is None:
+            return
+        self._cancel_peek()  # NOTE [ One mini-batch ahead ]
+        header: dict[str, str | int] = {
+            "kind": "values",
+            "mb": work.minibatch_id,
+            "pass": work.pass_.name,
+            "rank": self.coords.rank,
+        }
+
+        def publish() -> None:
+            for index, rows in records:
+                self._publish(writer, {**header, "index": index}, rows())
+
+        self._ends.post(
+            f"{len(records)} values records of pass {work.pass_.name!r} of {work.minibatch_id!r}",
+            publish,
+            now=False,
+        )
+
+    def token_counts(self, work: PassWork) -> list[int]:
+        """Each of ``work``'s micro-batches' packed tokens on this rank, counted once per
+        mini-batch (its passes pack alike)."""
+        if self._token_counts is None or self._token_counts[0] != work.minibatch_id:
+            counts = [mb.num_tokens for mb in work.consumer.micro_batches]
+            self._token_counts = (work.minibatch_id, counts)
+        return self._token_counts[1]
 
     def _publish(
         self,

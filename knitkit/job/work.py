@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import traceback
 from collections.abc import Callable, Mapping
@@ -61,6 +62,10 @@ class PassWork:
         self._written: dict[int, set[str]] = {}
         self._sent = False
         """Whether a ``values`` record of this pass went to the driver."""
+        self._token_counts: list[int] | None = None
+        self._held_records: list[tuple[int, Callable[[], dict[str, np.ndarray]]]] = []
+        """``values`` records written back but not yet queued (NOTE [ Write-backs converted
+        off the loop ])."""
         self._figures: dict[str, float] = {}
         self.finished = False
         self.iterated = False
@@ -155,16 +160,36 @@ class PassWork:
         with self._starting:  # a start in progress on the pass-end thread completes first
             return self._iterator, self._take
 
+    # NOTE [ Write-backs converted off the loop ]: ``write_back`` runs on the training thread,
+    # inside the schedule (the example writes each micro-batch back from its loss function), so
+    # its Python is exposed wait. ``benchmarks/grpo_step.py --quick`` (stop 49, load 6-20): a
+    # writer rank's ``write_back`` 0.4-0.8 ms per step (4 calls; 0.4-0.5 ms of it the training
+    # thread's CPU), the largest part of the slowest rank's wait on most quiet steps (non-writer
+    # ranks: 0.07 ms). Each call converted the values to host rows of the declared dtype,
+    # copied them, counted the micro-batch's tokens (a generator over its sequences) and queued
+    # one pass-end job per record: 20-24 Python frames. Now it checks the fields and shapes
+    # (errors still raise at the call), takes a snapshot (a host tensor's ``clone``, an array's
+    # copy: the caller may reuse its tensor at once, as before; a device tensor is copied to
+    # host rows here, on the caller's stream), and leaves the conversion to the pass-end thread.
+    # A pass's first record that the next pass reads is queued at once (NOTE [ Serving as
+    # write-backs arrive ] in serving.py); the others are held by the pass and queued as one
+    # job at its end, before its iterator's close and ``done`` (the same order of records), or
+    # once ``sends_ahead`` are held: 6 frames per held write-back
+    # (tests/job/test_write_back_calls.py). Token counts are counted once per mini-batch (its
+    # passes pack alike). A conversion that fails now fails the pass-end thread (the driver
+    # hears the rank's error) instead of the call; a pass that raises drops what it holds (its
+    # error record goes instead, as the driver fails the job with it).
     def write_back(self, index: int, values: Mapping[str, torch.Tensor | np.ndarray]) -> None:
         """Send micro-batch ``index``'s per-token outputs (one entry per field the pass writes):
         packed and CP-local as the micro-batch came, ``[T, *row]`` or ``[1, T, *row]``, padding
         included; cast to the declared dtype. Only the group's writer rank sends (TP rank 0 of
         the last stage); on other ranks this does nothing. Returns once the values are copied
-        and queued for the rank's pass-end thread (it waits only while that queue is full)."""
+        (NOTE [ Write-backs converted off the loop ]); the rank's pass-end thread converts and
+        publishes them (it waits only while that queue is full)."""
         if not self._rank.writer:
             return
         writes = {o.name: o for o in self.pass_.writes}
-        if set(values) != set(writes):
+        if values.keys() != writes.keys():
             raise ValueError(
                 f"pass {self.pass_.name!r} writes {sorted(writes)}; write_back got "
                 f"{sorted(values)} for micro-batch {index}"
@@ -174,26 +199,42 @@ class PassWork:
                 f"micro-batch {index} outside pass {self.pass_.name!r}'s "
                 f"{self.num_micro_batches} micro-batches"
             )
-        tokens = self.consumer.micro_batches[index].num_tokens
-        arrays = {}
+        tokens = self._tokens()[index]
+        held: dict[str, _Held] = {}
         for name, value in values.items():
-            output = writes[name]
-            rows = _rows(value, output.dtype)
-            if rows.ndim == len(output.row_shape) + 2 and rows.shape[0] == 1:
-                rows = rows[0]
-            if rows.shape != (tokens, *output.row_shape):
+            expected = (tokens, *writes[name].row_shape)
+            got = tuple(value.shape)
+            if got != expected and got != (1, *expected):
                 raise ValueError(
                     f"pass {self.pass_.name!r}, micro-batch {index}, field {name!r}: got shape "
-                    f"{tuple(rows.shape)}, expected {(tokens, *output.row_shape)} (one row per "
-                    "packed token of this rank, padding included)"
+                    f"{got}, expected {expected} (one row per packed token of this rank, "
+                    "padding included; [1, T, ...] too)"
                 )
-            arrays[name] = rows
+            held[name] = (_held(value, writes[name].dtype), writes[name].dtype, expected)
         if self.consumer.micro_batches[index].sequences:
             # NOTE [ Serving as write-backs arrive ] in serving.py: the first goes at once
-            at_once = not self._sent and self.pass_.name in self._rank.read_next
-            self._rank.send(self, "values", {"index": index}, arrays, at_once=at_once)
+            rows = functools.partial(_records_rows, held)
+            if not self._sent and self.pass_.name in self._rank.read_next:
+                self._rank.send(self, "values", {"index": index}, rows, at_once=True)
+            else:  # with the pass's end (NOTE [ Write-backs converted off the loop ])
+                self._held_records.append((index, rows))
+                if len(self._held_records) >= self._rank.config.sends_ahead:
+                    self._send_held()
             self._sent = True
-        self._written.setdefault(index, set()).update(arrays)
+        self._written.setdefault(index, set()).update(held)
+
+    def _tokens(self) -> list[int]:
+        """Each micro-batch's packed token count on this rank (the same in every pass of the
+        mini-batch: counted once per mini-batch)."""
+        if self._token_counts is None:
+            self._token_counts = self._rank.token_counts(self)
+        return self._token_counts
+
+    def _send_held(self) -> None:
+        """Queue the ``values`` records held so far as one pass-end job."""
+        held, self._held_records = self._held_records, []
+        if held:
+            self._rank.send_values(self, held)
 
     def report(self, figures: Mapping[str, float]) -> None:
         """Figures (``knitkit/...`` names) to hand the driver with this pass's end (writer
@@ -208,6 +249,7 @@ class PassWork:
             return
         iterator, take = self._finish()
         try:
+            self._send_held()  # before the iterator's close and ``done``, as written
             self._rank.end_pass(self, iterator, take)
             self._check_written()
         except BaseException as error:
@@ -251,6 +293,26 @@ class PassWork:
             self.stop_prefetch()  # the rank is failing anyway
             message = "".join(traceback.format_exception(exc_type, exc, tb))
             self._rank.abandon(self, message)
+
+
+_Held = tuple[torch.Tensor | np.ndarray, str, tuple[int, ...]]
+"""A written field's snapshot, its declared dtype and its ``[T, *row]`` shape."""
+
+
+def _held(value: torch.Tensor | np.ndarray, dtype: str) -> torch.Tensor | np.ndarray:
+    """``value``'s snapshot for its record (NOTE [ Write-backs converted off the loop ]): a
+    host tensor's clone or an array's copy, converted later; a device tensor as host rows now."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        return value.clone() if value.device.type == "cpu" else _rows(value, dtype)
+    return np.array(value, copy=True)
+
+
+def _records_rows(held: Mapping[str, _Held]) -> dict[str, np.ndarray]:
+    """Pass-end thread: a ``values`` record's arrays, ``[T, *row]`` host rows of their dtypes."""
+    return {
+        name: _rows(value, dtype).reshape(shape) for name, (value, dtype, shape) in held.items()
+    }
 
 
 def _rows(value: torch.Tensor | np.ndarray, dtype: str) -> np.ndarray:

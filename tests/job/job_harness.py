@@ -158,6 +158,20 @@ def join(threads: Sequence[threading.Thread], timeout_s: float = 120.0) -> None:
         assert not thread.is_alive(), f"rank thread {thread.name} did not finish"
 
 
+def feed_one_rank(
+    driver: Driver, data: Sequence[Trajectory], rank: Callable[[RankSpec], object]
+) -> None:
+    """``rank(spec)`` on a thread while every trajectory is written and the driver finishes;
+    then drain the driver and join the thread."""
+    thread = threading.Thread(target=rank, args=(driver.rank_spec(),), daemon=True)
+    thread.start()
+    for trajectory in data:
+        driver.write(trajectory)
+    driver.finish()
+    driver.drain(120)
+    join([thread])
+
+
 def token_ids(trajectory: Trajectory) -> list[int]:
     return np.asarray(trajectory.token_fields["tokens"]).tolist()
 

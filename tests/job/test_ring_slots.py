@@ -9,7 +9,14 @@ import threading
 from pathlib import Path
 
 import pytest
-from job_harness import controller, driver_config, join, trajectories, wait_for, wait_freed
+from job_harness import (
+    controller,
+    driver_config,
+    feed_one_rank,
+    trajectories,
+    wait_for,
+    wait_freed,
+)
 
 from knitkit.job import Driver, Pass, PassWork, RankCoords, RankHandle, RankSpec
 
@@ -68,13 +75,7 @@ def test_the_next_pass_arrives_while_the_pass_end_thread_has_not_closed_the_last
             released.set()
 
     with config.build(admission=controller(data, 1)) as driver:
-        thread = threading.Thread(target=rank, args=(driver.rank_spec(),), daemon=True)
-        thread.start()
-        for trajectory in data:
-            driver.write(trajectory)
-        driver.finish()
-        driver.drain(120)
-        join([thread])
+        feed_one_rank(driver, data, rank)
         wait_freed(driver.store)
     assert not errors, errors
     assert len(firsts) == 1
