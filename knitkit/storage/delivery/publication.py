@@ -187,7 +187,6 @@ class Publisher:
         self._busy = 0
         self.heartbeat_s = HEARTBEAT_S
         """How often a waiting producer beats (NOTE [ Heartbeat period ])."""
-        self._slot_bytes, self._num_slots = ring.spec.slot_bytes, ring.spec.num_slots
 
     def start(self, *, beat_thread: bool = True, heartbeat_s: float = HEARTBEAT_S) -> None:
         """Mark the producer running and start its idle heartbeat, one beat per ``heartbeat_s``
@@ -216,13 +215,14 @@ class Publisher:
         """Wait until the next slot is released by every consumer; return its first ``nbytes``
         (NOTE [ Slot path in few calls ])."""
         ring = self.ring
-        if nbytes > self._slot_bytes:
+        spec = ring.spec
+        if nbytes > spec.slot_bytes:
             raise ValueError(
-                f"micro-batch {self._next} needs {nbytes} bytes but ring {ring.spec.name!r} has "
-                f"slot_bytes={self._slot_bytes}; size the slots for the largest micro-batch"
+                f"micro-batch {self._next} needs {nbytes} bytes but ring {spec.name!r} has "
+                f"slot_bytes={spec.slot_bytes}; size the slots for the largest micro-batch"
             )
         ring.check_size()
-        if ring.min_released() <= self._next - self._num_slots:
+        if ring.min_released() <= self._next - spec.num_slots:
             self._wait_for_slot()
         self._acquired = self._next
         return ring.slot(self._next, nbytes)

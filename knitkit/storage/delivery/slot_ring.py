@@ -461,8 +461,7 @@ class SlotRing:
         waits = atomic.store_then_loads(_RELEASED_W + consumer, count, _PRODUCER_WAITS_W, 1)[0]
         if not waits:
             return
-        least = min(atomic.loads_acquire(_RELEASED_W, self._num_consumers))
-        if least > atomic.load_acquire(_PUBLISHED_W) - self._num_slots:
+        if self.min_released() > atomic.load_acquire(_PUBLISHED_W) - self._num_slots:
             atomic.wake(_RELEASED_W + waits - 1)  # the word it sleeps on
             self.release_wakes += 1
 
