@@ -94,8 +94,10 @@ class _Releases:
         self._closed = False
         self.count = ring.released(index)
         self._early: set[int] = set()
-        self._private: dict[int, int] = {}
-        """seq -> bytes of the private views handed out (NOTE [ Zero-copy hand-off ])."""
+        self.held: dict[int, int] = {}
+        """seq -> bytes of the private view of each lease handed out and not released yet (NOTE
+        [ Zero-copy hand-off ]); its backstop (``_SlotBytes``) reads it, a test without a call
+        (NOTE [ Lease in few calls ]). Written only under the lock."""
         self._slots: dict[int, tuple[memoryview, int]] = {}
         """Slot index -> its whole private view, over an exporter of its own, and the address of
         its first byte (NOTE [ One exporter per slot ])."""
@@ -111,7 +113,7 @@ class _Releases:
                     f"consumer {self._index} of ring {self._ring.spec.name!r} is closed; its "
                     "micro-batches can no longer be read"
                 )
-            self._private[seq] = nbytes
+            self.held[seq] = nbytes
             slot = seq % self._ring.spec.num_slots
             whole = self._slots.get(slot)
             if whole is None:
@@ -144,7 +146,7 @@ class _Releases:
         """Release ``seq``; a second call returns at once (its lease's ``release()`` and then its
         backstop, or ``release_all``), from any thread."""
         with self._lock:
-            nbytes = self._private.pop(seq, None)
+            nbytes = self.held.pop(seq, None)
             if nbytes is None or self._closed or _PID[0] != self._pid:
                 return
             # private copies go first: the slot's next occupant must be read from shared pages
@@ -250,7 +252,7 @@ class _SlotBytes:
     """``view``'s bytes at their address, read-only."""
 
     def __del__(self) -> None:
-        if self.seq in self.releases._private:  # the usual case: released already, no call
+        if self.seq in self.releases.held:  # the usual case: released already, no call
             self.releases.release(self.seq)
 
 
