@@ -209,6 +209,16 @@ class _Releases:
 # 33 -> 29 frames; a repeated one 76 -> 66 calls, 31 -> 26 frames.
 
 
+# NOTE [ Slots mapped at attach ]: a consumer maps every slot's pages through its private
+# mapping when it attaches (``SlotRing.private_slot_at`` of each whole slot, a populate where the
+# kernel has one), not at each slot's first lease: that first lease paid the populate, ~50 page
+# faults and 250-500 us of the rank's thread CPU per 3 MiB slot (transfer.py --quick, scratch
+# instrumentation of the rank's ``next()``, load 15-19, issue 31), inside a step whenever a ring's
+# slots outnumber the micro-batches of the first step: the encoder ring of TP0/CP0, one
+# micro-batch per step, populated its second slot in a measured step. A consumer attaches once
+# per job or pass, before its first step; attaching costs the whole ring's populate up front.
+
+
 # NOTE [ One exporter per slot ]: a lease's private view is the first ``nbytes`` of a view of its
 # whole slot whose exporter (``view.obj``, a numpy array over the slot's pages of the private
 # mapping) is made once per slot and consumer, so a CPU ``MicroBatchIterator`` taking leases
@@ -340,6 +350,8 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
                 "its own index"
             )
         ring.set_consumer_pid(consumer_index, os.getpid())
+        for slot in range(spec.num_slots):  # NOTE [ Slots mapped at attach ]
+            ring.private_slot_at(slot, spec.slot_bytes)
         self.producer = producer
         self._ring = ring
         self._index = consumer_index
