@@ -65,12 +65,18 @@ from knitkit.types import MicroBatchLayout, UnitKey, UnitRead
 # reads only the plan and the schema, but the driver is one process for every group of the
 # job and plans on the eager path, while reorganizers compile in parallel, each for its own
 # group (at DP32 x CP2 the driver would pay 64 groups' compiles per mini-batch, about as much
-# as the planner itself). Stage columns (strided rows) and backends that cannot expose bytes
-# (disk, Ray) keep the template path (NOTE [ Pack templates ]), which the copy lists match
-# byte for byte (tests/storage/test_reorg_copy_lists.py). Measured in one process (transfer.py's
-# micro-batches, thread time, caches evicted before each slot as a slot wait leaves them,
-# medians of 8 passes, load ~10): 486 -> 394 us per micro-batch (~190 us of it memcpy), and
-# in transfer.py, back to back against 1cebb89: benchmarks/README.md (transfer).
+# as the planner itself). Measured (issue 31 stop 49, branch prod-shipped-copy-lists: the
+# launcher compiled each plan that carries its schema and shipped the copy lists and records):
+# transfer.py --quick, 2 ABBA rounds against ee9a537 at load 8-25, reorganizers 0.0212,
+# 0.0176, 0.0169, 0.0179 -> 0.0139, 0.0160, 0.0160 (0.0240 beside a test run) CPU s per step,
+# the driver 0.0014-0.0018 -> 0.0025-0.0029: the CPU moved onto the one driver thread (the hot
+# compile costs most of what the cold one saves), so it stays here. Stage columns (strided
+# rows) and backends that cannot expose bytes (disk, Ray) keep the template path (NOTE [ Pack
+# templates ]), which the copy lists match byte for byte (tests/storage/test_reorg_copy_lists.py).
+# Measured in one process (transfer.py's micro-batches, thread time, caches evicted before
+# each slot as a slot wait leaves them, medians of 8 passes, load ~10): 486 -> 394 us per
+# micro-batch (~190 us of it memcpy), and in transfer.py, back to back against 1cebb89:
+# benchmarks/README.md (transfer).
 
 
 class Reorganizer:
