@@ -170,10 +170,13 @@ class _Typed(dict[torch.dtype, tuple[torch.Tensor, int, int]]):
     reached a dtype view (an in-place op on a field view with grad rebases its history onto the
     view it was cut from): views cut from it would require grad."""
 
-    __slots__ = ("address", "first", "flat", "numel", "views")
+    __slots__ = ("address", "first", "flat", "numel", "source", "views")
 
     def __init__(self, flat: torch.Tensor) -> None:
         super().__init__()
+        self.source = flat
+        """The tensor given: a ``ViewCache`` handed the same object again skips the checks by
+        address (NOTE [ One torch entry point per view ])."""
         self.address = flat.data_ptr()
         self.numel = numel = flat.numel()
         """The buffer's bytes (``flat`` may be shorter: whole items of the widest dtype)."""
@@ -259,6 +262,18 @@ def _views(
 # new layout each time (thread time, 2-core dev box, scratch measurement, issue 31): 23 -> 13 us
 # per micro-batch.
 
+# NOTE [ One torch entry point per view ]: right after compute a hand-out runs with cold caches,
+# where each torch entry point it calls costs its dispatch code fetched again once, and each
+# further call of the same one little: 9 ``as_strided`` cost 76 us there, one tensor slice
+# (``base[:n]``, torch's Python indexing) 99 us alone (thread time after a cache-thrashing
+# compute stand-in, medians of 200, load 14-16, issue 31). So ``ViewCache.put`` cuts the flat
+# tensor with ``as_strided`` like every field view, and a buffer handed in again as the same
+# tensor object (a ring slot's kept tensor, a staging slot) is not asked its address and size
+# again (knitkit never resizes those in place; a staging slot that grows is a new tensor and
+# clears its cache): ``numel``, ``data_ptr`` and a slice, then 9 views, 100-158 us; 10 views
+# 80-134 us (3 interleaved runs, load 18). A new shape's hand-out then calls two torch entry
+# points, ``as_strided`` and the ``requires_grad`` check (tests/storage/test_handout_calls.py).
+
 _SHAPE_AND_GRAD = operator.attrgetter("shape", "requires_grad")
 
 
@@ -323,19 +338,23 @@ class ViewCache:
         """Build ``base[:layout.nbytes]`` and its field views, cache them, return them as ``get``.
         ``base`` views the same buffer at every call (a slot, or its ring slot's private view;
         it may be as long as the micro-batch only)."""
-        nbytes, numel = layout.nbytes, base.numel()
+        nbytes = layout.nbytes
         typed = self._typed
-        if (
-            typed is None
-            or base.data_ptr() != typed.address
-            or numel > typed.numel
-            or any(map(_REQUIRES_GRAD, typed.views))  # touched by autograd: see ``_Typed``
-        ):
+        if typed is None or any(map(_REQUIRES_GRAD, typed.views)):  # autograd: see ``_Typed``
             _check_flat(base, nbytes)
             typed = self._typed = _Typed(base)
-        elif numel < nbytes:
+        elif base is not typed.source:  # another tensor object: the buffer by its address
+            numel = base.numel()
+            if base.data_ptr() != typed.address or numel > typed.numel:
+                _check_flat(base, nbytes)
+                typed = self._typed = _Typed(base)
+            elif numel < nbytes:
+                _check_flat(base, nbytes)
+        elif typed.numel < nbytes:
             _check_flat(base, nbytes)
-        flat = base[:nbytes]
+        # the flat tensor too is an ``as_strided`` view (NOTE [ One torch entry point per view ])
+        offset = typed.first if base is typed.source else base.storage_offset()
+        flat = base.as_strided((nbytes,), _UNIT_STRIDE, offset)
         tensors = _views(typed, layout, overrides)
         self._fields, self._nbytes, self._overrides = layout.fields, layout.nbytes, dict(overrides)
         self._flat, self._tensors = flat, tensors

@@ -6,16 +6,19 @@ __init__ ] in knitkit/microbatch_iter/batch.py); a repeated shape costs no per-f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import statistics
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from types import FrameType, SimpleNamespace
 
 import numpy as np
 import pytest
 from ring_parts import BOUND_S, published_ring
+from torch.overrides import TorchFunctionMode
 
 from knitkit.microbatch_iter import MicroBatchIterator
 from knitkit.microbatch_iter import batch as batches
@@ -79,14 +82,6 @@ def _calls_per_hand_out(shapes: int = 0, count: int = 30) -> tuple[float, float]
     loop asks for it, so no hand-out waits and no release wakes the producer: the counts are the
     hand-out's own path, whatever the machine's load. Each micro-batch has a new shape, or with
     ``shapes`` one of that many, cycling (the ring's slot count: each slot repeats one)."""
-    run = next(_RUNS)
-    layouts = [_layout(i % shapes if shapes else i, run) for i in range(count)]
-    for i, layout in enumerate(layouts):
-        layout.extra["micro_batch"] = i
-    num_slots = shapes or 3
-    spec = RingSpec.new(
-        num_slots=num_slots, slot_bytes=max(layout.nbytes for layout in layouts), num_consumers=1
-    )
     counts = [0, 0]  # calls, frames
     counting = False
     loop = threading.get_ident()
@@ -104,33 +99,63 @@ def _calls_per_hand_out(shapes: int = 0, count: int = 30) -> tuple[float, float]
             counts[0] += 1
             counts[1] += event == "call"
 
-    per_hand_out = []
-    seen = []
-    with published_ring(spec) as ring:
-        config = MicroBatchIterator.Config(depth=2, next_timeout_s=BOUND_S)
+    @contextlib.contextmanager
+    def profiled() -> Iterator[None]:
         threading.setprofile(profile)  # threads started from now on
         sys.setprofile(profile)
         try:
-            with MicroBatchIterator(ring.consumers[0].take(count), config, device="cpu") as it:
-                for i, layout in enumerate(layouts):
-                    buffer = ring.publisher.acquire(layout.nbytes)
-                    np.frombuffer(buffer, np.uint8)[: layout.nbytes] = i % 251
-                    ring.publisher.publish(layout)
-                    before = list(counts)
-                    counting = True
-                    batch = next(it)
-                    counting = False
-                    per_hand_out.append((counts[0] - before[0], counts[1] - before[1]))
-                    seen.append((int(batch["routing"][-1, -1, -1]), batch.layout.extra))
+            yield
         finally:
             sys.setprofile(None)
             threading.setprofile(None)  # type: ignore[arg-type]
-    assert seen == [(i % 251, {"micro_batch": i}) for i in range(count)]
-    steady = per_hand_out[num_slots + 1 :]  # each slot's first hand-out sets it up
+
+    def hand_out(iterator: Iterator[batches.MicroBatch]) -> batches.MicroBatch:
+        nonlocal counting
+        before = list(counts)
+        counting = True
+        batch = next(iterator)
+        counting = False
+        per_hand_out.append((counts[0] - before[0], counts[1] - before[1]))
+        return batch
+
+    per_hand_out: list[tuple[int, int]] = []
+    steady = _hand_out_each(shapes, count, hand_out, profiled)
     return (
-        statistics.median(calls for calls, _ in steady),
-        statistics.median(frames for _, frames in steady),
+        statistics.median(calls for calls, _ in per_hand_out[steady:]),
+        statistics.median(frames for _, frames in per_hand_out[steady:]),
     )
+
+
+def _hand_out_each(
+    shapes: int,
+    count: int,
+    hand_out: Callable[[Iterator[batches.MicroBatch]], batches.MicroBatch],
+    around: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+) -> int:
+    """Publish ``count`` micro-batches (each a new shape, or one of ``shapes``) over a real ring
+    of a slot per shape (3 for new shapes), each just before ``hand_out`` takes it from a CPU
+    iterator, under ``around()`` (entered once the ring and its publisher run); check each
+    arrived; return how many hand-outs set a slot up first (the others are steady)."""
+    run = next(_RUNS)
+    layouts = [_layout(i % shapes if shapes else i, run) for i in range(count)]
+    for i, layout in enumerate(layouts):
+        layout.extra["micro_batch"] = i
+    num_slots = shapes or 3
+    spec = RingSpec.new(
+        num_slots=num_slots, slot_bytes=max(layout.nbytes for layout in layouts), num_consumers=1
+    )
+    seen = []
+    with published_ring(spec) as ring, around():
+        config = MicroBatchIterator.Config(depth=2, next_timeout_s=BOUND_S)
+        with MicroBatchIterator(ring.consumers[0].take(count), config, device="cpu") as it:
+            for i, layout in enumerate(layouts):
+                buffer = ring.publisher.acquire(layout.nbytes)
+                np.frombuffer(buffer, np.uint8)[: layout.nbytes] = i % 251
+                ring.publisher.publish(layout)
+                batch = hand_out(it)
+                seen.append((int(batch["routing"][-1, -1, -1]), batch.layout.extra))
+    assert seen == [(i % 251, {"micro_batch": i}) for i in range(count)]
+    return num_slots + 1  # each slot's first hand-out sets it up
 
 
 def test_a_hand_out_makes_a_bounded_number_of_calls() -> None:
@@ -150,6 +175,38 @@ def test_a_repeated_shape_makes_no_per_field_calls() -> None:
     calls, frames = _calls_per_hand_out(shapes=3)
     assert calls <= CALLS_PER_REPEATED_SHAPE, calls
     assert frames <= FRAMES_PER_REPEATED_SHAPE, frames
+
+
+class _TorchCalls(TorchFunctionMode):
+    """The torch functions called while it is entered, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_new_shape_calls_two_torch_entry_points() -> None:
+    """A hand-out of a new shape builds its flat tensor and every field view with
+    ``as_strided`` and checks ``requires_grad``: no other torch entry point, each of which costs
+    its dispatch code fetched again right after compute (NOTE [ One torch entry point per
+    view ] in knitkit/microbatch_iter/batch.py; on ee9a537 also a slice, ``numel`` and
+    ``data_ptr``)."""
+    per_hand_out: list[list[str]] = []
+
+    def hand_out(iterator: Iterator[batches.MicroBatch]) -> batches.MicroBatch:
+        with _TorchCalls() as calls:
+            batch = next(iterator)
+        per_hand_out.append(calls.names)
+        return batch
+
+    steady = _hand_out_each(0, 12, hand_out)
+    for names in per_hand_out[steady:]:
+        assert set(names) == {"as_strided", "__get__"}, names
+        assert names.count("as_strided") == 1 + len(_layout(0).fields), names
 
 
 def test_a_repeated_shape_decodes_to_the_same_views_and_is_checked_against_its_size() -> None:
