@@ -738,13 +738,7 @@ class RankHandle:
         if writer is None:
             return
         self._cancel_peek()  # NOTE [ One mini-batch ahead ]
-        full: dict[str, str | int] = {
-            "kind": kind,
-            "mb": work.minibatch_id,
-            "pass": work.pass_.name,
-            "rank": self.coords.rank,
-            **header,
-        }
+        full = {**self._record_header(work, kind), **header}
         if callable(arrays):
             build = arrays
         else:
@@ -767,12 +761,7 @@ class RankHandle:
         if writer is None:
             return
         self._cancel_peek()  # NOTE [ One mini-batch ahead ]
-        header: dict[str, str | int] = {
-            "kind": "values",
-            "mb": work.minibatch_id,
-            "pass": work.pass_.name,
-            "rank": self.coords.rank,
-        }
+        header = self._record_header(work, "values")
 
         def publish() -> None:
             for index, rows in records:
@@ -783,6 +772,15 @@ class RankHandle:
             publish,
             now=False,
         )
+
+    def _record_header(self, work: PassWork, kind: str) -> dict[str, str | int]:
+        """The header every record of ``work`` from this rank starts with."""
+        return {
+            "kind": kind,
+            "mb": work.minibatch_id,
+            "pass": work.pass_.name,
+            "rank": self.coords.rank,
+        }
 
     def token_counts(self, work: PassWork) -> list[int]:
         """Each of ``work``'s micro-batches' packed tokens on this rank, counted once per

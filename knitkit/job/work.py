@@ -62,7 +62,6 @@ class PassWork:
         self._written: dict[int, set[str]] = {}
         self._sent = False
         """Whether a ``values`` record of this pass went to the driver."""
-        self._token_counts: list[int] | None = None
         self._held_records: list[tuple[int, Callable[[], dict[str, np.ndarray]]]] = []
         """``values`` records written back but not yet queued (NOTE [ Write-backs converted
         off the loop ])."""
@@ -199,7 +198,7 @@ class PassWork:
                 f"micro-batch {index} outside pass {self.pass_.name!r}'s "
                 f"{self.num_micro_batches} micro-batches"
             )
-        tokens = self._tokens()[index]
+        tokens = self._rank.token_counts(self)[index]
         held: dict[str, _Held] = {}
         for name, value in values.items():
             expected = (tokens, *writes[name].row_shape)
@@ -222,13 +221,6 @@ class PassWork:
                     self._send_held()
             self._sent = True
         self._written.setdefault(index, set()).update(held)
-
-    def _tokens(self) -> list[int]:
-        """Each micro-batch's packed token count on this rank (the same in every pass of the
-        mini-batch: counted once per mini-batch)."""
-        if self._token_counts is None:
-            self._token_counts = self._rank.token_counts(self)
-        return self._token_counts
 
     def _send_held(self) -> None:
         """Queue the ``values`` records held so far as one pass-end job."""

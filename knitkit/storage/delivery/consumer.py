@@ -98,9 +98,16 @@ class _Releases:
         """seq -> bytes of the private view of each lease handed out and not released yet (NOTE
         [ Zero-copy hand-off ]); its backstop (``_SlotBytes``) reads it, a test without a call
         (NOTE [ Lease in few calls ]). Written only under the lock."""
-        self._slots: dict[int, tuple[memoryview, int]] = {}
-        """Slot index -> its whole private view, over an exporter of its own, and the address of
-        its first byte (NOTE [ One exporter per slot ])."""
+        self._slots: list[tuple[memoryview, int]] = [
+            (np.frombuffer(view, np.uint8).data, address)
+            for view, address in (
+                ring.private_slot_at(slot, ring.spec.slot_bytes)
+                for slot in range(ring.spec.num_slots)
+            )
+        ]
+        """Per slot index, its whole private view, over an exporter of its own, and the address
+        of its first byte (NOTE [ One exporter per slot ]), mapped here, at attach (NOTE [ Slots
+        mapped at attach ])."""
 
     def lease(self, layout: MicroBatchLayout, seq: int) -> PackedMicroBatch:
         """Lease ``seq`` (``layout``) through this process's copy-on-write mapping: its view is
@@ -114,11 +121,7 @@ class _Releases:
                     "micro-batches can no longer be read"
                 )
             self.held[seq] = nbytes
-            slot = seq % self._ring.spec.num_slots
-            whole = self._slots.get(slot)
-            if whole is None:
-                view, address = self._ring.private_slot_at(seq, self._ring.spec.slot_bytes)
-                whole = self._slots[slot] = (np.frombuffer(view, np.uint8).data, address)
+            whole = self._slots[seq % len(self._slots)]
         view = whole[0][:nbytes]
         holder = _new(_SlotBytes)  # NOTE [ Lease backstop ]
         holder.view = view
@@ -210,13 +213,14 @@ class _Releases:
 
 
 # NOTE [ Slots mapped at attach ]: a consumer maps every slot's pages through its private
-# mapping when it attaches (``SlotRing.private_slot_at`` of each whole slot, a populate where the
-# kernel has one), not at each slot's first lease: that first lease paid the populate, ~50 page
-# faults and 250-500 us of the rank's thread CPU per 3 MiB slot (transfer.py --quick, scratch
-# instrumentation of the rank's ``next()``, load 15-19, issue 31), inside a step whenever a ring's
-# slots outnumber the micro-batches of the first step: the encoder ring of TP0/CP0, one
-# micro-batch per step, populated its second slot in a measured step. A consumer attaches once
-# per job or pass, before its first step; attaching costs the whole ring's populate up front.
+# mapping when it attaches (its ``_Releases`` takes ``SlotRing.private_slot_at`` of each whole
+# slot, a populate where the kernel has one, and keeps the views), not at each slot's first
+# lease: that first lease paid the populate, ~50 page faults and 250-500 us of the rank's thread
+# CPU per 3 MiB slot (transfer.py --quick, scratch instrumentation of the rank's ``next()``, load
+# 15-19, issue 31), inside a step whenever a ring's slots outnumber the micro-batches of the
+# first step: the encoder ring of TP0/CP0, one micro-batch per step, populated its second slot in
+# a measured step. A consumer attaches once per job or pass, before its first step; attaching
+# costs the whole ring's populate up front.
 
 
 # NOTE [ One exporter per slot ]: a lease's private view is the first ``nbytes`` of a view of its
@@ -350,8 +354,6 @@ class MicroBatchConsumer(Iterator[PackedMicroBatch]):
                 "its own index"
             )
         ring.set_consumer_pid(consumer_index, os.getpid())
-        for slot in range(spec.num_slots):  # NOTE [ Slots mapped at attach ]
-            ring.private_slot_at(slot, spec.slot_bytes)
         self.producer = producer
         self._ring = ring
         self._index = consumer_index

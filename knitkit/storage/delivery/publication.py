@@ -139,9 +139,9 @@ def idle_period(liveness_timeout_s: float | None) -> float:
 # producer thread, or by a host whose own loop already wakes that often (ReorganizerProcess: its
 # wait for the next assignment, NOTE [ Reorganizer process shutdown ]); while it is BUSY
 # (`with publisher.busy():` around an assignment) only the producer's own loop writes it: at every
-# wait slice on a full ring, every slot acquired after a wait and every publication. A read that blocks therefore
-# stops the heartbeat and consumers raise ReorganizerDiedError after the liveness timeout, while
-# a producer waiting for work or for its consumers stays alive.
+# wait slice on a full ring, every slot acquired after a wait and every publication. A read that
+# blocks therefore stops the heartbeat and consumers raise ReorganizerDiedError after the
+# liveness timeout, while a producer waiting for work or for its consumers stays alive.
 #
 # Dead consumers. Consumer c takes its role lock (NOTE [ Ring role locks ] in slot_ring.py), then
 # writes its pid into CONSUMER_PID[c] when it attaches. It detaches by writing 0 there if the
