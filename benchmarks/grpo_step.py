@@ -131,7 +131,9 @@ def _children_cpu() -> dict[str, float]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        kind = "reorganizers" if b"spawn_main" in cmdline else "other_children"
+        # a reorganizer's command line imports its module (NOTE [ Reorganizer child without the
+        # launcher's main ] in knitkit/storage/delivery/reorganizer_process.py)
+        kind = "reorganizers" if b"reorganizer_process" in cmdline else "other_children"
         for task in Path(f"/proc/{pid}/task").iterdir():
             try:
                 cpu, wakes = _task_figures(task)
