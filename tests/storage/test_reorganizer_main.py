@@ -6,10 +6,21 @@ megatron.core)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+
+import numpy as np
+import pytest
+
+from knitkit.storage.backends.shm import SharedMemoryBackend
+from knitkit.storage.delivery import reorganizer_process
+from knitkit.storage.delivery.reorganizer_process import ReorganizerProcess
+from knitkit.storage.delivery.slot_ring import RingSpec
+from knitkit.types import UnitKey
 
 WAIT_S = 120.0
 """Bound of the launcher script's run: generous, for a loaded machine."""
@@ -104,3 +115,54 @@ def test_a_backend_type_of_the_launchers_main_is_refused_in_the_launcher(
     out = _run(script)
     assert out.startswith("REFUSED"), out
     assert "MainBackend is defined in the launcher's __main__ module" in out, out
+
+
+def _large_store(directory: str) -> SharedMemoryBackend:
+    """A store whose pickled index is several times a pipe's default 64 KiB buffer."""
+    backend = SharedMemoryBackend(slab_bytes=1 << 20, directory=directory)
+    for index in range(3000):
+        backend.put(UnitKey(f"trajectory-{index:05d}", "tokens"), np.zeros(1, np.int32))
+    return backend
+
+
+def test_a_child_that_exits_before_reading_its_arguments_fails_the_start(
+    shm_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child that exits at once (a broken interpreter or environment) while its launcher
+    still writes its arguments fails the start with a RuntimeError naming its exit code, and
+    leaves no ring behind (on c6d1ec6: a bare BrokenPipeError)."""
+    monkeypatch.setattr(reorganizer_process, "_CHILD", "import sys; sys.exit(3)")
+    backend = _large_store(shm_dir)
+    spec = RingSpec.new(num_slots=1, slot_bytes=1 << 12, num_consumers=1)
+    try:
+        with pytest.raises(RuntimeError, match=r"exited \(code 3\) before it read its arguments"):
+            ReorganizerProcess(backend, spec)
+        assert not os.path.exists(f"/dev/shm/{spec.name}"), "the ring was left behind"
+    finally:
+        backend.close()
+
+
+def test_a_child_that_never_reads_its_arguments_fails_the_start_within_its_bound(
+    shm_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child that hangs before it reads its arguments fails the start once
+    ``START_TIMEOUT_S`` passed (TimeoutError naming its pid), and is stopped (on c6d1ec6 the
+    launcher waited, unbounded, for as long as the child hung)."""
+    monkeypatch.setattr(reorganizer_process, "_CHILD", "import time; time.sleep(600)")
+    monkeypatch.setattr(reorganizer_process, "START_TIMEOUT_S", 1.0)
+    backend = _large_store(shm_dir)
+    spec = RingSpec.new(num_slots=1, slot_bytes=1 << 12, num_consumers=1)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not read its arguments within 1 s") as error:
+            ReorganizerProcess(backend, spec)
+        assert time.monotonic() - started < WAIT_S
+        pid = int(str(error.value).split("pid ")[1].split()[0])
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in _state(pid), "the child still runs"
+    finally:
+        backend.close()
+
+
+def _state(pid: int) -> str:
+    """The process state letter of ``pid`` (``Z``: exited, not yet reaped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

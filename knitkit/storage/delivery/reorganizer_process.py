@@ -17,6 +17,7 @@ import subprocess
 import sys
 import termios
 import threading
+import time
 import traceback
 import types
 from dataclasses import dataclass
@@ -94,7 +95,9 @@ from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan
 # child is ``python -c`` importing only this module (``_CHILD``): its ``sys.path`` is the
 # launcher's (passed on its command line, as spawn passes it), its arguments (backend, ring,
 # liveness bound) arrive pickled through a pipe of its own (bytes only its launcher wrote, as
-# spawn's do), and its assignment pipe's end is inherited by descriptor. What the launcher's
+# spawn's do; a store's index makes them larger than the pipe, so the launcher's write waits
+# for the child's read: bounded by START_TIMEOUT_S, and a child that exits first fails the start
+# naming its exit code), and its assignment pipe's end is inherited by descriptor. What the launcher's
 # ``__main__`` defines cannot be rebuilt there, so a backend of such a type fails in the
 # launcher, naming the type (``_start_payload``), not as a child that dies at start.
 
@@ -335,6 +338,11 @@ _CHILD = (
 )
 """The child's program (NOTE [ Reorganizer child without the launcher's main ]); it ignores
 SIGINT from its first line (NOTE [ Reorganizer process shutdown ])."""
+START_TIMEOUT_S = 300.0
+"""Bound of a child's start, until it has read its arguments (its interpreter and knitkit's
+imports come first): generous, for a loaded machine."""
+_START_CHECK_S = 0.1
+"""How often a start that waits for the child's read checks that the child lives."""
 
 
 class _MainTypes(pickle.Pickler):
@@ -371,7 +379,9 @@ class _ReorganizerChild:
 
     def start(self, payload: bytes, assignments_fd: int) -> None:
         """Start the child with ``payload`` (``_start_payload``) and the read end of its
-        assignment pipe; returns once the child has read the payload."""
+        assignment pipe; returns once the payload is in the child's pipe. A child that exits
+        before it reads the payload fails the start (``RuntimeError``), one that has not read
+        it within ``START_TIMEOUT_S`` too (``TimeoutError``), each naming its pid."""
         read, write = os.pipe()
         try:
             self._popen = subprocess.Popen(
@@ -385,10 +395,48 @@ class _ReorganizerChild:
                 ],
                 pass_fds=(read, assignments_fd),
             )
+        except BaseException:
+            os.close(write)
+            raise
         finally:
             os.close(read)
-        with open(write, "wb") as pipe:
-            pipe.write(payload)
+        try:
+            self._send(write, memoryview(payload))
+        finally:
+            os.close(write)
+
+    def _send(self, fd: int, payload: memoryview) -> None:
+        """Write ``payload`` into the child's pipe in slices of ``_START_CHECK_S``, checking
+        between them that the child lives (a payload larger than the pipe waits for its read)."""
+        assert self._popen is not None
+        os.set_blocking(fd, False)
+        writable = select.poll()
+        writable.register(fd, select.POLLOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while payload:
+            if self._popen.poll() is not None:
+                raise RuntimeError(self._exited_before_start())
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"reorganizer process pid {self._popen.pid} did not read its arguments "
+                    f"within {START_TIMEOUT_S:g} s of its start (its interpreter or its imports "
+                    "hang)"
+                )
+            if writable.poll(1000 * min(left, _START_CHECK_S)):
+                try:
+                    payload = payload[os.write(fd, payload) :]
+                except BrokenPipeError:  # its end closed: it exits, or has
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self._popen.wait(START_TIMEOUT_S)
+                    raise RuntimeError(self._exited_before_start()) from None
+
+    def _exited_before_start(self) -> str:
+        assert self._popen is not None
+        return (
+            f"reorganizer process pid {self._popen.pid} exited (code {self._popen.returncode}) "
+            "before it read its arguments; its output above says why"
+        )
 
     @property
     def pid(self) -> int | None:
