@@ -17,7 +17,6 @@ import subprocess
 import sys
 import termios
 import threading
-import time
 import traceback
 import types
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any, cast
 
 from knitkit.storage.backends.backend import UnitBackend, check_backend
 from knitkit.storage.backends.owner import OwnerFinalizer
+from knitkit.storage.delivery.liveness import WaitSlices
 from knitkit.storage.delivery.publication import heartbeat_period
 from knitkit.storage.delivery.reorganizer import ReorganizerHost
 from knitkit.storage.delivery.sigterm import sigterm_exits
@@ -96,10 +96,10 @@ from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan
 # launcher's (passed on its command line, as spawn passes it), its arguments (backend, ring,
 # liveness bound) arrive pickled through a pipe of its own (bytes only its launcher wrote, as
 # spawn's do; a store's index makes them larger than the pipe, so the launcher's write waits
-# for the child's read: bounded by START_TIMEOUT_S, and a child that exits first fails the start
-# naming its exit code), and its assignment pipe's end is inherited by descriptor. What the launcher's
-# ``__main__`` defines cannot be rebuilt there, so a backend of such a type fails in the
-# launcher, naming the type (``_start_payload``), not as a child that dies at start.
+# for the child's read: bounded by START_TIMEOUT_S, and a child that exits first fails the
+# start naming its exit code), and its assignment pipe's end is inherited by descriptor. What
+# the launcher's ``__main__`` defines cannot be rebuilt there, so a backend of such a type fails
+# in the launcher, naming the type (``_start_payload``), not as a child that dies at start.
 
 _CLOSE = object()
 """Ends the sender thread of ``_Assignments``."""
@@ -406,24 +406,24 @@ class _ReorganizerChild:
             os.close(write)
 
     def _send(self, fd: int, payload: memoryview) -> None:
-        """Write ``payload`` into the child's pipe in slices of ``_START_CHECK_S``, checking
-        between them that the child lives (a payload larger than the pipe waits for its read)."""
+        """Write ``payload`` into the child's pipe, waiting in slices of ``_START_CHECK_S`` that
+        end in a check that the child lives (NOTE [ Liveness checks off the poll path ] in
+        liveness.py; a payload larger than the pipe waits for the child's read)."""
         assert self._popen is not None
         os.set_blocking(fd, False)
         writable = select.poll()
         writable.register(fd, select.POLLOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
+        slices = WaitSlices(START_TIMEOUT_S, _START_CHECK_S)
         while payload:
-            if self._popen.poll() is not None:
+            if slices.check_due() and self._popen.poll() is not None:
                 raise RuntimeError(self._exited_before_start())
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if slices.expired:
                 raise TimeoutError(
                     f"reorganizer process pid {self._popen.pid} did not read its arguments "
                     f"within {START_TIMEOUT_S:g} s of its start (its interpreter or its imports "
                     "hang)"
                 )
-            if writable.poll(1000 * min(left, _START_CHECK_S)):
+            if writable.poll(1000 * slices.slice_s()):
                 try:
                     payload = payload[os.write(fd, payload) :]
                 except BrokenPipeError:  # its end closed: it exits, or has
