@@ -452,32 +452,78 @@ def measure(
     return out
 
 
-def handover_overhead_us(
-    device: str, n: int, tokens: int, compute_ms: float, repeats: int
-) -> tuple[float, float, float]:
-    """Time in next() when micro-batches are staged ahead: (median, mean, median loop-thread CPU)
-    over micro-batches, in us.
+@dataclass(frozen=True, slots=True)
+class Handover:
+    """Time in next() when micro-batches are staged ahead, over micro-batches, in us."""
 
-    The median is the iterator's own hand-over cost; the mean also carries the moments another
-    tenant of the machine kept the prefetch thread off the CPU for a whole step; the CPU figure
-    leaves out the time the loop thread waited for a core (it moves less with the load).
-    """
+    median_us: float
+    """The iterator's own hand-over cost."""
+    mean_us: float
+    """Also carries the moments another tenant kept the prefetch thread off a core a whole step."""
+    cpu_us: float
+    """Median loop-thread CPU: leaves out waits for a core (moves less with the load)."""
+    wake_cpu_us: float | None
+    """Median loop-thread CPU of one bare wake of a sleeping thread after the same compute
+    (``wake_cpu``), interleaved with the iterator's runs; None on CUDA."""
+
+
+def handover_overhead(
+    device: str, n: int, tokens: int, compute_ms: float, repeats: int
+) -> Handover:
+    """The hand-over's cost (``Handover``); on CPU each repeat also times ``n`` bare wakes."""
     compute = Compute(compute_ms, device)
     waits: list[float] = []
     cpu: list[float] = []
+    wakes: list[float] = []
     for _ in range(repeats):
         source = ShmReorganizer(n, tokens, prep_ms=0.0)
         try:
             warm = run("iter", source, compute, device, warm=True)
             waits += warm.waits[1:]
             cpu += warm.handover_cpu[1:]
+            if device == "cpu":
+                wakes += wake_cpu(compute, staged(source, device), n)
         finally:
             source.close()
-    return (
+    return Handover(
         statistics.median(waits) * 1e6,
         statistics.fmean(waits) * 1e6,
         statistics.median(cpu) * 1e6,
+        statistics.median(wakes) * 1e6 if wakes else None,
     )
+
+
+def wake_cpu(compute: Compute, tensors: Tensors, n: int) -> list[float]:
+    """The loop thread's CPU seconds in one ``SimpleQueue.put`` that wakes a thread blocked in
+    ``get()``, right after one micro-batch of ``compute``, ``n`` times.
+
+    A hand-over to a prefetch thread that is ahead returns a credit to a sleeping thread, so
+    this is the least such a hand-over costs on this machine (the iterator's, the one-ahead
+    thread's). It moves with the machine, not with knitkit: a cross-CPU wake costs the waker a
+    few us on bare metal and tens of us where waking an idle virtual CPU exits to the
+    hypervisor.
+    """
+    credits: queue.SimpleQueue[bool] = queue.SimpleQueue()
+    woken: queue.SimpleQueue[None] = queue.SimpleQueue()
+
+    def sleeper() -> None:
+        while credits.get():
+            woken.put(None)
+
+    thread = threading.Thread(target=sleeper, daemon=True)
+    thread.start()
+    cpu: list[float] = []
+    try:
+        for _ in range(n):
+            compute(tensors)  # the sleeper is blocked in get() again by now
+            began = time.thread_time()
+            credits.put(True)
+            cpu.append(time.thread_time() - began)
+            woken.get(timeout=60)
+    finally:
+        credits.put(False)
+        thread.join(timeout=60)
+    return cpu
 
 
 def cuda_bandwidth(quick: bool) -> dict[str, float]:
@@ -555,12 +601,17 @@ def main() -> int:
         if i == 0:
             figures.update({f"cpu.{key}": value for key, value in row.items()})
         print_setting(f"X {x_ms:g} ms compute, Y {y_ms:g} ms preparation", row, METHODS)
-    median, mean, cpu = handover_overhead_us("cpu", n, 4096, 6.0, repeats)
-    figures["cpu.overhead_us_per_micro"], figures["cpu.overhead_mean_us_per_micro"] = median, mean
-    figures["cpu.overhead_cpu_us_per_micro"] = cpu
+    handover = handover_overhead("cpu", n, 4096, 6.0, repeats)
+    assert handover.wake_cpu_us is not None
+    figures["cpu.overhead_us_per_micro"] = handover.median_us
+    figures["cpu.overhead_mean_us_per_micro"] = handover.mean_us
+    figures["cpu.overhead_cpu_us_per_micro"] = handover.cpu_us
+    figures["cpu.wake_cpu_us"] = handover.wake_cpu_us
+    figures["cpu.overhead_cpu_minus_wake_us_per_micro"] = handover.cpu_us - handover.wake_cpu_us
     print(
-        f"hand-over overhead per micro-batch: median {median:.1f} us, mean {mean:.1f} us"
-        f" (loop thread CPU {cpu:.1f} us)"
+        f"hand-over overhead per micro-batch: median {handover.median_us:.1f} us, mean"
+        f" {handover.mean_us:.1f} us (loop thread CPU {handover.cpu_us:.1f} us, of which one wake"
+        f" of a sleeping thread costs {handover.wake_cpu_us:.1f} us on this machine)"
     )
     if args.gpu:
         figures.update(cuda_bandwidth(args.quick))
@@ -568,16 +619,17 @@ def main() -> int:
         cuda = measure("cuda", n, 16384, 8.0, 4.0, repeats, methods)
         figures.update({f"cuda.{key}": value for key, value in cuda.items()})
         print_setting("CUDA: 16384 tokens (3.1 MiB), X 8 ms, Y 4 ms", cuda, methods)
-        median, mean, cpu = handover_overhead_us("cuda", n, 16384, 8.0, repeats)
-        figures["cuda.overhead_us_per_micro"] = median
-        figures["cuda.overhead_mean_us_per_micro"] = mean
-        figures["cuda.overhead_cpu_us_per_micro"] = cpu
+        on_cuda = handover_overhead("cuda", n, 16384, 8.0, repeats)
+        figures["cuda.overhead_us_per_micro"] = on_cuda.median_us
+        figures["cuda.overhead_mean_us_per_micro"] = on_cuda.mean_us
+        figures["cuda.overhead_cpu_us_per_micro"] = on_cuda.cpu_us
         print(
             f"CUDA H2D: raw {figures['cuda.raw_h2d_gbps']:.1f} GB/s; from the registered slot"
             f" {figures['cuda.direct.h2d_gbps']:.1f} GB/s"
             f" ({figures['cuda.direct.h2d_fraction_of_raw']:.2f}), through a staging slot"
             f" {figures['cuda.staging.h2d_gbps']:.1f} GB/s"
-            f" ({figures['cuda.staging.h2d_fraction_of_raw']:.2f}); hand-over {median:.1f} us"
+            f" ({figures['cuda.staging.h2d_fraction_of_raw']:.2f}); hand-over"
+            f" {on_cuda.median_us:.1f} us"
         )
     figures["cpu.loadavg_1m_at_end"] = os.getloadavg()[0]
     print(
