@@ -12,7 +12,7 @@ import numpy as np
 
 from knitkit.job.control import WriteBackSource
 from knitkit.job.core import JobCore
-from knitkit.job.errors import RankFailedError, WriteBackMissingError
+from knitkit.job.errors import PRODUCER_CAUSE, RankFailedError, WriteBackMissingError
 from knitkit.job.ledger import MiniBatchLedger
 from knitkit.job.passes import Pass
 from knitkit.job.records import Record
@@ -148,7 +148,8 @@ class Collector:
         if kind == "error":
             raise RankFailedError(
                 f"rank {header.get('rank')} ({self.group}) failed in pass {header.get('pass')!r} "
-                f"of mini-batch {header.get('mb')!r}:\n{header.get('message')}"
+                f"of mini-batch {header.get('mb')!r}:\n{header.get('message')}",
+                producer_failed=header.get("cause") == PRODUCER_CAUSE,
             )
         ledger = core.ledger.minibatches.get(str(header.get("mb")))
         pass_ = next((p for p in core.passes if p.name == header.get("pass")), None)

@@ -8,7 +8,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from knitkit.job.control import Control, ScheduleSink
-from knitkit.job.errors import DriverFailedError, JobError
+from knitkit.job.errors import DriverFailedError, JobError, RankFailedError
 from knitkit.job.ledger import JobLedger
 from knitkit.job.passes import Pass, rollout_fields, written_by
 from knitkit.job.pool import ReorganizerPool, minibatch_of
@@ -29,6 +29,9 @@ class JobCore:
     """The driver's channels to its ranks (NOTE [ Control across nodes ] in control.py)."""
     pipeline: int = 1
     """Pipeline stages: each (DP, CP) group has a data ring per stage (``data_rings``)."""
+    liveness_timeout_s: float = 30.0
+    """The job's liveness bound; also how long a rank's report of a failed reorganizer waits
+    for the pool's own (NOTE [ A rank's producer failure ])."""
     lock: threading.Condition = field(
         default_factory=lambda: threading.Condition(threading.RLock())
     )
@@ -69,10 +72,37 @@ class JobCore:
     def part_failed(self, error: BaseException) -> None:
         """A part failed (the scheduler's checks or serving, a collector): ``fail`` with the
         control plane's diagnosis, the lost node's error if that is the cause (NOTE [ One error
-        for a lost node ] in integration/ray/relay.py). Never under the lock: it may wait."""
+        for a lost node ] in integration/ray/relay.py), or the pool's error where a rank raised
+        because its reorganizer failed (NOTE [ A rank's producer failure ]). Never under the
+        lock: it may wait."""
         if self.failure is None:
             error = self.control.diagnose(error)
+        if isinstance(error, RankFailedError) and error.producer_failed:
+            with self.lock:  # the scheduler, woken, checks the pool at once (IDLE_S otherwise)
+                self.lock.notify_all()
+                self.lock.wait_for(
+                    lambda: self.failure is not None or self.stopping.is_set(),
+                    self.liveness_timeout_s,
+                )
         self.fail(error)
+
+    # NOTE [ A rank's producer failure ]: a reorganizer that dies or fails is seen by the
+    # driver's pool (the scheduler's ``pool.check``: a process's exit code, a Ray actor's failed
+    # call) and by the ranks it feeds (their data ring: its producer's pid gone, its heartbeat
+    # silent past ``liveness_timeout_s``, or its error text). Whichever comes first failed the
+    # job. The pool's error names the consumer group and its node, and says whether it was
+    # restarted; a rank's ``RankFailedError`` names a ring and a pid. A rank often comes first:
+    # its ring check runs every 0.25-2 s while it waits, and Ray reports an actor on a lost node
+    # only once its calls fail. So tests/job/test_node_loss.py failed beside two busy loops on
+    # the 2-core dev box (stop 51): the lost group's rank was still in its 'old' pass, saw the
+    # actor's pid gone and reported first, and the driver failed with that rank's error instead
+    # of the lost node's. Now a rank's ``error`` record says when a reorganizer's failure or
+    # death made it raise (``cause``: ``producer_failed`` on the error chain, as its traceback
+    # shows it), and the collector's ``RankFailedError`` waits, at most ``liveness_timeout_s``,
+    # for another part to fail the job first, waking the scheduler to check the pool now; the
+    # rank's error stands once the bound passes (a producer alive to the pool but silent to the
+    # rank). Why not let the collector call ``pool.check`` itself: the scheduler thread is the
+    # pool's only caller. Why not read the rank's message: the cause travels as a field.
 
     def free_published(self) -> None:
         """Free the units of every ended (mini-batch, consumer) whose reorganizer no longer has

@@ -227,7 +227,14 @@ class Driver:
                 )
             )
             undo.callback(channels.close)
-            self._core = JobCore(passes, self.store, pool, channels, config.pipeline)
+            self._core = JobCore(
+                passes,
+                self.store,
+                pool,
+                channels,
+                config.pipeline,
+                liveness_timeout_s=config.liveness_timeout_s,
+            )
             self._intake = Intake(
                 self._core,
                 admission,

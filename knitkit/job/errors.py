@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from knitkit.storage import ReorganizerDiedError, ReorganizerError
 from knitkit.types import UnitKey
+
+PRODUCER_CAUSE = "producer"
+"""A rank's ``error`` record's ``cause`` when a reorganizer's failure or death made it raise."""
 
 
 class JobError(RuntimeError):
@@ -25,6 +29,12 @@ class DriverNotFoundError(JobError, FileNotFoundError):
 class RankFailedError(JobError):
     """Driver: a writer rank raised inside a pass (its traceback travels here), died, or left
     through an exception or mid-pass; or no rank attached to a group within ``attach_timeout_s``."""
+
+    def __init__(self, message: str, *, producer_failed: bool = False) -> None:
+        super().__init__(message)
+        self.producer_failed = producer_failed
+        """The rank raised because a reorganizer feeding it failed or died: the driver waits
+        for its pool to name that cause (NOTE [ A rank's producer failure ] in core.py)."""
 
 
 class NodeFailedError(JobError):
@@ -56,3 +66,17 @@ class ReorganizerFailedError(JobError):
 class WriteBackMissingError(JobError):
     """A pass's write-back is incomplete: a rank finished it without writing every micro-batch's
     outputs, or the driver waited ``pass_timeout_s`` for fields a later pass reads."""
+
+
+def producer_failed(error: BaseException) -> bool:
+    """Whether ``error``, or an error it was raised from or while handling (as a traceback shows
+    them), is a data ring's report that its reorganizer failed or died."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, ReorganizerDiedError | ReorganizerError):
+            return True
+        seen.add(id(current))
+        suppressed = current.__suppress_context__
+        current = current.__cause__ or (None if suppressed else current.__context__)
+    return False

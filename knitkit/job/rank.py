@@ -15,7 +15,12 @@ import torch
 
 from knitkit.encoder_dedup import RankRoute
 from knitkit.job.completion import PassEnds
-from knitkit.job.errors import DriverDiedError, DriverNotFoundError
+from knitkit.job.errors import (
+    PRODUCER_CAUSE,
+    DriverDiedError,
+    DriverNotFoundError,
+    producer_failed,
+)
 from knitkit.job.passes import Pass, read_next
 from knitkit.job.pool import pass_id
 from knitkit.job.records import Record, RecordReader, RecordWriter
@@ -816,11 +821,16 @@ class RankHandle:
                 )
         self._watch.interrupt(error)
 
-    def abandon(self, work: PassWork, message: str) -> None:
-        """The pass raised: tell the driver (writer ranks), leave the rings as they are."""
+    def abandon(self, work: PassWork, error: BaseException, message: str) -> None:
+        """The pass raised ``error``: tell the driver (writer ranks) ``message``, and whether a
+        reorganizer's failure or death caused it (NOTE [ A rank's producer failure ] in
+        core.py); leave the rings as they are."""
         if self._writeback is not None:
+            header: dict[str, str | int] = {"message": message[-3000:]}
+            if producer_failed(error):
+                header["cause"] = PRODUCER_CAUSE
             with contextlib.suppress(Exception):
-                self.send(work, "error", {"message": message[-3000:]}, {}, timeout_s=_LEAVE_S)
+                self.send(work, "error", header, {}, timeout_s=_LEAVE_S)
 
 
 @dataclass(slots=True)

@@ -245,7 +245,7 @@ class PassWork:
             self._rank.end_pass(self, iterator, take)
             self._check_written()
         except BaseException as error:
-            self._rank.abandon(self, f"{type(error).__name__}: {error}")
+            self._rank.abandon(self, error, f"{type(error).__name__}: {error}")
             raise
         figures = {k: np.array([v], np.float64) for k, v in self._figures.items()}
         self._rank.pass_ended(self, figures)
@@ -284,7 +284,7 @@ class PassWork:
         if not self.finished:
             self.stop_prefetch()  # the rank is failing anyway
             message = "".join(traceback.format_exception(exc_type, exc, tb))
-            self._rank.abandon(self, message)
+            self._rank.abandon(self, exc, message)
 
 
 _Held = tuple[torch.Tensor | np.ndarray, str, tuple[int, ...]]

@@ -35,6 +35,13 @@ from knitkit.job import (
     ReorganizerFailedError,
     WriteBackMissingError,
 )
+from knitkit.job.errors import producer_failed
+from knitkit.storage import ReorganizerDiedError, ReorganizerError
+from knitkit.storage.delivery.slot_ring import STARTING
+
+LIVENESS_S = 4.0
+"""A short liveness bound: a stopped reorganizer is found silent within it (and a rank's report
+of it waits at most as long for the pool's, NOTE [ A rank's producer failure ])."""
 
 
 def test_a_missing_write_back_is_named_on_the_rank_and_the_driver() -> None:
@@ -96,6 +103,60 @@ def test_a_dead_reorganizer_is_named_on_the_driver_and_typed_on_the_ranks() -> N
         join(threads)
     for s in seen:
         assert s.error.startswith(("ReorganizerDiedError", "DriverFailedError")), s.error
+
+
+def test_a_reorganizer_a_rank_found_dead_first_is_named_by_the_pool() -> None:
+    """The driver names a failed reorganizer's group even where a rank it feeds reports it first
+    (NOTE [ A rank's producer failure ] in knitkit/job/core.py). Group dp1's reorganizer process
+    is stopped (SIGSTOP) once it serves: its pool sees it alive, while the rank waiting on its
+    ring finds it silent past ``liveness_timeout_s`` and sends its error record; once that rank
+    has raised, the process is killed and the pool sees the exit. The driver fails with the
+    pool's ``ReorganizerFailedError`` naming the group; on 6571a70 with the rank's
+    ``RankFailedError``, as a Ray node's loss did when the lost group's rank saw the dead actor
+    first (tests/job/test_node_loss.py beside two busy loops)."""
+    data = trajectories(2, 2, seed=9)
+    config = driver_config(2, 1, 1, 1, liveness_timeout_s=LIVENESS_S)
+    with config.build(admission=controller(data, 2)) as driver:
+        assert isinstance(driver.pool, ProcessPool)
+        member = driver.pool._members["backbone/dp1/cp0"]  # its ReorganizerProcess
+        wait_for(lambda: member.ring.state != STARTING, what="the reorganizer serves")
+        assert member.pid is not None
+        os.kill(member.pid, signal.SIGSTOP)
+        try:
+            threads, seen = run_ranks(driver.rank_spec(), grid(2, 1, 1, 1))
+            for trajectory in data:
+                driver.write(trajectory)
+            wait_for(lambda: bool(seen[1].error), what="dp1's rank raised")
+        finally:
+            os.kill(member.pid, signal.SIGKILL)
+        with pytest.raises(ReorganizerFailedError, match=r"backbone/dp1/cp0.*exited with code -9"):
+            driver.drain(60)
+        join(threads)
+    assert seen[1].error.startswith("ReorganizerDiedError"), seen[1].error
+    assert "made no progress" in seen[1].error, seen[1].error
+
+
+def test_a_producer_failure_is_read_off_the_error_chain_as_a_traceback_shows_it() -> None:
+    """A rank's error record says a reorganizer caused it when a data ring's report is on the
+    error's chain (raised from, or while handling it), and not where the chain was cut
+    (``from None``: the driver's death, which takes its reorganizers along)."""
+
+    def raised(outer: BaseException, *, cut: bool) -> BaseException:
+        try:
+            try:
+                raise ReorganizerDiedError("reorganizer of ring 'r' (pid 7) died")
+            except ReorganizerDiedError as died:
+                if cut:
+                    raise outer from None
+                raise outer from died
+        except BaseException as error:  # the error under test
+            return error
+        raise AssertionError("nothing raised")
+
+    assert producer_failed(ReorganizerError("reorganizer of ring 'r': UnitsLostError ..."))
+    assert producer_failed(raised(RuntimeError("the loop's own wrapper"), cut=False))
+    assert not producer_failed(raised(DriverDiedError("rank 0: the driver is gone"), cut=True))
+    assert not producer_failed(ValueError("the loss is NaN"))
 
 
 def test_a_dead_writer_rank_fails_the_driver_with_a_named_error() -> None:
