@@ -230,6 +230,8 @@ class RayDispatcher:
         """Figures of every reorganizer together, cumulative since they started:
 
         - ``knitkit/delivery/reorganizer_bytes_read``: payload bytes read from storage;
+        - ``knitkit/delivery/reorganizer_fill_s``: thread CPU seconds spent writing them into
+          slots (NOTE [ Fill time ] in knitkit/storage/delivery/reorganizer.py);
         - ``knitkit/delivery/reorganizer_published``: micro-batches published;
 
         and with a ``RayBackend`` (its ``traffic()``; see NOTE [ Ray unit directory ]), by node
@@ -336,14 +338,20 @@ class RayDispatcher:
         with it). Its figure methods run beside a blocked ``deliver`` (the control group)."""
         try:
             figures: list[Any] = ray.get(
-                [actor.bytes_read.remote(), actor.published.remote(), actor.traffic.remote()],
+                [
+                    actor.bytes_read.remote(),
+                    actor.fill_s.remote(),
+                    actor.published.remote(),
+                    actor.traffic.remote(),
+                ],
                 timeout=30,
             )
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return {}
-        read, published, traffic = figures
+        read, fill_s, published, traffic = figures
         return {
             "knitkit/delivery/reorganizer_bytes_read": float(read),
+            "knitkit/delivery/reorganizer_fill_s": float(fill_s),
             "knitkit/delivery/reorganizer_published": float(published),
             **_traffic_figures(traffic, self._address),
         }

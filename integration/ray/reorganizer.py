@@ -74,6 +74,12 @@ class ReorganizerActor:
         return 0 if self.closed else self.host.bytes_read
 
     @ray.method(concurrency_group="control")
+    def fill_s(self) -> float:
+        """Thread CPU seconds spent writing micro-batches into slots (NOTE [ Fill time ] in
+        knitkit/storage/delivery/reorganizer.py); read as ``bytes_read`` is."""
+        return 0.0 if self.closed else self.host.fill_s
+
+    @ray.method(concurrency_group="control")
     def traffic(self) -> dict[str, Any]:
         """Its backend's reads by source node (``RayBackend.traffic``); empty for a backend that
         does not count them, or once closed."""

@@ -293,6 +293,7 @@ def test_dispatch_across_nodes_delivers_every_token_once(nodes: tuple[str, str])
         prefix = "knitkit/delivery/reorganizer_"
         assert metrics[f"{prefix}bytes_read"] == float(reference.bytes_read)
         assert metrics[f"{prefix}published"] == float(sum(published))
+        assert metrics[f"{prefix}fill_s"] > 0  # the actors' copies (NOTE [ Fill time ])
         # every unit was put here (the head): dp0's reads are local, dp1's remote, whole objects
         # moved whole to the worker over the one link head -> worker
         by_node = {k: v for k, v in metrics.items() if "_read_by_node/" in k}

@@ -53,7 +53,7 @@ class _Slots:
     def ring(self) -> _Slots:
         return self
 
-    def add_bytes_read(self, nbytes: int) -> None:
+    def count_fill(self, nbytes: int, cpu_ns: int) -> None:
         self.bytes_read = getattr(self, "bytes_read", 0) + nbytes
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -159,6 +160,10 @@ def test_exactly_once_through_processes(kind, tmp_path):
         assert sum(r.bytes_read for r in reorganizers) == 2 * needed
         figures = [r.metrics() for r in reorganizers]
         assert sum(f["knitkit/delivery/reorganizer_bytes_read"] for f in figures) == 2 * needed
+        assert all(
+            f["knitkit/delivery/reorganizer_fill_s"] == r.fill_s > 0
+            for f, r in zip(figures, reorganizers, strict=True)
+        )
         published = sum(f["knitkit/delivery/reorganizer_published"] for f in figures)
         assert published == sum(len(p.consumers[0].micro_batches) for p in plans) * len(figures)
     finally:
@@ -214,3 +219,51 @@ def test_a_published_micro_batch_is_the_same_bytes_whatever_its_slot_held_before
         fresh, stale = _published(backend, assignment, False), _published(backend, assignment, True)
         assert len(fresh) == len(assignment.micro_batches) >= 2
         assert fresh == stale, type(assignment).__name__
+
+
+@pytest.mark.parametrize("kind", ["shm", "disk"])
+def test_fill_time_is_counted_within_the_delivering_threads_cpu(kind, tmp_path) -> None:
+    """NOTE [ Fill time ]: every micro-batch's fill adds its thread CPU to the ring's count, on
+    the copy-list path (shared memory) and the template path (disk), for backbone and encoder
+    assignments: the count grows with each assignment and never exceeds the CPU of the thread
+    that delivered (the fill is part of it)."""
+    metas = make_metas([300, 41, 177, 90, 250])
+    backend: UnitBackend = (
+        SharedMemoryBackend(slab_bytes=1 << 20)
+        if kind == "shm"
+        else SafetensorsBackend(str(tmp_path / "shards"), shard_bytes=1 << 20)
+    )
+    fill_backend(backend, metas)
+    backbone = plan_for(metas, Topology(1, 1, 1), 128, "mb").consumer(0, 0)
+    units = tuple(UnitKey(m.trajectory_id, "tokens") for m in metas)
+    encoder = EncoderRankPlan("vision", 0, (units[:2], units[2:]))
+    spec = RingSpec.new(num_slots=8, slot_bytes=1 << 18, num_consumers=1)
+    owner = SlotRing.create(spec)
+    publisher = Publisher(SlotRing.attach(spec))
+    publisher.start()
+    consumer = MicroBatchConsumer(spec, 0)
+    reorganizer = Reorganizer(backend, publisher)
+    try:
+        for assignment in (backbone, encoder):
+            assert len(assignment.micro_batches) <= spec.num_slots
+            before_s, cpu_ns = owner.fill_s, []
+
+            def deliver(assignment=assignment, cpu_ns=cpu_ns) -> None:
+                began = time.thread_time_ns()
+                reorganizer.deliver("mb", assignment)
+                cpu_ns.append(time.thread_time_ns() - began)
+
+            thread = threading.Thread(target=deliver)
+            thread.start()
+            thread.join(60)
+            assert cpu_ns, "the delivery did not finish within 60 s"
+            filled_ns = round((owner.fill_s - before_s) * 1e9)
+            assert 0 < filled_ns <= cpu_ns[0], (type(assignment).__name__, filled_ns, cpu_ns)
+            for _ in assignment.micro_batches:
+                consumer.next_micro_batch(timeout_s=30).release()
+    finally:
+        consumer.close()
+        publisher.close()
+        owner.close()
+        owner.unlink()
+        backend.close()

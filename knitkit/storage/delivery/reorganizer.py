@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import traceback
 
 from knitkit.storage.backends.backend import (
@@ -77,6 +78,18 @@ from knitkit.types import MicroBatchLayout, UnitKey, UnitRead
 # each slot as a slot wait leaves them, medians of 8 passes, load ~10): 486 -> 394 us per
 # micro-batch (~190 us of it memcpy), and in transfer.py, back to back against 1cebb89:
 # benchmarks/README.md (transfer).
+
+# NOTE [ Fill time ]: a reorganizer counts, beside each micro-batch's bytes, the thread CPU its
+# fill took: the copy list's loop (one memmove per copy, ~25 for transfer.py's micro-batches) or
+# the template path's reads into the slot (the backend's ``read_many``, a disk's ``preadv``).
+# Every delivered byte has to be written into its slot once, so that is the part of a
+# reorganizer's CPU the delivery cannot shed; what else it spends (compiling, views, slot waits
+# and wakes, publication) is what knitkit can still cut. The count is a ring word
+# (``SlotRing.fill_s``, ``knitkit/delivery/reorganizer_fill_s``), so a launcher reads it while
+# the child runs; benchmarks/transfer.py sets it against the run's CPU (the floor under
+# ``knitkit.delivered_fraction_of_memcpy``). Two thread-clock reads per micro-batch (~0.25 us
+# each here) against its ~300-800 us of CPU; the fill's figure includes the copy loop's Python
+# (a slice assignment per copy).
 
 
 class Reorganizer:
@@ -176,13 +189,15 @@ class Reorganizer:
         publication."""
         publisher = self.publisher
         ring = publisher.ring
+        clock = time.thread_time_ns
         start = 0
         for copies in compiled:
             stop = start + len(copies.units)
             slot = publisher.acquire(copies.layout.nbytes)
             views = units.views(start, stop, copies.unit_bytes)
+            began = clock()  # NOTE [ Fill time ]
             run_copies(copies.copies, sources(views, copies.constants), slot)
-            ring.add_bytes_read(copies.unit_bytes)
+            ring.count_fill(copies.unit_bytes, clock() - began)
             publisher.publish(copies.layout, copies.record)
             start = stop
 
@@ -202,10 +217,10 @@ class Reorganizer:
         template, record = self._packer(micro_batch)
         shaped = template.shape(micro_batch, extra)
         slot = self.publisher.acquire(shaped.layout.nbytes)
-        before = self.backend.bytes_read
+        before, began = self.backend.bytes_read, time.thread_time_ns()
         template.fill(micro_batch, shaped, slot, self.backend.read_many)
         layout = shaped.layout
-        self._publish(layout, before, record.encode(layout, shaped.offsets, shaped.lead))
+        self._publish(layout, before, began, record.encode(layout, shaped.offsets, shaped.lead))
 
     def _publish_encoder(
         self, units: tuple[UnitKey, ...], extra: dict[str, int | float | str]
@@ -215,18 +230,23 @@ class Reorganizer:
         layout = MicroBatchLayout.of_units(specs, extra=extra)
         slot = self.publisher.acquire(layout.nbytes)
         views = layout.unit_views(slot)
-        before = self.backend.bytes_read
+        before, began = self.backend.bytes_read, time.thread_time_ns()
         self.backend.read_many([UnitRead(key) for key in views], list(views.values()))
         layout.clear_padding(slot)
-        self._publish(layout, before)
+        self._publish(layout, before, began)
 
     def _publish(
-        self, layout: MicroBatchLayout, bytes_read_before: int, record: bytes | None = None
+        self,
+        layout: MicroBatchLayout,
+        bytes_read_before: int,
+        fill_began_ns: int,
+        record: bytes | None = None,
     ) -> None:
-        """Count the bytes read for this micro-batch, then publish it (``record``: its layout
-        record, already encoded): a consumer that sees a micro-batch also sees the ring's byte
-        count include it."""
-        self.publisher.ring.add_bytes_read(self.backend.bytes_read - bytes_read_before)
+        """Count the bytes read for this micro-batch and its fill's CPU since ``fill_began_ns``
+        (NOTE [ Fill time ]), then publish it (``record``: its layout record, already encoded):
+        a consumer that sees a micro-batch also sees the ring's counts include it."""
+        fill_ns = time.thread_time_ns() - fill_began_ns
+        self.publisher.ring.count_fill(self.backend.bytes_read - bytes_read_before, fill_ns)
         self.publisher.publish(layout, record)
 
     def _learn_schema(self, plan: ConsumerPlan) -> bool:
@@ -312,6 +332,11 @@ class ReorganizerHost:
     def bytes_read(self) -> int:
         """Payload bytes read from the backend for this ring so far."""
         return self._ring.bytes_read
+
+    @property
+    def fill_s(self) -> float:
+        """Thread CPU seconds spent writing micro-batches into slots so far (NOTE [ Fill time ])."""
+        return self._ring.fill_s
 
     @property
     def published(self) -> int:

@@ -243,15 +243,24 @@ class ReorganizerProcess:
         """Payload bytes the child read from its backend so far."""
         return self.ring.bytes_read
 
+    @property
+    def fill_s(self) -> float:
+        """Thread CPU seconds the child spent writing micro-batches into slots so far (NOTE
+        [ Fill time ] in reorganizer.py)."""
+        return self.ring.fill_s
+
     def metrics(self) -> dict[str, float]:
         """This reorganizer's figures, cumulative since it started (sum them over a launcher's
         reorganizers):
 
         - ``knitkit/delivery/reorganizer_bytes_read``: payload bytes read from the backend;
+        - ``knitkit/delivery/reorganizer_fill_s``: thread CPU seconds spent writing them into
+          slots (NOTE [ Fill time ] in reorganizer.py);
         - ``knitkit/delivery/reorganizer_published``: micro-batches published.
         """
         return {
             "knitkit/delivery/reorganizer_bytes_read": float(self.ring.bytes_read),
+            "knitkit/delivery/reorganizer_fill_s": self.ring.fill_s,
             "knitkit/delivery/reorganizer_published": float(self.ring.published),
         }
 

@@ -70,6 +70,9 @@ _PUBLISHED_W, _BYTES_READ_W, _STOP_W, _ERROR_LEN_W, _HEARTBEAT_W, _NOTIFY_W = 4,
 _PRODUCER_WAITS_W = 10
 """The producer's: index + 1 of the consumer whose RELEASED word it sleeps on, 0 while it does
 not sleep (NOTE [ Futex waits ] in atomic_words.py)."""
+_FILL_NS_W = 11
+"""The producer's thread CPU nanoseconds spent writing micro-batches into slots (NOTE [ Fill
+time ] in reorganizer.py)."""
 _RELEASED_W = 16
 """RELEASED[c] is word ``_RELEASED_W + c``; CONSUMER_PID[c] follows the RELEASED words, then
 CONSUMER_WAITS[c]: 1 while consumer c sleeps on NOTIFY for a publication, else 0 (consumer c's;
@@ -426,8 +429,18 @@ class SlotRing:
         """Payload bytes the producer read from its backend so far."""
         return int(self.words[_BYTES_READ_W])
 
-    def add_bytes_read(self, nbytes: int) -> None:
-        self.words[_BYTES_READ_W] += nbytes
+    @property
+    def fill_s(self) -> float:
+        """Thread CPU seconds the producer spent writing micro-batches into slots so far (NOTE
+        [ Fill time ] in reorganizer.py)."""
+        return int(self.words[_FILL_NS_W]) / 1e9
+
+    def count_fill(self, nbytes: int, cpu_ns: int) -> None:
+        """Producer: a micro-batch's payload bytes read from the backend and the thread CPU
+        nanoseconds its fill took, counted before it is published."""
+        words = self.words
+        words[_BYTES_READ_W] += nbytes
+        words[_FILL_NS_W] += cpu_ns
 
     @property
     def stop_requested(self) -> bool:
