@@ -38,6 +38,7 @@ from knitkit.storage.delivery.slot_ring import (
     RingSpec,
     SlotRing,
 )
+from knitkit.storage.delivery.streaming_copies import streaming_copies
 from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan
 
 # NOTE [ Reorganizer process shutdown ]
@@ -403,6 +404,7 @@ class _ReorganizerChild:
                     str(assignments_fd),
                 ],
                 pass_fds=(read, assignments_fd),
+                env=streaming_copies(os.environ),
             )
         except BaseException:
             os.close(write)
