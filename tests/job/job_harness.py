@@ -44,14 +44,26 @@ class Seen:
 
 @dataclass
 class Hold:
-    """Stop a rank at the start of one pass of one mini-batch until ``release`` is set."""
+    """Stop every rank that gets to the start of one pass of one mini-batch until ``release``
+    is set; ``reached`` is set once ``parties`` ranks got there."""
 
     minibatch_id: str
     pass_name: str
+    parties: int = 1
     reached: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
     seen: Seen | None = None
-    """What the rank saw before the hold (set as it is reached)."""
+    """What the last rank to arrive saw before the hold."""
+    _arrived: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def arrive(self, seen: Seen) -> None:
+        """A rank got to the held pass, having seen ``seen``."""
+        with self._lock:
+            self.seen = seen
+            self._arrived += 1
+            if self._arrived >= self.parties:
+                self.reached.set()
 
 
 def rank_loop(
@@ -70,8 +82,7 @@ def rank_loop(
             for work in rank.passes():
                 key = (work.minibatch_id, work.pass_.name)
                 if hold is not None and key == (hold.minibatch_id, hold.pass_name):
-                    hold.seen = seen
-                    hold.reached.set()
+                    hold.arrive(seen)
                     hold.release.wait(120)
                 with work:
                     seen.units[key] = sorted(str(k) for k in work.encoder_inputs())

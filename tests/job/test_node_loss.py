@@ -73,8 +73,9 @@ def test_a_lost_node_fails_the_job_named_and_its_checkpoint_resumes_exactly_once
 
     A DP2 job on a RayDispatcher, group ``backbone/dp1/cp0``'s reorganizer actor pinned to a
     worker node; a checkpoint at the step boundary after two of four mini-batches; the worker
-    node is removed while the third mini-batch's train pass is served (its actor had published
-    at most 2 of its micro-batches). The driver fails within ``FAIL_S`` with
+    node is removed while the third mini-batch's train pass is served, both ranks held at its
+    start (its actor had published at most 2 of its micro-batches; before stop 52 only the
+    first rank to get there was, so the lost group's rank could still be in an earlier pass). The driver fails within ``FAIL_S`` with
     ``ReorganizerFailedError`` naming the group and the node, also with restarts allowed (no
     attempt to place on the dead node); no stored unit is lost (the driver put them all, on its
     own node). A fresh driver with every group on the surviving node loads the checkpoint,
@@ -101,7 +102,7 @@ def test_a_lost_node_fails_the_job_named_and_its_checkpoint_resumes_exactly_once
         first = config.build(
             admission=controller(data, 4), store=TrajectoryStore(backend), pool=pool
         )
-        hold = Hold("", "train")
+        hold = Hold("", "train", parties=len(coords))  # every rank, the lost group's too
         threads = []
         try:
             for trajectory in data:
@@ -110,7 +111,7 @@ def test_a_lost_node_fails_the_job_named_and_its_checkpoint_resumes_exactly_once
             assert len(order) == 4
             hold.minibatch_id = order[2]
             threads, seen_first = run_ranks(first.rank_spec(), coords, hold=hold)
-            assert hold.reached.wait(120), "no rank reached the third mini-batch's train pass"
+            assert hold.reached.wait(120), "a rank never reached the third mini-batch's train pass"
             state = json.loads(json.dumps(first.state_dict(trained=2, timeout_s=60)))
             cluster.remove_node(worker)
             removed = time.monotonic()
