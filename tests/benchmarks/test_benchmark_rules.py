@@ -151,7 +151,8 @@ def test_knitkit_delivery_counts_the_cpu_of_every_knitkit_process(transfer: Modu
     cpu = {"driver": 0.4, "reorganizer.dp0cp0": 0.8}  # seconds over a phase's measured steps
     cpu |= {f"rank.{transfer.rank_name(r)}": 0.5 for r in transfer.RANKS}
     compute_s = 0.3  # each rank's compute over the phase: not the data path's
-    records = {p.name: transfer._PhaseRecord([1.0] * steps, dict(cpu)) for p in phases}
+    fill_s = 0.6  # the reorganizers' fills over a knitkit phase (NOTE [ Fill time ])
+    records = {p.name: transfer._PhaseRecord([1.0] * steps, dict(cpu), fill_s) for p in phases}
     reads = {m: {"fields": 1, "image": 1} for m in ("sample_level", "sample_level_bcast")}
     got = [
         (rank, {p.name: ([0.01] * steps, compute_s) for p in phases}, reads)
@@ -171,6 +172,16 @@ def test_knitkit_delivery_counts_the_cpu_of_every_knitkit_process(transfer: Modu
     )
     assert figures["knitkit.delivered_fraction_of_memcpy.reorganizers"] == pytest.approx(
         per_step / (0.8 / steps) / memcpy
+    )
+    # NOTE [ Delivery's floor ]: the fills alone, and the fills plus the oracle's own CPU
+    assert figures["knitkit.fill_cpu_s_per_step"] == pytest.approx(fill_s / steps)
+    assert figures["knitkit.delivered_fraction_of_memcpy.fills"] == pytest.approx(
+        per_step / (fill_s / steps) / memcpy
+    )
+    oracle = figures["oracle.cpu_s_per_step"]
+    assert oracle == pytest.approx(per_phase / steps)
+    assert figures["knitkit.delivered_fraction_of_memcpy.ceiling"] == pytest.approx(
+        per_step / (fill_s / steps + oracle) / memcpy
     )
     for method in ("knitkit", "sample_level"):
         for key in ("step_wall_s", "step_wall_overhead", "cpu_s_per_step", "bytes_read_ratio"):
