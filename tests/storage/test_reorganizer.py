@@ -12,6 +12,7 @@ import pytest
 from delivery_payloads import fill_backend, make_metas, plan_for, real_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ring_parts import published_ring
 
 from knitkit.storage.backends.backend import UnitBackend
 from knitkit.storage.backends.disk import SafetensorsBackend
@@ -238,32 +239,25 @@ def test_fill_time_is_counted_within_the_delivering_threads_cpu(kind, tmp_path) 
     units = tuple(UnitKey(m.trajectory_id, "tokens") for m in metas)
     encoder = EncoderRankPlan("vision", 0, (units[:2], units[2:]))
     spec = RingSpec.new(num_slots=8, slot_bytes=1 << 18, num_consumers=1)
-    owner = SlotRing.create(spec)
-    publisher = Publisher(SlotRing.attach(spec))
-    publisher.start()
-    consumer = MicroBatchConsumer(spec, 0)
-    reorganizer = Reorganizer(backend, publisher)
     try:
-        for assignment in (backbone, encoder):
-            assert len(assignment.micro_batches) <= spec.num_slots
-            before_s, cpu_ns = owner.fill_s, []
+        with published_ring(spec) as ring:
+            reorganizer = Reorganizer(backend, ring.publisher)
+            for assignment in (backbone, encoder):
+                assert len(assignment.micro_batches) <= spec.num_slots
+                before_s, cpu_ns = ring.owner.fill_s, []
 
-            def deliver(assignment=assignment, cpu_ns=cpu_ns) -> None:
-                began = time.thread_time_ns()
-                reorganizer.deliver("mb", assignment)
-                cpu_ns.append(time.thread_time_ns() - began)
+                def deliver(assignment=assignment, cpu_ns=cpu_ns) -> None:
+                    began = time.thread_time_ns()
+                    reorganizer.deliver("mb", assignment)
+                    cpu_ns.append(time.thread_time_ns() - began)
 
-            thread = threading.Thread(target=deliver)
-            thread.start()
-            thread.join(60)
-            assert cpu_ns, "the delivery did not finish within 60 s"
-            filled_ns = round((owner.fill_s - before_s) * 1e9)
-            assert 0 < filled_ns <= cpu_ns[0], (type(assignment).__name__, filled_ns, cpu_ns)
-            for _ in assignment.micro_batches:
-                consumer.next_micro_batch(timeout_s=30).release()
+                thread = threading.Thread(target=deliver)
+                thread.start()
+                thread.join(60)
+                assert cpu_ns, "the delivery did not finish within 60 s"
+                filled_ns = round((ring.owner.fill_s - before_s) * 1e9)
+                assert 0 < filled_ns <= cpu_ns[0], (type(assignment).__name__, filled_ns, cpu_ns)
+                for _ in assignment.micro_batches:
+                    ring.consumers[0].next_micro_batch(timeout_s=30).release()
     finally:
-        consumer.close()
-        publisher.close()
-        owner.close()
-        owner.unlink()
         backend.close()
