@@ -6,6 +6,7 @@ import json
 import math
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,6 @@ from knitkit.job.spec import group_name
 from knitkit.job.write_back import WriteBackPlacer, placed_header
 from knitkit.storage import MiniBatchPlan, ReorganizerDiedError, ReorganizerError, RingSpec
 from knitkit.storage.delivery import ConsumerClosedError, RingNotReadyError
-from knitkit.storage.delivery.liveness import WaitSlices
 from knitkit.types import UnitKey
 
 from .backend import RayBackend
@@ -658,11 +658,10 @@ class RayChannels:
         """See NOTE [ One error for a lost node ]."""
         if self._failure is None and not isinstance(error, NodeFailedError):
             probes: dict[ray.ObjectRef, _Relay] = {r.actor.ready.remote(): r for r in self.live()}
-            pending, slices = list(probes), WaitSlices(PULL_S + self.call_timeout_s, DIAGNOSE_S)
-            while pending and self._failure is None and not slices.expired:
-                slices.check_due()  # each slice ends DIAGNOSE_S after the last: the pullers' look
-                done, pending = ray.wait(
-                    pending, num_returns=len(pending), timeout=slices.slice_s()
+            pending, deadline = list(probes), time.monotonic() + PULL_S + self.call_timeout_s
+            while pending and self._failure is None and (left := deadline - time.monotonic()) > 0:
+                done, pending = ray.wait(  # a slice at a time: a puller may find the node first
+                    pending, num_returns=len(pending), timeout=min(left, DIAGNOSE_S)
                 )
                 for ref in done:
                     try:
