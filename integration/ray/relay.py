@@ -84,9 +84,9 @@ from .pinning import pinned_to
 # healthy cluster). Until stop 52 the wait stopped after 5 s and left a silent relay to its
 # puller: beside two busy loops on the 2-core dev box the killed node's relay took longer to
 # fail its probe than the pool took to report its reorganizer's broken connection, and the job
-# failed with the pool's ``ReorganizerDied``
-# (tests/cluster/test_control_across_nodes.py). Units: the directory records the node each unit was put from (its
-# owner's); a node that is gone or unreachable takes them along, so ``RayBackend.drop_node``
+# failed with the pool's ``ReorganizerDied`` (tests/cluster/test_control_across_nodes.py).
+# Units: the directory records the node each unit was put from (its owner's); a node that is
+# gone or unreachable takes them along, so ``RayBackend.drop_node``
 # marks them lost in one call and later reads raise ``UnitsLostError`` naming them (NOTE [ Ray
 # unit directory ] in backend.py). Resuming re-writes them: they belong to pending
 # mini-batches, whose trajectories the resumed driver's ``reissue()`` names. ``close`` after a

@@ -74,14 +74,15 @@ def test_a_lost_node_fails_the_job_named_and_its_checkpoint_resumes_exactly_once
     A DP2 job on a RayDispatcher, group ``backbone/dp1/cp0``'s reorganizer actor pinned to a
     worker node; a checkpoint at the step boundary after two of four mini-batches; the worker
     node is removed while the third mini-batch's train pass is served, both ranks held at its
-    start (its actor had published at most 2 of its micro-batches; before stop 52 only the
-    first rank to get there was, so the lost group's rank could still be in an earlier pass). The driver fails within ``FAIL_S`` with
-    ``ReorganizerFailedError`` naming the group and the node, also with restarts allowed (no
-    attempt to place on the dead node); no stored unit is lost (the driver put them all, on its
-    own node). A fresh driver with every group on the surviving node loads the checkpoint,
-    names exactly the trajectories of the untrained mini-batches, gets them re-written and
-    finishes. (Store-level lost units, put from a lost node, are ``UnitsLostError`` naming their
-    keys: tests/storage/test_units_lost.py.) On d6f4b7a ``Driver.state_dict`` does not exist."""
+    start (its actor had published at most 2 of its micro-batches; before stop 52 only the first
+    rank to get there was, so the lost group's rank could still be in an earlier pass). The
+    driver fails within ``FAIL_S`` with ``ReorganizerFailedError`` naming the group and the
+    node, also with restarts allowed (no attempt to place on the dead node); no stored unit is
+    lost (the driver put them all, on its own node). A fresh driver with every group on the
+    surviving node loads the checkpoint, names exactly the trajectories of the untrained
+    mini-batches, gets them re-written and finishes. (Store-level lost units, put from a lost
+    node, are ``UnitsLostError`` naming their keys: tests/storage/test_units_lost.py.) On
+    d6f4b7a ``Driver.state_dict`` does not exist."""
     data = make_trajectories(8, 2, seed=17)
     by_id = {t.trajectory_id: t for t in data}
     planner = PlannerConfig(max_tokens_per_micro_batch=256, min_micro_batches=6)
