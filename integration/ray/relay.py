@@ -6,7 +6,6 @@ import json
 import math
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -75,18 +74,13 @@ from .pinning import pinned_to
 # its ranks and the units put from it (``.node``, ``.ranks``, ``.units``), which the others
 # cannot. The failing part asks the control plane (``JobCore.part_failed`` ->
 # ``Control.diagnose``): ``RayChannels`` probes every relay not known lost (one call each, all
-# at once) and answers the lost node's error if a probe or a puller found one, else the part's
-# own error. It waits until every probe answered, one failed, or a puller found a node lost,
-# at most a puller's own bound (``PULL_S + call_timeout_s``: a relay silent that long is dead
-# to its puller too). Chosen over reporting whichever part came first (a handler would parse
-# two kinds, and a reorganizer's error names no ranks or units) and over waiting for Ray's node
-# health checks (15-30 s). Cost: one probe round trip on a part's failure (milliseconds on a
-# healthy cluster). Until stop 52 the wait stopped after 5 s and left a silent relay to its
-# puller: beside two busy loops on the 2-core dev box the killed node's relay took longer to
-# fail its probe than the pool took to report its reorganizer's broken connection, and the job
-# failed with the pool's ``ReorganizerDied`` (tests/cluster/test_control_across_nodes.py).
-# Units: the directory records the node each unit was put from (its owner's); a node that is
-# gone or unreachable takes them along, so ``RayBackend.drop_node``
+# at once, at most ``DIAGNOSE_S``) and answers the lost node's error if a probe or a puller
+# found one, else the part's own error. Chosen over reporting whichever part came first (a
+# handler would parse two kinds, and a reorganizer's error names no ranks or units) and over
+# waiting for Ray's node health checks (15-30 s). Cost: one probe round trip on a part's
+# failure (milliseconds on a healthy cluster); a relay that does not answer within the bound is
+# left to its puller. Units: the directory records the node each unit was put from (its
+# owner's); a node that is gone or unreachable takes them along, so ``RayBackend.drop_node``
 # marks them lost in one call and later reads raise ``UnitsLostError`` naming them (NOTE [ Ray
 # unit directory ] in backend.py). Resuming re-writes them: they belong to pending
 # mini-batches, whose trajectories the resumed driver's ``reissue()`` names. ``close`` after a
@@ -95,9 +89,9 @@ from .pinning import pinned_to
 # or whose node Ray lists dead counts too): neither closed nor their rings unlinked, the rings
 # died with the node's /dev/shm. Before, close waited 30 s per actor there.
 
-DIAGNOSE_S = 0.5
-"""How often a part's failure, waiting for the relays' probes, looks whether a puller found a
-node lost meanwhile (NOTE [ One error for a lost node ])."""
+DIAGNOSE_S = 5.0
+"""How long a part's failure waits for the relays to tell whether a node was lost (a killed
+node's relay is found unreachable ~2 s after the kill: NOTE [ One error for a lost node ])."""
 PULL_S = 1.0
 """How long one ``pull`` waits for write-back records before it returns empty."""
 POLL_S = 0.05
@@ -658,16 +652,12 @@ class RayChannels:
         """See NOTE [ One error for a lost node ]."""
         if self._failure is None and not isinstance(error, NodeFailedError):
             probes: dict[ray.ObjectRef, _Relay] = {r.actor.ready.remote(): r for r in self.live()}
-            pending, deadline = list(probes), time.monotonic() + PULL_S + self.call_timeout_s
-            while pending and self._failure is None and (left := deadline - time.monotonic()) > 0:
-                done, pending = ray.wait(  # a slice at a time: a puller may find the node first
-                    pending, num_returns=len(pending), timeout=min(left, DIAGNOSE_S)
-                )
-                for ref in done:
-                    try:
-                        ray.get(ref)
-                    except ray.exceptions.RayError as failed:
-                        self.lost(probes[ref], failed)
+            done, _ = ray.wait(list(probes), num_returns=len(probes), timeout=DIAGNOSE_S)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as failed:
+                    self.lost(probes[ref], failed)
         return error if self._failure is None else self._failure
 
     def live(self) -> list[_Relay]:
