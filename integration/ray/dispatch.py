@@ -160,9 +160,13 @@ class RayDispatcher:
                 try:
                     ray.get(pending[0].ref)
                 except ray.exceptions.RayActorError as error:
+                    unreachable = ""
                     if isinstance(error, ray.exceptions.ActorUnavailableError):
-                        self._lost.add(self._placement[name])  # its node: gone or cut off
-                    raise ReorganizerDied(name, self._stopped(name, error)) from None
+                        unreachable = self._placement[name]  # its node: gone or cut off
+                        self._lost.add(unreachable)
+                    raise ReorganizerDied(
+                        name, self._stopped(name, error), unreachable_node=unreachable
+                    ) from None
                 except (ray.exceptions.RayError, RuntimeError) as error:
                     raise ReorganizerFailedError(self._stopped(name, error)) from None
                 pending.pop(0)
@@ -180,7 +184,8 @@ class RayDispatcher:
         if node in self._lost or node not in {n["NodeID"] for n in ray.nodes() if n["Alive"]}:
             raise ReorganizerFailedError(
                 f"cannot restart the reorganizer of {name}: its node {node} is gone, and the "
-                "group's ranks with it; resume the job from its last checkpoint"
+                "group's ranks with it; resume the job from its last checkpoint",
+                unreachable_node=node,
             )
         old, old_spec = self._actors[name], self.rings[name]
         self._retired = sum_over([self._retired, self._figures(old)])

@@ -15,7 +15,7 @@ import numpy as np
 import ray
 from ray.actor import ActorHandle
 
-from knitkit.job import ControlLayout, NodeFailedError
+from knitkit.job import ControlLayout, NodeFailedError, ReorganizerFailedError
 from knitkit.job.control import ScheduleRings, writer_rank, writer_ranks
 from knitkit.job.records import Record, RecordReader, RecordWriter
 from knitkit.job.spec import group_name
@@ -73,9 +73,19 @@ from .pinning import pinned_to
 # fails first, the job fails with ONE error, the node's ``NodeFailedError``: it names the node,
 # its ranks and the units put from it (``.node``, ``.ranks``, ``.units``), which the others
 # cannot. The failing part asks the control plane (``JobCore.part_failed`` ->
-# ``Control.diagnose``): ``RayChannels`` probes every relay not known lost (one call each, all
-# at once, at most ``DIAGNOSE_S``) and answers the lost node's error if a probe or a puller
-# found one, else the part's own error. Chosen over reporting whichever part came first (a
+# ``Control.diagnose``). A part that brings its own evidence decides at once: a reorganizer
+# whose connection broke (``ReorganizerFailedError.unreachable_node``: its call ended
+# ``ActorUnavailableError``, the same evidence a puller acts on) names its node's loss. Else
+# ``RayChannels`` probes every relay not known lost (one call each, all at once, at most
+# ``DIAGNOSE_S``) and answers the lost node's error if a probe or a puller found one, else the
+# part's own error. The evidence rule closes a race the probes left open. A call submitted
+# after a kill is not refused: the node's address vanished (no reset, no answer), so it waits
+# for Ray's health checks (measured on the simulated cluster: the call in flight at the kill
+# failed after 1.2 s, a new call to the same actor after 22 s, one to another actor of the node
+# after 28 s). So when the pool saw its reorganizer's broken connection first, the diagnosis
+# hung on the puller having a pull in flight at the kill; the lost-node test in
+# tests/cluster/test_control_across_nodes.py failed with the pool's ``ReorganizerDied`` beside
+# two busy loops and once on a quiet CI. Chosen over reporting whichever part came first (a
 # handler would parse two kinds, and a reorganizer's error names no ranks or units) and over
 # waiting for Ray's node health checks (15-30 s). Cost: one probe round trip on a part's
 # failure (milliseconds on a healthy cluster); a relay that does not answer within the bound is
@@ -651,6 +661,10 @@ class RayChannels:
     def diagnose(self, error: BaseException) -> BaseException:
         """See NOTE [ One error for a lost node ]."""
         if self._failure is None and not isinstance(error, NodeFailedError):
+            node = error.unreachable_node if isinstance(error, ReorganizerFailedError) else ""
+            for relay in self.live():
+                if relay.node == node:  # the part's own connection there broke
+                    return self.lost(relay, error)
             probes: dict[ray.ObjectRef, _Relay] = {r.actor.ready.remote(): r for r in self.live()}
             done, _ = ray.wait(list(probes), num_returns=len(probes), timeout=DIAGNOSE_S)
             for ref in done:
@@ -674,17 +688,18 @@ class RayChannels:
                 return self._failure
             alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
             units: tuple[UnitKey, ...] = ()
+            cut_off = True  # gone or unreachable: the units put from it are lost with it
             if relay.node not in alive:
                 cause = "the node is gone"
             elif isinstance(error, ray.exceptions.ActorUnavailableError):
                 cause = "its relay is unreachable (its connection broke)"
-            elif isinstance(error, ray.exceptions.RayActorError):
-                cause = "its relay actor died"
+            elif isinstance(error, ReorganizerFailedError) and error.unreachable_node == relay.node:
+                cause = "its reorganizer is unreachable (its connection broke)"
             else:
-                cause = "its relay failed"
-            if cause.startswith(("the node", "its relay is unreachable")) and isinstance(
-                self._units, RayBackend
-            ):
+                cut_off = False
+                died = isinstance(error, ray.exceptions.RayActorError)
+                cause = "its relay actor died" if died else "its relay failed"
+            if cut_off and isinstance(self._units, RayBackend):
                 units = self._units.drop_node(relay.node, f"put on {relay.named()}, lost")
             owners = sorted({k.owner for k in units})
             lost = f"its ranks {list(relay.ranks)} and {len(units)} unit(s) put from it" + (

@@ -62,6 +62,13 @@ class NodeFailedError(JobError):
 class ReorganizerFailedError(JobError):
     """Driver: a reorganizer of the pool failed or died; names its consumer group."""
 
+    def __init__(self, message: str, *, unreachable_node: str = "") -> None:
+        super().__init__(message)
+        self.unreachable_node = unreachable_node
+        """The node whose connection to the reorganizer broke (Ray: a call ended unreachable,
+        so the node may be lost), else ``""``: the control plane's diagnosis names that node's
+        loss (NOTE [ One error for a lost node ] in integration/ray/relay.py)."""
+
 
 class WriteBackMissingError(JobError):
     """A pass's write-back is incomplete: a rank finished it without writing every micro-batch's

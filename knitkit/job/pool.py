@@ -25,8 +25,8 @@ class ReorganizerDied(ReorganizerFailedError):
     node died): a fresh one can take over its group (see NOTE [ Reorganizer restart ] in
     recovery.py). ``group`` names the consumer group."""
 
-    def __init__(self, group: str, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, group: str, message: str, *, unreachable_node: str = "") -> None:
+        super().__init__(message, unreachable_node=unreachable_node)
         self.group = group
 
 

@@ -102,12 +102,14 @@ class RestartingPool:
                 if self.lost:
                     raise ReorganizerFailedError(
                         f"{died}; not restarted: the job lost node(s) {self.lost}; resume it "
-                        "from its last checkpoint"
+                        "from its last checkpoint",
+                        unreachable_node=died.unreachable_node,
                     ) from died
                 if len(self.restarted) >= self.budget:
                     raise ReorganizerFailedError(
                         f"{died}; not restarted: {len(self.restarted)} of "
-                        f"restart_reorganizers={self.budget} restarts used ({self.restarted})"
+                        f"restart_reorganizers={self.budget} restarts used ({self.restarted})",
+                        unreachable_node=died.unreachable_node,
                     ) from died
                 self.pool.replace(died.group)
                 self.restarted.append(died.group)

@@ -16,6 +16,11 @@
   ``{"closed_s"}`` (its close). Resumes on ``ADDRESS[0]``
   alone: prints the new spec, has the writer there re-write what ``reissue()`` names, drains,
   prints ``{"pending", "reissue", "order"}`` and holds until its stdin closes.
+- ``ray-cut ADDRESS``: one reorganizer actor on the node at ``ADDRESS`` (a ``RayDispatcher``)
+  with an assignment in flight (its one-slot ring has no consumer); prints ``{"node"}`` (the
+  Ray node id), waits for a line (the node was killed), polls the pool's ``check`` and prints
+  ``{"failed", "unreachable_node"}`` (``failed``: ``None`` if it raised nothing within
+  ``WAIT_S``), then ``{"closed_s"}`` (its close).
 - ``ranks FIRST COUNT SPEC_FILE [MINIBATCH]``: reads the spec from the file and runs ranks
   FIRST..FIRST+COUNT-1 of ``JOB`` (threads, ``job_harness.rank_loop``); prints what each saw
   (JSON, one line). With ``MINIBATCH`` every rank holds at its train pass: once all do, prints
@@ -296,6 +301,61 @@ def ranks(first: int, count: int, spec_file: str, held: str = "") -> None:
     print(json.dumps([seen_json(s) for s in seen]), flush=True)
 
 
+def ray_cut(address: str) -> None:
+    """``ray-cut ADDRESS``: see the module docstring."""
+    import ray
+
+    from knitkit.integration.ray import RayBackend, RayDispatcher, RingConfig
+    from knitkit.job.pool import ReorganizerDied
+    from knitkit.storage import PlannerConfig, Topology, TrajectoryStore, plan_minibatch
+    from knitkit.storage.baselines.synthetic import synthetic_trajectories
+
+    ray.init(logging_level="ERROR", log_to_driver=False)
+    node = next(
+        n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == address
+    )
+    backend = RayBackend()
+    store = TrajectoryStore(backend)
+    data = synthetic_trajectories(2, group_size=2, max_tokens=300)
+    for trajectory in data:
+        store.write(trajectory)
+    config = PlannerConfig(
+        token_fields=("tokens", "logprobs", "loss_mask"),
+        scalar_fields=("reward",),
+        min_micro_batches=4,
+    )
+    plan = plan_minibatch(
+        store.metas([t.trajectory_id for t in data]), Topology(1), config, minibatch_id="mb0"
+    )
+    group = "backbone/dp0/cp0"
+    pool = RayDispatcher(
+        backend,
+        plan.topology,
+        placement={group: node},
+        ring=RingConfig(num_slots=1, slot_bytes=1 << 20),
+    )
+    try:
+        pool.submit(group, "mb0", plan.consumers[0])
+        print(json.dumps({"node": node}), flush=True)
+        sys.stdin.readline()  # the node is killed
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                pool.check()
+            except ReorganizerDied as error:
+                out = {"failed": type(error).__name__, "unreachable_node": error.unreachable_node}
+                break
+            time.sleep(0.1)
+        else:
+            out = {"failed": None}
+        print(json.dumps(out), flush=True)
+    finally:
+        started = time.monotonic()
+        pool.close()
+        print(json.dumps({"closed_s": time.monotonic() - started}), flush=True)
+        backend.close()
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "driver":
@@ -306,5 +366,7 @@ if __name__ == "__main__":
         ray_driver(sys.argv[2:])
     elif mode == "ray-lose":
         ray_lose(sys.argv[2:])
+    elif mode == "ray-cut":
+        ray_cut(sys.argv[2])
     else:
         ranks(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *sys.argv[5:])

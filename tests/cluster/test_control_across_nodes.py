@@ -338,3 +338,32 @@ def _line(process: subprocess.Popen[str]) -> dict[str, Any]:
 
 def _line_list(process: subprocess.Popen[str]) -> list[dict[str, Any]]:
     return list(json.loads(_line_text(process)))
+
+
+def test_a_reorganizer_s_broken_connection_names_the_node_it_is_cut_off_on(
+    cluster: SimulatedCluster,
+) -> None:
+    """The pool's half of NOTE [ One error for a lost node ] (integration/ray/relay.py): a
+    reorganizer actor's ``deliver`` in flight when its node dies ends ``ActorUnavailableError``
+    (the connection breaks, ~1 s); the pool's ``ReorganizerDied`` names that node
+    (``unreachable_node``), the evidence the driver's diagnosis turns into the node's
+    ``NodeFailedError`` at once. A probe sent after the kill would wait 22-28 s for Ray's health
+    checks, which is why the lost-node test above failed with the pool's error when the pool saw
+    the broken connection first (the loaded clean-clone CI of 659dcb6). Runs after that test:
+    it kills node 1, the survivors' node, once the resumed job is done."""
+    driver = cluster.node(0).popen(
+        [sys.executable, SCRIPT, "ray-cut", cluster.node(1).address],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    node = _line(driver)["node"]
+    cluster.node(1).kill()
+    assert driver.stdin is not None
+    driver.stdin.write("killed\n")
+    driver.stdin.flush()
+    failed = _line(driver)
+    closed_s = _line(driver)["closed_s"]
+    assert driver.wait(60) == 0
+    assert failed == {"failed": "ReorganizerDied", "unreachable_node": node}, failed
+    assert closed_s < CLOSE_S, f"the pool's close took {closed_s:.1f} s after the loss"

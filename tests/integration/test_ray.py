@@ -19,11 +19,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 from knitkit.integration.ray import (  # noqa: E402
     RayBackend,
+    RayControl,
     RayDispatcher,
     RingConfig,
     UnitsLostError,
     loopback_only,
 )
+from knitkit.job import ControlLayout, NodeFailedError  # noqa: E402
+from knitkit.job.pool import ReorganizerDied  # noqa: E402
+from knitkit.job.spec import group_name  # noqa: E402
 from knitkit.storage import (  # noqa: E402
     EncoderTopology,
     MemoryBackend,
@@ -41,7 +45,7 @@ from knitkit.storage.delivery.consumer import (  # noqa: E402
     ReorganizerError,
 )
 from knitkit.storage.delivery.publication import MAX_HEARTBEAT_S  # noqa: E402
-from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing  # noqa: E402
+from knitkit.storage.delivery.slot_ring import RingSpec, SlotRing, unlink_ring  # noqa: E402
 from knitkit.types import MicroBatchLayout, UnitKey  # noqa: E402
 
 # Ray workers cannot import this test module: ship its functions by value.
@@ -403,6 +407,58 @@ def test_a_failing_reorganizer_actor_reports_its_error(nodes: tuple[str, str]) -
             ray.get(list(done.values()))
     finally:
         dispatcher.close()
+        backend.close()
+
+
+def test_a_reorganizer_cut_off_from_the_driver_names_its_node_s_loss(
+    nodes: tuple[str, str],
+) -> None:
+    """NOTE [ One error for a lost node ] (integration/ray/relay.py): a pool error whose
+    reorganizer's connection broke (``unreachable_node``) is diagnosed as its node's
+    ``NodeFailedError`` at once, naming the node's ranks and the units put from it, although
+    the node's relay still answers here (after a real kill, a probe sent later waits for Ray's
+    health checks, 22-28 s measured, and the job failed with the pool's error when the pool saw
+    the broken connection first). Without that evidence the relays answer and the part's own
+    error stands. On 98c39b9 the evidence was dropped: both diagnoses returned the pool's."""
+    head, worker = nodes
+    backend = RayBackend()
+    layout = ControlLayout(
+        world_size=2,
+        schedule_slots=4,
+        schedule_slot_bytes=1 << 12,
+        write_back={
+            group_name(d, 0): RingSpec.new(num_slots=2, slot_bytes=1 << 12, num_consumers=1)
+            for d in range(2)
+        },
+        liveness_timeout_s=30.0,
+        units=backend,
+        topology=Topology(2),
+    )
+    channels = RayControl([head, worker]).open(layout)
+    try:
+        on_worker, on_head = UnitKey("t-worker", "tokens"), UnitKey("t-head", "tokens")
+        writer = _Writer.options(scheduling_strategy=_on(worker)).remote(backend)
+        assert ray.get(writer.put.remote(on_worker, np.arange(4, dtype=np.int32))) == "ok"
+        backend.put(on_head, np.arange(3, dtype=np.int32))
+        died = ReorganizerDied("backbone/dp1/cp0", "the reorganizer actor of backbone/dp1/cp0 died")
+        assert channels.diagnose(died) is died  # no evidence: every relay answers
+        cut_off = ReorganizerDied(
+            "backbone/dp1/cp0", "its connection broke", unreachable_node=worker
+        )
+        diagnosed = channels.diagnose(cut_off)
+        assert isinstance(diagnosed, NodeFailedError), diagnosed
+        assert diagnosed.node == worker and diagnosed.ranks == (1,), diagnosed
+        assert diagnosed.units == (on_worker,), diagnosed.units
+        assert "its reorganizer is unreachable" in str(diagnosed), diagnosed
+        with pytest.raises(NodeFailedError):
+            channels.check()
+        with pytest.raises(UnitsLostError, match="t-worker/tokens"):
+            backend.read(on_worker)
+        np.testing.assert_array_equal(backend.read(on_head), np.arange(3))
+    finally:
+        channels.close()
+        for spec in channels.rings.schedules.values():  # the lost node's relay is not closed
+            unlink_ring(spec.name)
         backend.close()
 
 
