@@ -24,6 +24,21 @@ The rest of what a caller sees is Ray's own: ``start_ray`` leaves ``os.environ``
 import Ray (``import ray`` alone sets ``RAY_CLIENT_MODE`` in ``os.environ``): the package loads
 its Ray-using modules on first use. Tests: ``tests/test_side_effects.py``,
 ``tests/integration/test_listeners.py``. Process-wide state knitkit touches: docs/lifecycle.md.
+
+NOTE [ Ray workers at the trainer's priority ]: Ray runs every worker process (tasks and actors)
+at niceness 15 (its ``worker_niceness``), so the driver stays responsive under a flood of
+tasks. knitkit's actors are the data path: reorganizers, control relays, TransferQueue's
+controller and storage units. Beside CPU-bound processes at niceness 0 (the trainer's ranks),
+a nice-15 process gets about 1/30 of a contended core (weights 36 against 1024), and the data
+path waits for them: on the 2-core dev box beside two busy loops, TransferQueue's storage-unit
+actors were still importing torch after 3 minutes (their start, bounded at 300 s, ran past
+pytest's timeout), and the simulated cluster's lost-node test took 242 s against 19 s idle.
+knitkit's own reorganizer processes (``ReorganizerProcess``) run at their launcher's niceness;
+so ``start_ray`` starts Ray's workers at niceness 0 too (``_system_config``'s
+``worker_niceness``; a caller's own value wins). A cluster the user starts keeps Ray's default:
+start it with ``RAY_worker_niceness=0`` in every node's environment where knitkit's actors
+share cores with the trainer (knitkit.testing's simulated cluster does). Not chosen: the actors
+lowering their own niceness (it needs ``CAP_SYS_NICE``).
 """
 
 from __future__ import annotations
@@ -46,8 +61,10 @@ def start_ray(*, node_ip_address: str | None = None, **options: Any) -> None:
 
     ``node_ip_address`` is the knob for multi-node use: give this node's reachable address to
     start a head other nodes can join (Ray then listens on all interfaces). ``options`` go to
-    ``ray.init`` (``num_cpus``, ``logging_level``, ...); the dashboard stays off. To join an
-    existing cluster call ``ray.init(address=...)`` yourself. See NOTE [ Ray loopback runtime ].
+    ``ray.init`` (``num_cpus``, ``logging_level``, ...); the dashboard stays off, and Ray's
+    workers run at this process's niceness, not Ray's 15 (NOTE [ Ray workers at the trainer's
+    priority ]). To join an existing cluster call ``ray.init(address=...)`` yourself. See
+    NOTE [ Ray loopback runtime ].
     """
     import ray
 
@@ -59,6 +76,8 @@ def start_ray(*, node_ip_address: str | None = None, **options: Any) -> None:
         )
     options.setdefault("include_dashboard", False)
     options.setdefault("log_to_driver", False)
+    # NOTE [ Ray workers at the trainer's priority ]
+    options["_system_config"] = {"worker_niceness": 0, **options.get("_system_config", {})}
     if node_ip_address is not None and not is_loopback(node_ip_address):
         ray.init(address="local", _node_ip_address=node_ip_address, **options)
         return

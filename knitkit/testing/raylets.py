@@ -7,10 +7,16 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+RAY_ENV = {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_worker_niceness": "0",
+}
 """Set on every node. Token auth off: Ray 2.60 turns it on whenever ``~/.ray/auth_token``
 exists, a file other Ray users of the machine create and replace; the cluster's addresses
-are reachable only from its own namespaces (NOTE [ Simulated cluster network ])."""
+are reachable only from its own namespaces (NOTE [ Simulated cluster network ]). Workers at
+niceness 0, as knitkit's docs ask of a cluster whose actors share cores with the trainer (NOTE
+[ Ray workers at the trainer's priority ] in integration/ray/runtime.py)."""
 
 Popen = Callable[..., subprocess.Popen[str]]
 """``SimulatedNode.popen``: argv run on one node."""

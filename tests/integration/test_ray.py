@@ -65,8 +65,13 @@ def nodes() -> Iterator[tuple[str, str]]:
     if ray.is_initialized():
         ray.shutdown()
     with loopback_only():  # two nodes on this machine, every listener on loopback
-        cluster = Cluster(
-            initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
+        cluster = Cluster(  # workers at niceness 0: NOTE [ Ray workers at the trainer's priority ]
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 2,
+                "include_dashboard": False,
+                "_system_config": {"worker_niceness": 0},
+            },
         )
     try:
         with loopback_only():
