@@ -226,7 +226,6 @@ def _seen_of(lines: list[dict[str, Any]]) -> list[Seen]:
     return out
 
 
-@pytest.mark.timeout(600)  # 19 s on the idle 2-core dev box, 230-300 s beside two busy loops
 def test_a_lost_node_fails_the_job_naming_what_it_lost_and_the_survivors_resume_exactly_once(
     cluster: SimulatedCluster, tmp_path: Path
 ) -> None:
