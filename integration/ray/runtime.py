@@ -77,7 +77,7 @@ def start_ray(*, node_ip_address: str | None = None, **options: Any) -> None:
         )
     options.setdefault("include_dashboard", False)
     options.setdefault("log_to_driver", False)
-    # NOTE [ Ray workers at the trainer's priority ]
+    # workers at niceness 0: NOTE [ Ray workers at the trainer's priority ]
     options["_system_config"] = {"worker_niceness": 0, **options.get("_system_config", {})}
     if node_ip_address is not None and not is_loopback(node_ip_address):
         ray.init(address="local", _node_ip_address=node_ip_address, **options)
