@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from itertools import takewhile
 from pathlib import Path
 
@@ -33,10 +34,20 @@ def test_the_threshold_is_added_to_the_tunables_a_launcher_has_and_its_own_choic
     assert streaming_copies({TUNABLES: ""})[TUNABLES] == OURS
 
 
+EXEC_WAIT_S = 120.0
+"""Bound of the wait for the child's exec (generous: a loaded 2-core machine)."""
+
+
 def _child_tunables(pid: int) -> str | None:
-    """``GLIBC_TUNABLES`` as process ``pid`` was started with it. /proc shows the process's first
-    environment block, in which glibc's loader ended each tunable it parsed with a NUL (the
-    process's own ``environ`` is a copy), so the tunables after the first are rejoined."""
+    """``GLIBC_TUNABLES`` as process ``pid`` was started with it, once it runs the reorganizer's
+    command. /proc shows the process's first environment block, in which glibc's loader ended
+    each tunable it parsed with a NUL (the process's own ``environ`` is a copy), so the tunables
+    after the first are rejoined. Until its exec, the child (vfork) shows its launcher's first
+    block: beside two busy loops the test read it there once and found no tunables at all."""
+    deadline = time.monotonic() + EXEC_WAIT_S
+    while b"_child_main" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, f"pid {pid} did not exec within {EXEC_WAIT_S} s"
+        time.sleep(0.01)
     items = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
     prefix = f"{TUNABLES}="
     for index, item in enumerate(items):
