@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -113,6 +115,8 @@ class RayDispatcher:
             zip(groups, ray.get([a.where.remote() for a in self._actors.values()]), strict=True)
         )
         """Consumer group name -> (node id, pid) of its reorganizer."""
+        niceness = ray.get([a.niceness.remote() for a in self._actors.values()])
+        _warn_if_behind(dict(zip(groups, niceness, strict=True)))
 
     def dispatch(self, plan: MiniBatchPlan) -> dict[str, ray.ObjectRef]:
         """Queue every group's assignment of ``plan``; returns, per group, a ref to its count.
@@ -429,6 +433,24 @@ def _not_returned(pending: list[_Pending]) -> list[_Pending]:
         except (ray.exceptions.RayError, RuntimeError):
             out.append(call)
     return out
+
+
+def _warn_if_behind(niceness: Mapping[str, int]) -> None:
+    """Warn once per dispatcher where its reorganizers run at a higher niceness than this
+    process (Ray's default 15): beside the trainer's ranks they starve (NOTE [ Ray workers at
+    the trainer's priority ] in runtime.py)."""
+    mine = os.nice(0)
+    behind = {name: n for name, n in niceness.items() if n > mine}
+    if behind:
+        warnings.warn(
+            f"knitkit's reorganizer actors {sorted(behind)} run at niceness "
+            f"{sorted(set(behind.values()))}, behind this process ({mine}): where they share "
+            "cores with the trainer's ranks they get a small fraction of a core. Start Ray's "
+            "workers with RAY_worker_niceness=0 in every node's environment (or "
+            "knitkit.integration.ray.start_ray, which does)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 @ray.remote(num_cpus=0)

@@ -57,6 +57,11 @@ class ReorganizerActor:
         """(Ray node id, pid) of this actor: consumers must run on that node."""
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
+    def niceness(self) -> int:
+        """This actor's niceness (Ray's ``worker_niceness``: NOTE [ Ray workers at the
+        trainer's priority ] in runtime.py)."""
+        return os.nice(0)
+
     def deliver(self, minibatch_id: str, plan: ConsumerPlan | EncoderRankPlan) -> int:
         """Read, pack and publish every micro-batch of ``plan``; returns how many."""
         with self._delivering:

@@ -38,8 +38,10 @@ knitkit's own reorganizer processes (``ReorganizerProcess``) run at their launch
 so ``start_ray`` starts Ray's workers at niceness 0 too (``_system_config``'s
 ``worker_niceness``; a caller's own value wins). A cluster the user starts keeps Ray's default:
 start it with ``RAY_worker_niceness=0`` in every node's environment where knitkit's actors
-share cores with the trainer (knitkit.testing's simulated cluster does). Not chosen: the actors
-lowering their own niceness (it needs ``CAP_SYS_NICE``).
+share cores with the trainer (knitkit.testing's simulated cluster does); a ``RayDispatcher``
+whose reorganizers run behind its own process's niceness warns once (``RuntimeWarning``),
+naming them and the fix. Not chosen: the actors lowering their own niceness (it needs
+``CAP_SYS_NICE``).
 """
 
 from __future__ import annotations

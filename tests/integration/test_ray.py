@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -265,13 +266,15 @@ def test_dispatch_across_nodes_delivers_every_token_once(nodes: tuple[str, str])
     plans = [_plan(store, ids[:8], "mb0"), _plan(store, ids[8:], "mb1")]
     expected = _expected(reference, plans)
     placement = {name: head if "dp0" in name else worker for name in expected}
-    dispatcher = RayDispatcher(
-        backend,
-        plans[0].topology,
-        encoders=[e.topology for e in plans[0].encoders],
-        placement=placement,
-        ring=RingConfig(num_slots=1, slot_bytes=1 << 20),
-    )
+    with warnings.catch_warnings():  # its actors run at niceness 0: nothing to say
+        warnings.simplefilter("error", RuntimeWarning)
+        dispatcher = RayDispatcher(
+            backend,
+            plans[0].topology,
+            encoders=[e.topology for e in plans[0].encoders],
+            placement=placement,
+            ring=RingConfig(num_slots=1, slot_bytes=1 << 20),
+        )
     try:
         assert {n: node for n, (node, _) in dispatcher.nodes.items()} == placement
         tp = {name: spec.num_consumers for name, spec in dispatcher.rings.items()}
