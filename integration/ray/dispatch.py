@@ -115,7 +115,7 @@ class RayDispatcher:
             zip(groups, ray.get([a.where.remote() for a in self._actors.values()]), strict=True)
         )
         """Consumer group name -> (node id, pid) of its reorganizer."""
-        niceness = ray.get([a.niceness.remote() for a in self._actors.values()])
+        niceness: list[int] = ray.get([a.niceness.remote() for a in self._actors.values()])
         _warn_if_behind(dict(zip(groups, niceness, strict=True)))
 
     def dispatch(self, plan: MiniBatchPlan) -> dict[str, ray.ObjectRef]:
