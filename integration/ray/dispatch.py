@@ -111,11 +111,11 @@ class RayDispatcher:
                     num_slots=ring.num_slots, slot_bytes=ring.slot_bytes, num_consumers=groups[name]
                 ),
             )
-        self.nodes: dict[str, tuple[str, int]] = dict(
-            zip(groups, ray.get([a.where.remote() for a in self._actors.values()]), strict=True)
-        )
+        located = [a.where.remote() for a in self._actors.values()]
+        niced = [a.niceness.remote() for a in self._actors.values()]  # asked in the same round
+        self.nodes: dict[str, tuple[str, int]] = dict(zip(groups, ray.get(located), strict=True))
         """Consumer group name -> (node id, pid) of its reorganizer."""
-        niceness: list[int] = ray.get([a.niceness.remote() for a in self._actors.values()])
+        niceness: list[int] = ray.get(niced)
         _warn_if_behind(dict(zip(groups, niceness, strict=True)))
 
     def dispatch(self, plan: MiniBatchPlan) -> dict[str, ray.ObjectRef]:
