@@ -18,9 +18,9 @@
   prints ``{"pending", "reissue", "order"}`` and holds until its stdin closes.
 - ``ray-cut ADDRESS``: one reorganizer actor on the node at ``ADDRESS`` (a ``RayDispatcher``)
   with an assignment in flight (its one-slot ring has no consumer); prints ``{"node"}`` (the
-  Ray node id), waits for a line (the node was killed), polls the pool's ``check`` and prints
-  ``{"failed", "unreachable_node"}`` (``failed``: ``None`` if it raised nothing within
-  ``WAIT_S``), then ``{"closed_s"}`` (its close).
+  Ray node id), waits for a line (the node was killed), polls the pool's ``check`` until it
+  raises (at most ``WAIT_S``, else it fails) and prints ``{"failed", "unreachable_node"}``, then
+  ``{"closed_s"}`` (its close).
 - ``ranks FIRST COUNT SPEC_FILE [MINIBATCH]``: reads the spec from the file and runs ranks
   FIRST..FIRST+COUNT-1 of ``JOB`` (threads, ``job_harness.rank_loop``); prints what each saw
   (JSON, one line). With ``MINIBATCH`` every rank holds at its train pass: once all do, prints
@@ -48,6 +48,7 @@ from job_harness import (
     rank_loop,
     run_ranks,
     trajectories,
+    wait_for,
 )
 
 from knitkit.job import Driver, JobError, RankCoords, RankHandle, RankSpec
@@ -338,16 +339,18 @@ def ray_cut(address: str) -> None:
         pool.submit(group, "mb0", plan.consumers[0])
         print(json.dumps({"node": node}), flush=True)
         sys.stdin.readline()  # the node is killed
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
+        raised: list[ReorganizerDied] = []
+
+        def pool_raised() -> bool:
             try:
                 pool.check()
             except ReorganizerDied as error:
-                out = {"failed": type(error).__name__, "unreachable_node": error.unreachable_node}
-                break
-            time.sleep(0.1)
-        else:
-            out = {"failed": None}
+                raised.append(error)
+            return bool(raised)
+
+        wait_for(pool_raised, WAIT_S, "the pool's check to raise after the node's loss")
+        failed = raised[0]
+        out = {"failed": type(failed).__name__, "unreachable_node": failed.unreachable_node}
         print(json.dumps(out), flush=True)
     finally:
         started = time.monotonic()
