@@ -17,6 +17,7 @@ ray = pytest.importorskip("ray", reason="the Ray integration needs ray (pip inst
 
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+from ray_cluster import local_cluster  # noqa: E402
 
 from knitkit.integration.ray import (  # noqa: E402
     RayBackend,
@@ -63,30 +64,17 @@ _CLUSTERS: list[Cluster] = []
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[tuple[str, str]]:
     """A head and a worker node (two raylets, two object stores) on this machine: (head, worker)."""
-    if ray.is_initialized():
-        ray.shutdown()
-    with loopback_only():  # two nodes on this machine, every listener on loopback
-        cluster = Cluster(  # workers at niceness 0: NOTE [ Ray workers at the trainer's priority ]
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 2,
-                "include_dashboard": False,
-                "_system_config": {"worker_niceness": 0},
-            },
-        )
-    try:
-        with loopback_only():
+    with local_cluster() as cluster:
+        with loopback_only():  # two nodes on this machine, every listener on loopback
             cluster.add_node(num_cpus=2)
-            ray.init(address=cluster.address, logging_level="ERROR")
         cluster.wait_for_nodes()
         head = ray.get_runtime_context().get_node_id()
         worker = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)
         _CLUSTERS.append(cluster)
-        yield head, worker
-    finally:
-        _CLUSTERS.clear()
-        ray.shutdown()
-        cluster.shutdown()
+        try:
+            yield head, worker
+        finally:
+            _CLUSTERS.clear()
 
 
 def _on(node: str) -> NodeAffinitySchedulingStrategy:

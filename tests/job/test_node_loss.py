@@ -19,6 +19,7 @@ from knitkit.storage.delivery import unlink_ring
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'knitkit[ray]')")
 
 from ray.cluster_utils import Cluster  # noqa: E402
+from ray_cluster import local_cluster  # noqa: E402
 
 from knitkit.integration.ray import (  # noqa: E402
     RayBackend,
@@ -39,19 +40,8 @@ FAIL_S = 60.0
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     """A real local Ray cluster: one head node (the driver's); each test adds a worker node."""
-    if ray.is_initialized():
-        ray.shutdown()
-    with loopback_only():
-        made = Cluster(
-            initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
-        )
-    try:
-        with loopback_only():
-            ray.init(address=made.address, logging_level="ERROR", log_to_driver=False)
+    with local_cluster(log_to_driver=False) as made:
         yield made
-    finally:
-        ray.shutdown()
-        made.shutdown()
 
 
 def _pool(backend: RayBackend, placement: dict[str, str]) -> RayDispatcher:

@@ -102,6 +102,7 @@ ray = pytest.importorskip("ray", reason="the Ray paths need ray (pip install kni
 
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+from ray_cluster import local_cluster  # noqa: E402
 
 from knitkit.integration.ray import RayBackend, ReorganizerActor, loopback_only  # noqa: E402
 
@@ -111,19 +112,8 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     """A real local Ray cluster (one head node; tests add and remove a worker node)."""
-    if ray.is_initialized():
-        ray.shutdown()
-    with loopback_only():
-        made = Cluster(
-            initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
-        )
-    try:
-        with loopback_only():
-            ray.init(address=made.address, logging_level="ERROR")
+    with local_cluster() as made:
         yield made
-    finally:
-        ray.shutdown()
-        made.shutdown()
 
 
 @ray.remote(num_cpus=0)
