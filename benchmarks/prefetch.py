@@ -457,11 +457,13 @@ class Handover:
     """Time in next() when micro-batches are staged ahead, over micro-batches, in us."""
 
     median_us: float
-    """The iterator's own hand-over cost."""
+    """The iterator's own hand-over cost: the median over consecutive pairs of hand-overs of
+    their mean (on CPU the iterator wakes its thread at every other one: ``refill`` 2)."""
     mean_us: float
     """Also carries the moments another tenant kept the prefetch thread off a core a whole step."""
     cpu_us: float
-    """Median loop-thread CPU: leaves out waits for a core (moves less with the load)."""
+    """Median loop-thread CPU, in pairs as ``median_us``: leaves out waits for a core (moves
+    less with the load)."""
     wake_cpu_us: float | None
     """Median loop-thread CPU of one bare wake of a sleeping thread after the same compute
     (``wake_cpu``), interleaved with the iterator's runs; None on CUDA."""
@@ -479,8 +481,8 @@ def handover_overhead(
         source = ShmReorganizer(n, tokens, prep_ms=0.0)
         try:
             warm = run("iter", source, compute, device, warm=True)
-            waits += warm.waits[1:]
-            cpu += warm.handover_cpu[1:]
+            waits += _pair_means(warm.waits[1:])
+            cpu += _pair_means(warm.handover_cpu[1:])
             if device == "cpu":
                 wakes += wake_cpu(compute, staged(source, device), n)
         finally:
@@ -491,6 +493,13 @@ def handover_overhead(
         statistics.median(cpu) * 1e6,
         statistics.median(wakes) * 1e6 if wakes else None,
     )
+
+
+def _pair_means(values: list[float]) -> list[float]:
+    """The mean of each pair of consecutive ``values`` (a last odd one is left out): a per-item
+    cost that comes in pairs (one wake per two hand-overs), whose median leaves out the
+    outliers a plain mean keeps."""
+    return [(a + b) / 2 for a, b in zip(values[::2], values[1::2], strict=False)]
 
 
 def wake_cpu(compute: Compute, tensors: Tensors, n: int) -> list[float]:

@@ -54,11 +54,36 @@ B = TypeVar("B")
 # where no device copy is involved (CPU), which is where it contends with the loop for cores.
 
 
+# NOTE [ Refills in batches ]: with a prefetch thread, each ``next()`` returned one credit, and
+# the thread, staged ahead and asleep, woke for it: one wake per micro-batch, paid by the loop's
+# thread right after a step's compute. That wake is most of a hand-over: ``benchmarks/
+# prefetch.py --quick`` (2-core dev box, load 0.6-1.0, issue 31) measured 60 us of the loop's
+# CPU per hand-over, 44 us of it one bare ``SimpleQueue.put`` waking a blocked thread after the
+# same compute (a futex wake and a cross-CPU wake of an idle virtual CPU, on caches the compute
+# flushed: 16 us after a compute that read 4 KB, 34 us after 2.4 MB, 42 us after 8 MB). So
+# credits go back ``refill`` at a time (one token worth ``refill``): the loop wakes the thread
+# once per ``refill`` micro-batches and the thread stages that many then. It starts with
+# ``depth + refill - 1`` credits, so the look-ahead at a hand-over never falls below
+# ``depth - 1``, as with a credit per micro-batch, and is restored to ``depth + refill - 1`` at
+# each refill; the price is ``refill - 1`` more slots (on CPU host memory for one micro-batch, or
+# one more lease of the source's ring). Not chosen: waking at a lower mark inside ``depth + 1``
+# slots (the look-ahead falls to ``depth - refill`` before each wake); the thread polling a
+# counter on a timer (no wake to pay, but staging starts up to a period late and the thread
+# wakes while idle); spinning (a core of two). The default is 2 on CPU and 1 with a device copy:
+# there the loop's thread only enqueues kernels, and a slot more is device memory
+# (``refill=2`` is allowed). ``stage_after_launch`` returns the credits of ``launched()`` the same
+# way; ``refill=1`` gives the paper's one staging per launch. Measured (prefetch.py --quick, back
+# to back, load 0.6-1.5): hand-over 63.7 -> 43.2 us (the loop's CPU 60.0 -> 39.7; the figure is
+# now the median over pairs of hand-overs of their mean, benchmarks/README.md), X6/Y4 steady
+# wait in ``next()`` 60.8 -> 41.3 us, ``cpu.exposed_ratio`` 0.054 -> 0.039.
+
+
 class MicroBatchIterator(Iterator[B], Generic[B]):
     """Wraps a source of packed micro-batches and yields them staged on the device, in order.
 
-    A background thread, started here, pulls from the source and stages up to ``depth``
-    micro-batches ahead into a ring of ``depth + 1`` reusable slots (pinned host + device
+    A background thread, started here, pulls from the source and stages ``depth`` micro-batches
+    ahead (up to ``depth + refill - 1``: NOTE [ Refills in batches ]) into a ring of
+    ``depth + refill`` reusable slots (pinned host + device
     buffers on CUDA, plain host buffers on CPU; a published shared-memory slot is read in
     place instead: NOTE [ Zero-copy hand-off ], NOTE [ Registered source rings ]); see NOTE
     [ Stream/event hand-off ] and NOTE [ Prefetch thread shutdown ]. Create it before the work
@@ -72,8 +97,12 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         """Prefetch settings; the source and the device are runtime arguments of ``build``."""
 
         depth: int = 2
-        """Micro-batches staged ahead of the one the training loop holds; memory held is
-        ``depth + 1`` slots."""
+        """Micro-batches staged ahead of the one the training loop holds, restored at every
+        refill (up to ``depth + refill - 1`` are); memory held is ``depth + refill`` slots."""
+        refill: int | None = None
+        """The prefetch thread is woken once per ``refill`` micro-batches the loop moves
+        past, and then stages that many (NOTE [ Refills in batches ]); None: 2 on CPU, 1 with
+        a device copy (CUDA), where an extra slot is device memory."""
         slot_nbytes: int = 0
         """Bytes each slot gets at start-up (size it to the token budget, so pinning happens
         once); slots grow to the next power of two when a larger micro-batch arrives."""
@@ -167,8 +196,11 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         self.config = config = config or MicroBatchIterator.Config()
         if config.depth < 1:
             raise ValueError(f"depth={config.depth}; prefetch needs depth >= 1")
+        if config.refill is not None and config.refill < 1:
+            raise ValueError(f"refill={config.refill}; the prefetch needs refill >= 1")
         self.device = _resolve(device)
-        slots = config.depth + 1
+        refill = config.refill or (1 if self.device.type == "cuda" else 2)
+        slots = config.depth + refill
         transport = make_transport(
             self.device, slots, time_h2d=config.time_h2d, register_host=config.register_host
         )
@@ -186,6 +218,7 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
             ring,
             transport,
             depth=config.depth,
+            refill=refill,
             join_timeout_s=config.join_timeout_s,
             exit_on_stuck_source=config.exit_on_stuck_source,
             convert=_converting(convert) if ahead and convert is not None else None,
@@ -236,8 +269,12 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         prefetcher.held = record
         if self.config.stage_after_launch:
             self._launch_pending = True
-        else:
-            prefetcher.credits.put(None)  # launched(): the thread may stage one more
+        else:  # launched(): Prefetcher.return_credit inline (a frame per hand-over fewer)
+            owed = prefetcher.owed + 1
+            if owed == prefetcher.refill:  # NOTE [ Refills in batches ]
+                prefetcher.credits.put(owed)
+                owed = 0
+            prefetcher.owed = owed
         batch = record.batch  # built ahead (NOTE [ Micro-batches built ahead ] in worker.py)
         assert batch is not None
         if self._converted and self._convert_here is None:
@@ -303,7 +340,7 @@ class MicroBatchIterator(Iterator[B], Generic[B]):
         """
         if self._launch_pending:
             self._launch_pending = False
-            self._prefetcher.credits.put(None)
+            self._prefetcher.return_credit()
 
     @property
     def pool(self) -> StagingRing:

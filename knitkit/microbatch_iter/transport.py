@@ -10,7 +10,7 @@ import torch
 from knitkit.microbatch_iter.host_register import HostRegistry
 
 # NOTE [ Stream/event hand-off ]
-# Slot s of the ring holds micro-batch j = s, s + S, s + 2S, ... (S = depth + 1 slots). Each slot
+# Slot s of the ring holds micro-batch j = s, s + S, s + 2S, ... (S = depth + refill slots). Each slot
 # has a pinned host buffer, a device buffer allocated on the side stream, and two events:
 #   h2d_done[s]  recorded on the side stream right after the one packed copy host -> device;
 #   consumed[s]  recorded on the compute stream (the consumer's current stream) when the consumer

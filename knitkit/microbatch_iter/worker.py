@@ -38,14 +38,15 @@ from knitkit.types import MicroBatchLayout, PackedMicroBatch
 # what it pulled, during the training loop's compute. It shares only this Prefetcher with the
 # consumer, never the iterator itself, so dropping the last reference to the iterator runs its
 # weakref finalizer (= shutdown()) while the thread is still running.
-# - Bounded memory: ``credits`` (``depth`` tokens in a SimpleQueue: a semaphore in C, whose
-#   release costs ~0.1 us and a wake ~2.5 us, against ~4 and ~6 us for threading.Semaphore's
-#   Condition in Python: a scratch timing on the 2-core dev box at load 12-15, issue 31) is
-#   taken before each pull from the source and returned when the consumer has launched the
-#   micro-batch it holds. At most
-#   ``depth`` micro-batches are pulled ahead of the one the consumer holds, so ``depth + 1``
-#   slots suffice and the source is never read further ahead (a bounded source, such as a
-#   consumer's ``take(n)``, is never asked for item n + 1).
+# - Bounded memory: ``credits`` (tokens in a SimpleQueue: a semaphore in C, whose release costs
+#   ~0.1 us and a wake ~2.5 us, against ~4 and ~6 us for threading.Semaphore's Condition in
+#   Python: a scratch timing on the 2-core dev box at load 12-15, issue 31; each token is worth
+#   a count of credits) is taken before each pull from the source and returned when the
+#   consumer has launched the micro-batch it holds, ``refill`` at a time (NOTE [ Refills in
+#   batches ] in iterator.py). At most ``depth + refill - 1`` micro-batches are pulled ahead of
+#   the one the consumer holds, so ``depth + refill`` slots suffice and the source is never
+#   read further ahead (a bounded source, such as a consumer's ``take(n)``, is never asked for
+#   item n + 1).
 # - Every blocking call of the thread that we own has a timeout (credits.get) or is bounded
 #   (copies, event waits); ``ready`` is unbounded, so put() never blocks. The thread checks
 #   ``stop`` after every blocking step and exits; an item pulled after ``stop`` is released.
@@ -134,7 +135,7 @@ from knitkit.types import MicroBatchLayout, PackedMicroBatch
 # such as a job's checked one) gets no prefetch thread: next() releases the held lease and takes
 # the next one on the loop's own thread (Prefetcher.hand_out), waiting on the ring's futex only
 # if it is not published yet. The look-ahead is the ring's: the producer packs as many slots ahead
-# as the ring has free, at least the iterator's depth + 1 minus the one the loop holds. A
+# as the ring has free, at least the iterator's depth + refill minus the one the loop holds. A
 # prefetch thread added per micro-batch a credit wait and a publication wait (two sleeps and
 # wakes, each ~50-110 us of CPU on a loaded machine), two queue hand-overs and GIL hand-offs with
 # the loop, for work (decode ~85 us, views ~130, release ~80) that costs the same on either
@@ -238,6 +239,7 @@ class Prefetcher:
         transport: Transport,
         *,
         depth: int,
+        refill: int = 1,
         join_timeout_s: float,
         exit_on_stuck_source: bool = False,
         convert: Callable[[Staged], Staged] | None = None,
@@ -251,10 +253,17 @@ class Prefetcher:
         self.transport = transport
         self.join_timeout_s = join_timeout_s
         self.exit_on_stuck_source = exit_on_stuck_source
-        self.credits: queue.SimpleQueue[None] = queue.SimpleQueue()
-        """One token per micro-batch the thread may pull ahead (NOTE [ Prefetch thread shutdown ])."""
-        for _ in range(depth):
-            self.credits.put(None)
+        self.credits: queue.SimpleQueue[int] = queue.SimpleQueue()
+        """Tokens, each the number of micro-batches the thread may pull ahead on it (NOTE
+        [ Prefetch thread shutdown ], NOTE [ Refills in batches ] in iterator.py)."""
+        self.credits.put(depth + refill - 1)
+        self._credits_left = 0
+        """Of the token the thread took last, the pulls it still allows (the thread's own)."""
+        self.refill = refill
+        """Credits the consumer returns in one token: the thread is woken once per ``refill``
+        micro-batches (NOTE [ Refills in batches ] in iterator.py)."""
+        self.owed = 0
+        """Credits the consumer has earned back but not returned yet (< ``refill``; its own)."""
         self.ready: queue.SimpleQueue[Staged | Failure | End] = queue.SimpleQueue()
         self.retired: queue.SimpleQueue[Staged] = queue.SimpleQueue()
         """Records the consumer moved past, still to release (NOTE [ Zero-copy hand-off ])."""
@@ -340,22 +349,35 @@ class Prefetcher:
                 self._teardown()
 
     def _acquire_credit(self) -> bool:
+        if self._credits_left:
+            self._credits_left -= 1
+            return not self.stop
         if not self.credits.empty():
-            self.credits.get_nowait()  # only this thread takes credits: one is there
+            # only this thread takes credits: one is there
+            self._credits_left = self.credits.get_nowait() - 1
             return not self.stop
         self.release_copied()  # idle until the consumer moves on: hand copied slots back now
         while not self.stop:
             try:
-                self.credits.get(timeout=_ANNOUNCED_WAIT_S)
+                self._credits_left = self.credits.get(timeout=_ANNOUNCED_WAIT_S) - 1
             except queue.Empty:
                 continue
             return not self.stop
         return False
 
+    def return_credit(self) -> None:
+        """Consumer side: the held micro-batch is launched, the thread may stage one more;
+        returned to it ``refill`` at a time (NOTE [ Refills in batches ] in iterator.py; the
+        iterator's ``next()`` runs the same steps inline)."""
+        self.owed += 1
+        if self.owed == self.refill:
+            self.credits.put(self.owed)
+            self.owed = 0
+
     def request_stop(self) -> None:
         """Set ``stop`` and wake a thread waiting for a credit (NOTE [ Prefetch thread shutdown ])."""
         self.stop = True
-        self.credits.put(None)
+        self.credits.put(1)
 
     def _stage(self, index: int, item: SourceItem, start: float, *, fetch_s: float) -> Staged:
         """``item`` staged, from ``start`` (``perf_counter()`` when it was fetched)."""

@@ -134,17 +134,59 @@ def test_garbage_collection_stops_the_thread(counting_source):
     assert wait_until(lambda: prefetch_threads() == before, timeout=30)
 
 
-@pytest.mark.parametrize("depth", [1, 2, 4])
-def test_prefetch_never_runs_more_than_depth_ahead(depth, counting_source):
-    """The source is pulled at most `depth` items past the one the consumer holds, and reaches it."""
+@pytest.mark.parametrize(("depth", "refill"), [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (2, 3)])
+def test_prefetch_never_runs_more_than_depth_plus_refill_minus_one_ahead(
+    depth, refill, counting_source
+):
+    """The source is pulled at most ``depth + refill - 1`` items past the one the consumer holds
+    (NOTE [ Refills in batches ]), and reaches it; ``depth + refill`` slots hold them."""
     source = counting_source(20, sizes=(100, 900))
     ahead = []
-    with MicroBatchIterator(source, MicroBatchIterator.Config(depth=depth), device="cpu") as it:
+    config = MicroBatchIterator.Config(depth=depth, refill=refill)
+    with MicroBatchIterator(source, config, device="cpu") as it:
         for mb in it:
             time.sleep(0.02)  # slow consumer: the thread would run ahead if it could
             ahead.append(source.pulled - (mb.index + 1))
-            assert it.pool.held_bytes <= (depth + 1) * 16384  # 900 tokens = 14.1 KiB
-    assert max(ahead) == depth
+            assert it.pool.held_bytes <= (depth + refill) * 16384  # 900 tokens = 14.1 KiB
+    assert max(ahead) == depth + refill - 1
+
+
+@pytest.mark.parametrize(("depth", "refill"), [(1, 2), (2, 2), (2, 3)])
+def test_the_thread_is_woken_once_per_refill_micro_batches(depth, refill, counting_source):
+    """Credits go back ``refill`` at a time (NOTE [ Refills in batches ]): item j past the first
+    ``depth + refill - 1`` is pulled only once the loop has started the ``next()`` that returns
+    its credit, the ``refill``-th since the last return; the look-ahead never falls below
+    ``depth - 1`` at a hand-over."""
+    calls = [0]  # next() calls the loop has started
+    at_pull: list[int] = []
+    inner = counting_source(24)
+
+    def source() -> Iterator[dict[str, np.ndarray]]:
+        for item in inner:
+            at_pull.append(calls[0])
+            yield item
+
+    first_gated = depth + refill - 1
+    config = MicroBatchIterator.Config(depth=depth, refill=refill, next_timeout_s=60.0)
+    with MicroBatchIterator(source(), config, device="cpu") as it:
+        for index in range(24):
+            calls[0] += 1
+            mb = next(it)
+            assert mb.index == index
+            assert wait_until(lambda i=index: inner.pulled >= min(24, i + depth), 60.0)
+            time.sleep(0.005)  # the thread, once woken, pulls what its credits allow
+    for j, seen in enumerate(at_pull[first_gated:], start=first_gated):
+        assert seen >= refill * ((j - first_gated) // refill + 1), (j, at_pull)
+
+
+def test_on_cpu_the_thread_refills_two_at_a_time_by_default(counting_source):
+    """On CPU the default refill is 2 (the loop's thread computes there: each wake of the
+    prefetch thread costs it a cross-CPU wake right after compute), so the ring has
+    ``depth + 2`` slots."""
+    config = MicroBatchIterator.Config(depth=2, slot_nbytes=1 << 12)
+    with MicroBatchIterator(counting_source(4), config, device="cpu") as it:
+        assert it._prefetcher.refill == 2
+        assert it.pool.allocations == 4
 
 
 def test_pool_is_reused_after_the_largest_micro_batch(counting_source):
@@ -159,13 +201,13 @@ def test_pool_is_reused_after_the_largest_micro_batch(counting_source):
                 pointers = [slot.host.data_ptr() for slot in it.pool.slots]
                 states.append((it.pool.allocations, pointers))
     assert all(state == states[0] for state in states)
-    assert states[0][0] <= 3 * 3  # 3 slots, at most 3 sizes each
+    assert states[0][0] <= 4 * 3  # 4 slots (depth 2 + refill 2), at most 3 sizes each
     assert it.pool.held_bytes == 0  # exhausting the source closed the iterator
 
 
 def test_slot_nbytes_preallocates_once(counting_source):
     """With slots sized at start-up, no allocation happens while iterating."""
-    config = MicroBatchIterator.Config(depth=2, slot_nbytes=1 << 16)
+    config = MicroBatchIterator.Config(depth=2, refill=1, slot_nbytes=1 << 16)
     with MicroBatchIterator(counting_source(50, (10, 1000)), config, device="cpu") as it:
         assert it.pool.allocations == 3
         sum(1 for _ in it)
@@ -173,9 +215,10 @@ def test_slot_nbytes_preallocates_once(counting_source):
 
 
 def test_stage_after_launch_holds_staging_until_launched(counting_source):
-    """With stage_after_launch, the next pull waits for launched(); next() alone still progresses."""
+    """With stage_after_launch (and a refill of 1: a credit per launch), the next pull waits
+    for launched(); next() alone still progresses."""
     source = counting_source(6)
-    config = MicroBatchIterator.Config(depth=1, stage_after_launch=True)
+    config = MicroBatchIterator.Config(depth=1, refill=1, stage_after_launch=True)
     with MicroBatchIterator(source, config, device="cpu") as it:
         next(it)
         time.sleep(0.2)

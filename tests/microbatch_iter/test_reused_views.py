@@ -27,17 +27,17 @@ BOUND_S = 30.0
 def test_a_repeated_layout_gets_its_slot_views_again_with_the_new_content(
     counting_source, expected_fields
 ):
-    """Micro-batches i and i + depth + 1 share a staging slot: with the same layout the second
-    gets the first's tensor objects (a fresh dict), holding its own values."""
-    depth = 1
+    """Micro-batches i and i + depth + refill share a staging slot: with the same layout the
+    second gets the first's tensor objects (a fresh dict), holding its own values."""
+    depth, refill = 1, 2
     seen = []
-    config = MicroBatchIterator.Config(depth=depth)
+    config = MicroBatchIterator.Config(depth=depth, refill=refill)
     with MicroBatchIterator(counting_source(8, (64,)), config, device="cpu") as it:
         for mb in it:
             for name, array in expected_fields(mb.index, 64).items():
                 np.testing.assert_array_equal(mb[name].numpy(), array, err_msg=name)
             seen.append(mb)
-    for earlier, later in zip(seen, seen[depth + 1 :], strict=False):
+    for earlier, later in zip(seen, seen[depth + refill :], strict=False):
         assert later.tensors is not earlier.tensors
         for name in later.tensors:
             assert later[name] is earlier[name], f"micro-batch {later.index}: {name} rebuilt"
