@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from lifetime import end_on_sigterm, run_to_end
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
@@ -500,6 +501,7 @@ def _thread_table(figures: dict[str, float]) -> str:
 
 
 def main() -> int:
+    end_on_sigterm()  # a SIGTERM ends torchrun and its workers too (lifetime.py)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--quick", action="store_true", help="3 optimizer steps instead of 6, the same step"
@@ -538,10 +540,10 @@ def main() -> int:
             *("--encoder-work-ratio", str(ratio)),
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, timeout=1200)
-        if done.returncode:
-            print(f"[grpo_step] torchrun failed with code {done.returncode}", file=sys.stderr)
-            return done.returncode
+        status = run_to_end(command, timeout_s=1200, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+        if status:
+            print(f"[grpo_step] torchrun failed with code {status}", file=sys.stderr)
+            return status
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(WORLD)]
     figures = summarise(ranks) | {"steps": float(steps), "work": work}
     figures["encoder_work_ratio"] = ratio

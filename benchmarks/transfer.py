@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import psutil
 import torch
+from lifetime import die_with_parent, end_on_sigterm
 from progress import Progress
 from report import finish
 
@@ -443,6 +444,7 @@ class _Steps:
 def rank_main(setup: RankSetup, barrier: Any, results: Any) -> None:
     """One training rank: every phase of the schedule in order; reports, per phase, the waits of
     the measured steps and the thread CPU time of its compute over them, and the bytes it read."""
+    die_with_parent()
     try:
         torch.set_num_threads(1)
         rank = _Rank(setup)
@@ -1043,6 +1045,8 @@ def _tq_host(sizes: Sizes, config_out: Any, stop: Any) -> None:
     served, so without spares another DP rank could starve); stops them when told."""
     from transfer_queue import RankAwareSampler
 
+    die_with_parent()  # a killed benchmark stops Ray too (its finally below)
+
     from knitkit.integration.transferqueue import (
         put_trajectories,
         start_transfer_queue,
@@ -1458,6 +1462,7 @@ def _raw_preads(
 
 
 def main() -> None:
+    end_on_sigterm()  # a SIGTERM runs the cleanup: ranks, reorganizers, Ray (lifetime.py)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--quick",
