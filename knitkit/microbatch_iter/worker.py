@@ -135,7 +135,7 @@ from knitkit.types import MicroBatchLayout, PackedMicroBatch
 # such as a job's checked one) gets no prefetch thread: next() releases the held lease and takes
 # the next one on the loop's own thread (Prefetcher.hand_out), waiting on the ring's futex only
 # if it is not published yet. The look-ahead is the ring's: the producer packs as many slots ahead
-# as the ring has free, at least the iterator's depth + refill minus the one the loop holds. A
+# as the ring has free, at least the iterator's depth + 1 minus the one the loop holds. A
 # prefetch thread added per micro-batch a credit wait and a publication wait (two sleeps and
 # wakes, each ~50-110 us of CPU on a loaded machine), two queue hand-overs and GIL hand-offs with
 # the loop, for work (decode ~85 us, views ~130, release ~80) that costs the same on either
