@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -53,19 +54,23 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _wait_for(path: Path) -> None:
+def _wait_until(condition: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + BOUND_S
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path.name} not written within {BOUND_S} s"
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {BOUND_S} s: {what}"
         time.sleep(0.05)
+
+
+def _written(path: Path) -> None:
+    _wait_until(path.exists, f"{path.name} written")
 
 
 def _start(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
     script = tmp_path / "bench.py"
     script.write_text(SCRIPT.format(benchmarks=str(BENCHMARKS), out=str(tmp_path)))
     parent = subprocess.Popen([sys.executable, str(script)])
-    _wait_for(tmp_path / "parent")
-    _wait_for(tmp_path / "child")
+    _written(tmp_path / "parent")
+    _written(tmp_path / "child")
     return parent, int((tmp_path / "parent").read_text())
 
 
@@ -85,11 +90,8 @@ def test_a_sigterm_runs_the_benchmark_s_cleanup_and_ends_its_child(tmp_path: Pat
     parent.send_signal(signal.SIGTERM)
     assert parent.wait(BOUND_S) == 128 + signal.SIGTERM
     assert (tmp_path / "parent-cleaned").exists()
-    _wait_for(tmp_path / "child-cleaned")
-    deadline = time.monotonic() + BOUND_S
-    while not _gone(child):
-        assert time.monotonic() < deadline, f"child {child} outlived its parent"
-        time.sleep(0.05)
+    _written(tmp_path / "child-cleaned")
+    _wait_until(lambda: _gone(child), f"child {child} ending with its parent")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -100,8 +102,5 @@ def test_a_child_ends_when_its_benchmark_is_killed_outright(tmp_path: Path) -> N
     parent.kill()
     parent.wait(BOUND_S)
     assert not (tmp_path / "parent-cleaned").exists()
-    _wait_for(tmp_path / "child-cleaned")
-    deadline = time.monotonic() + BOUND_S
-    while not _gone(child):
-        assert time.monotonic() < deadline, f"child {child} outlived its parent"
-        time.sleep(0.05)
+    _written(tmp_path / "child-cleaned")
+    _wait_until(lambda: _gone(child), f"child {child} ending with its parent")
