@@ -73,7 +73,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from lifetime import end_on_sigterm, run_to_end
+from lifetime import end_on_sigterm
+
+from knitkit.testing import run_to_end
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
@@ -540,7 +542,8 @@ def main() -> int:
             *("--encoder-work-ratio", str(ratio)),
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        status = run_to_end(command, timeout_s=1200, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+        done = run_to_end(command, timeout_s=1200, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+        status = done.returncode
         if status:
             print(f"[grpo_step] torchrun failed with code {status}", file=sys.stderr)
             return status

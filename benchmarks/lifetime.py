@@ -6,8 +6,9 @@ started lived on (stop 53: ~5 GB held until Ray's memory monitor killed the next
 ``end_on_sigterm`` turns SIGTERM and SIGHUP into ``SystemExit`` in the main thread, so the
 benchmark's ``finally`` blocks and atexit handlers (``ray.shutdown``) run; ``die_with_parent``,
 called first in a spawned child, has the kernel send the child SIGTERM when its parent dies, even
-by SIGKILL, so the child's own cleanup runs too; ``run_to_end`` runs a command (torchrun) that a
-SIGTERM to the benchmark stops with a SIGTERM of its own, so it ends its workers.
+by SIGKILL, so the child's own cleanup runs too. A command a benchmark runs (torchrun) goes
+through ``knitkit.testing.run_to_end``, which ends it with a SIGTERM of its own (so it ends its
+workers) when the benchmark is told to end or the command runs past its bound.
 """
 
 from __future__ import annotations
@@ -16,15 +17,11 @@ import ctypes
 import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 from types import FrameType
-from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 """prctl option: the signal this process gets when the thread that created it exits."""
-_GRACE_S = 60.0
-"""How long a command told to end (SIGTERM) may take to end its own children."""
 
 
 def end_on_sigterm() -> None:
@@ -50,24 +47,6 @@ def die_with_parent() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent:  # it died before the death signal was set
         raise SystemExit(128 + signal.SIGTERM)
-
-
-def run_to_end(command: list[str], *, timeout_s: float, **popen: Any) -> int:
-    """Run ``command`` to its end (at most ``timeout_s``) and return its exit status. If this
-    process is told to end meanwhile (``SystemExit`` from ``end_on_sigterm``, Ctrl-C) or the
-    command runs past ``timeout_s``, the command gets SIGTERM, which torchrun passes on to its
-    workers, and SIGKILL only if it is still running a minute later (``subprocess.run`` sends
-    SIGKILL at once: torchrun's workers then lived on)."""
-    with subprocess.Popen(command, **popen) as process:
-        try:
-            return process.wait(timeout_s)
-        except BaseException:
-            process.terminate()
-            try:
-                process.wait(_GRACE_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-            raise
 
 
 def _exit(signum: int, frame: FrameType | None) -> None:

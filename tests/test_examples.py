@@ -12,6 +12,8 @@ import pytest
 from background import in_background, selected
 from example_checks import EXAMPLES, EXPECTED, ROOT, check_output, command, with_tensorboard
 
+from knitkit.testing import run_to_end
+
 RUN_ELSEWHERE = {"grpo_megatron.py": "test_grpo_example.py"}
 """Examples a longer test already runs with their ``Run:`` command (and more flags) and checks
 with ``check_output``: one torchrun launch less."""
@@ -21,12 +23,12 @@ RUN = [p for p in EXAMPLES if p.name not in RUN_ELSEWHERE]
 
 
 def _run(path: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return run_to_end(  # a torchrun example past its timeout ends its ranks too
         with_tensorboard(path, command(path), tmp_path),
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout_s=300,
     )
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import subprocess
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ import torch
 
 from grpo.resume import KILL_ENV, read_ledgers
 from knitkit.cli import main
+from knitkit.testing import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,8 +49,9 @@ def launch(
         *("--final-params", str(workdir / "final")),
         *(("--resume",) if resume else ()),
     ]
-    done = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
+    # a timeout ends torchrun with SIGTERM, so it ends its ranks (NOTE [ Ending a launcher ])
+    done = run_to_end(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout_s=timeout_s
     )
     log = done.stdout + done.stderr
     killed = "exitcode  : -9" in log

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -32,6 +31,7 @@ import pytest
 import torch
 
 from knitkit.integration.megatron.testing import VLMUnderTest
+from knitkit.testing import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "examples" / "check_my_model"
@@ -183,7 +183,7 @@ def test_template_and_planted_models_through_the_fixture(planted: Path, tmp_path
     tests = tmp_path / "planted_tests"
     tests.mkdir()
     (tests / "test_planted.py").write_text(textwrap.dedent(PLANTED_TESTS))
-    run = subprocess.run(
+    run = run_to_end(
         [
             *(sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"),
             *(str(TEMPLATE), str(tests)),
@@ -192,7 +192,7 @@ def test_template_and_planted_models_through_the_fixture(planted: Path, tmp_path
         env=_env(PLANTED_PATH=os.pathsep.join([str(TEMPLATE), str(planted)])),
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout_s=900,
     )
     out = run.stdout
     assert run.returncode == 0 and "6 passed" in out, out[-8000:] + run.stderr[-3000:]
@@ -206,7 +206,7 @@ def test_command_checks_a_model_defined_outside_knitkit(tmp_path: Path) -> None:
     test's first world, ``test_template_and_planted_models_through_the_fixture``)."""
     nproc = 4
     report_path = tmp_path / "command_dp2_tp2.json"
-    run = subprocess.run(
+    run = run_to_end(
         [
             *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
             *(f"--nproc-per-node={nproc}", "-m", "knitkit", "check-equivalence"),
@@ -219,7 +219,7 @@ def test_command_checks_a_model_defined_outside_knitkit(tmp_path: Path) -> None:
         env=_env(),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout_s=600,
     )
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
@@ -235,7 +235,7 @@ def test_command_fails_a_broken_wrap_naming_the_parameter(planted: Path, tmp_pat
     image's rows fails in the default mode: exit 1, the vision rows marked ``mismatch`` in the table
     and in the JSON report."""
     report_path = tmp_path / "broken.json"
-    run = subprocess.run(
+    run = run_to_end(
         [
             *(sys.executable, "-m", "knitkit", "check-equivalence", "--nproc", "2", "--tp", "2"),
             *("--provider", "my_vlm.model:provider"),
@@ -248,7 +248,7 @@ def test_command_fails_a_broken_wrap_naming_the_parameter(planted: Path, tmp_pat
         env=_env(),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout_s=600,
     )
     assert run.returncode == 1, run.stdout[-4000:] + run.stderr[-4000:]
     assert re.search(r"vision\.projector\.weight .* mismatch", run.stdout), run.stdout[-4000:]
@@ -262,7 +262,7 @@ def test_command_names_callables_that_break_the_contract(tmp_path: Path) -> None
     """Pointed at the Megatron example's own ``build_model`` and ``grpo_trajectories`` (each needs
     arguments the check does not pass), the command exits 2 before any rank starts, naming both
     callables, their flags and the missing argument."""
-    run = subprocess.run(
+    run = run_to_end(
         [
             *(sys.executable, "-m", "knitkit", "check-equivalence", "--nproc", "2", "--tp", "2"),
             *("--provider", "megatron_wrap:build_model"),
@@ -274,7 +274,7 @@ def test_command_names_callables_that_break_the_contract(tmp_path: Path) -> None
         env=_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout_s=120,
     )
     assert run.returncode == 2, run.stdout[-3000:] + run.stderr[-3000:]
     err = run.stderr
