@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,3 +77,91 @@ def test_a_lent_world_reads_as_a_fresh_one() -> None:
         now = world.run(rank_state)
         for rank in range(2):
             assert {k: v for k, v in now[rank].items() if v != fresh[rank][k]} == {}, rank
+
+
+SLEEPER = """
+import os
+import time
+from pathlib import Path
+
+
+def sleep(rank: int, out: str) -> None:
+    (Path(out) / f"rank{rank}").write_text(str(os.getpid()))
+    time.sleep(600)
+"""
+STARTER = """
+import sys
+
+from knitkit.integration.megatron.testing import World
+import sleeper
+
+if __name__ == "__main__":
+    with World(2) as world:
+        world.run(sleeper.sleep, sys.argv[1], timeout_s=600)
+"""
+BOUND_S = 120.0
+"""Bound on every wait for the starter's world to come up or go (a world starts in seconds)."""
+
+
+def _until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {BOUND_S} s: {what}"
+        time.sleep(0.05)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_sigterm_to_the_process_that_started_a_world_ends_its_ranks(tmp_path: Path) -> None:
+    """NOTE [ SIGTERM while child processes are open ]: the starter (``knitkit check-equivalence
+    --nproc``, a test) leaves through ``SystemExit(143)``, so ``with World`` ends the ranks,
+    here blocked in a long job; before, they ran on as orphans."""
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    (tmp_path / "starter.py").write_text(STARTER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    starter = subprocess.Popen(
+        [sys.executable, str(tmp_path / "starter.py"), str(tmp_path)], env=env
+    )
+    pids: list[int] = []
+    try:
+        ranks = [tmp_path / f"rank{r}" for r in range(2)]
+        _until(lambda: all(p.exists() and p.read_text() for p in ranks), "both ranks running")
+        pids = [int(p.read_text()) for p in ranks]
+        starter.send_signal(signal.SIGTERM)
+        assert starter.wait(BOUND_S) == 128 + signal.SIGTERM
+        _until(lambda: all(map(_gone, pids)), f"ranks {pids} gone")
+    finally:
+        for pid in pids:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        if starter.poll() is None:
+            starter.kill()
+
+
+def test_a_world_stopped_while_it_starts_ends_the_ranks_it_started(monkeypatch) -> None:
+    """A SIGTERM's ``SystemExit`` between two ranks' starts: leaving ``with World`` ends the rank
+    already started and skips the one never started (joining it raised ``AssertionError`` over
+    the ``SystemExit``, and the started rank was left running)."""
+    from multiprocessing.process import BaseProcess
+
+    started: list[BaseProcess] = []
+    start = BaseProcess.start
+
+    def start_one_then_exit(proc: BaseProcess) -> None:
+        if started:
+            raise SystemExit(128 + signal.SIGTERM)
+        start(proc)
+        started.append(proc)
+
+    monkeypatch.setattr(BaseProcess, "start", start_one_then_exit)
+    with pytest.raises(SystemExit), World(2) as world:
+        world.run(_sum_of_ranks, 1.0)
+    (proc,) = started
+    assert proc.pid is not None
+    _until(lambda: _gone(proc.pid), f"rank pid {proc.pid} gone")  # type: ignore[arg-type]

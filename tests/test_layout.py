@@ -99,7 +99,7 @@ LIFECYCLE_NOTES = (
     "Exit with a thread inside the source",
     "Micro-batch publication protocol",
     "Reorganizer process shutdown",
-    "SIGTERM while reorganizers are open",
+    "SIGTERM while child processes are open",
     "Reorganizer actor lifetime",
     "Ray loopback runtime",
     "Planner and the garbage collector",

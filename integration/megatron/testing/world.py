@@ -21,6 +21,9 @@ A job is ``fn(rank, *args)`` run on every rank; results come back in rank order.
 the others may be blocked inside a collective, so the world is torn down (terminated) and
 ``WorkerError`` carries every traceback that arrived; the next ``run`` spawns a fresh world. A job
 that does not finish within its timeout tears the world down the same way, so nothing hangs.
+While its ranks run, SIGTERM to the process that started them is a ``SystemExit`` there (NOTE
+[ SIGTERM while child processes are open ] in knitkit/sigterm.py), so the ``with`` block ends
+them: without it they outlived a check stopped by a timeout or a scheduler.
 
 NOTE [ Gloo worlds fork from a preloaded server ]: a spawned rank spends seconds importing torch
 and megatron-core before it joins the group (about 5 s for a world of two on an idle 2-core
@@ -51,6 +54,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from knitkit.sigterm import sigterm_exits
 
 _STOP = "stop"
 _READY = "ready"
@@ -131,6 +136,8 @@ class World:
     _procs: list[BaseProcess] = field(default_factory=list)
     _inboxes: list[Queue[Any]] = field(default_factory=list)
     _outbox: Queue[Any] | None = None
+    _holds_sigterm: bool = False
+    """Whether this world's ranks count in ``sigterm_exits`` (from ``_start`` to ``_terminate``)."""
 
     def __enter__(self) -> World:
         return self
@@ -181,12 +188,14 @@ class World:
         """Stop every rank (politely, then by force)."""
         for inbox in self._inboxes:
             inbox.put(_STOP)
-        for proc in self._procs:
+        for proc in self._started():
             proc.join(timeout=5)
         self._terminate()
 
     def _start(self) -> None:
         ctx = _context(self.backend)
+        sigterm_exits.hold()  # released by _terminate, which every failure below runs
+        self._holds_sigterm = True
         port = free_port()
         environ = dict(os.environ)
         self._outbox = ctx.Queue()
@@ -233,12 +242,19 @@ class World:
         except queue.Empty:
             pass
 
+    def _started(self) -> list[BaseProcess]:
+        """The ranks started so far (a SIGTERM's ``SystemExit`` may stop ``_start`` midway)."""
+        return [proc for proc in self._procs if proc.pid is not None]
+
     def _terminate(self) -> None:
-        for proc in self._procs:
+        for proc in self._started():
             if proc.is_alive():
                 proc.terminate()
             proc.join(timeout=5)
         self._procs, self._inboxes, self._outbox = [], [], None
+        if self._holds_sigterm:
+            self._holds_sigterm = False
+            sigterm_exits.release()
 
 
 def run_world(

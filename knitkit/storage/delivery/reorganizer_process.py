@@ -24,12 +24,12 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, cast
 
+from knitkit.sigterm import sigterm_exits
 from knitkit.storage.backends.backend import UnitBackend, check_backend
 from knitkit.storage.backends.owner import OwnerFinalizer
 from knitkit.storage.delivery.liveness import WaitSlices
 from knitkit.storage.delivery.publication import heartbeat_period
 from knitkit.storage.delivery.reorganizer import ReorganizerHost
-from knitkit.storage.delivery.sigterm import sigterm_exits
 from knitkit.storage.delivery.slot_ring import (
     DONE,
     STARTING,
@@ -47,7 +47,7 @@ from knitkit.storage.planning.plan import ConsumerPlan, EncoderRankPlan
 # The launcher (this module's ReorganizerProcess, in the trainer or driver process) OWNS the ring:
 # it creates it before spawning the child and unlinks it in close(). close() runs on every exit
 # path: explicit close / `with`, an exception, SIGINT (KeyboardInterrupt), SIGTERM (a SystemExit
-# where it was SIG_DFL: NOTE [ SIGTERM while reorganizers are open ] in sigterm.py) and
+# where it was SIG_DFL: NOTE [ SIGTERM while child processes are open ] in knitkit/sigterm.py) and
 # interpreter exit (the finalizer). If the launcher is SIGKILLed, its resource tracker unlinks
 # the ring. close(): set STOP (the child's loop and a producer blocked on a full ring give up),
 # join for `join_timeout_s`, then terminate and finally kill the child, then unlink the ring.
@@ -222,7 +222,7 @@ class ReorganizerProcess:
         reader, writer = mp.Pipe(duplex=False)
         self._assignments = _Assignments(writer, spec.name)
         self._process = _ReorganizerChild()
-        sigterm_exits.hold()  # see NOTE [ SIGTERM while reorganizers are open ]
+        sigterm_exits.hold()  # see NOTE [ SIGTERM while child processes are open ]
         self._finalizer = OwnerFinalizer(
             self, _shutdown, self.ring, self._process, self._assignments, join_timeout_s
         )

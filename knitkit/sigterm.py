@@ -1,4 +1,4 @@
-"""SIGTERM becomes a clean exit while reorganizer processes are open, and only where it was SIG_DFL."""
+"""SIGTERM becomes a clean exit while knitkit's child processes are open, and only where it was SIG_DFL."""
 
 from __future__ import annotations
 
@@ -7,13 +7,16 @@ import signal
 import threading
 from types import FrameType
 
-# NOTE [ SIGTERM while reorganizers are open ]
+# NOTE [ SIGTERM while child processes are open ]
 #
 # Lifecycle table: docs/lifecycle.md.
 # SIGTERM's default action ends the process without `finally` blocks or finalizers, leaving the
-# store's /dev/shm segments and the reorganizer processes' rings to the sweeps. While at least one
-# ReorganizerProcess is open (a process-wide count under a lock), and only if SIGTERM's
-# disposition is SIG_DFL when one opens in the main thread (signal.signal works nowhere else),
+# store's /dev/shm segments and the reorganizer processes' rings to the sweeps, and the ranks of a
+# `World` (integration/megatron/testing/world.py: `knitkit check-equivalence --nproc`, the test
+# worlds) running as orphans, blocked in a collective for its whole timeout. While at least one
+# ReorganizerProcess or World with ranks is open (a process-wide count under a lock), and only if
+# SIGTERM's disposition is SIG_DFL when one opens in the main thread (signal.signal works nowhere
+# else),
 # knitkit's handler turns SIGTERM into SystemExit(143), so every `with` block and finalizer
 # closes what it opened. The last close in the main thread restores SIG_DFL, but only if
 # knitkit's handler is still the installed one. The trainer's choices always win:
@@ -21,7 +24,7 @@ from types import FrameType
 # - a handler of its own is never replaced or wrapped: it decides (if it ends the interpreter the
 #   finalizers clean up; one that saves a checkpoint first keeps its micro-batches flowing);
 # - a handler installed after knitkit's stays installed after the last close; if it chains to
-#   knitkit's, that raises SystemExit while reorganizers are open and returns otherwise.
+#   knitkit's, that raises SystemExit while children are open and returns otherwise.
 # A SIGTERM delivered to knitkit's handler with nothing open (it could not be restored: the last
 # close ran in another thread) acts as the SIG_DFL it replaced: the process dies by the signal.
 # A forked child inherits the count, so SIGTERM there is a SystemExit of the child alone (its
@@ -29,15 +32,16 @@ from types import FrameType
 
 
 class SigtermExits:
-    """The process-wide SIGTERM policy of open reorganizers (NOTE [ SIGTERM while reorganizers
-    are open ]); one instance, ``sigterm_exits``."""
+    """The process-wide SIGTERM policy of open child processes (NOTE [ SIGTERM while child
+    processes are open ]); one instance, ``sigterm_exits``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open = 0
 
     def hold(self) -> None:
-        """One more reorganizer open; installs the handler over SIG_DFL (main thread only)."""
+        """One more child process (or world of them) open; installs the handler over SIG_DFL
+        (main thread only)."""
         with self._lock:
             self._open += 1
             if _in_main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
