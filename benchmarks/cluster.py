@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from lifetime import end_on_sigterm
 from report import finish
 
 NAMESPACE = "knitkit-cluster-bench"
@@ -799,6 +800,7 @@ def main() -> None:
     if args.role == "rank":
         _rank(args.spec_file, args.rank)
         return
+    end_on_sigterm()  # a SIGTERM tears the simulated cluster down, its nodes' processes too
     from knitkit.testing import unavailable_reason
 
     reason = unavailable_reason(tc=True)

@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from lifetime import die_with_parent, end_on_sigterm
 from progress import Progress
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -418,6 +419,7 @@ def world_rank(rank: int, world: int, size: Size, init: str, out_dir: str) -> No
     the world (round robin over the ranks), rows and gradients routed over gloo. Times are CPU
     seconds of the whole rank process (``time.process_time``: gloo's threads included, so the
     routing and the handshakes count); figures per case, medians over interleaved repeats."""
+    die_with_parent()
     global _clock
     _clock = time.process_time
     torch.set_num_threads(1)
@@ -481,6 +483,7 @@ def measure_world(size: Size, world: int) -> dict[str, float]:
 
 
 def main() -> None:
+    end_on_sigterm()  # a SIGTERM ends the gloo world's ranks too (lifetime.py)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--quick", action="store_true", help="the same mini-batches, 3 repeats instead of 7"

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from grpo.kill import launch, ledger_violations, max_param_diff  # noqa: E402
+from lifetime import end_on_sigterm  # noqa: E402
 from progress import Progress  # noqa: E402
 
 progress = Progress("kill_resume")
@@ -44,6 +45,7 @@ RANGES = {"rollout": (1, 4), "pass": (1, 3 * STEPS - 1), "save": (1, STEPS - 1)}
 
 
 def main() -> None:
+    end_on_sigterm()  # a SIGTERM ends the running job's torchrun, so its ranks (run_to_end)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 kill points in one job")
     parser.add_argument("--kills", type=int, default=24, help="kill points to try (>= 20)")

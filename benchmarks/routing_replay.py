@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from lifetime import die_with_parent, end_on_sigterm
 from progress import Progress
 
 from knitkit.integration.megatron.routing_replay import stage_rows
@@ -161,6 +162,7 @@ def _take_from_share(local: LocalTrajectories, plan: Any, rank: RankPosition) ->
 def _measure(method: str, source: Any, plans: list[Any], out: Any) -> None:
     """In a fresh process: one representative rank's data path per mini-batch, with its peak
     host memory growth (Linux's peak resident set size, reset before each mini-batch)."""
+    die_with_parent()
     rank = RankPosition(dp=0, cp=1, tp=1)  # not TP0/CP0: those also fetch images
     run = {"knitkit": _knitkit_rank, "sample_level": _sample_level_rank}.get(method, _tq_rank)
     figures = []
@@ -218,6 +220,7 @@ def measure(method: str, source: Any, plans: list[Any]) -> dict[str, float]:
 
 
 def main() -> None:
+    end_on_sigterm()  # a SIGTERM ends the measuring process too (lifetime.py)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="same sizes, fewer mini-batches")
     parser.add_argument("--json", help="write the figures here")
