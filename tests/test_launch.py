@@ -8,15 +8,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+from processes import BOUND_S, gone, wait_until
 
 from knitkit.testing import run_to_end
-
-BOUND_S = 60.0
-"""Bound on every wait for a process to go."""
 
 LAUNCHER = textwrap.dedent(
     """
@@ -69,21 +66,6 @@ def _launch(tmp_path: Path, mode: str, **kwargs: object) -> subprocess.TimeoutEx
     return expired.value
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
-def _wait_gone(pid: int) -> None:
-    deadline = time.monotonic() + BOUND_S
-    while not _gone(pid):
-        assert time.monotonic() < deadline, f"pid {pid} still runs after {BOUND_S} s"
-        time.sleep(0.05)
-
-
 def test_a_launcher_past_its_timeout_is_told_to_end_and_ends_its_workers(tmp_path: Path) -> None:
     """SIGTERM, not SIGKILL: the launcher passes it on and its worker ends with it (with
     ``subprocess.run`` the worker ran on); what it printed comes with ``TimeoutExpired``."""
@@ -91,8 +73,8 @@ def test_a_launcher_past_its_timeout_is_told_to_end_and_ends_its_workers(tmp_pat
     assert (tmp_path / "told").read_text() == str(int(signal.SIGTERM))
     assert "workers started" in expired.output
     launcher, worker = map(int, (tmp_path / "pids").read_text().split())
-    assert _gone(launcher)  # run_to_end returned once it had ended
-    _wait_gone(worker)
+    assert gone(launcher)  # run_to_end returned once it had ended
+    wait_until(lambda: gone(worker), f"worker {worker} gone")
 
 
 def test_a_launcher_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path) -> None:
@@ -102,11 +84,11 @@ def test_a_launcher_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Pat
         _launch(tmp_path, "stubborn", timeout_s=0.5, grace_s=0.5, capture_output=True)
         assert (tmp_path / "told").exists()
         launcher, _ = map(int, (tmp_path / "pids").read_text().split())
-        assert _gone(launcher)
+        assert gone(launcher)
     finally:  # the stubborn launcher's worker is orphaned by design: end it here
         if (tmp_path / "pids").exists():
             worker = int((tmp_path / "pids").read_text().split()[1])
-            if not _gone(worker):
+            if not gone(worker):
                 os.kill(worker, signal.SIGKILL)
 
 

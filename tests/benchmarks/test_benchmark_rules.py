@@ -7,19 +7,17 @@ import importlib.util
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import psutil
 import pytest
+from processes import BOUND_S, wait_until
 
 from knitkit.storage import MemoryBackend, PlannerConfig, Topology, TrajectoryStore, plan_minibatch
 from knitkit.storage.baselines import Arena, RankPosition, synthetic_trajectories
 
 BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
-BOUND_S = 60.0
 
 
 def _load(name: str) -> ModuleType:
@@ -33,13 +31,6 @@ def _load(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses resolve their module by name
     spec.loader.exec_module(module)
     return module
-
-
-def _wait_until(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + BOUND_S
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached within the bound"
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +70,10 @@ def test_sample_level_thread_prepares_exactly_depth_ahead(transfer: ModuleType, 
     images = SimpleNamespace(share=lambda local: None)
     prefetch = transfer._SampleLevelPrefetch(rank, images, None, depth)
     prefetch.next()  # the loop holds micro-batch 0
-    _wait_until(lambda: prefetch._ready.qsize() >= depth and prefetch._credits._value == 0)
+    wait_until(
+        lambda: prefetch._ready.qsize() >= depth and prefetch._credits._value == 0,
+        "the prefetch thread staged its depth and waits for a credit",
+    )
     assert prefetch._ready.qsize() == depth  # blocked for a buffer: no more than depth ahead
     for _ in group.micro_batches[1:]:
         prefetch.next()
@@ -94,7 +88,10 @@ def test_one_ahead_thread_prepares_exactly_one_ahead() -> None:
     try:
         loop = prefetch.OneAheadThread(source, "cpu")
         next(loop)
-        _wait_until(lambda: loop.ready.qsize() >= 1 and loop.credits._value == 0)
+        wait_until(
+            lambda: loop.ready.qsize() >= 1 and loop.credits._value == 0,
+            "the one-ahead thread staged one and waits for a credit",
+        )
         assert loop.ready.qsize() == 1
         for _ in range(3):
             next(loop)
@@ -126,7 +123,10 @@ def test_cpu_meter_reads_another_process_in_nanoseconds(transfer: ModuleType) ->
         stdin=subprocess.PIPE,
     )
     try:
-        _wait_until(lambda: sum(psutil.Process(child.pid).cpu_times()[:2]) >= 0.25)
+        wait_until(
+            lambda: sum(psutil.Process(child.pid).cpu_times()[:2]) >= 0.25,
+            "the stand-in preparation burning CPU",
+        )
         meter = transfer.CpuMeter()
         own = meter.own(child.pid)
         ticks = psutil.Process(child.pid).cpu_times()

@@ -3,19 +3,16 @@ even when it is killed with SIGKILL (benchmarks/lifetime.py)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from processes import BOUND_S, gone, wait_until
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-BOUND_S = 60.0
 
 SCRIPT = textwrap.dedent(
     """
@@ -54,15 +51,8 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + BOUND_S
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {BOUND_S} s: {what}"
-        time.sleep(0.05)
-
-
 def _written(path: Path) -> None:
-    _wait_until(path.exists, f"{path.name} written")
+    wait_until(path.exists, f"{path.name} written")
 
 
 def _start(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
@@ -74,14 +64,6 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
     return parent, int((tmp_path / "parent").read_text())
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_sigterm_runs_the_benchmark_s_cleanup_and_ends_its_child(tmp_path: Path) -> None:
     """SIGTERM: the parent's ``finally`` runs (it ends its child, which runs its own) and the
@@ -91,7 +73,7 @@ def test_a_sigterm_runs_the_benchmark_s_cleanup_and_ends_its_child(tmp_path: Pat
     assert parent.wait(BOUND_S) == 128 + signal.SIGTERM
     assert (tmp_path / "parent-cleaned").exists()
     _written(tmp_path / "child-cleaned")
-    _wait_until(lambda: _gone(child), f"child {child} ending with its parent")
+    wait_until(lambda: gone(child), f"child {child} ending with its parent")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -103,4 +85,4 @@ def test_a_child_ends_when_its_benchmark_is_killed_outright(tmp_path: Path) -> N
     parent.wait(BOUND_S)
     assert not (tmp_path / "parent-cleaned").exists()
     _written(tmp_path / "child-cleaned")
-    _wait_until(lambda: _gone(child), f"child {child} ending with its parent")
+    wait_until(lambda: gone(child), f"child {child} ending with its parent")
