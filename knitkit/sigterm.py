@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from types import FrameType
 
 # NOTE [ SIGTERM while child processes are open ]
 #
 # Lifecycle table: docs/lifecycle.md.
 # SIGTERM's default action ends the process without `finally` blocks or finalizers, leaving the
-# store's /dev/shm segments and the reorganizer processes' rings to the sweeps, and the ranks of a
-# `World` (integration/megatron/testing/world.py: `knitkit check-equivalence --nproc`, the test
-# worlds) running as orphans, blocked in a collective for its whole timeout. While at least one
-# ReorganizerProcess or World with ranks is open (a process-wide count under a lock), and only if
-# SIGTERM's disposition is SIG_DFL when one opens in the main thread (signal.signal works nowhere
-# else),
+# store's /dev/shm segments and the reorganizer processes' rings to the sweeps, and the ranks of
+# `knitkit check-equivalence --nproc` running as orphans, blocked in a collective for its whole
+# timeout. While at least one ReorganizerProcess is open, or that command runs its ranks (`held`
+# around its `World`: integration/megatron/testing/cli.py; a `World` alone does not hold it, since
+# inside a test runner a SystemExit fails the running test and the run goes on, where SIGTERM's
+# default stops it), a process-wide count under a lock, and only if SIGTERM's disposition is
+# SIG_DFL when one opens in the main thread (signal.signal works nowhere else),
 # knitkit's handler turns SIGTERM into SystemExit(143), so every `with` block and finalizer
 # closes what it opened. The last close in the main thread restores SIG_DFL, but only if
 # knitkit's handler is still the installed one. The trainer's choices always win:
@@ -57,6 +60,15 @@ class SigtermExits:
                 and signal.getsignal(signal.SIGTERM) == self._on_sigterm
             ):
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """``hold`` for the block: a program that owns children for the whole block."""
+        self.hold()
+        try:
+            yield
+        finally:
+            self.release()
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         # Runs in the main thread between bytecodes, maybe inside hold(): never take the lock.

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -77,60 +74,6 @@ def test_a_lent_world_reads_as_a_fresh_one() -> None:
         now = world.run(rank_state)
         for rank in range(2):
             assert {k: v for k, v in now[rank].items() if v != fresh[rank][k]} == {}, rank
-
-
-SLEEPER = """
-import os
-import time
-from pathlib import Path
-
-
-def sleep(rank: int, out: str) -> None:
-    (Path(out) / f"rank{rank}").write_text(str(os.getpid()))
-    time.sleep(600)
-"""
-STARTER = """
-import sys
-
-from knitkit.integration.megatron.testing import World
-import sleeper
-
-if __name__ == "__main__":
-    with World(2) as world:
-        world.run(sleeper.sleep, sys.argv[1], timeout_s=600)
-"""
-WORLD_BOUND_S = 120.0
-"""Bound on a wait for a world to come up or go (it starts in seconds; more on a loaded machine)."""
-
-
-def test_sigterm_to_the_process_that_started_a_world_ends_its_ranks(tmp_path: Path) -> None:
-    """NOTE [ SIGTERM while child processes are open ]: the starter (``knitkit check-equivalence
-    --nproc``, a test) leaves through ``SystemExit(143)``, so ``with World`` ends the ranks,
-    here blocked in a long job; before, they ran on as orphans."""
-    (tmp_path / "sleeper.py").write_text(SLEEPER)
-    (tmp_path / "starter.py").write_text(STARTER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    starter = subprocess.Popen(
-        [sys.executable, str(tmp_path / "starter.py"), str(tmp_path)], env=env
-    )
-    pids: list[int] = []
-    try:
-        ranks = [tmp_path / f"rank{r}" for r in range(2)]
-        wait_until(
-            lambda: all(p.exists() and p.read_text() for p in ranks),
-            "both ranks running",
-            WORLD_BOUND_S,
-        )
-        pids = [int(p.read_text()) for p in ranks]
-        starter.send_signal(signal.SIGTERM)
-        assert starter.wait(WORLD_BOUND_S) == 128 + signal.SIGTERM
-        wait_until(lambda: all(map(gone, pids)), f"ranks {pids} gone", WORLD_BOUND_S)
-    finally:
-        for pid in pids:
-            if not gone(pid):
-                os.kill(pid, signal.SIGKILL)
-        if starter.poll() is None:
-            starter.kill()
 
 
 def test_a_world_stopped_while_it_starts_ends_the_ranks_it_started(monkeypatch) -> None:

@@ -23,12 +23,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from processes import BOUND_S, gone, wait_until
 
 from knitkit.integration.megatron.testing import VLMUnderTest
 from knitkit.testing import run_to_end
@@ -282,6 +285,47 @@ def test_command_names_callables_that_break_the_contract(tmp_path: Path) -> None
     assert "'overlap_grad_reduce'" in err and "trajectories (--trajectories)" in err, err
     assert "'seed'" in err and "forward_step" not in err, err
     assert "Traceback" not in err, err
+
+
+STUCK = """
+import os
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def provider():  # no argument, as the contract asks; never returns: the ranks stay busy
+    (Path(os.environ["STUCK_OUT"]) / f"rank{dist.get_rank()}").write_text(str(os.getpid()))
+    time.sleep(600)
+"""
+
+
+def test_a_sigterm_to_the_command_ends_its_ranks(tmp_path: Path) -> None:
+    """NOTE [ SIGTERM while child processes are open ]: ``knitkit check-equivalence --nproc``
+    stopped by SIGTERM (a scheduler, a timeout) while its ranks build the model exits 143 through
+    its ``with World``, which ends them; before, it died by the signal and its ranks ran on."""
+    (tmp_path / "stuck_vlm.py").write_text(STUCK)
+    command = [
+        *(sys.executable, "-m", "knitkit", "check-equivalence", "--nproc", "2", "--tp", "2"),
+        *("--provider", "stuck_vlm:provider", "--forward-step", "my_vlm.model:forward_step"),
+        *("--trajectories", "my_vlm.data:trajectories"),
+        *("--python-path", str(TEMPLATE), str(tmp_path), "--json", str(tmp_path / "r.json")),
+    ]
+    check = subprocess.Popen(command, cwd=tmp_path, env=_env(STUCK_OUT=str(tmp_path)))
+    pids: list[int] = []
+    try:
+        ranks = [tmp_path / f"rank{r}" for r in range(2)]
+        wait_until(lambda: all(p.exists() and p.read_text() for p in ranks), "both ranks stuck")
+        pids = [int(p.read_text()) for p in ranks]
+        check.send_signal(signal.SIGTERM)
+        assert check.wait(BOUND_S) == 128 + signal.SIGTERM
+        wait_until(lambda: all(map(gone, pids)), f"ranks {pids} gone")
+    finally:
+        for pid in (p for p in pids if not gone(p)):
+            os.kill(pid, signal.SIGKILL)
+        if check.poll() is None:
+            check.kill()
 
 
 def test_contract_errors_name_the_callable_and_what_it_returned() -> None:

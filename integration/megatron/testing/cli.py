@@ -26,6 +26,7 @@ from knitkit.integration.megatron.testing.contract import ContractError, check_c
 from knitkit.integration.megatron.testing.job import CheckJob, run_job
 from knitkit.integration.megatron.testing.subject import VLMUnderTest
 from knitkit.integration.megatron.testing.world import World, default_backend
+from knitkit.sigterm import sigterm_exits
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
         dist.destroy_process_group()
     else:
         size = args.nproc or job.model_parallel
-        with World(size, backend=default_backend(size)) as world:
+        # a SIGTERM leaves through `with World`, which ends the ranks (NOTE [ SIGTERM while child
+        # processes are open ] in knitkit/sigterm.py)
+        with sigterm_exits.held(), World(size, backend=default_backend(size)) as world:
             report, rank = world.run(run_job, job, timeout_s=args.timeout_s)[0], 0
     if rank == 0:
         print(report.table())

@@ -21,9 +21,11 @@ A job is ``fn(rank, *args)`` run on every rank; results come back in rank order.
 the others may be blocked inside a collective, so the world is torn down (terminated) and
 ``WorkerError`` carries every traceback that arrived; the next ``run`` spawns a fresh world. A job
 that does not finish within its timeout tears the world down the same way, so nothing hangs.
-While its ranks run, SIGTERM to the process that started them is a ``SystemExit`` there (NOTE
-[ SIGTERM while child processes are open ] in knitkit/sigterm.py), so the ``with`` block ends
-them: without it they outlived a check stopped by a timeout or a scheduler.
+A world leaves SIGTERM's disposition alone: inside a test runner a ``SystemExit`` would fail the
+running test and the run would go on, where SIGTERM's default stops it. A program that owns a
+world for its whole run holds knitkit's SIGTERM policy around it (``knitkit check-equivalence
+--nproc``: NOTE [ SIGTERM while child processes are open ] in knitkit/sigterm.py), so a SIGTERM
+leaves through its ``with World`` block, which ends the ranks.
 
 NOTE [ Gloo worlds fork from a preloaded server ]: a spawned rank spends seconds importing torch
 and megatron-core before it joins the group (about 5 s for a world of two on an idle 2-core
@@ -54,8 +56,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from knitkit.sigterm import sigterm_exits
 
 _STOP = "stop"
 _READY = "ready"
@@ -136,8 +136,6 @@ class World:
     _procs: list[BaseProcess] = field(default_factory=list)
     _inboxes: list[Queue[Any]] = field(default_factory=list)
     _outbox: Queue[Any] | None = None
-    _holds_sigterm: bool = False
-    """Whether this world's ranks count in ``sigterm_exits`` (from ``_start`` to ``_terminate``)."""
 
     def __enter__(self) -> World:
         return self
@@ -194,8 +192,6 @@ class World:
 
     def _start(self) -> None:
         ctx = _context(self.backend)
-        sigterm_exits.hold()  # released by _terminate, which every failure below runs
-        self._holds_sigterm = True
         port = free_port()
         environ = dict(os.environ)
         self._outbox = ctx.Queue()
@@ -243,7 +239,8 @@ class World:
             pass
 
     def _started(self) -> list[BaseProcess]:
-        """The ranks started so far (a SIGTERM's ``SystemExit`` may stop ``_start`` midway)."""
+        """The ranks started so far (an exception, a SIGTERM's ``SystemExit`` among them, may stop
+        ``_start`` midway)."""
         return [proc for proc in self._procs if proc.pid is not None]
 
     def _terminate(self) -> None:
@@ -252,9 +249,6 @@ class World:
                 proc.terminate()
             proc.join(timeout=5)
         self._procs, self._inboxes, self._outbox = [], [], None
-        if self._holds_sigterm:
-            self._holds_sigterm = False
-            sigterm_exits.release()
 
 
 def run_world(
