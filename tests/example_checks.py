@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import re
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass
 from itertools import pairwise
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from knitkit.testing import run_to_end
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = {"megatron_common.py"}
@@ -148,11 +149,11 @@ def run_grpo_reference(workdir: Path) -> GrpoRun:
         *("--checkpoint-dir", str(workdir / "ckpt"), "--ledger", str(workdir / "ledger")),
         *("--final-params", str(workdir / "final")),
     ]
-    done = subprocess.run(
+    done = run_to_end(  # torchrun: past its timeout it ends its ranks too
         with_tensorboard(example, run, workdir / "tb"),
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout_s=600,
     )
     return GrpoRun(workdir, done.returncode, done.stdout, done.stderr)
