@@ -543,10 +543,9 @@ def main() -> int:
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         done = run_to_end(command, timeout_s=1200, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
-        status = done.returncode
-        if status:
-            print(f"[grpo_step] torchrun failed with code {status}", file=sys.stderr)
-            return status
+        if done.returncode:
+            print(f"[grpo_step] torchrun failed with code {done.returncode}", file=sys.stderr)
+            return done.returncode
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(WORLD)]
     figures = summarise(ranks) | {"steps": float(steps), "work": work}
     figures["encoder_work_ratio"] = ratio

@@ -95,5 +95,6 @@ def test_a_world_stopped_while_it_starts_ends_the_ranks_it_started(monkeypatch) 
     with pytest.raises(SystemExit), World(2) as world:
         world.run(_sum_of_ranks, 1.0)
     (proc,) = started
-    assert proc.pid is not None
-    wait_until(lambda: gone(proc.pid), f"rank pid {proc.pid} gone")  # type: ignore[arg-type]
+    pid = proc.pid
+    assert pid is not None
+    wait_until(lambda: gone(pid), f"rank pid {pid} gone")
