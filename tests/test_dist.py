@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from dist import WorkerError, World, lend, rank_state
-from processes import gone, wait_until
+from processes import BOUND_S, gone, wait_until
 
 
 def _sum_of_ranks(rank: int, scale: float) -> float:
@@ -98,3 +103,54 @@ def test_a_world_stopped_while_it_starts_ends_the_ranks_it_started(monkeypatch) 
     pid = proc.pid
     assert pid is not None
     wait_until(lambda: gone(pid), f"rank pid {pid} gone")
+
+
+def _pid_when_inside(rank: int, folder: str) -> None:
+    """A job that never returns: its rank writes its pid to ``folder/<rank>`` and waits."""
+    Path(folder, str(rank)).write_text(str(os.getpid()))
+    threading.Event().wait()
+
+
+_STARTER = """
+import sys
+from dist import World
+from test_dist import _pid_when_inside
+
+with World(2, timeout_s=600) as world:
+    world.run(_pid_when_inside, sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=lambda s: s.name)
+def test_ranks_end_when_their_starter_dies(tmp_path, signum) -> None:
+    """A process holding a world dies by ``signum`` (SIGTERM at its default disposition) while
+    both ranks are inside a job that never returns: the ranks end too (they ran on for good,
+    and an idle one waited on its inbox forever; NOTE [ Ranks end with their starter ])."""
+    tests = Path(__file__).parent
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])
+    )
+    starter = subprocess.Popen(
+        [sys.executable, "-c", _STARTER, str(tmp_path)], env=env, stderr=subprocess.PIPE
+    )
+    pids: list[int] = []
+    try:
+        files = [tmp_path / str(rank) for rank in range(2)]
+        wait_until(
+            lambda: all(f.exists() and f.read_text() for f in files) or starter.poll() is not None,
+            "both ranks inside the job",
+            bound_s=300,
+        )
+        assert starter.poll() is None, starter.communicate()[1].decode()[-2000:]
+        pids += [int(f.read_text()) for f in files]
+        starter.send_signal(signum)
+        _, err = starter.communicate(timeout=BOUND_S)
+        assert starter.returncode == -signum
+        for pid in pids:
+            wait_until(lambda pid=pid: gone(pid), f"rank pid {pid} gone")
+        assert err.decode().count("the process that started the world") == 2, err.decode()[-2000:]
+    finally:  # a failure leaves no rank behind either
+        for pid in [starter.pid, *pids]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        starter.wait()

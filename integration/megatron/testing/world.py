@@ -37,13 +37,29 @@ threads and no CUDA state, so forking it is as safe as spawning. Two things diff
 are put back: a rank gets the environment of the process that starts the world now, not the
 fork server's from when it started, and NCCL worlds keep spawning (a GPU rank must not inherit
 anything a CUDA probe at import may have set up).
+
+NOTE [ Ranks end with their starter ]: a starter that dies without leaving ``with World`` (SIGKILL,
+or SIGTERM at its default disposition: a killed test run, a cancelled CI job) used to leave every
+rank running for good. An idle rank waits in ``inbox.get()`` on a queue whose write end it holds
+itself, and a rank inside a job may wait in a collective for its whole timeout; a gloo rank's
+parent is the fork server, which stays while its children do, so no parent-death signal reaches
+it either. Each rank therefore runs one daemon thread (``knitkit-world-starter-watch``) that
+waits on multiprocessing's parent sentinel: a pipe end whose other end only the starting process
+holds (spawn and fork server alike), so it reads EOF exactly when the starter is gone. The thread
+then says so on stderr and ends the rank with ``os._exit`` (its results have nobody to go to; a
+collective it is blocked in never returns to run a handler). The fork server and multiprocessing's
+resource tracker exit by themselves once the ranks are gone.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import socket
+import sys
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +79,8 @@ _PRELOAD = ("torch", "torch.distributed", "megatron.core")
 """Imported once by the fork server that gloo ranks start from (NOTE [ Gloo worlds fork from a preloaded server ])."""
 _STARTUP_S = 300.0
 """Limit for spawning a world (importing torch and joining the process group) on a loaded machine."""
+STARTER_GONE_EXIT = 3
+"""Exit status of a rank whose starter died (NOTE [ Ranks end with their starter ])."""
 
 
 class WorkerError(RuntimeError):
@@ -100,6 +118,7 @@ def _serve(
     inbox: Queue[Any],
     outbox: Queue[Any],
 ) -> None:
+    _end_with_starter(rank)
     os.environ.clear()
     os.environ.update(environ)
     torch.set_num_threads(1)
@@ -123,6 +142,25 @@ def _serve(
             outbox.put((rank, True, fn(rank, *args)))
         except BaseException:
             outbox.put((rank, False, traceback.format_exc()))
+
+
+def _end_with_starter(rank: int) -> None:
+    """End this rank once the process that started the world is gone (NOTE [ Ranks end with
+    their starter ])."""
+    starter = multiprocessing.parent_process()
+    if starter is None:  # not a multiprocessing child: nothing to watch
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([starter.sentinel])
+        sys.stderr.write(
+            f"knitkit world rank {rank} (pid {os.getpid()}): the process that started the world "
+            f"(pid {starter.pid}) is gone; ending\n"
+        )
+        sys.stderr.flush()
+        os._exit(STARTER_GONE_EXIT)
+
+    threading.Thread(target=watch, name="knitkit-world-starter-watch", daemon=True).start()
 
 
 @dataclass(slots=True)
