@@ -14,12 +14,13 @@ from types import FrameType
 # Lifecycle table: docs/lifecycle.md.
 # SIGTERM's default action ends the process without `finally` blocks or finalizers, leaving the
 # store's /dev/shm segments and the reorganizer processes' rings to the sweeps, and the ranks of
-# `knitkit check-equivalence --nproc` running as orphans, blocked in a collective for its whole
-# timeout. While at least one ReorganizerProcess is open, or that command runs its ranks (`held`
-# around its `World`: integration/megatron/testing/cli.py; a `World` alone does not hold it, since
-# inside a test runner a SystemExit fails the running test and the run goes on, where SIGTERM's
-# default stops it), a process-wide count under a lock, and only if SIGTERM's disposition is
-# SIG_DFL when one opens in the main thread (signal.signal works nowhere else),
+# `knitkit check-equivalence --nproc` to their watch threads, which end them with no teardown
+# (NOTE [ Ranks end with their starter ] in integration/megatron/testing/world.py; before those,
+# they ran on as orphans). While at least one ReorganizerProcess is open, or that command runs its
+# ranks (`held` around its `World`: integration/megatron/testing/cli.py; a `World` alone does not
+# hold it, since inside a test runner a SystemExit fails the running test and the run goes on,
+# where SIGTERM's default stops it), a process-wide count under a lock, and only if SIGTERM's
+# disposition is SIG_DFL when one opens in the main thread (signal.signal works nowhere else),
 # knitkit's handler turns SIGTERM into SystemExit(143), so every `with` block and finalizer
 # closes what it opened. The last close in the main thread restores SIG_DFL, but only if
 # knitkit's handler is still the installed one. The trainer's choices always win:
