@@ -79,7 +79,7 @@ _PRELOAD = ("torch", "torch.distributed", "megatron.core")
 """Imported once by the fork server that gloo ranks start from (NOTE [ Gloo worlds fork from a preloaded server ])."""
 _STARTUP_S = 300.0
 """Limit for spawning a world (importing torch and joining the process group) on a loaded machine."""
-STARTER_GONE_EXIT = 3
+_STARTER_GONE_EXIT = 3
 """Exit status of a rank whose starter died (NOTE [ Ranks end with their starter ])."""
 
 
@@ -158,7 +158,7 @@ def _end_with_starter(rank: int) -> None:
             f"(pid {starter.pid}) is gone; ending\n"
         )
         sys.stderr.flush()
-        os._exit(STARTER_GONE_EXIT)
+        os._exit(_STARTER_GONE_EXIT)
 
     threading.Thread(target=watch, name="knitkit-world-starter-watch", daemon=True).start()
 
