@@ -1,10 +1,13 @@
-"""Bounded waits for the tests that start and stop processes: a condition, a process gone."""
+"""Bounded waits for the tests that start and stop processes: a condition, a process gone, and
+the clean-up of what a failed test left running."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 BOUND_S = 60.0
 """Default bound on a wait: generous, so a loaded machine passes too."""
@@ -25,3 +28,11 @@ def gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+def kill_left(pids: Iterable[int]) -> None:
+    """SIGKILL whichever of ``pids`` still run: a test's clean-up, so that a failure leaves no
+    process behind (one that ended meanwhile is skipped, with no check-then-kill race)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -15,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist import WorkerError, World, lend, rank_state
-from processes import BOUND_S, gone, wait_until
+from processes import BOUND_S, gone, kill_left, wait_until
 
 
 def _sum_of_ranks(rank: int, scale: float) -> float:
@@ -150,7 +149,5 @@ def test_ranks_end_when_their_starter_dies(tmp_path, signum) -> None:
             wait_until(lambda pid=pid: gone(pid), f"rank pid {pid} gone")
         assert err.decode().count("the process that started the world") == 2, err.decode()[-2000:]
     finally:  # a failure leaves no rank behind either
-        for pid in [starter.pid, *pids]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_left([starter.pid, *pids])
         starter.wait()

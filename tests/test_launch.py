@@ -3,7 +3,6 @@ it ends its workers, and is killed only if it ignores that (NOTE [ Ending a laun
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from processes import BOUND_S, gone, wait_until
+from processes import BOUND_S, gone, kill_left, wait_until
 
 from knitkit.testing import run_to_end
 
@@ -87,9 +86,7 @@ def test_a_launcher_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Pat
         assert gone(launcher)
     finally:  # the stubborn launcher's worker is orphaned by design: end it here
         if (tmp_path / "pids").exists():
-            worker = int((tmp_path / "pids").read_text().split()[1])
-            if not gone(worker):
-                os.kill(worker, signal.SIGKILL)
+            kill_left([int((tmp_path / "pids").read_text().split()[1])])
 
 
 def test_a_command_that_ends_in_time_runs_as_with_subprocess_run() -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from processes import BOUND_S, gone, wait_until
+from processes import BOUND_S, gone, kill_left, wait_until
 
 from knitkit.integration.megatron.testing import VLMUnderTest
 from knitkit.testing import run_to_end
@@ -322,8 +322,7 @@ def test_a_sigterm_to_the_command_ends_its_ranks(tmp_path: Path) -> None:
         assert check.wait(BOUND_S) == 128 + signal.SIGTERM
         wait_until(lambda: all(map(gone, pids)), f"ranks {pids} gone")
     finally:
-        for pid in (p for p in pids if not gone(p)):
-            os.kill(pid, signal.SIGKILL)
+        kill_left(pids)
         if check.poll() is None:
             check.kill()
 
