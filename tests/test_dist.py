@@ -149,5 +149,7 @@ def test_ranks_end_when_their_starter_dies(tmp_path, signum) -> None:
             wait_until(lambda pid=pid: gone(pid), f"rank pid {pid} gone")
         assert err.decode().count("the process that started the world") == 2, err.decode()[-2000:]
     finally:  # a failure leaves no rank behind either
-        kill_left([starter.pid, *pids])
+        kill_left(pids)
+        if starter.poll() is None:  # never a signal to the pid of a starter already reaped
+            starter.kill()
         starter.wait()
