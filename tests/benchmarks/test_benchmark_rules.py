@@ -3,39 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import psutil
 import pytest
+from benchmark_scripts import load
 from processes import BOUND_S, wait_until
 
 from knitkit.storage import MemoryBackend, PlannerConfig, Topology, TrajectoryStore, plan_minibatch
 from knitkit.storage.baselines import Arena, RankPosition, synthetic_trajectories
 
-BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
-
-
-def _load(name: str) -> ModuleType:
-    if str(BENCHMARKS) not in sys.path:  # as when run as a script: siblings (progress.py) import
-        sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(
-        f"_knitkit_bench_{name}", BENCHMARKS / f"{name}.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture(scope="module")
 def transfer() -> ModuleType:
-    return _load("transfer")
+    return load("transfer")
 
 
 def test_quick_transfer_is_the_full_workload_over_fewer_steps(transfer: ModuleType) -> None:
@@ -83,7 +67,7 @@ def test_sample_level_thread_prepares_exactly_depth_ahead(transfer: ModuleType, 
 def test_one_ahead_thread_prepares_exactly_one_ahead() -> None:
     """prefetch.py's one-ahead thread baseline has one micro-batch copied beyond the one the
     loop holds: not zero (no overlap), not two."""
-    prefetch = _load("prefetch")
+    prefetch = load("prefetch")
     source = prefetch.ShmReorganizer(4, 64, prep_ms=0.0, layers=2)
     try:
         loop = prefetch.OneAheadThread(source, "cpu")
