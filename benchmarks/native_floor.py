@@ -129,7 +129,6 @@ def packed_copies(
     def read(unit: UnitRead, into: np.ndarray) -> None:
         if unit.columns is not None:
             raise ValueError(f"{unit.key}: column reads (pipeline stages) are not in the floor")
-        backend.read(unit.key, unit.ranges, out=into)
         spec = backend.spec(unit.key)
         row = spec.nbytes // spec.shape[0] if spec.shape else spec.nbytes
         at = into.ctypes.data - base
@@ -152,7 +151,6 @@ def encoder_copies(backend: UnitBackend, units: tuple[UnitKey, ...], out: Source
     buffer = np.zeros(layout.nbytes, np.uint8)
     copies = []
     for key, view in layout.unit_views(buffer).items():
-        view[...] = backend.read(key)
         copies.append((out.unit(key), view.ctypes.data - buffer.ctypes.data, view.nbytes))
     return _with_the_rest(buffer, copies, out)
 
@@ -161,7 +159,8 @@ def _with_the_rest(
     buffer: np.ndarray, copies: list[tuple[int, int, int]], out: Sources
 ) -> list[int]:
     """``copies`` (source, slot offset, bytes) and a copy for every run of ``buffer`` they do
-    not write, from its bytes, flattened in slot order."""
+    not write, from its bytes (the packer's own; the units' ranges are left unread there: their
+    bytes come from ``Sources``), flattened in slot order."""
     unwritten = np.ones(buffer.nbytes, np.int8)
     for _, at, size in copies:
         unwritten[at : at + size] = 0
@@ -190,8 +189,7 @@ def floor_spec(work: transfer.Workload) -> Spec:
     micro-batches as copies, and which rings each rank takes from."""
     backend = work.store.backend
     backbone_bytes, encoder_bytes, _ = transfer.slot_bytes(work.store, work.plans)
-    first = work.plans[0].consumers[0].micro_batches[0].sequences[0].trajectory_id
-    schema = work.store.schema(first)
+    schema = transfer.schema_of(work.store, work.plans)
     out = Sources(backend)
     rings: list[tuple[int, int, list[list[list[int]]]]] = []  # slot, consumers, per step
     backbone = {}

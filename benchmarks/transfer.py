@@ -77,7 +77,7 @@ from knitkit.storage.baselines import (
     synthetic_trajectories,
 )
 from knitkit.storage.delivery import ReorganizerHost
-from knitkit.storage.planning import pack_layout, padded_lengths
+from knitkit.storage.planning import RowSpec, pack_layout, padded_lengths
 from knitkit.types import UnitKey
 
 progress = Progress("transfer")
@@ -303,10 +303,15 @@ def build_workload(sizes: Sizes) -> Workload:
     return work
 
 
+def schema_of(store: TrajectoryStore, plans: list[MiniBatchPlan]) -> dict[str, RowSpec]:
+    """Every field's dtype and row shape (every stored trajectory has the same fields)."""
+    return store.schema(plans[0].consumers[0].micro_batches[0].sequences[0].trajectory_id)
+
+
 def slot_bytes(store: TrajectoryStore, plans: list[MiniBatchPlan]) -> tuple[int, int, int]:
     """Largest backbone micro-batch, encoder micro-batch and DP share of images (sample-level
     redistribution), so one slot of each ring fits any of them."""
-    schema = store.schema(plans[0].consumers[0].micro_batches[0].sequences[0].trajectory_id)
+    schema = schema_of(store, plans)
     backbone = max(
         pack_layout(mb, schema).nbytes for p in plans for c in p.consumers for mb in c.micro_batches
     )

@@ -75,8 +75,7 @@ def test_the_floor_fills_every_slot_with_the_bytes_knitkit_packs(floor: ModuleTy
     spec = floor.floor_spec(work)
     got = _slots(spec.words, [np.frombuffer(spec.sources, np.uint8)])
     backend = work.store.backend
-    first = work.plans[0].consumers[0].micro_batches[0].sequences[0].trajectory_id
-    schema = work.store.schema(first)
+    schema = transfer.schema_of(work.store, work.plans)
     ring = 0
     for d in range(transfer.TOPOLOGY.dp):
         for c in range(transfer.TOPOLOGY.cp):
